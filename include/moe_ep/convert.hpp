@@ -1,0 +1,44 @@
+// Tensor-level dtype conversions: BF16 <-> FP32 and FP8 E4M3 per-block quantization.
+//
+// FP8 quantization works per token row in blocks of 128 consecutive elements (the hidden size
+// must be a multiple of 128). For each block:
+//   amax      = max(|x|) over the block, NaN ignored, floored at 1e-4
+//   scale_inv = amax / 448                       (FP32; stored in the scales tensor)
+//   q         = fp8_e4m3(x * (448 / amax))       (saturating, round to nearest even)
+// With round_scale, scale_inv is rounded up to a power of two, 2^ceil(log2(amax / 448)), and
+// q = fp8_e4m3(x / scale_inv) (exact division by a power of two).
+// Scales are FP32 [N, H/128], or with use_ue8m0 (requires round_scale) the 8-bit exponent of
+// scale_inv packed four per int32, [N, ceil(H/512)]: byte b of int j (little-endian) holds block
+// 4j+b; bytes past the last block are 0. Dequantization multiplies q by its block's scale_inv.
+#pragma once
+
+#include "moe_ep/tensor.hpp"
+
+namespace moe_ep {
+
+inline constexpr int kFp8BlockSize = 128;
+inline constexpr float kFp8AmaxFloor = 1e-4f;
+
+struct Fp8Options {
+  bool round_scale = false;
+  bool use_ue8m0 = false;
+};
+
+struct Fp8Tensor {
+  Tensor data;    // float8_e4m3fn [N, H]
+  Tensor scales;  // float32 [N, H/128] or int32 [N, ceil(H/512)] (UE8M0)
+};
+
+// The stored scale_inv of one block, given its amax (before the floor).
+float fp8_block_scale_inv(float amax, bool round_scale);
+
+// x: bfloat16 or float32 [N, H], rows contiguous, H % 128 == 0.
+Fp8Tensor quantize_fp8(const TensorView& x, Fp8Options options = {});
+// Returns float32 [N, H]. scales: float32 [N, H/128] or int32 UE8M0 [N, ceil(H/512)], any strides.
+Tensor dequantize_fp8(const TensorView& data, const TensorView& scales);
+
+// Elementwise conversions into new contiguous tensors.
+Tensor to_bf16(const TensorView& x);  // from float32 or bfloat16
+Tensor to_fp32(const TensorView& x);  // from bfloat16, float32 or float8_e4m3fn
+
+}  // namespace moe_ep

@@ -1,0 +1,96 @@
+// Tensors: a non-owning strided view and a reference-counted owning tensor, both exchangeable
+// through DLPack.
+//
+// A TensorView describes memory it does not own: a data pointer, a dtype, up to four sizes and
+// element strides. Library calls read input views and never keep them past the call (or past
+// the returned Event, for asynchronous calls). A Tensor is a view that also holds a reference on
+// its storage; copying a Tensor shares the storage (as framework tensors do). Storage from
+// Tensor::empty is 64-byte aligned, comes from a caching host allocator (memory is recycled, not
+// returned to the kernel, so steady-state loops do not page-fault) and is uninitialised.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <span>
+#include <string>
+
+#include <dlpack/dlpack.h>
+
+#include "moe_ep/dtype.hpp"
+
+namespace moe_ep {
+
+class TensorView {
+ public:
+  static constexpr int kMaxDims = 4;
+
+  TensorView() = default;
+  // Contiguous (row-major) view.
+  TensorView(void* data, DType dtype, std::initializer_list<std::int64_t> shape);
+  TensorView(void* data, DType dtype, std::span<const std::int64_t> shape);
+  // Arbitrary strides, in elements.
+  TensorView(void* data, DType dtype, std::span<const std::int64_t> shape,
+             std::span<const std::int64_t> strides);
+
+  bool defined() const { return ndim_ > 0 || data_ != nullptr; }
+  void* data() const { return data_; }
+  template <class T>
+  T* data_as() const {
+    return static_cast<T*>(data_);
+  }
+  DType dtype() const { return dtype_; }
+  int ndim() const { return ndim_; }
+  std::int64_t size(int d) const { return shape_[d]; }
+  std::int64_t stride(int d) const { return strides_[d]; }
+  std::span<const std::int64_t> shape() const { return {shape_.data(), static_cast<size_t>(ndim_)}; }
+  std::span<const std::int64_t> strides() const {
+    return {strides_.data(), static_cast<size_t>(ndim_)};
+  }
+  std::int64_t numel() const;
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * element_size(dtype_); }
+  bool is_contiguous() const;
+  // Swaps two dimensions without moving data.
+  TensorView transposed(int a, int b) const;
+  // "bfloat16[4, 7168]" (strides are printed when not contiguous).
+  std::string describe() const;
+
+ protected:
+  void* data_ = nullptr;
+  DType dtype_ = DType::kUInt8;
+  int ndim_ = 0;
+  std::array<std::int64_t, kMaxDims> shape_{};
+  std::array<std::int64_t, kMaxDims> strides_{};
+};
+
+class Tensor : public TensorView {
+ public:
+  Tensor() = default;
+  static Tensor empty(std::span<const std::int64_t> shape, DType dtype);
+  static Tensor empty(std::initializer_list<std::int64_t> shape, DType dtype) {
+    return empty(std::span<const std::int64_t>(shape.begin(), shape.size()), dtype);
+  }
+  static Tensor zeros(std::span<const std::int64_t> shape, DType dtype);
+  static Tensor zeros(std::initializer_list<std::int64_t> shape, DType dtype) {
+    return zeros(std::span<const std::int64_t>(shape.begin(), shape.size()), dtype);
+  }
+  // A tensor sharing this one's storage, described by `view` (which must lie inside it).
+  Tensor with_view(const TensorView& view) const;
+  const TensorView& view() const { return *this; }
+  // Number of Tensors (and DLPack exports) sharing the storage; 0 for an undefined tensor.
+  long use_count() const { return storage_.use_count(); }
+
+  // DLPack: export hands out a new reference (the consumer calls deleter); import takes
+  // ownership of `managed` and calls its deleter when the last reference goes away.
+  DLManagedTensor* to_dlpack() const;
+  static Tensor from_dlpack(DLManagedTensor* managed);
+
+ private:
+  std::shared_ptr<void> storage_;
+};
+
+// A non-owning view of a DLPack tensor (CPU memory; no lanes; dtypes listed in docs/).
+TensorView view_from_dlpack(const DLTensor& tensor);
+
+}  // namespace moe_ep

@@ -1,0 +1,58 @@
+#include "core/checks.hh"
+
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <array>
+#include <numeric>
+
+namespace moe_ep::core {
+
+void expect_tensor(std::string_view context, std::string_view name, const TensorView& t, DType dtype,
+                   std::initializer_list<std::int64_t> shape) {
+  if (!t.defined()) fail(context, "{} is missing", name);
+  if (t.dtype() != dtype)
+    fail(context, "{} has dtype {}, expected {} ({} is {})", name, dtype_name(t.dtype()), dtype_name(dtype),
+         name, t.describe());
+  if (t.ndim() != static_cast<int>(shape.size()))
+    fail(context, "{} has {} dimensions, expected {} ({} is {})", name, t.ndim(), shape.size(), name,
+         t.describe());
+  if (t.data() == nullptr && t.numel() > 0) fail(context, "{} has a null data pointer", name);
+  int d = 0;
+  for (std::int64_t expected : shape) {
+    if (expected >= 0 && t.size(d) != expected)
+      fail(context, "{} has size {} in dimension {}, expected {} ({} is {})", name, t.size(d), d, expected,
+           name, t.describe());
+    ++d;
+  }
+  expect_non_overlapping(context, name, t);
+}
+
+void expect_non_overlapping(std::string_view context, std::string_view name, const TensorView& t) {
+  if (t.numel() <= 1) return;
+  // Visit dimensions from the smallest stride up (insertion sort: at most four entries).
+  std::array<int, TensorView::kMaxDims> order{0, 1, 2, 3};
+  const int n = t.ndim();
+  for (int i = 1; i < n; ++i)
+    for (int j = i; j > 0 && t.stride(order[j]) < t.stride(order[j - 1]); --j) std::swap(order[j], order[j - 1]);
+  std::int64_t reach = 1;  // elements spanned by the inner dimensions
+  for (int i = 0; i < n; ++i) {
+    const int d = order[i];
+    if (t.size(d) == 1) continue;
+    if (t.stride(d) < reach)
+      fail(context, "{} has overlapping or negative strides ({})", name, t.describe());
+    reach = t.stride(d) * t.size(d);
+  }
+}
+
+void expect_rows_contiguous(std::string_view context, std::string_view name, const TensorView& t) {
+  const int last = t.ndim() - 1;
+  if (t.size(last) > 1 && t.stride(last) != 1)
+    fail(context, "{} must have stride 1 in its last dimension ({} is {})", name, name, t.describe());
+}
+
+void expect_contiguous(std::string_view context, std::string_view name, const TensorView& t) {
+  if (!t.is_contiguous()) fail(context, "{} must be contiguous ({} is {})", name, name, t.describe());
+}
+
+}  // namespace moe_ep::core

@@ -1,0 +1,146 @@
+#include "moe_ep/convert.hpp"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/checks.hh"
+
+namespace moe_ep {
+namespace {
+
+constexpr std::string_view kQuantize = "quantize_fp8";
+
+float load_as_float(const TensorView& x, const std::byte* row, std::int64_t i) {
+  if (x.dtype() == DType::kBF16) return bf16_to_float(reinterpret_cast<const std::uint16_t*>(row)[i]);
+  return reinterpret_cast<const float*>(row)[i];
+}
+
+}  // namespace
+
+float fp8_block_scale_inv(float amax, bool round_scale) {
+  if (!(amax >= kFp8AmaxFloor)) amax = std::isnan(amax) ? kFp8AmaxFloor : std::max(amax, kFp8AmaxFloor);
+  float scale_inv = amax / kFp8E4M3Max;
+  if (round_scale && std::isfinite(scale_inv)) {
+    // Round up to a power of two: clear the mantissa, bump the exponent if any bit was set.
+    std::uint32_t u = float_bits(scale_inv);
+    if (u & 0x7fffffu) u = (u & 0xff800000u) + 0x800000u;
+    scale_inv = bits_float(u);
+  }
+  return scale_inv;
+}
+
+Fp8Tensor quantize_fp8(const TensorView& x, Fp8Options options) {
+  if (x.dtype() != DType::kBF16 && x.dtype() != DType::kFP32)
+    core::fail(kQuantize, "x has dtype {}, expected bfloat16 or float32", dtype_name(x.dtype()));
+  core::expect_tensor(kQuantize, "x", x, x.dtype(), {-1, -1});
+  core::expect_rows_contiguous(kQuantize, "x", x);
+  if (options.use_ue8m0 && !options.round_scale)
+    core::fail(kQuantize, "use_ue8m0=true requires round_scale=true");
+  const std::int64_t n = x.size(0), h = x.size(1);
+  if (h % kFp8BlockSize != 0)
+    core::fail(kQuantize, "hidden size {} is not a multiple of the FP8 block size {}", h, kFp8BlockSize);
+  const std::int64_t blocks = h / kFp8BlockSize;
+  Fp8Tensor out;
+  out.data = Tensor::empty({n, h}, DType::kFP8E4M3);
+  out.scales = options.use_ue8m0 ? Tensor::zeros({n, (blocks + 3) / 4}, DType::kInt32)
+                                 : Tensor::empty({n, blocks}, DType::kFP32);
+  const std::size_t es = element_size(x.dtype());
+  for (std::int64_t t = 0; t < n; ++t) {
+    const auto* row = static_cast<const std::byte*>(x.data()) + t * x.stride(0) * static_cast<std::int64_t>(es);
+    auto* q = out.data.data_as<std::uint8_t>() + t * h;
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      float amax = 0.0f;
+      for (std::int64_t i = b * kFp8BlockSize; i < (b + 1) * kFp8BlockSize; ++i) {
+        const float v = std::fabs(load_as_float(x, row, i));
+        if (v > amax) amax = v;  // NaN compares false: ignored
+      }
+      const float scale_inv = fp8_block_scale_inv(amax, options.round_scale);
+      const float scale = options.round_scale ? 1.0f / scale_inv
+                                              : kFp8E4M3Max / std::max(amax, kFp8AmaxFloor);
+      for (std::int64_t i = b * kFp8BlockSize; i < (b + 1) * kFp8BlockSize; ++i)
+        q[i] = float_to_fp8_e4m3(load_as_float(x, row, i) * scale);
+      if (options.use_ue8m0) {
+        auto* packed = reinterpret_cast<std::uint8_t*>(out.scales.data_as<std::int32_t>() + t * out.scales.size(1));
+        packed[b] = static_cast<std::uint8_t>(float_bits(scale_inv) >> 23);
+      } else {
+        out.scales.data_as<float>()[t * blocks + b] = scale_inv;
+      }
+    }
+  }
+  return out;
+}
+
+Tensor dequantize_fp8(const TensorView& data, const TensorView& scales) {
+  constexpr std::string_view kContext = "dequantize_fp8";
+  core::expect_tensor(kContext, "data", data, DType::kFP8E4M3, {-1, -1});
+  core::expect_rows_contiguous(kContext, "data", data);
+  const std::int64_t n = data.size(0), h = data.size(1);
+  if (h % kFp8BlockSize != 0)
+    core::fail(kContext, "hidden size {} is not a multiple of the FP8 block size {}", h, kFp8BlockSize);
+  const std::int64_t blocks = h / kFp8BlockSize;
+  const bool ue8m0 = scales.dtype() == DType::kInt32;
+  if (ue8m0) {
+    core::expect_tensor(kContext, "scales", scales, DType::kInt32, {n, (blocks + 3) / 4});
+  } else {
+    core::expect_tensor(kContext, "scales", scales, DType::kFP32, {n, blocks});
+  }
+  Tensor out = Tensor::empty({n, h}, DType::kFP32);
+  for (std::int64_t t = 0; t < n; ++t) {
+    const auto* q = data.data_as<const std::uint8_t>() + t * data.stride(0);
+    float* o = out.data_as<float>() + t * h;
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      float scale_inv;
+      if (ue8m0) {
+        const auto* word = scales.data_as<const std::int32_t>() + t * scales.stride(0) + (b / 4) * scales.stride(1);
+        const std::uint32_t byte = (static_cast<std::uint32_t>(*word) >> (8 * (b % 4))) & 0xffu;
+        scale_inv = bits_float(byte << 23);
+      } else {
+        scale_inv = scales.data_as<const float>()[t * scales.stride(0) + b * scales.stride(1)];
+      }
+      for (std::int64_t i = b * kFp8BlockSize; i < (b + 1) * kFp8BlockSize; ++i)
+        o[i] = fp8_e4m3_to_float(q[i]) * scale_inv;
+    }
+  }
+  return out;
+}
+
+Tensor to_bf16(const TensorView& x) {
+  constexpr std::string_view kContext = "to_bf16";
+  if (x.dtype() != DType::kFP32 && x.dtype() != DType::kBF16)
+    core::fail(kContext, "x has dtype {}, expected float32 or bfloat16", dtype_name(x.dtype()));
+  core::expect_contiguous(kContext, "x", x);
+  Tensor out = Tensor::empty(x.shape(), DType::kBF16);
+  const std::int64_t n = x.numel();
+  auto* o = out.data_as<std::uint16_t>();
+  if (x.dtype() == DType::kBF16) {
+    std::memcpy(o, x.data(), x.nbytes());
+  } else {
+    const float* in = x.data_as<const float>();
+    for (std::int64_t i = 0; i < n; ++i) o[i] = float_to_bf16(in[i]);
+  }
+  return out;
+}
+
+Tensor to_fp32(const TensorView& x) {
+  constexpr std::string_view kContext = "to_fp32";
+  core::expect_contiguous(kContext, "x", x);
+  Tensor out = Tensor::empty(x.shape(), DType::kFP32);
+  const std::int64_t n = x.numel();
+  float* o = out.data_as<float>();
+  switch (x.dtype()) {
+    case DType::kBF16:
+      for (std::int64_t i = 0; i < n; ++i) o[i] = bf16_to_float(x.data_as<const std::uint16_t>()[i]);
+      break;
+    case DType::kFP8E4M3:
+      for (std::int64_t i = 0; i < n; ++i) o[i] = fp8_e4m3_to_float(x.data_as<const std::uint8_t>()[i]);
+      break;
+    case DType::kFP32:
+      std::memcpy(o, x.data(), x.nbytes());
+      break;
+    default:
+      core::fail(kContext, "x has dtype {}, expected bfloat16, float32 or float8_e4m3fn", dtype_name(x.dtype()));
+  }
+  return out;
+}
+
+}  // namespace moe_ep

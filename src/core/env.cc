@@ -1,0 +1,174 @@
+#include "moe_ep/env.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::env {
+namespace {
+
+// The one place where moe-ep's environment variables are declared.
+const std::vector<Variable>& variables() {
+  static const std::vector<Variable> vars = {
+      {"MOE_EP_DEBUG", Type::kBool, "0", {},
+       "Print debug information to stderr (buffer sizes, worker counts, sizing decisions)."},
+      {"MOE_EP_TIMEOUT_SECS", Type::kFloat, "300", {},
+       "Default time a rank waits for its peers before raising TimeoutError naming them."},
+      {"MOE_EP_NUM_WORKERS", Type::kInt, "0", {},
+       "Worker threads per rank for dispatch/combine copies; 0 = the theoretical model."},
+      {"MOE_EP_ALLOCATOR_CACHE_BYTES", Type::kInt, "17179869184", {},
+       "Bytes of freed tensor storage kept mapped for reuse by the caching host allocator."},
+  };
+  return vars;
+}
+
+std::mutex& override_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<std::string, std::string, std::less<>>& overrides() {
+  static std::map<std::string, std::string, std::less<>> m;
+  return m;
+}
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(), [](unsigned char c) { return std::tolower(c); });
+  return out;
+}
+
+[[noreturn]] void bad_value(const Variable& v, std::string_view value, std::string_view accepted) {
+  throw InvalidArgument(fmt::format("environment variable {}={:?} is invalid: accepted values are {}",
+                                    v.name, value, accepted));
+}
+
+bool parse_bool(const Variable& v, std::string_view value) {
+  const std::string s = lower(value);
+  if (s == "1" || s == "true" || s == "on" || s == "yes") return true;
+  if (s == "0" || s == "false" || s == "off" || s == "no" || s.empty()) return false;
+  bad_value(v, value, "1/true/on/yes or 0/false/off/no");
+}
+
+std::int64_t parse_int(const Variable& v, std::string_view value) {
+  std::string s(value);
+  errno = 0;
+  char* end = nullptr;
+  const long long x = std::strtoll(s.c_str(), &end, 10);
+  if (s.empty() || errno != 0 || *end != '\0' || x < 0) bad_value(v, value, "a non-negative integer");
+  return x;
+}
+
+double parse_float(const Variable& v, std::string_view value) {
+  std::string s(value);
+  errno = 0;
+  char* end = nullptr;
+  const double x = std::strtod(s.c_str(), &end);
+  if (s.empty() || errno != 0 || *end != '\0' || !(x >= 0)) bad_value(v, value, "a non-negative number");
+  return x;
+}
+
+void validate(const Variable& v, std::string_view value) {
+  switch (v.type) {
+    case Type::kBool:
+      parse_bool(v, value);
+      break;
+    case Type::kInt:
+      parse_int(v, value);
+      break;
+    case Type::kFloat:
+      parse_float(v, value);
+      break;
+    case Type::kChoice:
+      if (std::find(v.choices.begin(), v.choices.end(), lower(value)) == v.choices.end())
+        bad_value(v, value, fmt::format("{}", fmt::join(v.choices, " | ")));
+      break;
+    case Type::kString:
+      break;
+  }
+}
+
+}  // namespace
+
+const std::vector<Variable>& registry() { return variables(); }
+
+const Variable& lookup(std::string_view name) {
+  for (const auto& v : variables())
+    if (v.name == name) return v;
+  throw StateError(fmt::format("environment variable {} is not declared in the moe-ep registry", name));
+}
+
+Current current(std::string_view name) {
+  const Variable& v = lookup(name);
+  Current c{std::string(v.default_value), Source::kDefault};
+  {
+    std::lock_guard lock(override_mutex());
+    auto it = overrides().find(name);
+    if (it != overrides().end()) {
+      c = {it->second, Source::kOverride};
+    } else if (const char* e = std::getenv(std::string(name).c_str()); e != nullptr) {
+      c = {e, Source::kEnvironment};
+    }
+  }
+  if (c.source != Source::kDefault) validate(v, c.value);
+  if (v.type == Type::kChoice) c.value = lower(c.value);
+  return c;
+}
+
+bool get_bool(std::string_view name) { return parse_bool(lookup(name), current(name).value); }
+std::int64_t get_int(std::string_view name) { return parse_int(lookup(name), current(name).value); }
+double get_float(std::string_view name) { return parse_float(lookup(name), current(name).value); }
+std::string get_string(std::string_view name) { return current(name).value; }
+
+std::string_view type_name(Type t) {
+  switch (t) {
+    case Type::kBool:
+      return "bool";
+    case Type::kInt:
+      return "int";
+    case Type::kFloat:
+      return "float";
+    case Type::kChoice:
+      return "choice";
+    case Type::kString:
+      return "string";
+  }
+  return "?";
+}
+
+std::string_view source_name(Source s) {
+  switch (s) {
+    case Source::kDefault:
+      return "default";
+    case Source::kEnvironment:
+      return "environment";
+    case Source::kOverride:
+      return "override";
+  }
+  return "?";
+}
+
+ScopedOverride::ScopedOverride(std::string_view name, std::string value) : name_(name) {
+  validate(lookup(name), value);
+  std::lock_guard lock(override_mutex());
+  auto it = overrides().find(name);
+  had_previous_ = it != overrides().end();
+  if (had_previous_) previous_ = it->second;
+  overrides()[name_] = std::move(value);
+}
+
+ScopedOverride::~ScopedOverride() {
+  std::lock_guard lock(override_mutex());
+  if (had_previous_) {
+    overrides()[name_] = previous_;
+  } else {
+    overrides().erase(name_);
+  }
+}
+
+}  // namespace moe_ep::env

@@ -1,0 +1,28 @@
+// Caching host allocator for tensor storage.
+//
+// Large blocks (>= 1 MiB) come from anonymous mmap, rounded up to 2 MiB, and are kept in a
+// best-fit free list after release instead of being unmapped: the next allocation of a similar
+// size reuses pages that are already faulted in, so a steady-state dispatch/combine loop does not
+// pay page faults for its outputs. A block is reused for a request of at least half its size.
+// The cache is bounded (MOE_EP_ALLOCATOR_CACHE_BYTES, default 16 GiB); beyond it, blocks are
+// unmapped on release. Small blocks use aligned operator new. Thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+
+namespace moe_ep::core {
+
+struct HostAllocatorStats {
+  std::size_t mapped_bytes = 0;   // currently mapped by the large-block path (live + cached)
+  std::size_t cached_bytes = 0;   // mapped but free, ready for reuse
+  std::size_t num_maps = 0;       // mmap calls since start (a steady-state loop keeps this flat)
+};
+
+// Returns storage of at least `bytes` bytes, 64-byte aligned, released by the deleter.
+std::shared_ptr<void> allocate_host(std::size_t bytes);
+HostAllocatorStats host_allocator_stats();
+// Unmaps every cached free block.
+void host_allocator_trim();
+
+}  // namespace moe_ep::core

@@ -1,0 +1,201 @@
+#include "moe_ep/tensor.hpp"
+
+#include <dlpack/dlpack.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstring>
+
+#include "core/host_allocator.hh"
+#include "moe_ep/error.hpp"
+
+namespace moe_ep {
+namespace {
+
+// DLPack >= 1.1 type code for float8_e4m3fn (the 0.6 header Debian ships predates FP8 codes).
+constexpr std::uint8_t kDLFloat8E4M3FnCode = 10;
+// DLPack >= 0.8 type code for bool.
+constexpr std::uint8_t kDLBoolCode = 6;
+
+DLDataType to_dl(DType t) {
+  switch (t) {
+    case DType::kBool:
+      return {kDLBoolCode, 8, 1};
+    case DType::kUInt8:
+      return {kDLUInt, 8, 1};
+    case DType::kInt32:
+      return {kDLInt, 32, 1};
+    case DType::kInt64:
+      return {kDLInt, 64, 1};
+    case DType::kBF16:
+      return {kDLBfloat, 16, 1};
+    case DType::kFP32:
+      return {kDLFloat, 32, 1};
+    case DType::kFP8E4M3:
+      return {kDLFloat8E4M3FnCode, 8, 1};
+  }
+  return {kDLUInt, 8, 1};
+}
+
+DType from_dl(DLDataType t) {
+  if (t.lanes != 1) throw InvalidArgument(fmt::format("DLPack tensor has {} lanes; only 1 is supported", t.lanes));
+  if (t.code == kDLBoolCode && t.bits == 8) return DType::kBool;
+  if (t.code == kDLUInt && t.bits == 8) return DType::kUInt8;
+  if (t.code == kDLInt && t.bits == 32) return DType::kInt32;
+  if (t.code == kDLInt && t.bits == 64) return DType::kInt64;
+  if (t.code == kDLBfloat && t.bits == 16) return DType::kBF16;
+  if (t.code == kDLFloat && t.bits == 32) return DType::kFP32;
+  if (t.code == kDLFloat8E4M3FnCode && t.bits == 8) return DType::kFP8E4M3;
+  throw InvalidArgument(fmt::format("DLPack dtype (code {}, bits {}) is not supported", t.code, t.bits));
+}
+
+void check_ndim(std::size_t ndim) {
+  if (ndim < 1 || ndim > static_cast<std::size_t>(TensorView::kMaxDims))
+    throw InvalidArgument(fmt::format("tensor rank {} is outside [1, {}]", ndim, TensorView::kMaxDims));
+}
+
+}  // namespace
+
+TensorView::TensorView(void* data, DType dtype, std::initializer_list<std::int64_t> shape)
+    : TensorView(data, dtype, std::span<const std::int64_t>(shape.begin(), shape.size())) {}
+
+TensorView::TensorView(void* data, DType dtype, std::span<const std::int64_t> shape)
+    : data_(data), dtype_(dtype), ndim_(static_cast<int>(shape.size())) {
+  check_ndim(shape.size());
+  std::int64_t stride = 1;
+  for (int d = ndim_ - 1; d >= 0; --d) {
+    if (shape[d] < 0) throw InvalidArgument(fmt::format("tensor size {} of dim {} is negative", shape[d], d));
+    shape_[d] = shape[d];
+    strides_[d] = stride;
+    stride *= shape[d] == 0 ? 1 : shape[d];
+  }
+}
+
+TensorView::TensorView(void* data, DType dtype, std::span<const std::int64_t> shape,
+                       std::span<const std::int64_t> strides)
+    : data_(data), dtype_(dtype), ndim_(static_cast<int>(shape.size())) {
+  check_ndim(shape.size());
+  if (strides.size() != shape.size())
+    throw InvalidArgument(fmt::format("tensor has {} sizes but {} strides", shape.size(), strides.size()));
+  for (int d = 0; d < ndim_; ++d) {
+    if (shape[d] < 0) throw InvalidArgument(fmt::format("tensor size {} of dim {} is negative", shape[d], d));
+    shape_[d] = shape[d];
+    strides_[d] = strides[d];
+  }
+}
+
+std::int64_t TensorView::numel() const {
+  if (ndim_ == 0) return 0;
+  std::int64_t n = 1;
+  for (int d = 0; d < ndim_; ++d) n *= shape_[d];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  std::int64_t expected = 1;
+  for (int d = ndim_ - 1; d >= 0; --d) {
+    if (shape_[d] != 1 && strides_[d] != expected) return false;
+    expected *= shape_[d];
+  }
+  return true;
+}
+
+TensorView TensorView::transposed(int a, int b) const {
+  if (a < 0 || b < 0 || a >= ndim_ || b >= ndim_)
+    throw InvalidArgument(fmt::format("transposed({}, {}) on a rank-{} tensor", a, b, ndim_));
+  TensorView v = *this;
+  std::swap(v.shape_[a], v.shape_[b]);
+  std::swap(v.strides_[a], v.strides_[b]);
+  return v;
+}
+
+std::string TensorView::describe() const {
+  if (!defined()) return "<undefined>";
+  std::string s = fmt::format("{}[{}]", dtype_name(dtype_), fmt::join(shape(), ", "));
+  if (!is_contiguous()) s += fmt::format(" strides ({})", fmt::join(strides(), ", "));
+  return s;
+}
+
+Tensor Tensor::empty(std::span<const std::int64_t> shape, DType dtype) {
+  Tensor t;
+  static_cast<TensorView&>(t) = TensorView(nullptr, dtype, shape);
+  t.storage_ = core::allocate_host(t.nbytes());
+  t.data_ = t.storage_.get();
+  return t;
+}
+
+Tensor Tensor::zeros(std::span<const std::int64_t> shape, DType dtype) {
+  Tensor t = empty(shape, dtype);
+  std::memset(t.data(), 0, t.nbytes());
+  return t;
+}
+
+Tensor Tensor::with_view(const TensorView& view) const {
+  Tensor t;
+  static_cast<TensorView&>(t) = view;
+  t.storage_ = storage_;
+  return t;
+}
+
+namespace {
+
+struct DLPackExport {
+  DLManagedTensor managed;
+  Tensor keep_alive;
+  std::array<std::int64_t, TensorView::kMaxDims> shape;
+  std::array<std::int64_t, TensorView::kMaxDims> strides;
+};
+
+}  // namespace
+
+DLManagedTensor* Tensor::to_dlpack() const {
+  auto* e = new DLPackExport{};
+  e->keep_alive = *this;
+  for (int d = 0; d < ndim(); ++d) {
+    e->shape[d] = size(d);
+    e->strides[d] = stride(d);
+  }
+  DLTensor& t = e->managed.dl_tensor;
+  t.data = data();
+  t.device = {kDLCPU, 0};
+  t.ndim = ndim();
+  t.dtype = to_dl(dtype());
+  t.shape = e->shape.data();
+  t.strides = e->strides.data();
+  t.byte_offset = 0;
+  e->managed.manager_ctx = e;
+  e->managed.deleter = [](DLManagedTensor* self) { delete static_cast<DLPackExport*>(self->manager_ctx); };
+  return &e->managed;
+}
+
+Tensor Tensor::from_dlpack(DLManagedTensor* managed) {
+  if (managed == nullptr) throw InvalidArgument("from_dlpack: managed tensor is null");
+  TensorView v;
+  try {
+    v = view_from_dlpack(managed->dl_tensor);
+  } catch (...) {
+    if (managed->deleter) managed->deleter(managed);
+    throw;
+  }
+  Tensor t;
+  static_cast<TensorView&>(t) = v;
+  t.storage_ = std::shared_ptr<void>(managed, [](void* p) {
+    auto* m = static_cast<DLManagedTensor*>(p);
+    if (m->deleter) m->deleter(m);
+  });
+  return t;
+}
+
+TensorView view_from_dlpack(const DLTensor& tensor) {
+  if (tensor.device.device_type != kDLCPU && tensor.device.device_type != kDLCUDAHost)
+    throw InvalidArgument(fmt::format("DLPack tensor lives on device type {}; moe-ep needs CPU memory",
+                                      static_cast<int>(tensor.device.device_type)));
+  check_ndim(static_cast<std::size_t>(tensor.ndim));
+  const DType dtype = from_dl(tensor.dtype);
+  void* data = static_cast<char*>(tensor.data) + tensor.byte_offset;
+  std::span<const std::int64_t> shape(tensor.shape, static_cast<std::size_t>(tensor.ndim));
+  if (tensor.strides == nullptr) return TensorView(data, dtype, shape);
+  return TensorView(data, dtype, shape, std::span<const std::int64_t>(tensor.strides, shape.size()));
+}
+
+}  // namespace moe_ep

@@ -1,0 +1,167 @@
+#include <dlpack/dlpack.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <numeric>
+
+#include "core/checks.hh"
+#include "core/host_allocator.hh"
+#include "core/npy.hh"
+#include "moe_ep/env.hpp"
+#include "moe_ep/error.hpp"
+#include "moe_ep/tensor.hpp"
+
+namespace moe_ep {
+namespace {
+
+TEST(Tensor, ContiguousShapeStridesAndAlignment) {
+  Tensor t = Tensor::empty({3, 5, 7}, DType::kBF16);
+  EXPECT_EQ(t.ndim(), 3);
+  EXPECT_EQ(t.numel(), 105);
+  EXPECT_EQ(t.nbytes(), 210u);
+  EXPECT_EQ(t.stride(0), 35);
+  EXPECT_EQ(t.stride(1), 7);
+  EXPECT_EQ(t.stride(2), 1);
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.data()) % 64, 0u);
+  EXPECT_EQ(t.describe(), "bfloat16[3, 5, 7]");
+  TensorView tr = t.transposed(0, 2);
+  EXPECT_FALSE(tr.is_contiguous());
+  EXPECT_EQ(tr.size(0), 7);
+  EXPECT_EQ(tr.stride(0), 1);
+}
+
+TEST(Tensor, CopiesShareStorage) {
+  Tensor a = Tensor::zeros({4}, DType::kInt32);
+  Tensor b = a;
+  b.data_as<std::int32_t>()[2] = 9;
+  EXPECT_EQ(a.data_as<std::int32_t>()[2], 9);
+  EXPECT_EQ(a.use_count(), 2);
+}
+
+TEST(Tensor, RejectsBadShapes) {
+  std::int64_t shape5[] = {1, 1, 1, 1, 1};
+  EXPECT_THROW(Tensor::empty(shape5, DType::kFP32), InvalidArgument);
+  EXPECT_THROW(Tensor::empty({2, -1}, DType::kFP32), InvalidArgument);
+}
+
+TEST(Tensor, LargeBlocksAreRecycledWithoutNewMappings) {
+  { Tensor warm = Tensor::empty({8 << 20}, DType::kUInt8); }
+  const auto before = core::host_allocator_stats();
+  for (int i = 0; i < 10; ++i) {
+    Tensor t = Tensor::empty({(8 << 20) - i * 4096}, DType::kUInt8);
+    static_cast<std::uint8_t*>(t.data())[t.nbytes() - 1] = 1;
+  }
+  EXPECT_EQ(core::host_allocator_stats().num_maps, before.num_maps);
+}
+
+TEST(DLPack, ExportImportRoundTripKeepsDataAlive) {
+  DLManagedTensor* managed = nullptr;
+  {
+    Tensor t = Tensor::empty({2, 3}, DType::kFP8E4M3);
+    std::iota(t.data_as<std::uint8_t>(), t.data_as<std::uint8_t>() + 6, 1);
+    managed = t.to_dlpack();
+  }
+  EXPECT_EQ(managed->dl_tensor.dtype.code, 10);  // float8_e4m3fn in DLPack >= 1.1
+  EXPECT_EQ(managed->dl_tensor.ndim, 2);
+  EXPECT_EQ(managed->dl_tensor.shape[1], 3);
+  Tensor back = Tensor::from_dlpack(managed);
+  EXPECT_EQ(back.dtype(), DType::kFP8E4M3);
+  EXPECT_EQ(back.data_as<std::uint8_t>()[5], 6);
+}
+
+TEST(DLPack, ImportRunsDeleterWhenLastReferenceDies) {
+  static int deleted = 0;
+  std::int64_t shape[] = {2, 2};
+  std::int64_t strides[] = {1, 2};  // column-major
+  float storage[4] = {1, 2, 3, 4};
+  auto* m = new DLManagedTensor{};
+  m->dl_tensor = DLTensor{storage, {kDLCPU, 0}, 2, {kDLFloat, 32, 1}, shape, strides, 0};
+  m->deleter = [](DLManagedTensor* self) {
+    ++deleted;
+    delete self;
+  };
+  {
+    Tensor t = Tensor::from_dlpack(m);
+    EXPECT_FALSE(t.is_contiguous());
+    EXPECT_EQ(t.stride(1), 2);
+    Tensor copy = t;
+    EXPECT_EQ(deleted, 0);
+  }
+  EXPECT_EQ(deleted, 1);
+}
+
+TEST(DLPack, RejectsUnsupportedTypesAndDevices) {
+  std::int64_t shape[] = {4};
+  float storage[4] = {};
+  DLTensor t{storage, {kDLCUDA, 0}, 1, {kDLFloat, 32, 1}, shape, nullptr, 0};
+  EXPECT_THROW(view_from_dlpack(t), InvalidArgument);
+  t.device = {kDLCPU, 0};
+  t.dtype = {kDLFloat, 64, 1};
+  EXPECT_THROW(view_from_dlpack(t), InvalidArgument);
+  t.dtype = {kDLFloat, 32, 4};
+  EXPECT_THROW(view_from_dlpack(t), InvalidArgument);
+  t.dtype = {kDLBfloat, 16, 1};
+  EXPECT_EQ(view_from_dlpack(t).dtype(), DType::kBF16);
+}
+
+TEST(Checks, MessagesNameArgumentValueAndLimit) {
+  Tensor t = Tensor::empty({4, 8}, DType::kFP32);
+  try {
+    core::expect_tensor("[rank 2] dispatch", "topk_weights", t, DType::kFP32, {4, 6});
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_STREQ(e.what(),
+                 "[rank 2] dispatch: topk_weights has size 8 in dimension 1, expected 6 (topk_weights is "
+                 "float32[4, 8])");
+  }
+  EXPECT_THROW(core::expect_tensor("c", "x", t, DType::kBF16, {4, 8}), InvalidArgument);
+  std::int64_t shape[] = {4, 8};
+  std::int64_t overlapping[] = {4, 1};
+  EXPECT_THROW(core::expect_non_overlapping("c", "x", TensorView(t.data(), DType::kFP32, shape, overlapping)),
+               InvalidArgument);
+  core::expect_tensor("c", "x", t, DType::kFP32, {-1, 8});
+}
+
+TEST(Npy, WriteThenReadBack) {
+  const auto path = (std::filesystem::temp_directory_path() / "moe_ep_npy_test.npy").string();
+  Tensor t = Tensor::empty({3, 4}, DType::kBF16);
+  for (int i = 0; i < 12; ++i) t.data_as<std::uint16_t>()[i] = static_cast<std::uint16_t>(i * 1000);
+  core::write_npy(path, t);
+  Tensor back = core::read_npy(path, DType::kBF16);
+  ASSERT_EQ(back.size(0), 3);
+  ASSERT_EQ(back.size(1), 4);
+  EXPECT_EQ(std::memcmp(back.data(), t.data(), t.nbytes()), 0);
+  EXPECT_THROW(core::read_npy(path, DType::kFP32), Error);
+  std::remove(path.c_str());
+}
+
+TEST(Env, TypedReadsOverridesAndErrors) {
+  EXPECT_EQ(env::current("MOE_EP_NUM_WORKERS").source, env::Source::kDefault);
+  {
+    env::ScopedOverride o("MOE_EP_NUM_WORKERS", "3");
+    EXPECT_EQ(env::get_int("MOE_EP_NUM_WORKERS"), 3);
+    EXPECT_EQ(env::current("MOE_EP_NUM_WORKERS").source, env::Source::kOverride);
+    {
+      env::ScopedOverride inner("MOE_EP_NUM_WORKERS", "5");
+      EXPECT_EQ(env::get_int("MOE_EP_NUM_WORKERS"), 5);
+    }
+    EXPECT_EQ(env::get_int("MOE_EP_NUM_WORKERS"), 3);
+  }
+  EXPECT_EQ(env::get_int("MOE_EP_NUM_WORKERS"), 0);
+  try {
+    env::ScopedOverride bad("MOE_EP_DEBUG", "maybe");
+    FAIL();
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("MOE_EP_DEBUG"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("accepted values"), std::string::npos);
+  }
+  EXPECT_THROW(env::get_bool("MOE_EP_NOT_DECLARED"), StateError);
+  setenv("MOE_EP_TIMEOUT_SECS", "soon", 1);
+  EXPECT_THROW(env::get_float("MOE_EP_TIMEOUT_SECS"), InvalidArgument);
+  unsetenv("MOE_EP_TIMEOUT_SECS");
+}
+
+}  // namespace
+}  // namespace moe_ep

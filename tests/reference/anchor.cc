@@ -1,0 +1,1 @@
+void moe_ep_reference_anchor() {}
