@@ -1,0 +1,105 @@
+// Transport: what the buffers need from a set of ranks, in bytes, ranks and signals only.
+//
+// Collectives (barrier, all_gather, allocate_symmetric, duplicate) must be called by every rank
+// of their scope in the same order. A scope is the whole world or this rank's node. Every wait
+// has a phase name and a timeout; when it expires the error names the ranks that did not arrive,
+// and when a rank it waits for has left the group the error names that rank at once.
+//
+// Memory model:
+//  - all_gather: after it returns, every block a peer published in that call is visible. The
+//    returned views stay valid until this rank's next collective in the same scope.
+//  - Scale-up: ranks of one node may read and write each other's symmetric memory and published
+//    addresses through node_address(); node_address() refuses ranks of other nodes.
+//  - Scale-out: put() copies bytes into a peer's symmetric memory; signal() increments the
+//    peer's counter for this rank once every earlier put to that peer is complete. A receiver
+//    that observes the counter value (wait_signals) sees all data put before it. Completion is
+//    counted, never inferred from the order in which writes land.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moe_ep/group.hpp"
+
+namespace moe_ep::comm {
+
+enum class Scope { kWorld, kNode };
+
+struct Wait {
+  const char* phase;    // names the step in error messages, e.g. "dispatch: count exchange"
+  double timeout_secs;  // > 0
+};
+
+// One block per rank of the scope, indexed by rank (world) or by local index (node).
+class Gathered {
+ public:
+  Gathered() = default;
+  explicit Gathered(std::vector<std::span<const std::byte>> blocks) : blocks_(std::move(blocks)) {}
+  std::span<const std::byte> operator[](int i) const { return blocks_[static_cast<size_t>(i)]; }
+  int size() const { return static_cast<int>(blocks_.size()); }
+  template <class T>
+  const T& as(int i) const {
+    return *reinterpret_cast<const T*>(blocks_[static_cast<size_t>(i)].data());
+  }
+
+ private:
+  std::vector<std::span<const std::byte>> blocks_;
+};
+
+// Memory every rank allocated with the same size in one collective call.
+class SymmetricMemory {
+ public:
+  virtual ~SymmetricMemory() = default;
+  virtual std::byte* local() = 0;
+  virtual std::size_t bytes() const = 0;
+  // This region on a rank of the same node; throws StateError for other nodes.
+  virtual std::byte* node_peer(int rank) = 0;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const Topology& topology() const { return topology_; }  // physical; num_scaleup filled in
+  int node_of(int rank) const { return rank / topology_.num_scaleup; }
+  bool same_node(int rank) const { return node_of(rank) == node_of(rank_); }
+  int node_size() const { return topology_.num_scaleup; }
+  int node_first_rank() const { return node_of(rank_) * topology_.num_scaleup; }
+
+  // A new independent channel over the same ranks (own collective sequence). Collective.
+  virtual std::unique_ptr<Transport> duplicate(const Wait& wait) = 0;
+
+  virtual void barrier(Scope scope, const Wait& wait) = 0;
+  virtual Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) = 0;
+  virtual std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait) = 0;
+
+  // Scale-up: an address a rank of this node published (in a gathered block), made usable here.
+  virtual const void* node_address(int rank, const void* published) const = 0;
+  virtual void* node_address_mutable(int rank, void* published) const = 0;
+
+  // Scale-out, one-sided.
+  virtual void put(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) = 0;
+  virtual void signal(int peer) = 0;
+  // Waits until, for each i, the counter of source peers[i] reached targets[i].
+  virtual void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets,
+                            const Wait& wait) = 0;
+
+ protected:
+  Transport(int rank, int size, Topology topology) : rank_(rank), size_(size), topology_(topology) {}
+
+ private:
+  int rank_;
+  int size_;
+  Topology topology_;
+};
+
+// Checks a topology against a rank count and fills num_scaleup; throws InvalidArgument.
+Topology resolve_topology(int num_ranks, Topology topology);
+
+}  // namespace moe_ep::comm

@@ -1,0 +1,58 @@
+// Polling with backoff and a deadline, for waits on peers.
+//
+// Spins briefly with a pause instruction, then yields the core, then sleeps in short steps so
+// that oversubscribed ranks (more ranks than cores) leave the CPU to the rank being waited for.
+// The clock is read only every few iterations.
+#pragma once
+
+#include <chrono>
+#include <thread>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace moe_ep::comm {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+class Backoff {
+ public:
+  explicit Backoff(double timeout_secs)
+      : start_(std::chrono::steady_clock::now()),
+        deadline_(start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                               std::chrono::duration<double>(timeout_secs))) {}
+
+  // Waits a little. Returns false once the deadline has passed.
+  bool pause() {
+    ++iterations_;
+    if (iterations_ < 64) {
+      cpu_relax();
+      return true;
+    }
+    if (iterations_ < 4096) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+    if (iterations_ % 16 != 0) return true;
+    return std::chrono::steady_clock::now() < deadline_;
+  }
+
+  double elapsed_secs() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+  std::chrono::steady_clock::time_point deadline_;
+  long iterations_ = 0;
+};
+
+}  // namespace moe_ep::comm
