@@ -121,6 +121,8 @@ class LocalTransport final : public Transport {
         channel_id_(channel_id),
         channel_(std::move(channel)) {}
 
+  int ranks_on_host() const override { return size(); }
+
   std::unique_ptr<Transport> duplicate(const Wait& wait) override {
     std::uint64_t id = 0;
     auto channel = world_->channel(channel_id_, ++duplicates_, &id);

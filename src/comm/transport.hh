@@ -72,6 +72,9 @@ class Transport {
   int node_size() const { return topology_.num_scaleup; }
   int node_first_rank() const { return node_of(rank_) * topology_.num_scaleup; }
 
+  // Ranks of the group running on this machine (they share its cores).
+  virtual int ranks_on_host() const = 0;
+
   // A new independent channel over the same ranks (own collective sequence). Collective.
   virtual std::unique_ptr<Transport> duplicate(const Wait& wait) = 0;
 

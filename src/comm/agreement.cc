@@ -1,0 +1,116 @@
+#include "comm/agreement.hh"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::comm {
+namespace {
+
+constexpr std::size_t kMessageBytes = 480;
+constexpr std::size_t kOperationBytes = 32;
+
+struct BlockHeader {
+  std::uint32_t ok;
+  std::uint32_t num_fields;
+  char operation[kOperationBytes];
+  char message[kMessageBytes];
+};
+
+std::string message_of(const std::exception_ptr& e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  return fmt::format("{} [{}]", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "));
+}
+
+}  // namespace
+
+std::vector<std::span<const std::byte>> Agreement::exchange(Transport& transport, Scope scope, const Wait& wait,
+                                                            std::span<const std::byte> payload) {
+  BlockHeader header{};
+  header.ok = error_ ? 0 : 1;
+  header.num_fields = static_cast<std::uint32_t>(fields_.size());
+  std::strncpy(header.operation, operation_.c_str(), kOperationBytes - 1);
+  if (error_) std::strncpy(header.message, message_of(error_).c_str(), kMessageBytes - 1);
+  const std::size_t fields_bytes = fields_.size() * sizeof(std::int64_t);
+  block_.resize(sizeof header + fields_bytes + payload.size());
+  std::memcpy(block_.data(), &header, sizeof header);
+  for (std::size_t i = 0; i < fields_.size(); ++i)
+    std::memcpy(block_.data() + sizeof header + i * sizeof(std::int64_t), &fields_[i].value, sizeof(std::int64_t));
+  if (!payload.empty()) std::memcpy(block_.data() + sizeof header + fields_bytes, payload.data(), payload.size());
+
+  gathered_ = transport.all_gather(block_, scope, wait);
+  const int n = gathered_.size();
+  const int first = scope == Scope::kWorld ? 0 : transport.node_first_rank();
+
+  // 0. Every peer is in an agreement too (not in some other collective).
+  for (int i = 0; i < n; ++i) {
+    const std::size_t size = gathered_[i].size();
+    if (size < sizeof(BlockHeader) ||
+        size < sizeof(BlockHeader) + gathered_.as<BlockHeader>(i).num_fields * sizeof(std::int64_t))
+      throw PeerError(fmt::format("{}: rank {} is in a different collective call than {}", context_, first + i,
+                                  operation_),
+                      {first + i});
+  }
+
+  // 1. Rejected arguments.
+  std::vector<int> rejected;
+  std::string reasons;
+  for (int i = 0; i < n; ++i) {
+    const auto& h = gathered_.as<BlockHeader>(i);
+    if (h.ok) continue;
+    rejected.push_back(first + i);
+    if (first + i != transport.rank()) reasons += fmt::format("; rank {}: {}", first + i, h.message);
+  }
+  if (error_) std::rethrow_exception(error_);
+  if (!rejected.empty())
+    throw PeerError(fmt::format("{}: {} rejected its arguments{}", context_, rank_list(rejected), reasons), rejected);
+
+  // 2. Same operation, same signature.
+  auto disagreement = [&](const std::string& what, const std::map<std::string, std::vector<int>>& groups) {
+    std::vector<int> others;
+    std::string detail;
+    for (const auto& [value, ranks] : groups) {
+      detail += fmt::format("{}{} on {}", detail.empty() ? "" : ", ", value, rank_list(ranks));
+      const bool mine = std::find(ranks.begin(), ranks.end(), transport.rank()) != ranks.end();
+      if (!mine) others.insert(others.end(), ranks.begin(), ranks.end());
+    }
+    throw PeerError(fmt::format("{}: ranks disagree on {}: {}", context_, what, detail), others);
+  };
+  std::map<std::string, std::vector<int>> operations;
+  for (int i = 0; i < n; ++i) operations[gathered_.as<BlockHeader>(i).operation].push_back(first + i);
+  if (operations.size() > 1) disagreement("the operation", operations);
+  for (int i = 0; i < n; ++i)
+    if (gathered_.as<BlockHeader>(i).num_fields != fields_.size())
+      throw PeerError(fmt::format("{}: rank {} sent {} signature fields, this rank {}", context_, first + i,
+                                  gathered_.as<BlockHeader>(i).num_fields, fields_.size()),
+                      {first + i});
+  for (std::size_t f = 0; f < fields_.size(); ++f) {
+    std::map<std::string, std::vector<int>> values;
+    for (int i = 0; i < n; ++i) {
+      std::int64_t v;
+      std::memcpy(&v, gathered_[i].data() + sizeof(BlockHeader) + f * sizeof(std::int64_t), sizeof v);
+      values[std::to_string(v)].push_back(first + i);
+    }
+    if (values.size() > 1) disagreement(fields_[f].name, values);
+  }
+
+  std::vector<std::span<const std::byte>> payloads(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) payloads[static_cast<size_t>(i)] = gathered_[i].subspan(sizeof header + fields_bytes);
+  return payloads;
+}
+
+}  // namespace moe_ep::comm

@@ -1,0 +1,53 @@
+// Agreement: the first exchange of every collective call.
+//
+// Each rank publishes (a) whether its own arguments were valid, with the error message if not,
+// (b) the operation name and named signature fields that every rank must agree on, and (c) a
+// free-form payload (addresses, counts). After the exchange either every rank proceeds with the
+// same view, or every rank throws: the rank whose arguments were invalid rethrows its own error,
+// the others raise PeerError naming it; when signatures differ, every rank raises PeerError
+// naming the field and which ranks hold which value. No rank is left waiting either way.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "comm/transport.hh"
+
+namespace moe_ep::comm {
+
+class Agreement {
+ public:
+  Agreement(std::string_view context, std::string_view operation) : context_(context), operation_(operation) {}
+
+  Agreement& field(const char* name, std::int64_t value) {
+    fields_.push_back({name, value});
+    return *this;
+  }
+  // The first error of this rank (its arguments were rejected); may be null.
+  Agreement& local_error(std::exception_ptr error) {
+    error_ = std::move(error);
+    return *this;
+  }
+
+  // Exchanges and checks. Returns every rank's payload.
+  std::vector<std::span<const std::byte>> exchange(Transport& transport, Scope scope, const Wait& wait,
+                                                   std::span<const std::byte> payload);
+
+ private:
+  struct Field {
+    const char* name;
+    std::int64_t value;
+  };
+  std::string context_;
+  std::string operation_;
+  std::vector<Field> fields_;
+  std::exception_ptr error_;
+  std::vector<std::byte> block_;
+  Gathered gathered_;
+};
+
+}  // namespace moe_ep::comm

@@ -1,0 +1,24 @@
+// Row kernels shared by every buffer: BF16 reductions with FP32 accumulation, and row copies.
+//
+// sum_bf16_rows computes, for every element h,
+//   out[h] = bf16_rne( ((in[0][h] + in[1][h]) + in[2][h]) + ... + in[n-1][h] )
+// in IEEE single precision, strictly in input order, rounding once at the end; one input is
+// passed through unchanged (bf16 -> fp32 -> bf16 is exact) and no input gives +0. Callers put
+// biases first, then contributions, to get the documented reduction order. The result does not
+// depend on the instruction set used (the vector paths perform the same sequence of FP32 adds).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace moe_ep::core {
+
+void sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::uint16_t* out, std::int64_t hidden);
+// out[h] = bf16_rne(w[0]*in[0][h] + w[1]*in[1][h] + ...): FP32 products, summed in input order,
+// no fused multiply-add; no input gives +0.
+void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::span<const float> weights,
+                            std::uint16_t* out, std::int64_t hidden);
+void copy_bytes(void* dst, const void* src, std::size_t bytes);
+
+}  // namespace moe_ep::core
