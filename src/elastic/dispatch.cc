@@ -320,9 +320,12 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
     plan_sources();
     plan_receive_local(peers);
   }
-  if (!outputs_known_early()) {
-    const auto& layout = plan_->layout;
-    allocate_outputs(layout.rows_at(core_.rank), layout.expanded_rows_at(core_.rank));
+  if (!result.recv_x.defined()) {  // not allocated early by an asynchronous submission
+    if (outputs_known_early()) {
+      allocate_outputs_early();
+    } else {
+      allocate_outputs(plan_->layout.rows_at(core_.rank), plan_->layout.expanded_rows_at(core_.rank));
+    }
   }
   if (!cached_) fill_handle();
   outputs_ready();

@@ -1,0 +1,347 @@
+#include "elastic/elastic_harness.hh"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cstring>
+#include <random>
+
+#include "moe_ep/dtype.hpp"
+
+namespace moe_ep::testing {
+namespace {
+
+using reference::CaseSpec;
+using reference::RankInputs;
+
+constexpr float kWeightScale = 2.0f;
+constexpr std::uint16_t kPoison = 0x7fc1;  // a NaN: rows that must never be read
+
+class Mismatches {
+ public:
+  explicit Mismatches(int rank) : rank_(rank) {}
+  template <class... Args>
+  void add(fmt::format_string<Args...> f, Args&&... args) {
+    if (list_.size() < 20) list_.push_back(fmt::format("[rank {}] ", rank_) + fmt::format(f, std::forward<Args>(args)...));
+  }
+  std::vector<std::string>& list() { return list_; }
+
+ private:
+  int rank_;
+  std::vector<std::string> list_;
+};
+
+bool same_bytes(const void* a, const void* b, std::size_t n) { return std::memcmp(a, b, n) == 0; }
+
+std::uint32_t scale_at(const TensorView& t, std::int64_t row, int col) {
+  return t.data_as<const std::uint32_t>()[row * t.stride(0) + col * t.stride(1)];
+}
+
+// Compares a dispatch result with the reference. `rows_real` is the real row count.
+void verify_dispatch(const CaseSpec& spec, const RunOptions& opt, const std::vector<RankInputs>& all,
+                     const reference::RefDispatch& ref, const DispatchResult& res, int me, Mismatches& bad) {
+  const int k = spec.k, El = spec.experts_per_rank(), rb = spec.row_bytes();
+  const EPHandle& h = *res.handle;
+  const auto real = static_cast<std::int64_t>(ref.rows.size());
+  const std::int64_t worst = std::int64_t{spec.max_tokens} * spec.ranks;
+  const std::int32_t* psum_su = h.psum_num_recv_tokens_per_scaleup_rank.data_as<const std::int32_t>();
+  const int su = static_cast<int>(h.psum_num_recv_tokens_per_scaleup_rank.size(0));
+  if (psum_su[su - 1] != real) bad.add("psum per scale-up rank ends at {}, expected {} rows", psum_su[su - 1], real);
+  for (int r = 0; r < su; ++r) {
+    int expected = 0;
+    for (int s = 0; s < spec.ranks; ++s)
+      if (s % su <= r) expected += ref.per_source[static_cast<size_t>(s)];
+    if (psum_su[r] != expected) bad.add("psum_num_recv_tokens_per_scaleup_rank[{}] = {}, expected {}", r, psum_su[r], expected);
+  }
+  if (h.num_recv_tokens != (opt.cpu_sync ? real : worst))
+    bad.add("num_recv_tokens = {}, expected {}", h.num_recv_tokens, opt.cpu_sync ? real : worst);
+  std::vector<int> aligned;
+  for (int i = 0; i < El; ++i) {
+    const int u = ref.unaligned[static_cast<size_t>(i)];
+    aligned.push_back((u + spec.alignment - 1) / spec.alignment * spec.alignment);
+    if (h.num_unaligned_recv_tokens_per_expert.data_as<const std::int32_t>()[i] != u)
+      bad.add("num_unaligned_recv_tokens_per_expert[{}] wrong", i);
+    const int psum = h.psum_num_recv_tokens_per_expert.data_as<const std::int32_t>()[i];
+    const int expected = spec.expand ? ref.start[static_cast<size_t>(i)] + u : ref.start[static_cast<size_t>(i)] + aligned.back();
+    if (psum != expected) bad.add("psum_num_recv_tokens_per_expert[{}] = {}, expected {}", i, psum, expected);
+  }
+  if (opt.cpu_sync ? h.num_recv_tokens_per_expert_list != aligned : !h.num_recv_tokens_per_expert_list.empty())
+    bad.add("num_recv_tokens_per_expert_list = [{}], expected [{}]", fmt::join(h.num_recv_tokens_per_expert_list, ","),
+            fmt::join(aligned, ","));
+
+  // Metadata and compact rows.
+  const auto* meta = h.recv_src_metadata.data_as<const std::int32_t>();
+  for (std::int64_t i = 0; i < real; ++i) {
+    const auto& row = ref.rows[static_cast<size_t>(i)];
+    const RankInputs& src = all[static_cast<size_t>(row.source)];
+    const std::int32_t* m = meta + i * (k + 2);
+    if (m[0] != row.source * spec.max_tokens + row.token || m[1] != row.source * k + row.master_lane)
+      bad.add("recv_src_metadata[{}] = ({}, {}), expected ({}, {})", i, m[0], m[1], row.source * spec.max_tokens + row.token,
+              row.source * k + row.master_lane);
+    for (int j = 0; j < k; ++j) {
+      const int expected = spec.expand ? row.expanded_rows[static_cast<size_t>(j)] : -1;
+      if (m[2 + j] != expected) bad.add("recv_src_metadata[{}, {}] = {}, expected {}", i, 2 + j, m[2 + j], expected);
+    }
+    if (spec.expand) continue;
+    if (!same_bytes(static_cast<const std::uint8_t*>(res.recv_x.data()) + i * rb, &src.x[static_cast<size_t>(row.token) * rb],
+                    static_cast<size_t>(rb)))
+      bad.add("recv_x row {} differs from rank {} token {}", i, row.source, row.token);
+    for (int p = 0; p < spec.scale_cols && spec.fp8; ++p)
+      if (scale_at(res.recv_x_scales, i, p) != src.scales[static_cast<size_t>(row.token * spec.scale_cols + p)])
+        bad.add("recv_x_scales[{}, {}] wrong", i, p);
+    for (int j = 0; j < k; ++j) {
+      if (res.recv_topk_idx.data_as<const std::int64_t>()[i * k + j] != row.local_ids[static_cast<size_t>(j)])
+        bad.add("recv_topk_idx[{}, {}] = {}, expected {}", i, j, res.recv_topk_idx.data_as<const std::int64_t>()[i * k + j],
+                row.local_ids[static_cast<size_t>(j)]);
+      if (spec.weights &&
+          res.recv_topk_weights.data_as<const float>()[i * k + j] != src.weights[static_cast<size_t>(row.token * k + j)])
+        bad.add("recv_topk_weights[{}, {}] wrong", i, j);
+    }
+  }
+  if (!spec.expand) {
+    if (res.recv_x.size(0) != (opt.cpu_sync ? real : worst)) bad.add("recv_x has {} rows", res.recv_x.size(0));
+    for (std::int64_t i = real; i < res.recv_topk_idx.size(0); ++i)
+      for (int j = 0; j < k; ++j)
+        if (res.recv_topk_idx.data_as<const std::int64_t>()[i * k + j] != -1) bad.add("tail recv_topk_idx[{}] not -1", i);
+  } else {
+    if (res.recv_topk_idx.defined()) bad.add("recv_topk_idx must be undefined with do_expand");
+    const std::int64_t worst_exp = (std::int64_t{spec.ranks} * spec.max_tokens * std::min(k, El) +
+                                    std::int64_t{spec.alignment - 1} * El + spec.alignment - 1) / spec.alignment * spec.alignment;
+    if (res.recv_x.size(0) != (opt.cpu_sync ? ref.expanded_rows : worst_exp))
+      bad.add("expanded recv_x has {} rows, expected {}", res.recv_x.size(0), opt.cpu_sync ? ref.expanded_rows : worst_exp);
+    for (int r = 0; r < ref.expanded_rows; ++r) {
+      const auto [owner, lane] = ref.expanded_owner[static_cast<size_t>(r)];
+      const auto* got = static_cast<const std::uint8_t*>(res.recv_x.data()) + std::int64_t{r} * rb;
+      if (owner < 0) {
+        if (!opt.zero_padding) continue;
+        bool zero = std::all_of(got, got + rb, [](std::uint8_t b) { return b == 0; });
+        for (int p = 0; p < spec.scale_cols && spec.fp8; ++p) zero &= scale_at(res.recv_x_scales, r, p) == 0;
+        if (spec.weights) zero &= res.recv_topk_weights.data_as<const float>()[r] == 0.0f;
+        if (!zero) bad.add("padding row {} is not zero", r);
+        continue;
+      }
+      const auto& row = ref.rows[static_cast<size_t>(owner)];
+      const RankInputs& src = all[static_cast<size_t>(row.source)];
+      if (!same_bytes(got, &src.x[static_cast<size_t>(row.token) * rb], static_cast<size_t>(rb)))
+        bad.add("expanded recv_x row {} differs from rank {} token {}", r, row.source, row.token);
+      for (int p = 0; p < spec.scale_cols && spec.fp8; ++p)
+        if (scale_at(res.recv_x_scales, r, p) != src.scales[static_cast<size_t>(row.token * spec.scale_cols + p)])
+          bad.add("expanded recv_x_scales[{}, {}] wrong", r, p);
+      if (spec.weights && res.recv_topk_weights.data_as<const float>()[r] != src.weights[static_cast<size_t>(row.token * k + lane)])
+        bad.add("expanded recv_topk_weights[{}] wrong", r);
+    }
+  }
+
+  // Source side: slots at the destinations' master lanes.
+  const RankInputs& mine = all[static_cast<size_t>(me)];
+  std::vector<int> next(static_cast<size_t>(spec.ranks), 0);
+  for (int t = 0; t < mine.num_tokens; ++t) {
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t e = mine.topk[static_cast<size_t>(t * k + j)];
+      bool master = e >= 0;
+      for (int l = j + 1; l < k && master; ++l)
+        master = !(mine.topk[static_cast<size_t>(t * k + l)] >= 0 && mine.topk[static_cast<size_t>(t * k + l)] / El == e / El);
+      const int expected = master ? me * spec.max_tokens + next[static_cast<size_t>(e / El)] : -1;
+      if (h.dst_buffer_slot_idx.data_as<const std::int32_t>()[t * k + j] != expected)
+        bad.add("dst_buffer_slot_idx[{}, {}] = {}, expected {}", t, j, h.dst_buffer_slot_idx.data_as<const std::int32_t>()[t * k + j],
+                expected);
+    }
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t e = mine.topk[static_cast<size_t>(t * k + j)];
+      bool master = e >= 0;
+      for (int l = j + 1; l < k && master; ++l)
+        master = !(mine.topk[static_cast<size_t>(t * k + l)] >= 0 && mine.topk[static_cast<size_t>(t * k + l)] / El == e / El);
+      if (master) ++next[static_cast<size_t>(e / El)];
+    }
+  }
+}
+
+void expect_same_tensor(const Tensor& a, const Tensor& b, std::int64_t rows, const char* name, Mismatches& bad) {
+  if (a.defined() != b.defined()) {
+    bad.add("cached {}: defined differs", name);
+    return;
+  }
+  if (!a.defined()) return;
+  if (a.ndim() != b.ndim() || a.size(0) != b.size(0)) {
+    bad.add("cached {}: shape {} vs {}", name, a.describe(), b.describe());
+    return;
+  }
+  const std::int64_t cols = a.ndim() == 1 ? 1 : a.size(1);
+  const std::size_t es = element_size(a.dtype());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) {
+      const std::int64_t oa = a.ndim() == 1 ? r * a.stride(0) : r * a.stride(0) + c * a.stride(1);
+      const std::int64_t ob = b.ndim() == 1 ? r * b.stride(0) : r * b.stride(0) + c * b.stride(1);
+      if (!same_bytes(static_cast<const char*>(a.data()) + oa * static_cast<std::int64_t>(es),
+                      static_cast<const char*>(b.data()) + ob * static_cast<std::int64_t>(es), es)) {
+        bad.add("cached {} differs at row {} column {}", name, r, c);
+        return;
+      }
+    }
+}
+
+}  // namespace
+
+std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, const RunOptions& opt) {
+  const int me = group.rank(), k = spec.k, H = spec.hidden;
+  Mismatches bad(me);
+  ElasticBuffer buffer(group, {.num_max_tokens_per_rank = spec.max_tokens,
+                               .hidden = H,
+                               .num_topk = k,
+                               .use_fp8_dispatch = spec.fp8,
+                               .allow_hybrid_mode = spec.allow_hybrid,
+                               .allow_multiple_reduction = spec.multi,
+                               .num_cpu_timeout_secs = 120});
+  std::vector<RankInputs> all;
+  for (int r = 0; r < spec.ranks; ++r) all.push_back(reference::make_inputs(spec, r));
+  RankInputs& in = all[static_cast<size_t>(me)];
+  const std::int64_t n = in.num_tokens;
+  TensorView x(in.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H});
+  TensorView scales(in.scales.data(), DType::kFP32, {n, spec.scale_cols});
+  TensorView topk(in.topk.data(), DType::kInt64, {n, k});
+  TensorView weights(in.weights.data(), DType::kFP32, {n, k});
+  Tensor stats = Tensor::zeros({spec.experts_per_rank()}, DType::kInt32);
+
+  DispatchArgs args{.x = x,
+                    .topk_idx = topk,
+                    .cumulative_local_expert_recv_stats = stats,
+                    .num_experts = spec.num_experts,
+                    .expert_alignment = spec.alignment,
+                    .num_sms = opt.num_sms,
+                    .async_with_compute_stream = opt.async,
+                    .do_cpu_sync = opt.cpu_sync,
+                    .do_expand = spec.expand,
+                    .do_zero_padding = opt.zero_padding,
+                    .use_tma_aligned_col_major_sf = opt.col_major_scales};
+  if (spec.fp8) args.x_scales = scales;
+  if (spec.weights) args.topk_weights = weights;
+  DispatchResult res = buffer.dispatch(args);
+  res.event.wait();
+  const auto ref = reference::reference_dispatch(spec, all, me);
+  verify_dispatch(spec, opt, all, ref, res, me, bad);
+  for (int i = 0; i < spec.experts_per_rank(); ++i)
+    if (stats.data_as<std::int32_t>()[i] != ref.unaligned[static_cast<size_t>(i)])
+      bad.add("cumulative_local_expert_recv_stats[{}] = {}, expected {}", i, stats.data_as<std::int32_t>()[i],
+              ref.unaligned[static_cast<size_t>(i)]);
+
+  if (opt.cached) {
+    DispatchArgs again{.x = x,
+                       .num_max_tokens_per_rank = spec.max_tokens,
+                       .expert_alignment = spec.alignment,
+                       .async_with_compute_stream = opt.async,
+                       .handle = res.handle,
+                       .do_expand = spec.expand,
+                       .do_zero_padding = opt.zero_padding,
+                       .use_tma_aligned_col_major_sf = opt.col_major_scales};
+    if (spec.fp8) again.x_scales = scales;
+    if (spec.weights) again.topk_weights = weights;
+    DispatchResult cached = buffer.dispatch(again);
+    cached.event.wait();
+    if (cached.handle != res.handle) bad.add("cached dispatch must return the same handle");
+    const std::int64_t rows = spec.expand ? (opt.zero_padding ? ref.expanded_rows : 0) : std::int64_t(ref.rows.size());
+    expect_same_tensor(cached.recv_x, res.recv_x, rows, "recv_x", bad);
+    expect_same_tensor(cached.recv_x_scales, res.recv_x_scales, rows, "recv_x_scales", bad);
+    expect_same_tensor(cached.recv_topk_idx, res.recv_topk_idx, rows, "recv_topk_idx", bad);
+    expect_same_tensor(cached.recv_topk_weights, res.recv_topk_weights, rows, "recv_topk_weights", bad);
+    if (spec.expand && !opt.zero_padding) {
+      for (int r = 0; r < ref.expanded_rows; ++r)  // padding rows are unspecified without zero padding
+        if (ref.expanded_owner[static_cast<size_t>(r)].first >= 0 &&
+            !same_bytes(static_cast<const char*>(cached.recv_x.data()) + std::int64_t{r} * spec.row_bytes(),
+                        static_cast<const char*>(res.recv_x.data()) + std::int64_t{r} * spec.row_bytes(),
+                        static_cast<size_t>(spec.row_bytes())))
+          bad.add("cached expanded recv_x row {} differs", r);
+    }
+  }
+
+  // Combine: expert outputs depend on (this rank, local expert, source token), so a row routed
+  // to the wrong place shows up in the combined result.
+  const auto* meta = res.handle->recv_src_metadata.data_as<const std::int32_t>();
+  const std::int64_t rows = res.recv_x.size(0);
+  Tensor y = Tensor::empty({rows, H}, DType::kBF16);
+  std::fill(y.data_as<std::uint16_t>(), y.data_as<std::uint16_t>() + rows * H, kPoison);
+  Tensor y_weights = spec.weights ? Tensor::empty(res.recv_topk_weights.shape(), DType::kFP32) : Tensor();
+  if (spec.weights)
+    for (std::int64_t i = 0; i < y_weights.numel(); ++i)
+      y_weights.data_as<float>()[i] = res.recv_topk_weights.data_as<const float>()[i] * kWeightScale;
+  for (std::size_t i = 0; i < ref.rows.size(); ++i) {
+    const int src_global = meta[i * static_cast<size_t>(k + 2)];
+    for (int j = 0; j < k; ++j) {
+      const int r = spec.expand ? meta[i * static_cast<size_t>(k + 2) + 2 + static_cast<size_t>(j)] : static_cast<int>(i);
+      if (r < 0) continue;
+      const int local = spec.expand ? static_cast<int>(ref.rows[i].local_ids[static_cast<size_t>(j)]) : -1;
+      for (int h = 0; h < H; ++h) y.data_as<std::uint16_t>()[std::int64_t{r} * H + h] = reference::expert_value(me, local, src_global, h);
+    }
+  }
+  CombineArgs cargs{.x = y, .handle = res.handle, .async_with_compute_stream = opt.async};
+  if (spec.weights) cargs.topk_weights = y_weights;
+  for (auto& b : in.bias) cargs.bias.push_back(TensorView(b.data(), DType::kBF16, {n, H}));
+  CombineResult combined = buffer.combine(cargs);
+  combined.event.wait();
+  const auto ref_combined = reference::reference_combine(spec, all, me, kWeightScale);
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (!same_bytes(combined.combined_x.data_as<const std::uint16_t>() + t * H, &ref_combined.x[static_cast<size_t>(t * H)],
+                    sizeof(std::uint16_t) * static_cast<size_t>(H))) {
+      int h = 0;
+      while (combined.combined_x.data_as<const std::uint16_t>()[t * H + h] == ref_combined.x[static_cast<size_t>(t * H + h)]) ++h;
+      bad.add("combined_x[{}] differs first at h={}: {} vs reference {}", t, h,
+              bf16_to_float(combined.combined_x.data_as<const std::uint16_t>()[t * H + h]),
+              bf16_to_float(ref_combined.x[static_cast<size_t>(t * H + h)]));
+    }
+    for (int j = 0; j < k && spec.weights; ++j)
+      if (combined.combined_topk_weights.data_as<const float>()[t * k + j] != ref_combined.weights[static_cast<size_t>(t * k + j)])
+        bad.add("combined_topk_weights[{}, {}] = {}, expected {}", t, j,
+                combined.combined_topk_weights.data_as<const float>()[t * k + j], ref_combined.weights[static_cast<size_t>(t * k + j)]);
+  }
+  if (!spec.weights && combined.combined_topk_weights.defined()) bad.add("combined_topk_weights defined without weights");
+  return std::move(bad.list());
+}
+
+CaseSpec random_case(std::uint64_t seed, RunOptions* options) {
+  std::mt19937_64 rng(seed * 2654435761ULL + 17);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
+  CaseSpec s;
+  s.seed = seed;
+  s.ranks = pick(1, 8);
+  if ((s.ranks == 4 || s.ranks == 8) && chance(0.5)) s.scaleout = s.ranks == 4 ? 2 : (chance(0.5) ? 2 : 4);
+  if (s.ranks == 6 && chance(0.3)) s.scaleout = chance(0.5) ? 2 : 3;
+  s.allow_hybrid = chance(0.7);
+  s.multi = chance(0.6);
+  const int per_rank = chance(0.3) ? pick(1, 2) : pick(1, 32);
+  s.num_experts = per_rank * s.ranks;
+  s.k = pick(1, std::min(8, s.num_experts));
+  s.max_tokens = pick(1, 24);
+  s.fp8 = chance(0.4);
+  s.hidden = s.fp8 ? 128 * pick(1, 2) : 64 * pick(1, 3);
+  s.scale_cols = s.fp8 ? (chance(0.5) ? s.hidden / 128 : s.hidden / 32) : 0;
+  s.expand = chance(0.5);
+  s.alignment = s.expand ? (chance(0.4) ? 1 : chance(0.5) ? 4 : 128) : (chance(0.5) ? 1 : 8);
+  s.weights = chance(0.8);
+  s.num_bias = pick(0, 2);
+  s.mask_ratio = chance(0.4) ? 0.25 : 0.0;
+  s.skew = chance(0.4) ? 1.5 : 0.0;
+  for (int r = 0; r < s.ranks; ++r) {
+    const int roll = pick(0, 9);
+    s.tokens.push_back(roll == 0 ? 0 : roll == 1 ? s.max_tokens : pick(0, s.max_tokens));
+  }
+  RunOptions o;
+  o.async = chance(0.4);
+  o.cpu_sync = chance(0.75);
+  o.cached = true;
+  o.zero_padding = s.expand && chance(0.5);
+  o.col_major_scales = s.fp8 && chance(0.3);
+  o.num_sms = chance(0.3) ? pick(1, 3) : 0;
+  *options = o;
+  return s;
+}
+
+std::string describe(const CaseSpec& s, const RunOptions& o) {
+  return fmt::format(
+      "seed {} ranks {} topology {}x{} hybrid {} multi {} E {} k {} T {} H {} fp8 {} P {} expand {} align {} weights {} "
+      "bias {} mask {} skew {} tokens [{}] async {} cpu_sync {} zero_pad {} col_major {} workers {}",
+      s.seed, s.ranks, s.scaleout, s.ranks / s.scaleout, s.allow_hybrid, s.multi, s.num_experts, s.k, s.max_tokens,
+      s.hidden, s.fp8, s.scale_cols, s.expand, s.alignment, s.weights, s.num_bias, s.mask_ratio, s.skew,
+      fmt::join(s.tokens, ","), o.async, o.cpu_sync, o.zero_padding, o.col_major_scales, o.num_sms);
+}
+
+}  // namespace moe_ep::testing

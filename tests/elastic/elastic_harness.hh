@@ -1,0 +1,32 @@
+// Runs one randomized dispatch -> combine case on in-process ranks and checks every output
+// against the dense reference. Failures are collected as strings (gtest assertions from rank
+// threads would not stop the other ranks).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/group.hpp"
+#include "reference/dense_reference.hh"
+
+namespace moe_ep::testing {
+
+struct RunOptions {
+  bool async = false;
+  bool cpu_sync = true;
+  bool cached = true;
+  bool zero_padding = false;
+  bool col_major_scales = false;
+  int num_sms = 0;
+};
+
+// Returns the mismatches found on `group`'s rank (empty when everything matched).
+std::vector<std::string> run_elastic_case(Group& group, const reference::CaseSpec& spec, const RunOptions& options);
+
+// A random case from a seed, covering the parameter space of the property tests.
+reference::CaseSpec random_case(std::uint64_t seed, RunOptions* options);
+
+std::string describe(const reference::CaseSpec& spec, const RunOptions& options);
+
+}  // namespace moe_ep::testing
