@@ -117,7 +117,7 @@ void Combine::validate() {
   H_ = h.hidden;
   k_ = h.num_topk;
   max_tokens_ = h.num_max_tokens_per_rank;
-  geo_ = plan_->layout.geometry();
+  geo_ = routing::Geometry{core_.num_ranks, h.num_experts, core_.logical_scaleout};
   const std::int64_t rows = expand_ ? h.num_expanded_tokens : h.num_recv_tokens;
   core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {-1, -1});
   core::expect_rows_contiguous(ctx_, "x", a.x);

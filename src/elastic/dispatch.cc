@@ -23,6 +23,7 @@ class Dispatch final : public DispatchOperation {
     previous_event = args.previous_event;
     try {
       validate();
+      if (!cached_) start_handle();
     } catch (...) {
       local_error = std::current_exception();
     }
@@ -34,6 +35,7 @@ class Dispatch final : public DispatchOperation {
 
  private:
   void validate();
+  void start_handle();
   std::int64_t worst_rows() const;
   std::int64_t worst_expanded_rows() const;
   void allocate_outputs(std::int64_t rows, std::int64_t expanded_rows);
@@ -223,9 +225,36 @@ void Dispatch::allocate_outputs(std::int64_t rows, std::int64_t expanded_rows) {
   if (cached_) {
     result.handle = std::const_pointer_cast<EPHandle>(args_.handle);
   } else {
-    result.handle = std::make_shared<EPHandle>();
     result.handle->recv_src_metadata = Tensor::empty({rows, k_ + 2}, DType::kInt32);
   }
+}
+
+// The parts of a new handle known before any data moves, so that work queued behind an
+// asynchronous dispatch (a combine) can be validated against it at once.
+void Dispatch::start_handle() {
+  state_ = std::make_shared<HandleState>();
+  HandleState& s = *state_;
+  s.buffer_id = core_.id;
+  s.dispatch_sequence = sequence_;
+  s.expand = expand_;
+  s.num_tokens = N_;
+  s.num_topk = k_;
+  s.hidden = H_;
+  s.max_tokens = T_;
+  result.handle = std::make_shared<EPHandle>();
+  EPHandle& h = *result.handle;
+  h.do_expand = expand_;
+  h.num_experts = E_;
+  h.expert_alignment = A_;
+  h.num_max_tokens_per_rank = T_;
+  h.num_tokens = N_;
+  h.num_topk = k_;
+  h.hidden = H_;
+  if (!cpu_sync_) {
+    h.num_recv_tokens = worst_rows();
+    h.num_expanded_tokens = worst_expanded_rows();
+  }
+  h.state = state_;
 }
 
 PeerTensors Dispatch::my_tensors() const {
@@ -264,7 +293,6 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
     if (cached_) {
       plan_ = cached_state_;
     } else {
-      state_ = std::make_shared<HandleState>();
       plan_ = state_.get();
       state_->topk = args_.do_handle_copy ? Tensor::empty({N_, k_}, DType::kInt64) : Tensor().with_view(args_.topk_idx);
       if (args_.do_handle_copy)
@@ -291,7 +319,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
   agreement.local_error(error)
       .field("operation number", static_cast<std::int64_t>(sequence_))
       .field("cached (handle given)", cached_)
-      .field("handle's dispatch number", cached_ ? static_cast<std::int64_t>(cached_state_->dispatch_sequence) : 0)
+      .field("handle's dispatch number", cached_state_ ? static_cast<std::int64_t>(cached_state_->dispatch_sequence) : 0)
       .field("num_max_tokens_per_rank", T_)
       .field("num_experts", E_)
       .field("num_topk", k_)
@@ -440,24 +468,12 @@ void Dispatch::fill_handle() {
   EPHandle& h = *result.handle;
   const auto& layout = s.layout;
   const int me = core_.rank, SU = core_.logical_scaleup;
-  s.buffer_id = core_.id;
-  s.dispatch_sequence = sequence_;
-  s.expand = expand_;
-  s.num_tokens = N_;
-  s.num_topk = k_;
-  s.hidden = H_;
-  s.max_tokens = T_;
-  h.do_expand = expand_;
-  h.num_experts = E_;
-  h.expert_alignment = A_;
-  h.num_max_tokens_per_rank = T_;
   h.num_sms = workers_;
-  h.num_tokens = N_;
-  h.num_topk = k_;
-  h.hidden = H_;
   h.topk_idx = s.topk;
-  h.num_recv_tokens = cpu_sync_ ? layout.rows_at(me) : worst_rows();
-  h.num_expanded_tokens = cpu_sync_ ? layout.expanded_rows_at(me) : worst_expanded_rows();
+  if (cpu_sync_) {
+    h.num_recv_tokens = layout.rows_at(me);
+    h.num_expanded_tokens = layout.expanded_rows_at(me);
+  }
   s.num_expanded_rows = layout.expanded_rows_at(me);
   h.psum_num_recv_tokens_per_scaleup_rank = Tensor::zeros({SU}, DType::kInt32);
   auto* region = h.psum_num_recv_tokens_per_scaleup_rank.data_as<std::int32_t>();
@@ -484,7 +500,6 @@ void Dispatch::fill_handle() {
       const std::int32_t row = s.dst_row[i];
       slot[i] = row < 0 ? -1 : me * T_ + (row - layout.row_base(me, geo_.rank_of_expert(topk[t * s.topk.stride(0) + j])));
     }
-  h.state = state_;
 }
 
 std::byte* Dispatch::region_record(int source, std::int32_t slot) {
