@@ -1,1 +1,73 @@
-int main() { return 0; }
+// moe-ep: run a MoE layer end to end, benchmark dispatch/combine, list the configuration.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <exception>
+
+#include "commands.hh"
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::tools {
+
+void add_layer_options(CLI::App& app, LayerConfig& layer) {
+  app.add_option("--ranks", layer.ranks, "ranks (threads of this process)")->check(CLI::Range(1, 1024));
+  app.add_option("--nodes", layer.scaleout, "logical nodes the ranks are split into (scale-out x scale-up)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("!--no-hybrid", layer.allow_hybrid, "across nodes, send each token to each rank (direct mode)");
+  app.add_flag("!--no-multiple-reduction", layer.multi, "reduce only at the token's rank in combine");
+  app.add_option("--tokens", layer.tokens, "max tokens per rank (ranks use between 7/8 of it and all of it)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--hidden", layer.hidden, "hidden size")->check(CLI::PositiveNumber);
+  app.add_option("--experts", layer.experts, "number of experts (a multiple of --ranks)")->check(CLI::PositiveNumber);
+  app.add_option("--topk", layer.topk, "experts per token")->check(CLI::Range(1, 32));
+  app.add_flag("--fp8", layer.fp8, "dispatch FP8 E4M3 with per-128 block scales (hidden must be a multiple of 128)");
+  app.add_flag("--expand", layer.expand, "receive one row per (token, local expert), grouped by expert");
+  app.add_option("--alignment", layer.alignment, "expert block alignment of the expanded layout")->check(CLI::PositiveNumber);
+  app.add_option("--skew", layer.skew, "Zipf exponent of expert popularity (0 = uniform)")->check(CLI::NonNegativeNumber);
+  app.add_option("--seed", layer.seed, "seed of inputs, routing and experts");
+}
+
+}  // namespace moe_ep::tools
+
+int main(int argc, char** argv) {
+  using namespace moe_ep::tools;
+  CLI::App app{"moe-ep: expert-parallel dispatch and combine on CPU memory"};
+  app.require_subcommand(1);
+
+  RunOptions run;
+  CLI::App* run_cmd = app.add_subcommand("run", "run a DeepSeek-V3-shaped MoE layer on in-process ranks and verify it");
+  add_layer_options(*run_cmd, run.layer);
+  run_cmd->add_option("--iters", run.iterations, "iterations (the best time per phase is reported)")->check(CLI::PositiveNumber);
+  run_cmd->add_option("--workers", run.workers, "worker threads per rank (0 = the theoretical model)")->check(CLI::NonNegativeNumber);
+  run_cmd->add_flag("--async", run.async, "run dispatch and combine on the communication workers, then wait");
+  run_cmd->add_option("--dump", run.dump_dir, "write every rank's inputs and outputs as .npy files here");
+
+  BenchOptions bench;
+  CLI::App* bench_cmd = app.add_subcommand("bench", "dispatch/combine bandwidth against the memcpy ceiling");
+  bench_cmd->add_option("--ranks", bench.ranks, "ranks (threads of this process)")->check(CLI::Range(1, 1024));
+  bench_cmd->add_option("--nodes", bench.nodes, "logical nodes")->check(CLI::PositiveNumber);
+  bench_cmd->add_flag("!--no-hybrid", bench.allow_hybrid, "direct mode across nodes");
+  bench_cmd->add_option("--hidden", bench.hidden, "hidden size")->check(CLI::PositiveNumber);
+  bench_cmd->add_option("--experts", bench.experts, "experts")->check(CLI::PositiveNumber);
+  bench_cmd->add_option("--topk", bench.topk, "experts per token")->check(CLI::Range(1, 32));
+  bench_cmd->add_option("--workers", bench.workers, "worker threads per rank (0 = model)")->check(CLI::NonNegativeNumber);
+  bench_cmd->add_option("--prefill-tokens", bench.prefill_tokens, "tokens per rank, prefill shape")->check(CLI::PositiveNumber);
+  bench_cmd->add_option("--decode-tokens", bench.decode_tokens, "tokens per rank, decode shape")->check(CLI::PositiveNumber);
+  bench_cmd->add_option("--prefill-iters", bench.prefill_iterations, "timed iterations, prefill")->check(CLI::PositiveNumber);
+  bench_cmd->add_option("--decode-iters", bench.decode_iterations, "timed iterations, decode")->check(CLI::PositiveNumber);
+  bench_cmd->add_option("--seed", bench.seed, "seed");
+  bench_cmd->add_option("--json", bench.json_path, "also write the results as JSON to this file");
+
+  app.add_subcommand("env", "list moe-ep's environment variables with their current values and sources");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (app.got_subcommand("run")) return run_command(run);
+    if (app.got_subcommand("bench")) return bench_command(bench);
+    if (app.got_subcommand("env")) return env_command();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moe-ep: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

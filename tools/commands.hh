@@ -1,0 +1,43 @@
+// Subcommands of the `moe-ep` tool. Each returns the process exit status.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+
+#include "moe_layer.hh"
+
+namespace moe_ep::tools {
+
+struct RunOptions {
+  LayerConfig layer;
+  int iterations = 3;
+  int workers = 0;  // num_sms; 0 = the theoretical model
+  bool async = false;
+  std::string dump_dir;
+};
+
+struct BenchOptions {
+  int ranks = 8;
+  int nodes = 1;
+  bool allow_hybrid = true;
+  int hidden = 7168;
+  int experts = 256;
+  int topk = 8;
+  int workers = 0;
+  int prefill_tokens = 4096;
+  int decode_tokens = 128;
+  int prefill_iterations = 5;
+  int decode_iterations = 50;
+  std::uint64_t seed = 1;
+  std::string json_path;
+};
+
+void add_layer_options(CLI::App& app, LayerConfig& layer);
+
+int run_command(const RunOptions& options);
+int bench_command(const BenchOptions& options);
+int env_command();
+
+}  // namespace moe_ep::tools

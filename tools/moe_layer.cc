@@ -1,0 +1,250 @@
+#include "moe_layer.hh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+#include "moe_ep/convert.hpp"
+#include "moe_ep/dtype.hpp"
+
+namespace moe_ep::tools {
+namespace {
+
+// The one place where an expert's output is computed (shared by the run and the reference, so
+// both perform the same FP32 operations): acc[h] += w * (x[h] * scale[h] + bias[h]).
+void accumulate_expert(const float* x, const ExpertParams& params, std::int64_t expert, float weight, int hidden,
+                       float* acc) {
+  const float* s = params.scale.data_as<const float>() + expert * hidden;
+  const float* b = params.bias.data_as<const float>() + expert * hidden;
+  for (int h = 0; h < hidden; ++h) {
+    const float value = x[h] * s[h] + b[h];
+    const float weighted = weight * value;
+    acc[h] += weighted;
+  }
+}
+
+// Row t of the received or local activations as FP32.
+void load_row(const LayerConfig& config, const TensorView& x, const TensorView& scales, std::int64_t row, float* out) {
+  const int H = config.hidden;
+  if (!config.fp8) {
+    const auto* in = x.data_as<const std::uint16_t>() + row * x.stride(0);
+    for (int h = 0; h < H; ++h) out[h] = bf16_to_float(in[h]);
+    return;
+  }
+  // Decode through a table of the 256 FP8 values, one scale per 128-element block.
+  static const std::vector<float> decoded = [] {
+    std::vector<float> table(256);
+    for (int code = 0; code < 256; ++code) table[static_cast<size_t>(code)] = fp8_e4m3_to_float(static_cast<std::uint8_t>(code));
+    return table;
+  }();
+  const auto* q = x.data_as<const std::uint8_t>() + row * x.stride(0);
+  for (int block = 0; block < H / 128; ++block) {
+    const float scale = scales.data_as<const float>()[row * scales.stride(0) + block * scales.stride(1)];
+    for (int h = block * 128; h < (block + 1) * 128; ++h) out[h] = decoded[q[h]] * scale;
+  }
+}
+
+void round_row(const float* acc, int hidden, std::uint16_t* out) {
+  for (int h = 0; h < hidden; ++h) out[h] = float_to_bf16(acc[h]);
+}
+
+// Sums BF16 rows in FP32 in order (first row as is) and rounds once; one row passes through.
+std::vector<std::uint16_t> sum_rows(const std::vector<const std::uint16_t*>& rows, int hidden) {
+  std::vector<std::uint16_t> out(static_cast<size_t>(hidden), 0);
+  for (int h = 0; h < hidden && !rows.empty(); ++h) {
+    float acc = bf16_to_float(rows[0][h]);
+    for (std::size_t i = 1; i < rows.size(); ++i) acc += bf16_to_float(rows[i][h]);
+    out[static_cast<size_t>(h)] = float_to_bf16(acc);
+  }
+  return out;
+}
+
+}  // namespace
+
+int LayerConfig::tokens_on(int rank) const { return tokens - (rank * 7) % (tokens / 8 + 1); }
+
+void route(const LayerConfig& c, int rank, int n, Tensor& topk_idx, Tensor& topk_weights) {
+  std::mt19937_64 rng(c.seed * 0x2545f4914f6cdd1dULL + static_cast<std::uint64_t>(rank) + 7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // Expert popularity: Zipf over a seeded permutation (the same on every rank).
+  std::vector<int> perm(static_cast<size_t>(c.experts));
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937_64(c.seed));
+  std::vector<float> prior(static_cast<size_t>(c.experts));
+  for (int i = 0; i < c.experts; ++i)
+    prior[static_cast<size_t>(perm[static_cast<size_t>(i)])] = static_cast<float>(-c.skew * std::log(i + 1.0));
+  topk_idx = Tensor::empty({n, c.topk}, DType::kInt64);
+  topk_weights = Tensor::empty({n, c.topk}, DType::kFP32);
+  std::vector<float> logits(static_cast<size_t>(c.experts));
+  std::vector<int> order(static_cast<size_t>(c.experts));
+  for (int t = 0; t < n; ++t) {
+    for (int e = 0; e < c.experts; ++e) logits[static_cast<size_t>(e)] = prior[static_cast<size_t>(e)] + normal(rng);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + c.topk, order.end(),
+                      [&](int a, int b2) { return logits[static_cast<size_t>(a)] > logits[static_cast<size_t>(b2)]; });
+    float total = 0.0f;
+    for (int j = 0; j < c.topk; ++j)
+      total += std::exp(logits[static_cast<size_t>(order[static_cast<size_t>(j)])] - logits[static_cast<size_t>(order[0])]);
+    for (int j = 0; j < c.topk; ++j) {
+      const int e = order[static_cast<size_t>(j)];
+      topk_idx.data_as<std::int64_t>()[t * c.topk + j] = e;
+      topk_weights.data_as<float>()[t * c.topk + j] =
+          std::exp(logits[static_cast<size_t>(e)] - logits[static_cast<size_t>(order[0])]) / total;
+    }
+  }
+}
+
+RankBatch make_batch(const LayerConfig& c, int rank) {
+  RankBatch b;
+  const int n = c.tokens_on(rank);
+  std::mt19937_64 rng(c.seed * 0x9e3779b97f4a7c15ULL + static_cast<std::uint64_t>(rank) + 1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  b.x = Tensor::empty({n, c.hidden}, DType::kBF16);
+  for (std::int64_t i = 0; i < b.x.numel(); ++i) b.x.data_as<std::uint16_t>()[i] = float_to_bf16(normal(rng));
+  if (c.fp8) {
+    Fp8Tensor q = quantize_fp8(b.x);
+    b.x_fp8 = q.data;
+    b.x_scales = q.scales;
+  }
+  route(c, rank, n, b.topk_idx, b.topk_weights);
+  return b;
+}
+
+ExpertParams make_experts(const LayerConfig& c) {
+  ExpertParams p{Tensor::empty({c.experts, c.hidden}, DType::kFP32), Tensor::empty({c.experts, c.hidden}, DType::kFP32)};
+  std::mt19937_64 rng(c.seed + 12345);
+  std::uniform_real_distribution<float> scale(0.5f, 1.5f), bias(-0.25f, 0.25f);
+  for (std::int64_t i = 0; i < p.scale.numel(); ++i) {
+    p.scale.data_as<float>()[i] = scale(rng);
+    p.bias.data_as<float>()[i] = bias(rng);
+  }
+  return p;
+}
+
+Tensor run_experts(const LayerConfig& c, const ExpertParams& params, int rank, const DispatchResult& r) {
+  const int H = c.hidden, k = c.topk, El = c.experts / c.ranks;
+  const EPHandle& h = *r.handle;
+  const std::int64_t rows = r.recv_x.size(0);
+  Tensor y = Tensor::zeros({rows, H}, DType::kBF16);
+  std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
+  auto* out = y.data_as<std::uint16_t>();
+  if (!c.expand) {
+    const std::int64_t real = h.psum_num_recv_tokens_per_scaleup_rank.data_as<const std::int32_t>()[h.psum_num_recv_tokens_per_scaleup_rank.size(0) - 1];
+    for (std::int64_t i = 0; i < real; ++i) {
+      load_row(c, r.recv_x, r.recv_x_scales, i, x.data());
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int j = 0; j < k; ++j) {
+        const std::int64_t local = r.recv_topk_idx.data_as<const std::int64_t>()[i * k + j];
+        if (local < 0) continue;
+        accumulate_expert(x.data(), params, std::int64_t{rank} * El + local, r.recv_topk_weights.data_as<const float>()[i * k + j], H,
+                          acc.data());
+      }
+      round_row(acc.data(), H, out + i * H);
+    }
+    return y;
+  }
+  // Expanded: expert i holds rows [start_i, start_i + count_i); start_i = align(psum[i-1]).
+  const auto* psum = h.psum_num_recv_tokens_per_expert.data_as<const std::int32_t>();
+  for (int i = 0; i < El; ++i) {
+    const std::int64_t end = psum[i];
+    const std::int64_t start = i == 0 ? 0 : (psum[i - 1] + c.alignment - 1) / c.alignment * c.alignment;
+    for (std::int64_t row = start; row < end; ++row) {
+      load_row(c, r.recv_x, r.recv_x_scales, row, x.data());
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      accumulate_expert(x.data(), params, std::int64_t{rank} * El + i, r.recv_topk_weights.data_as<const float>()[row], H, acc.data());
+      round_row(acc.data(), H, out + row * H);
+    }
+  }
+  return y;
+}
+
+Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const std::vector<RankBatch>& all, int rank) {
+  const RankBatch& b = all[static_cast<size_t>(rank)];
+  const int H = c.hidden, k = c.topk, El = c.experts / c.ranks;
+  const int nodes = c.allow_hybrid ? c.scaleout : 1;
+  const int ranks_per_node = c.ranks / nodes;
+  const std::int64_t n = b.x.size(0);
+  Tensor out = Tensor::empty({n, H}, DType::kBF16);
+  std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (c.fp8) {
+      load_row(c, b.x_fp8, b.x_scales, t, x.data());
+    } else {
+      load_row(c, b.x, TensorView(), t, x.data());
+    }
+    const std::int64_t* ids = b.topk_idx.data_as<const std::int64_t>() + t * k;
+    const float* w = b.topk_weights.data_as<const float>() + t * k;
+    auto rank_of = [&](int j) { return static_cast<int>(ids[j] / El); };
+    // One BF16 row per lane (expanded) or per destination rank (compact).
+    std::vector<std::vector<std::uint16_t>> lane_rows(static_cast<size_t>(k));
+    std::vector<int> master(static_cast<size_t>(c.ranks), -1);
+    for (int j = 0; j < k; ++j)
+      if (ids[j] >= 0) master[static_cast<size_t>(rank_of(j))] = j;  // highest lane wins
+    auto rank_row = [&](int d) {
+      std::vector<std::uint16_t> row(static_cast<size_t>(H));
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int j = 0; j < k; ++j)
+        if (ids[j] >= 0 && rank_of(j) == d) accumulate_expert(x.data(), params, ids[j], w[j], H, acc.data());
+      round_row(acc.data(), H, row.data());
+      return row;
+    };
+    for (int j = 0; j < k && c.expand; ++j) {
+      if (ids[j] < 0) continue;
+      lane_rows[static_cast<size_t>(j)].resize(static_cast<size_t>(H));
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      accumulate_expert(x.data(), params, ids[j], w[j], H, acc.data());
+      round_row(acc.data(), H, lane_rows[static_cast<size_t>(j)].data());
+    }
+    std::vector<std::vector<std::uint16_t>> storage;
+    storage.reserve(static_cast<size_t>(4 * k));
+    auto contribution = [&](int d) -> const std::uint16_t* {  // rank d's unit
+      if (!c.expand) {
+        storage.push_back(rank_row(d));
+        return storage.back().data();
+      }
+      std::vector<const std::uint16_t*> lanes;
+      for (int j = 0; j < k; ++j)
+        if (ids[j] >= 0 && rank_of(j) == d) lanes.push_back(lane_rows[static_cast<size_t>(j)].data());
+      if (lanes.size() == 1) return lanes[0];
+      storage.push_back(sum_rows(lanes, H));
+      return storage.back().data();
+    };
+    std::vector<std::pair<int, int>> by_master;  // (master lane, rank)
+    for (int d = 0; d < c.ranks; ++d)
+      if (master[static_cast<size_t>(d)] >= 0) by_master.push_back({master[static_cast<size_t>(d)], d});
+    std::sort(by_master.begin(), by_master.end());
+    std::vector<const std::uint16_t*> units;
+    if (c.expand && !c.multi) {
+      for (int j = 0; j < k; ++j)
+        if (ids[j] >= 0) units.push_back(lane_rows[static_cast<size_t>(j)].data());
+    } else if (nodes > 1 && c.multi) {
+      std::vector<int> node_master(static_cast<size_t>(nodes), -1);
+      for (int j = 0; j < k; ++j)
+        if (ids[j] >= 0) node_master[static_cast<size_t>(rank_of(j) / ranks_per_node)] = j;
+      std::vector<std::pair<int, int>> by_node;
+      for (int g = 0; g < nodes; ++g)
+        if (node_master[static_cast<size_t>(g)] >= 0) by_node.push_back({node_master[static_cast<size_t>(g)], g});
+      std::sort(by_node.begin(), by_node.end());
+      for (const auto& [lane, g] : by_node) {
+        std::vector<const std::uint16_t*> members;
+        for (const auto& [m, d] : by_master)
+          if (d / ranks_per_node == g) members.push_back(contribution(d));
+        if (members.size() == 1) {
+          units.push_back(members[0]);
+        } else {
+          storage.push_back(sum_rows(members, H));
+          units.push_back(storage.back().data());
+        }
+      }
+    } else {
+      for (const auto& [m, d] : by_master) units.push_back(contribution(d));
+    }
+    const auto final_row = sum_rows(units, H);
+    std::memcpy(out.data_as<std::uint16_t>() + t * H, final_row.data(), sizeof(std::uint16_t) * static_cast<size_t>(H));
+  }
+  return out;
+}
+
+}  // namespace moe_ep::tools

@@ -1,0 +1,69 @@
+// The MoE layer that `moe-ep run` pushes through dispatch and combine, and its single-threaded
+// reference.
+//
+// Per rank: BF16 activations x [N, H] (N varies a little by rank), a router that picks top-k
+// distinct experts per token from skewed logits (expert popularity follows a Zipf law over a
+// seeded permutation, so hot experts land on random ranks) with softmax weights over the chosen
+// logits. Expert e computes f_e(x)[h] = x[h] * scale_e[h] + bias_e[h] (FP32, x dequantized when
+// dispatched as FP8): every expert differs, so a token routed to the wrong expert or rank changes
+// the result. The destination applies the routing weights before combine (combine sums):
+//   compact layout:  row = bf16( sum over the token's local lanes j, ascending, of w_j * f_ej(x) )
+//   expanded layout: row = bf16( w_j * f_ej(x) )
+// The reference computes every token's final output with the reduction order of
+// docs/semantics.md, from the inputs of all ranks, without the library.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/tensor.hpp"
+
+namespace moe_ep::tools {
+
+struct LayerConfig {
+  int ranks = 8;
+  int scaleout = 1;
+  bool allow_hybrid = true;
+  bool multi = true;
+  int tokens = 256;  // num_max_tokens_per_rank
+  int hidden = 7168;
+  int experts = 256;
+  int topk = 8;
+  bool fp8 = false;
+  bool expand = false;
+  int alignment = 1;
+  double skew = 0.8;  // Zipf exponent of expert popularity
+  std::uint64_t seed = 1;
+
+  int tokens_on(int rank) const;  // N of a rank, <= tokens
+};
+
+struct RankBatch {
+  Tensor x;          // bfloat16 [N, H]
+  Tensor x_fp8;      // float8_e4m3fn [N, H] (FP8 only)
+  Tensor x_scales;   // float32 [N, H/128] (FP8 only)
+  Tensor topk_idx;   // int64 [N, k]
+  Tensor topk_weights;  // float32 [N, k]
+};
+
+RankBatch make_batch(const LayerConfig& config, int rank);
+// The router alone: fills topk_idx and topk_weights for `num_tokens` tokens of `rank`.
+void route(const LayerConfig& config, int rank, int num_tokens, Tensor& topk_idx, Tensor& topk_weights);
+
+// Per-expert parameters, float32 [E, H] each.
+struct ExpertParams {
+  Tensor scale;
+  Tensor bias;
+};
+ExpertParams make_experts(const LayerConfig& config);
+
+// Runs the local experts on a dispatch result; returns the combine input (BF16, rows of the
+// dispatch layout; padding and rows past the real count are zero).
+Tensor run_experts(const LayerConfig& config, const ExpertParams& params, int rank, const DispatchResult& received);
+
+// The expected combine output of every token of `rank`, [N, H] BF16.
+Tensor reference_output(const LayerConfig& config, const ExpertParams& params, const std::vector<RankBatch>& all,
+                        int rank);
+
+}  // namespace moe_ep::tools
