@@ -38,6 +38,6 @@ void add_layer_options(CLI::App& app, LayerConfig& layer);
 
 int run_command(const RunOptions& options);
 int bench_command(const BenchOptions& options);
-int env_command();
+int env_command(bool markdown);
 
 }  // namespace moe_ep::tools

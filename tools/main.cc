@@ -58,13 +58,15 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--seed", bench.seed, "seed");
   bench_cmd->add_option("--json", bench.json_path, "also write the results as JSON to this file");
 
-  app.add_subcommand("env", "list moe-ep's environment variables with their current values and sources");
+  bool env_markdown = false;
+  CLI::App* env_cmd = app.add_subcommand("env", "list moe-ep's environment variables with their current values and sources");
+  env_cmd->add_flag("--markdown", env_markdown, "print the documentation table (docs/env.md)");
 
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("run")) return run_command(run);
     if (app.got_subcommand("bench")) return bench_command(bench);
-    if (app.got_subcommand("env")) return env_command();
+    if (app.got_subcommand("env")) return env_command(env_markdown);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe-ep: %s\n", e.what());
     return 2;

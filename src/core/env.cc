@@ -19,7 +19,7 @@ const std::vector<Variable>& variables() {
       {"MOE_EP_DEBUG", Type::kBool, "0", {},
        "Print debug information to stderr (buffer sizes, worker counts, sizing decisions)."},
       {"MOE_EP_TIMEOUT_SECS", Type::kFloat, "300", {},
-       "Default time a rank waits for its peers before raising TimeoutError naming them."},
+       "Timeout of Group::barrier when none is given (buffers use their num_cpu_timeout_secs)."},
       {"MOE_EP_NUM_WORKERS", Type::kInt, "0", {},
        "Worker threads per rank for dispatch/combine copies; 0 = the theoretical model."},
       {"MOE_EP_ALLOCATOR_CACHE_BYTES", Type::kInt, "17179869184", {},
