@@ -131,12 +131,17 @@ class BufferCore {
   std::uint64_t expect_signal(int source) { return ++signals_expected_[static_cast<size_t>(source)]; }
   int resolve_workers(int num_sms, int num_experts, int num_topk);
   void check_num_qps(const std::string& context, int num_qps) const;
+  // Waits for a caller's event (previous_event, previous_event_before_epilogue) up to the timeout.
+  void wait_for_event(const std::optional<Event>& event, const std::string& context, const char* argument) const;
 
  private:
   void check_usable(const char* operation) const;
   void simple_collective(const char* operation);
   // Runs the operation inline (sync) or on the communication worker (async).
   Event submit(const std::shared_ptr<Operation>& op, bool async);
+  // submit, then the operation's result with its event.
+  template <class Op>
+  auto execute(const std::shared_ptr<Op>& op, bool async);
   void run_guarded(Operation& op, const std::function<void()>& outputs_ready);
   std::string broken_reason() const;
   std::uint64_t next_sequence() { return ++sequence_; }

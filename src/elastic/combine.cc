@@ -73,10 +73,16 @@ class Combine final : public CombineOperation {
     return reinterpret_cast<const std::uint16_t*>(
         static_cast<const std::byte*>(core_.transport().node_address(d, p.x)) + r * p.x_row_bytes);
   }
-  float weight_of(int d, std::int32_t row, int lane) const {
+  // The weight that lane j's rank (on this node) returned for the token: column j of the rank's
+  // row at its master lane (compact), or the weight of lane j's expanded row.
+  float lane_weight(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int j) const {
+    const int d = geo_.rank_of_expert(ids[j]);
     const PeerTensors& p = peers_[static_cast<size_t>(d)];
     const float* w = static_cast<const float*>(core_.transport().node_address(d, p.weights));
-    return expand_ ? w[row] : w[row * p.weights_row + lane];
+    if (expand_) return w[expanded[j]];
+    for (int l = k_ - 1; l >= 0; --l)
+      if (ids[l] >= 0 && geo_.rank_of_expert(ids[l]) == d) return w[rows[l] * p.weights_row + j];
+    return 0.0f;
   }
   // The unit of destination rank d (on this node) for a token: its row, or the level-1 sum of
   // its lanes (expanded layout). rows/expanded: the token's rows at the lanes' ranks.
@@ -86,6 +92,9 @@ class Combine final : public CombineOperation {
   // selected by `take(rank)`; keys are master lanes (or lanes without multiple reduction).
   int node_units(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int node,
                  std::array<Unit, kMaxTopk>& units, int& scratch) const;
+  // Level 2: the sum of a node's rank units in ascending master-lane order (null if none).
+  const std::uint16_t* node_sum(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded,
+                                int node, int& scratch) const;
   std::byte* combine_record(int key, std::int32_t token) {
     return core_.memory().local() + (static_cast<std::int64_t>(key) * max_tokens_ + token) * record_.bytes;
   }
@@ -156,27 +165,24 @@ void Combine::allocate_outputs_early() {
 }
 
 void Combine::run(const std::function<void()>& outputs_ready) {
+  // Everything before the agreement reports failure through it (see Dispatch::run).
   std::exception_ptr error = local_error;
-  if (!error && previous_event) {
+  PeerTensors mine;
+  if (!error) {
     try {
-      if (!previous_event->wait_for(core_.config.num_cpu_timeout_secs))
-        throw TimeoutError(fmt::format("{}: previous_event did not complete within {} s", ctx_,
-                                       core_.config.num_cpu_timeout_secs), {});
+      core_.wait_for_event(previous_event, ctx_, "previous_event");
+      if (!result.combined_x.defined()) allocate_outputs_early();
+      core_.resolve_workers(args_.num_sms > 0 ? args_.num_sms : args_.handle->num_sms, geo_.num_experts, k_);
+      mine.x = static_cast<const std::byte*>(args_.x.data());
+      mine.x_row_bytes = args_.x.stride(0) * 2;
+      if (has_weights_) {
+        mine.weights = args_.topk_weights.data_as<const float>();
+        mine.weights_row = expand_ ? 1 : args_.topk_weights.stride(0);
+      }
+      mine.num_tokens = N_;
     } catch (...) {
       error = std::current_exception();
     }
-  }
-  PeerTensors mine;
-  if (!error) {
-    if (!result.combined_x.defined()) allocate_outputs_early();
-    core_.resolve_workers(args_.num_sms > 0 ? args_.num_sms : args_.handle->num_sms, geo_.num_experts, k_);
-    mine.x = static_cast<const std::byte*>(args_.x.data());
-    mine.x_row_bytes = args_.x.stride(0) * 2;
-    if (has_weights_) {
-      mine.weights = args_.topk_weights.data_as<const float>();
-      mine.weights_row = expand_ ? 1 : args_.topk_weights.stride(0);
-    }
-    mine.num_tokens = N_;
   }
   comm::Agreement agreement(ctx_, "combine");
   agreement.local_error(error)
@@ -189,12 +195,14 @@ void Combine::run(const std::function<void()>& outputs_ready) {
                                            std::as_bytes(std::span(&mine, 1)));
   agreed = true;
   peers_.resize(payloads.size());
-  for (std::size_t r = 0; r < payloads.size(); ++r) std::memcpy(&peers_[r], payloads[r].data(), sizeof(PeerTensors));
+  for (std::size_t r = 0; r < payloads.size(); ++r) {
+    if (payloads[r].size() != sizeof(PeerTensors))
+      throw StateError(fmt::format("{}: rank {} published {} bytes, expected {}", ctx_, r, payloads[r].size(),
+                                   sizeof(PeerTensors)));
+    std::memcpy(&peers_[r], payloads[r].data(), sizeof(PeerTensors));
+  }
   outputs_ready();
-  if (args_.previous_event_before_epilogue &&
-      !args_.previous_event_before_epilogue->wait_for(core_.config.num_cpu_timeout_secs))
-    throw TimeoutError(fmt::format("{}: previous_event_before_epilogue did not complete within {} s", ctx_,
-                                   core_.config.num_cpu_timeout_secs), {});
+  core_.wait_for_event(args_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
   put_contributions();
   wait_contributions();
   reduce_tokens();
@@ -237,6 +245,18 @@ int Combine::node_units(const std::int64_t* ids, const std::int32_t* rows, const
   return n;
 }
 
+const std::uint16_t* Combine::node_sum(const std::int64_t* ids, const std::int32_t* rows,
+                                       const std::int32_t* expanded, int node, int& scratch) const {
+  std::array<Unit, kMaxTopk> units;
+  const int n = node_units(ids, rows, expanded, node, units, scratch);
+  if (n <= 1) return n == 1 ? units[0].row : nullptr;
+  std::array<const std::uint16_t*, kMaxTopk> rows_in;
+  for (int i = 0; i < n; ++i) rows_in[static_cast<size_t>(i)] = units[static_cast<size_t>(i)].row;
+  std::uint16_t* sum = scratch_row(scratch++, H_);
+  core::sum_bf16_rows({rows_in.data(), static_cast<size_t>(n)}, sum, H_);
+  return sum;
+}
+
 void Combine::put_record(int peer, int key, std::int32_t token, const std::uint16_t* payload, const float* weights) {
   const std::int64_t offset = (static_cast<std::int64_t>(key) * max_tokens_ + token) * record_.bytes;
   core_.transport().put(peer, core_.memory(), static_cast<std::size_t>(offset), payload, static_cast<std::size_t>(H_) * 2);
@@ -252,45 +272,26 @@ void Combine::put_contributions() {
   std::array<float, kMaxTopk> weights{};
   std::array<Unit, kMaxTopk> units;
   std::vector<bool> signalled(static_cast<size_t>(geo_.num_ranks), false);
-  // Weights of the lanes of this node's ranks (0 elsewhere): lanes whose rank holds the row.
+  // Weights of the lanes selected by keep (0 elsewhere).
   auto lane_weights = [&](const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, auto keep) {
     weights.fill(0.0f);
     if (!has_weights_) return;
-    for (int j = 0; j < k_; ++j) {
-      if (ids[j] < 0 || !keep(j)) continue;
-      const int d = geo_.rank_of_expert(ids[j]);
-      if (expand_) {
-        weights[static_cast<size_t>(j)] = weight_of(d, expanded[j], j);
-      } else {
-        int master = j;
-        for (int l = k_ - 1; l >= 0; --l)
-          if (ids[l] >= 0 && geo_.rank_of_expert(ids[l]) == d) {
-            master = l;
-            break;
-          }
-        weights[static_cast<size_t>(j)] = weight_of(d, rows[master], j);
-      }
-    }
+    for (int j = 0; j < k_; ++j)
+      if (ids[j] >= 0 && keep(j)) weights[static_cast<size_t>(j)] = lane_weight(ids, rows, expanded, j);
   };
   prepare_scratch(H_);
   auto send_token = [&](int peer, std::int32_t token, const std::int64_t* ids, const std::int32_t* rows,
                         const std::int32_t* expanded, bool node_unit_key) {
     int scratch = 0;
-    const int n = node_units(ids, rows, expanded, my_node, units, scratch);
-    if (n == 0) return;
     if (node_unit_key) {
       // Hybrid with multiple reduction: one level-2 unit for this node, keyed by node.
-      std::array<const std::uint16_t*, kMaxTopk> rows_in;
-      for (int i = 0; i < n; ++i) rows_in[static_cast<size_t>(i)] = units[static_cast<size_t>(i)].row;
-      const std::uint16_t* payload = rows_in[0];
-      if (n > 1) {
-        std::uint16_t* out = scratch_row(scratch++, H_);
-        core::sum_bf16_rows({rows_in.data(), static_cast<size_t>(n)}, out, H_);
-        payload = out;
-      }
+      const std::uint16_t* payload = node_sum(ids, rows, expanded, my_node, scratch);
+      if (payload == nullptr) return;
       lane_weights(ids, rows, expanded, [&](int j) { return core_.node_of(geo_.rank_of_expert(ids[j])) == my_node; });
       put_record(peer, core_.routing_node_of(me), token, payload, weights.data());
     } else {
+      const int n = node_units(ids, rows, expanded, my_node, units, scratch);
+      if (n == 0) return;
       for (int i = 0; i < n; ++i) {
         const int key = units[static_cast<size_t>(i)].key;
         const int unit_rank = geo_.rank_of_expert(ids[key]);
@@ -369,7 +370,7 @@ void Combine::reduce_tokens() {
   core_.pool().parallel_for((N_ + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
     prepare_scratch(H_);
     const int end = static_cast<int>(std::min<std::int64_t>(N_, (task + 1) * kTokensPerTask));
-    std::array<Unit, kMaxTopk> units, node_list;
+    std::array<Unit, kMaxTopk> units;
     std::array<const std::uint16_t*, kMaxTopk + 2> inputs;
     std::array<routing::Destination, kMaxTopk> dests;
     for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t) {
@@ -390,16 +391,8 @@ void Combine::reduce_tokens() {
         for (int i = 0; i < nn; ++i) {
           const int node = dests[static_cast<size_t>(i)].target;
           if (node == my_node) {
-            const int m = node_units(ids, rows, expanded, node, node_list, scratch);
-            std::array<const std::uint16_t*, kMaxTopk> rows_in;
-            for (int u = 0; u < m; ++u) rows_in[static_cast<size_t>(u)] = node_list[static_cast<size_t>(u)].row;
-            const std::uint16_t* unit = rows_in[0];
-            if (m > 1) {
-              std::uint16_t* sum = scratch_row(scratch++, H_);
-              core::sum_bf16_rows({rows_in.data(), static_cast<size_t>(m)}, sum, H_);
-              unit = sum;
-            }
-            units[static_cast<size_t>(n++)] = {dests[static_cast<size_t>(i)].master_lane, unit};
+            units[static_cast<size_t>(n++)] = {dests[static_cast<size_t>(i)].master_lane,
+                                               node_sum(ids, rows, expanded, node, scratch)};
           } else {
             const std::byte* record = combine_record(node, t);
             units[static_cast<size_t>(n++)] = {dests[static_cast<size_t>(i)].master_lane,
@@ -430,22 +423,8 @@ void Combine::reduce_tokens() {
         std::sort(units.begin(), units.begin() + n, [](const Unit& a, const Unit& b) { return a.key < b.key; });
       }
       // Weights of lanes served on this node.
-      if (w) {
-        for (int j = 0; j < k_; ++j) {
-          if (ids[j] < 0) continue;
-          const int d = geo_.rank_of_expert(ids[j]);
-          if (core_.node_of(d) != my_node) continue;
-          if (expand_) {
-            w[j] = weight_of(d, expanded[j], j);
-          } else {
-            for (int l = k_ - 1; l >= 0; --l)
-              if (ids[l] >= 0 && geo_.rank_of_expert(ids[l]) == d) {
-                w[j] = weight_of(d, rows[l], j);
-                break;
-              }
-          }
-        }
-      }
+      for (int j = 0; j < k_ && w; ++j)
+        if (ids[j] >= 0 && core_.node_of(geo_.rank_of_expert(ids[j])) == my_node) w[j] = lane_weight(ids, rows, expanded, j);
       int count = 0;
       for (const TensorView& b : args_.bias)
         inputs[static_cast<size_t>(count++)] = b.data_as<const std::uint16_t>() + t * b.stride(0);

@@ -270,7 +270,7 @@ PeerTensors Dispatch::my_tensors() const {
     p.weights = args_.topk_weights.data_as<const float>();
     p.weights_row = args_.topk_weights.stride(0);
   }
-  const Tensor& topk = plan_ ? plan_->topk : state_->topk;
+  const Tensor& topk = plan_->topk;
   p.topk = topk.data_as<const std::int64_t>();
   p.topk_row = topk.defined() ? topk.stride(0) : k_;
   p.num_tokens = N_;
@@ -278,28 +278,29 @@ PeerTensors Dispatch::my_tensors() const {
 }
 
 void Dispatch::run(const std::function<void()>& outputs_ready) {
+  // Everything before the agreement reports failure through it, so that peers are not left
+  // waiting for a rank that threw.
   std::exception_ptr error = local_error;
-  if (!error && previous_event) {
+  if (!error) {
     try {
-      if (!previous_event->wait_for(core_.config.num_cpu_timeout_secs))
-        throw TimeoutError(fmt::format("{}: previous_event did not complete within {} s", ctx_,
-                                       core_.config.num_cpu_timeout_secs), {});
+      core_.wait_for_event(previous_event, ctx_, "previous_event");
+      workers_ = core_.resolve_workers(args_.num_sms, E_, k_);
+      if (cached_) {
+        plan_ = cached_state_;
+      } else {
+        plan_ = state_.get();
+        state_->topk =
+            args_.do_handle_copy ? Tensor::empty({N_, k_}, DType::kInt64) : Tensor().with_view(args_.topk_idx);
+        if (args_.do_handle_copy)
+          for (int t = 0; t < N_; ++t)
+            std::memcpy(state_->topk.data_as<std::int64_t>() + std::int64_t{t} * k_,
+                        args_.topk_idx.data_as<const std::int64_t>() + t * args_.topk_idx.stride(0),
+                        sizeof(std::int64_t) * k_);
+        routing::count_local({state_->topk.data_as<const std::int64_t>(), state_->topk.stride(0), N_, k_}, geo_,
+                             counts_);
+      }
     } catch (...) {
       error = std::current_exception();
-    }
-  }
-  if (!error) {
-    workers_ = core_.resolve_workers(args_.num_sms, E_, k_);
-    if (cached_) {
-      plan_ = cached_state_;
-    } else {
-      plan_ = state_.get();
-      state_->topk = args_.do_handle_copy ? Tensor::empty({N_, k_}, DType::kInt64) : Tensor().with_view(args_.topk_idx);
-      if (args_.do_handle_copy)
-        for (int t = 0; t < N_; ++t)
-          std::memcpy(state_->topk.data_as<std::int64_t>() + std::int64_t{t} * k_,
-                      args_.topk_idx.data_as<const std::int64_t>() + t * args_.topk_idx.stride(0), sizeof(std::int64_t) * k_);
-      routing::count_local({state_->topk.data_as<const std::int64_t>(), state_->topk.stride(0), N_, k_}, geo_, counts_);
     }
   }
 
@@ -333,8 +334,15 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
   const auto payloads = agreement.exchange(core_.transport(), comm::Scope::kWorld, core_.wait("dispatch: agreement"), payload);
   agreed = true;
 
+  const std::size_t counts_bytes =
+      cached_ ? 0 : sizeof(std::int32_t) * static_cast<size_t>(geo_.num_ranks + geo_.num_experts + geo_.num_nodes);
   std::vector<PeerTensors> peers(payloads.size());
-  for (std::size_t r = 0; r < payloads.size(); ++r) std::memcpy(&peers[r], payloads[r].data(), sizeof(PeerTensors));
+  for (std::size_t r = 0; r < payloads.size(); ++r) {
+    if (payloads[r].size() != sizeof(PeerTensors) + counts_bytes)
+      throw StateError(fmt::format("{}: rank {} published {} bytes, expected {}", ctx_, r, payloads[r].size(),
+                                   sizeof(PeerTensors) + counts_bytes));
+    std::memcpy(&peers[r], payloads[r].data(), sizeof(PeerTensors));
+  }
   if (!cached_) {
     state_->layout.reset(geo_, A_);
     const int R = geo_.num_ranks, E = geo_.num_experts, G = geo_.num_nodes;
@@ -358,10 +366,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
   if (!cached_) fill_handle();
   outputs_ready();
 
-  if (args_.previous_event_before_epilogue &&
-      !args_.previous_event_before_epilogue->wait_for(core_.config.num_cpu_timeout_secs))
-    throw TimeoutError(fmt::format("{}: previous_event_before_epilogue did not complete within {} s", ctx_,
-                                   core_.config.num_cpu_timeout_secs), {});
+  core_.wait_for_event(args_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
   put_records(peers);
   wait_records();
   if (!cached_ && core_.paths.hybrid()) plan_forwarding();

@@ -172,22 +172,22 @@ Event BufferCore::submit(const std::shared_ptr<Operation>& op, bool async) {
   return event;
 }
 
-DispatchResult BufferCore::dispatch(const DispatchArgs& args) {
-  check_usable("dispatch");
-  auto op = make_dispatch(*this, args, next_sequence());
-  Event event = submit(op, args.async_with_compute_stream);
-  DispatchResult result = op->result;
+template <class Op>
+auto BufferCore::execute(const std::shared_ptr<Op>& op, bool async) {
+  Event event = submit(op, async);
+  auto result = op->result;
   result.event = event;
   return result;
 }
 
+DispatchResult BufferCore::dispatch(const DispatchArgs& args) {
+  check_usable("dispatch");
+  return execute(make_dispatch(*this, args, next_sequence()), args.async_with_compute_stream);
+}
+
 CombineResult BufferCore::combine(const CombineArgs& args) {
   check_usable("combine");
-  auto op = make_combine(*this, args, next_sequence());
-  Event event = submit(op, args.async_with_compute_stream);
-  CombineResult result = op->result;
-  result.event = event;
-  return result;
+  return execute(make_combine(*this, args, next_sequence()), args.async_with_compute_stream);
 }
 
 // Buffer-level collectives go through an agreement too, so that a rank in a different call
@@ -223,6 +223,11 @@ void BufferCore::check_num_qps(const std::string& ctx, int num_qps) const {
   if (num_qps < 0 || num_qps > num_allocated_qps)
     throw InvalidArgument(fmt::format("{}: num_qps = {} is outside [0, num_allocated_qps = {}]", ctx, num_qps,
                                       num_allocated_qps));
+}
+
+void BufferCore::wait_for_event(const std::optional<Event>& event, const std::string& ctx, const char* argument) const {
+  if (event && !event->wait_for(config.num_cpu_timeout_secs))
+    throw TimeoutError(fmt::format("{}: {} did not complete within {} s", ctx, argument, config.num_cpu_timeout_secs), {});
 }
 
 int BufferCore::theoretical_num_sms(int num_experts, int num_topk, int num_scaleout_topk, double rdma_gbs,
