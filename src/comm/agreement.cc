@@ -53,6 +53,7 @@ std::vector<std::span<const std::byte>> Agreement::exchange(Transport& transport
   if (!payload.empty()) std::memcpy(block_.data() + sizeof header + fields_bytes, payload.data(), payload.size());
 
   gathered_ = transport.all_gather(block_, scope, wait);
+  gathered_ok_ = true;
   const int n = gathered_.size();
   const int first = scope == Scope::kWorld ? 0 : transport.node_first_rank();
 

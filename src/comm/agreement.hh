@@ -33,9 +33,12 @@ class Agreement {
     return *this;
   }
 
-  // Exchanges and checks. Returns every rank's payload.
+  // Exchanges and checks. Returns every rank's payload. Failures of the checks happen on every
+  // rank alike; a failure of the exchange itself (timeout, a rank left) does not, and leaves the
+  // channel out of step: gathered() tells them apart.
   std::vector<std::span<const std::byte>> exchange(Transport& transport, Scope scope, const Wait& wait,
                                                    std::span<const std::byte> payload);
+  bool gathered() const { return gathered_ok_; }
 
  private:
   struct Field {
@@ -48,6 +51,7 @@ class Agreement {
   std::exception_ptr error_;
   std::vector<std::byte> block_;
   Gathered gathered_;
+  bool gathered_ok_ = false;
 };
 
 }  // namespace moe_ep::comm

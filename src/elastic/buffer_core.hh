@@ -93,7 +93,9 @@ class Operation {
 
   std::exception_ptr local_error;  // this rank's arguments were rejected
   std::optional<Event> previous_event;
-  bool agreed = false;             // the agreement passed: a failure now leaves peers mid-call
+  // A failure leaves the ranks out of step (and the buffer unusable) unless it came from the
+  // agreement's checks, which fail on every rank alike.
+  bool in_step_failure = false;
 };
 
 class BufferCore {
@@ -137,6 +139,7 @@ class BufferCore {
  private:
   void check_usable(const char* operation) const;
   void simple_collective(const char* operation);
+  void mark_broken(const std::string& reason);
   // Runs the operation inline (sync) or on the communication worker (async).
   Event submit(const std::shared_ptr<Operation>& op, bool async);
   // submit, then the operation's result with its event.

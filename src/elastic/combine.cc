@@ -191,9 +191,14 @@ void Combine::run(const std::function<void()>& outputs_ready) {
       .field("do_expand (handle)", expand_)
       .field("topk_weights given", has_weights_)
       .field("hidden", H_);
-  const auto payloads = agreement.exchange(core_.transport(), comm::Scope::kWorld, core_.wait("combine: agreement"),
-                                           std::as_bytes(std::span(&mine, 1)));
-  agreed = true;
+  std::vector<std::span<const std::byte>> payloads;
+  try {
+    payloads = agreement.exchange(core_.transport(), comm::Scope::kWorld, core_.wait("combine: agreement"),
+                                  std::as_bytes(std::span(&mine, 1)));
+  } catch (...) {
+    in_step_failure = agreement.gathered();
+    throw;
+  }
   peers_.resize(payloads.size());
   for (std::size_t r = 0; r < payloads.size(); ++r) {
     if (payloads[r].size() != sizeof(PeerTensors))

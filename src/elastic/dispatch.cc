@@ -331,8 +331,13 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
       .field("topk_weights given", has_weights_)
       .field("expert_alignment", A_)
       .field("do_expand", expand_);
-  const auto payloads = agreement.exchange(core_.transport(), comm::Scope::kWorld, core_.wait("dispatch: agreement"), payload);
-  agreed = true;
+  std::vector<std::span<const std::byte>> payloads;
+  try {
+    payloads = agreement.exchange(core_.transport(), comm::Scope::kWorld, core_.wait("dispatch: agreement"), payload);
+  } catch (...) {
+    in_step_failure = agreement.gathered();
+    throw;
+  }
 
   const std::size_t counts_bytes =
       cached_ ? 0 : sizeof(std::int32_t) * static_cast<size_t>(geo_.num_ranks + geo_.num_experts + geo_.num_nodes);

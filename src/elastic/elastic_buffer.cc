@@ -114,10 +114,7 @@ void BufferCore::run_guarded(Operation& op, const std::function<void()>& outputs
   try {
     op.run(outputs_ready);
   } catch (const std::exception& e) {
-    if (op.agreed) {
-      std::lock_guard lock(state_mutex_);
-      if (broken_.empty()) broken_ = e.what();
-    }
+    if (!op.in_step_failure) mark_broken(e.what());
     throw;
   }
 }
@@ -197,7 +194,17 @@ void BufferCore::simple_collective(const char* operation) {
   comm_worker_.drain();
   comm::Agreement agreement(context(operation), operation);
   agreement.field("operation number", static_cast<std::int64_t>(next_sequence()));
-  agreement.exchange(*transport_, comm::Scope::kWorld, wait(operation), {});
+  try {
+    agreement.exchange(*transport_, comm::Scope::kWorld, wait(operation), {});
+  } catch (const std::exception& e) {
+    if (!agreement.gathered()) mark_broken(e.what());
+    throw;
+  }
+}
+
+void BufferCore::mark_broken(const std::string& reason) {
+  std::lock_guard lock(state_mutex_);
+  if (broken_.empty()) broken_ = reason;
 }
 
 void BufferCore::barrier() { simple_collective("barrier"); }

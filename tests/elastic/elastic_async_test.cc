@@ -8,6 +8,7 @@
 
 #include "core/host_allocator.hh"
 #include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 
 // Counts heap allocations made through operator new (all threads), to check that steady-state
@@ -104,6 +105,14 @@ TEST(ElasticAsync, DomainSizesAndWorkerModel) {
     EXPECT_EQ(direct.get_theoretical_num_sms(256, 8, 0, 50, 430, 200, 50), std::min(cap, 14));
     EXPECT_THROW(direct.get_theoretical_num_sms(255, 8), InvalidArgument);
   });
+}
+
+TEST(ElasticSizing, TopkZeroSizesForThirtyTwoAndSaysSoWhenDebugging) {
+  env::ScopedOverride debug("MOE_EP_DEBUG", "1");
+  ::testing::internal::CaptureStderr();
+  LocalWorld(1).run([&](Group& g) { ElasticBuffer b(g, {.num_max_tokens_per_rank = 8, .hidden = 64}); });
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("num_topk = 0, sizing conservatively for k = 32"), std::string::npos) << err;
 }
 
 TEST(ElasticSizing, HintFollowsTheDocumentedFormula) {

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <mutex>
 #include <thread>
@@ -292,6 +293,24 @@ TEST(ElasticErrors, RanksThatDisagreeAreNamed) {
         << o.message;
 }
 
+TEST(ElasticErrors, RanksThatDisagreeOnTopkAreNamed) {
+  std::vector<Outcome> outcomes(kRanks);
+  LocalWorld(kRanks).run([&](Group& g) {
+    ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_cpu_timeout_secs = 30});
+    const int k = g.rank() == 2 ? 2 : kTopk;
+    std::vector<std::uint16_t> x(kTokens * kHidden);
+    std::vector<std::int64_t> topk(static_cast<size_t>(kTokens * k), -1);
+    outcomes[static_cast<size_t>(g.rank())] = capture([&] {
+      b.dispatch({.x = TensorView(x.data(), DType::kBF16, {kTokens, kHidden}),
+                  .topk_idx = TensorView(topk.data(), DType::kInt64, {kTokens, k}),
+                  .num_experts = kExperts});
+    });
+  });
+  for (const auto& o : outcomes)
+    EXPECT_NE(o.message.find("ranks disagree on num_topk: 2 on rank [2], 4 on ranks [0, 1, 3]"), std::string::npos)
+        << o.message;
+}
+
 TEST(ElasticErrors, ConstructorDisagreementAndBadConfig) {
   std::vector<Outcome> outcomes(kRanks);
   LocalWorld(kRanks).run([&](Group& g) {
@@ -335,19 +354,22 @@ TEST(ElasticErrors, ADifferentCollectiveIsReportedNotMatched) {
 
 TEST(ElasticErrors, ARankThatLeavesOrNeverCallsIsNamed) {
   std::vector<Outcome> outcomes(kRanks);
+  std::atomic<int> reported{0};
   try {
     LocalWorld(kRanks).run([&](Group& g) {
       ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_cpu_timeout_secs = 0.3});
-      if (g.rank() == 2) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // never calls in time
+      if (g.rank() == 2) {  // stays in the group but never makes the call
+        while (reported.load() < kRanks - 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
         return;
       }
       Inputs in(g.rank());
       outcomes[static_cast<size_t>(g.rank())] = capture([&] { b.dispatch(in.args()); });
+      ++reported;
     });
   } catch (const Error&) {
   }
   for (int r : {0, 1, 3}) {
+    // (A timeout leaves the ranks out of step: those buffers refuse further calls, tested below.)
     EXPECT_EQ(outcomes[static_cast<size_t>(r)].type, "TimeoutError") << outcomes[static_cast<size_t>(r)].message;
     EXPECT_EQ(outcomes[static_cast<size_t>(r)].ranks, std::vector<int>{2});
     EXPECT_NE(outcomes[static_cast<size_t>(r)].message.find("dispatch: agreement"), std::string::npos);
@@ -360,6 +382,24 @@ TEST(ElasticErrors, ARankThatLeavesOrNeverCallsIsNamed) {
     EXPECT_EQ(o.type, "PeerError") << o.message;
     EXPECT_EQ(o.ranks, std::vector<int>{1});
     EXPECT_NE(o.message.find("left the group"), std::string::npos) << o.message;
+  });
+}
+
+TEST(ElasticErrors, ABufferOutOfStepAfterATimeoutRefusesCalls) {
+  std::atomic<int> reported{0};
+  LocalWorld(2).run([&](Group& g) {
+    ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_cpu_timeout_secs = 0.2});
+    if (g.rank() == 1) {
+      while (reported.load() < 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      return;
+    }
+    Inputs in(g.rank());
+    EXPECT_THROW(b.dispatch(in.args()), TimeoutError);
+    Outcome again = capture([&] { b.dispatch(in.args()); });
+    EXPECT_EQ(again.type, "StateError");
+    EXPECT_NE(again.message.find("unusable after a failed collective"), std::string::npos) << again.message;
+    EXPECT_NE(again.message.find("timed out"), std::string::npos) << again.message;
+    ++reported;
   });
 }
 
