@@ -195,10 +195,6 @@ class LocalTransport final : public Transport {
     check_same_node(rank);
     return published;
   }
-  void* node_address_mutable(int rank, void* published) const override {
-    check_same_node(rank);
-    return published;
-  }
 
   void put(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) override {
     if (offset > memory.bytes() || bytes > memory.bytes() - offset)

@@ -84,7 +84,6 @@ class Transport {
 
   // Scale-up: an address a rank of this node published (in a gathered block), made usable here.
   virtual const void* node_address(int rank, const void* published) const = 0;
-  virtual void* node_address_mutable(int rank, void* published) const = 0;
 
   // Scale-out, one-sided.
   virtual void put(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) = 0;

@@ -48,15 +48,12 @@ struct HandleState {
   std::uint64_t buffer_id = 0;
   std::uint64_t dispatch_sequence = 0;  // the creating dispatch's operation number (same on all ranks)
   routing::GlobalLayout layout;
-  bool expand = false;
-  int num_tokens = 0, num_topk = 0, hidden = 0, max_tokens = 0;
   // As destination.
   std::vector<RowSource> rows;              // [real rows]
   std::vector<std::int32_t> row_token;      // [real rows] token index at the source
   std::vector<std::int32_t> master_lane;    // [real rows]
   std::vector<std::int32_t> local_ids;      // [real rows * k]
   std::vector<std::int32_t> expanded_rows;  // [real rows * k], expand only
-  std::int32_t num_expanded_rows = 0;       // real (aligned) expanded rows
   // As source.
   Tensor topk;                              // [N, k] int64
   std::vector<std::int32_t> dst_row;        // [N * k]

@@ -236,11 +236,6 @@ void Dispatch::start_handle() {
   HandleState& s = *state_;
   s.buffer_id = core_.id;
   s.dispatch_sequence = sequence_;
-  s.expand = expand_;
-  s.num_tokens = N_;
-  s.num_topk = k_;
-  s.hidden = H_;
-  s.max_tokens = T_;
   result.handle = std::make_shared<EPHandle>();
   EPHandle& h = *result.handle;
   h.do_expand = expand_;
@@ -484,7 +479,6 @@ void Dispatch::fill_handle() {
     h.num_recv_tokens = layout.rows_at(me);
     h.num_expanded_tokens = layout.expanded_rows_at(me);
   }
-  s.num_expanded_rows = layout.expanded_rows_at(me);
   h.psum_num_recv_tokens_per_scaleup_rank = Tensor::zeros({SU}, DType::kInt32);
   auto* region = h.psum_num_recv_tokens_per_scaleup_rank.data_as<std::int32_t>();
   for (int src = 0; src < geo_.num_ranks; ++src) region[src % SU] += layout.count(src, me);
