@@ -25,10 +25,10 @@
 
 namespace moe_ep {
 
-namespace elastic {
+namespace engine {
 struct HandleState;
-class BufferCore;
-}  // namespace elastic
+class Engine;
+}  // namespace engine
 
 struct ElasticBufferConfig {
   std::int64_t num_bytes = 0;  // 0: derived from the MoE shape below (get_buffer_size_hint)
@@ -65,7 +65,7 @@ struct EPHandle {
   Tensor num_unaligned_recv_tokens_per_expert;       // int32 [local experts]
   Tensor recv_src_metadata;                          // int32 [rows, k + 2]
   Tensor dst_buffer_slot_idx;                        // int32 [N, k]
-  std::shared_ptr<const elastic::HandleState> state;  // internal
+  std::shared_ptr<const engine::HandleState> state;  // internal
 };
 
 struct DispatchArgs {
@@ -159,7 +159,8 @@ class ElasticBuffer {
   bool is_hybrid() const;  // the two-hop (scale-out then scale-up) data path is in use
 
  private:
-  std::unique_ptr<elastic::BufferCore> core_;
+  ElasticBufferConfig config_;
+  std::unique_ptr<engine::Engine> engine_;
 };
 
 }  // namespace moe_ep

@@ -414,7 +414,7 @@ TEST(ElasticErrors, DestroyedBufferAndDestroyRules) {
     Inputs in(g.rank());
     Outcome o = capture([&] { b.dispatch(in.args()); });
     EXPECT_EQ(o.type, "StateError");
-    EXPECT_NE(o.message.find("the buffer was destroyed"), std::string::npos);
+    EXPECT_NE(o.message.find("the ElasticBuffer was destroyed"), std::string::npos);
   });
 }
 

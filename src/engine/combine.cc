@@ -1,4 +1,5 @@
-// ElasticBuffer::combine. Reduction order and rounding: docs/semantics.md ("Combine").
+// The combine operation of both buffer generations. Reduction order and rounding:
+// docs/semantics.md ("Combine").
 //
 // A token's contributions are grouped into units, each keyed by a top-k position (its master
 // lane), and summed in ascending key order after the biases, in FP32 with one BF16 rounding:
@@ -17,10 +18,10 @@
 #include "comm/agreement.hh"
 #include "core/checks.hh"
 #include "core/reduce.hh"
-#include "elastic/buffer_core.hh"
+#include "engine/engine.hh"
 #include "moe_ep/error.hpp"
 
-namespace moe_ep::elastic {
+namespace moe_ep::engine {
 namespace {
 
 constexpr std::int64_t kTokensPerTask = 8;
@@ -30,26 +31,39 @@ constexpr std::int64_t kTokensPerTask = 8;
 // rows never move while pointers to them are live.
 constexpr int kScratchRows = 2 * kMaxTopk + 2;
 thread_local std::vector<std::uint16_t> scratch_rows;
+thread_local std::vector<float> scratch_weights;  // one k-row per scratch row
 
 void prepare_scratch(std::int64_t hidden) {
   const std::size_t need = static_cast<std::size_t>(kScratchRows) * static_cast<std::size_t>(hidden);
   if (scratch_rows.size() < need) scratch_rows.resize(need);
+  if (scratch_weights.size() < static_cast<std::size_t>(kScratchRows * kMaxTopk))
+    scratch_weights.resize(static_cast<std::size_t>(kScratchRows * kMaxTopk));
 }
 
 std::uint16_t* scratch_row(int index, std::int64_t hidden) {
   return scratch_rows.data() + static_cast<std::size_t>(index) * static_cast<std::size_t>(hidden);
 }
 
+// FP32 sum of k-rows of weights in order, the first as is.
+void sum_weight_rows(std::span<const float* const> rows, int k, float* out) {
+  for (int j = 0; j < k; ++j) {
+    float acc = rows.empty() ? 0.0f : rows[0][j];
+    for (std::size_t i = 1; i < rows.size(); ++i) acc += rows[i][j];
+    out[j] = acc;
+  }
+}
+
 struct Unit {
   int key;
   const std::uint16_t* row;
+  const float* weights = nullptr;  // the unit's whole weight row (compact layout), or null
 };
 
 class Combine final : public CombineOperation {
  public:
-  Combine(BufferCore& core, const CombineArgs& args, std::uint64_t sequence)
-      : core_(core), args_(args), sequence_(sequence), ctx_(core.context("combine")) {
-    previous_event = args.previous_event;
+  Combine(Engine& engine, CombineRequest request, std::uint64_t sequence)
+      : engine_(engine), req_(std::move(request)), sequence_(sequence), ctx_(engine.context(req_.operation)) {
+    previous_event = req_.previous_event;
     try {
       validate();
     } catch (...) {
@@ -71,14 +85,20 @@ class Combine final : public CombineOperation {
   const std::uint16_t* row_of(int d, std::int32_t r) const {
     const PeerTensors& p = peers_[static_cast<size_t>(d)];
     return reinterpret_cast<const std::uint16_t*>(
-        static_cast<const std::byte*>(core_.transport().node_address(d, p.x)) + r * p.x_row_bytes);
+        static_cast<const std::byte*>(engine_.transport().node_address(d, p.x)) + r * p.x_row_bytes);
+  }
+  // The whole weight row rank d (on this node) returned with its compact row r, or null.
+  const float* weight_row(int d, std::int32_t r) const {
+    const PeerTensors& p = peers_[static_cast<size_t>(d)];
+    if (!has_weights_) return nullptr;
+    return static_cast<const float*>(engine_.transport().node_address(d, p.weights)) + r * p.weights_row;
   }
   // The weight that lane j's rank (on this node) returned for the token: column j of the rank's
   // row at its master lane (compact), or the weight of lane j's expanded row.
   float lane_weight(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int j) const {
     const int d = geo_.rank_of_expert(ids[j]);
     const PeerTensors& p = peers_[static_cast<size_t>(d)];
-    const float* w = static_cast<const float*>(core_.transport().node_address(d, p.weights));
+    const float* w = static_cast<const float*>(engine_.transport().node_address(d, p.weights));
     if (expand_) return w[expanded[j]];
     for (int l = k_ - 1; l >= 0; --l)
       if (ids[l] >= 0 && geo_.rank_of_expert(ids[l]) == d) return w[rows[l] * p.weights_row + j];
@@ -92,16 +112,17 @@ class Combine final : public CombineOperation {
   // selected by `take(rank)`; keys are master lanes (or lanes without multiple reduction).
   int node_units(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int node,
                  std::array<Unit, kMaxTopk>& units, int& scratch) const;
-  // Level 2: the sum of a node's rank units in ascending master-lane order (null if none).
-  const std::uint16_t* node_sum(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded,
-                                int node, int& scratch) const;
+  // Level 2: the sum of a node's rank units in ascending master-lane order (row null if none);
+  // its weights are the sum of theirs (compact layout).
+  Unit node_sum(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int node,
+                int& scratch) const;
   std::byte* combine_record(int key, std::int32_t token) {
-    return core_.memory().local() + (static_cast<std::int64_t>(key) * max_tokens_ + token) * record_.bytes;
+    return engine_.memory().local() + (static_cast<std::int64_t>(key) * max_tokens_ + token) * record_.bytes;
   }
   void put_record(int peer, int key, std::int32_t token, const std::uint16_t* payload, const float* weights);
 
-  BufferCore& core_;
-  CombineArgs args_;
+  Engine& engine_;
+  CombineRequest req_;
   std::uint64_t sequence_;
   std::string ctx_;
   const HandleState* plan_ = nullptr;
@@ -113,20 +134,20 @@ class Combine final : public CombineOperation {
 };
 
 void Combine::validate() {
-  const auto& a = args_;
+  const auto& a = req_;
   if (!a.handle) core::fail(ctx_, "handle is missing");
   const EPHandle& h = *a.handle;
-  if (!h.state || h.state->buffer_id != core_.id)
+  if (!h.state || h.state->engine_id != engine_.id)
     core::fail(ctx_, "handle was created by another buffer (buffer id {}, this buffer {})",
-               h.state ? h.state->buffer_id : 0, core_.id);
+               h.state ? h.state->engine_id : 0, engine_.id);
   plan_ = h.state.get();
   expand_ = h.do_expand;
-  multi_ = core_.config.allow_multiple_reduction;
+  multi_ = engine_.config.allow_multiple_reduction;
   N_ = h.num_tokens;
   H_ = h.hidden;
   k_ = h.num_topk;
   max_tokens_ = h.num_max_tokens_per_rank;
-  geo_ = routing::Geometry{core_.num_ranks, h.num_experts, core_.logical_scaleout};
+  geo_ = routing::Geometry{engine_.num_ranks, h.num_experts, engine_.logical_scaleout};
   const std::int64_t rows = expand_ ? h.num_expanded_tokens : h.num_recv_tokens;
   core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {-1, -1});
   core::expect_rows_contiguous(ctx_, "x", a.x);
@@ -148,15 +169,17 @@ void Combine::validate() {
     core::expect_tensor(ctx_, name, a.bias[b], DType::kBF16, {N_, H_});
     core::expect_rows_contiguous(ctx_, name, a.bias[b]);
   }
-  if (a.num_sms < 0 || a.num_sms > 1024) core::fail(ctx_, "num_sms = {} is outside [0, 1024]", a.num_sms);
-  core_.check_num_qps(ctx_, a.num_qps);
+  if (req_.sum_weights_over_ranks && expand_)
+    core::fail(ctx_, "summing weights over ranks needs the compact layout");
+  engine_.check_num_qps(ctx_, a.num_qps);
   record_ = CombineRecord(H_, k_);
-  const RegionSizes need = region_sizes(core_.paths, max_tokens_, H_, 0, 0, k_, multi_);
-  if (need.combine_bytes > core_.num_bytes)
-    throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer (num_max_tokens_per_rank = {}, hidden = {}, "
-                                    "k = {}), the buffer holds {}", ctx_, align_to(need.combine_bytes, kBufferAlignment),
-                                    max_tokens_, H_, k_, core_.num_bytes),
-                        align_to(need.combine_bytes, kBufferAlignment), core_.num_bytes);
+  const RegionSizes need = region_sizes(engine_.paths, max_tokens_, H_, 0, 0, k_, multi_);
+  if (need.combine_bytes > engine_.config.pool_bytes) {
+    const std::int64_t bytes = align_to(need.combine_bytes, engine_.config.pool_alignment);
+    throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer ({} tokens per rank, hidden = {}, k = {}), "
+                                    "the buffer holds {}", ctx_, bytes, max_tokens_, H_, k_, engine_.config.pool_bytes),
+                        bytes, engine_.config.pool_bytes);
+  }
 }
 
 void Combine::allocate_outputs_early() {
@@ -170,21 +193,21 @@ void Combine::run(const std::function<void()>& outputs_ready) {
   PeerTensors mine;
   if (!error) {
     try {
-      core_.wait_for_event(previous_event, ctx_, "previous_event");
+      engine_.wait_for_event(previous_event, ctx_, "previous_event");
       if (!result.combined_x.defined()) allocate_outputs_early();
-      core_.resolve_workers(args_.num_sms > 0 ? args_.num_sms : args_.handle->num_sms, geo_.num_experts, k_);
-      mine.x = static_cast<const std::byte*>(args_.x.data());
-      mine.x_row_bytes = args_.x.stride(0) * 2;
+      engine_.set_workers(req_.workers(geo_.num_experts, k_));
+      mine.x = static_cast<const std::byte*>(req_.x.data());
+      mine.x_row_bytes = req_.x.stride(0) * 2;
       if (has_weights_) {
-        mine.weights = args_.topk_weights.data_as<const float>();
-        mine.weights_row = expand_ ? 1 : args_.topk_weights.stride(0);
+        mine.weights = req_.topk_weights.data_as<const float>();
+        mine.weights_row = expand_ ? 1 : req_.topk_weights.stride(0);
       }
       mine.num_tokens = N_;
     } catch (...) {
       error = std::current_exception();
     }
   }
-  comm::Agreement agreement(ctx_, "combine");
+  comm::Agreement agreement(ctx_, req_.operation);
   agreement.local_error(error)
       .field("operation number", static_cast<std::int64_t>(sequence_))
       .field("handle's dispatch number", error ? 0 : static_cast<std::int64_t>(plan_->dispatch_sequence))
@@ -193,7 +216,7 @@ void Combine::run(const std::function<void()>& outputs_ready) {
       .field("hidden", H_);
   std::vector<std::span<const std::byte>> payloads;
   try {
-    payloads = agreement.exchange(core_.transport(), comm::Scope::kWorld, core_.wait("combine: agreement"),
+    payloads = agreement.exchange(engine_.transport(), comm::Scope::kWorld, engine_.wait("combine: agreement"),
                                   std::as_bytes(std::span(&mine, 1)));
   } catch (...) {
     in_step_failure = agreement.gathered();
@@ -207,11 +230,11 @@ void Combine::run(const std::function<void()>& outputs_ready) {
     std::memcpy(&peers_[r], payloads[r].data(), sizeof(PeerTensors));
   }
   outputs_ready();
-  core_.wait_for_event(args_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
+  engine_.wait_for_event(req_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
   put_contributions();
   wait_contributions();
   reduce_tokens();
-  core_.transport().barrier(comm::Scope::kNode, core_.wait("combine: exit"));
+  engine_.transport().barrier(comm::Scope::kNode, engine_.wait("combine: exit"));
 }
 
 const std::uint16_t* Combine::rank_unit(int d, const std::int64_t* ids, const std::int32_t* rows,
@@ -236,7 +259,7 @@ int Combine::node_units(const std::int64_t* ids, const std::int32_t* rows, const
   int n = 0;
   if (expand_ && !multi_) {
     for (int j = 0; j < k_; ++j)
-      if (ids[j] >= 0 && core_.node_of(geo_.rank_of_expert(ids[j])) == node)
+      if (ids[j] >= 0 && engine_.node_of(geo_.rank_of_expert(ids[j])) == node)
         units[static_cast<size_t>(n++)] = {j, row_of(geo_.rank_of_expert(ids[j]), expanded[j])};
     return n;
   }
@@ -244,45 +267,61 @@ int Combine::node_units(const std::int64_t* ids, const std::int32_t* rows, const
   const int nd = routing::token_ranks(ids, k_, geo_, dests);
   for (int i = 0; i < nd; ++i) {
     const auto& d = dests[static_cast<size_t>(i)];
-    if (core_.node_of(d.target) != node) continue;
-    units[static_cast<size_t>(n++)] = {d.master_lane, rank_unit(d.target, ids, rows, expanded, scratch)};
+    if (engine_.node_of(d.target) != node) continue;
+    units[static_cast<size_t>(n++)] = {d.master_lane, rank_unit(d.target, ids, rows, expanded, scratch),
+                                       expand_ ? nullptr : weight_row(d.target, rows[d.master_lane])};
   }
   return n;
 }
 
-const std::uint16_t* Combine::node_sum(const std::int64_t* ids, const std::int32_t* rows,
-                                       const std::int32_t* expanded, int node, int& scratch) const {
+Unit Combine::node_sum(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int node,
+                       int& scratch) const {
   std::array<Unit, kMaxTopk> units;
   const int n = node_units(ids, rows, expanded, node, units, scratch);
-  if (n <= 1) return n == 1 ? units[0].row : nullptr;
+  if (n <= 1) return n == 1 ? units[0] : Unit{-1, nullptr};
   std::array<const std::uint16_t*, kMaxTopk> rows_in;
-  for (int i = 0; i < n; ++i) rows_in[static_cast<size_t>(i)] = units[static_cast<size_t>(i)].row;
-  std::uint16_t* sum = scratch_row(scratch++, H_);
+  std::array<const float*, kMaxTopk> weights_in;
+  for (int i = 0; i < n; ++i) {
+    rows_in[static_cast<size_t>(i)] = units[static_cast<size_t>(i)].row;
+    weights_in[static_cast<size_t>(i)] = units[static_cast<size_t>(i)].weights;
+  }
+  const int index = scratch++;
+  std::uint16_t* sum = scratch_row(index, H_);
   core::sum_bf16_rows({rows_in.data(), static_cast<size_t>(n)}, sum, H_);
-  return sum;
+  float* weights = nullptr;
+  if (units[0].weights) {
+    weights = scratch_weights.data() + static_cast<std::size_t>(index) * kMaxTopk;
+    sum_weight_rows({weights_in.data(), static_cast<size_t>(n)}, k_, weights);
+  }
+  return {units[0].key, sum, weights};
 }
 
 void Combine::put_record(int peer, int key, std::int32_t token, const std::uint16_t* payload, const float* weights) {
   const std::int64_t offset = (static_cast<std::int64_t>(key) * max_tokens_ + token) * record_.bytes;
-  core_.transport().put(peer, core_.memory(), static_cast<std::size_t>(offset), payload, static_cast<std::size_t>(H_) * 2);
-  core_.transport().put(peer, core_.memory(), static_cast<std::size_t>(offset + record_.weights_offset), weights,
-                        sizeof(float) * static_cast<std::size_t>(k_));
+  engine_.transport().put(peer, engine_.memory(), static_cast<std::size_t>(offset), payload,
+                          static_cast<std::size_t>(H_) * 2);
+  engine_.transport().put(peer, engine_.memory(), static_cast<std::size_t>(offset + record_.weights_offset), weights,
+                          sizeof(float) * static_cast<std::size_t>(k_));
 }
 
 // Contributions for tokens whose source is on another node: from each destination rank (direct
 // mode) or from the forwarder of the destination node (hybrid mode).
 void Combine::put_contributions() {
-  if (!core_.paths.hybrid() && !core_.paths.direct_remote()) return;
-  const int me = core_.rank, my_node = core_.node_of(me);
+  if (!engine_.paths.hybrid() && !engine_.paths.direct_remote()) return;
+  const int me = engine_.rank, my_node = engine_.node_of(me);
   std::array<float, kMaxTopk> weights{};
   std::array<Unit, kMaxTopk> units;
   std::vector<bool> signalled(static_cast<size_t>(geo_.num_ranks), false);
-  // Weights of the lanes selected by keep (0 elsewhere).
-  auto lane_weights = [&](const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, auto keep) {
+  // The record's weights: the unit's whole weight row (weights summed over ranks), or the
+  // weights of the lanes selected by keep, 0 elsewhere.
+  auto record_weights = [&](const Unit& unit, const std::int64_t* ids, const std::int32_t* rows,
+                            const std::int32_t* expanded, auto keep) -> const float* {
+    if (req_.sum_weights_over_ranks && unit.weights) return unit.weights;
     weights.fill(0.0f);
-    if (!has_weights_) return;
+    if (!has_weights_) return weights.data();
     for (int j = 0; j < k_; ++j)
       if (ids[j] >= 0 && keep(j)) weights[static_cast<size_t>(j)] = lane_weight(ids, rows, expanded, j);
+    return weights.data();
   };
   prepare_scratch(H_);
   auto send_token = [&](int peer, std::int32_t token, const std::int64_t* ids, const std::int32_t* rows,
@@ -290,26 +329,27 @@ void Combine::put_contributions() {
     int scratch = 0;
     if (node_unit_key) {
       // Hybrid with multiple reduction: one level-2 unit for this node, keyed by node.
-      const std::uint16_t* payload = node_sum(ids, rows, expanded, my_node, scratch);
-      if (payload == nullptr) return;
-      lane_weights(ids, rows, expanded, [&](int j) { return core_.node_of(geo_.rank_of_expert(ids[j])) == my_node; });
-      put_record(peer, core_.routing_node_of(me), token, payload, weights.data());
+      const Unit unit = node_sum(ids, rows, expanded, my_node, scratch);
+      if (unit.row == nullptr) return;
+      const float* w = record_weights(unit, ids, rows, expanded,
+                                      [&](int j) { return engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node; });
+      put_record(peer, engine_.routing_node_of(me), token, unit.row, w);
     } else {
       const int n = node_units(ids, rows, expanded, my_node, units, scratch);
       if (n == 0) return;
       for (int i = 0; i < n; ++i) {
-        const int key = units[static_cast<size_t>(i)].key;
-        const int unit_rank = geo_.rank_of_expert(ids[key]);
-        lane_weights(ids, rows, expanded, [&](int j) {
-          return expand_ && !multi_ ? j == key : geo_.rank_of_expert(ids[j]) == unit_rank;
+        const Unit& unit = units[static_cast<size_t>(i)];
+        const int unit_rank = geo_.rank_of_expert(ids[unit.key]);
+        const float* w = record_weights(unit, ids, rows, expanded, [&](int j) {
+          return expand_ && !multi_ ? j == unit.key : geo_.rank_of_expert(ids[j]) == unit_rank;
         });
-        put_record(peer, key, token, units[static_cast<size_t>(i)].row, weights.data());
+        put_record(peer, unit.key, token, unit.row, w);
       }
     }
     signalled[static_cast<size_t>(peer)] = true;
   };
 
-  if (core_.paths.hybrid()) {
+  if (engine_.paths.hybrid()) {
     for (const ForwardPlan& f : plan_->forward) {
       if (f.source < 0) continue;
       for (std::int32_t slot = 0; slot < f.count; ++slot) {
@@ -323,7 +363,7 @@ void Combine::put_contributions() {
     std::array<std::int32_t, kMaxTopk> rows, expanded;
     for (std::size_t i = 0; i < plan_->rows.size(); ++i) {
       const int src = plan_->rows[i].source;
-      if (core_.same_node(src)) continue;
+      if (engine_.same_node(src)) continue;
       // Rebuild the token's lanes as seen from here: local lanes carry this rank's rows.
       for (int j = 0; j < k_; ++j) {
         const std::int32_t local = plan_->local_ids[i * k_ + j];
@@ -336,43 +376,43 @@ void Combine::put_contributions() {
     }
   }
   for (int peer = 0; peer < geo_.num_ranks; ++peer)
-    if (signalled[static_cast<size_t>(peer)]) core_.transport().signal(peer);
+    if (signalled[static_cast<size_t>(peer)]) engine_.transport().signal(peer);
 }
 
 void Combine::wait_contributions() {
-  if (!core_.paths.hybrid() && !core_.paths.direct_remote()) return;
+  if (!engine_.paths.hybrid() && !engine_.paths.direct_remote()) return;
   const auto& layout = plan_->layout;
-  const int me = core_.rank;
+  const int me = engine_.rank;
   std::vector<int> peers;
   std::vector<std::uint64_t> targets;
-  if (core_.paths.hybrid()) {
-    const int my_node = core_.routing_node_of(me), SU = core_.logical_scaleup;
+  if (engine_.paths.hybrid()) {
+    const int my_node = engine_.routing_node_of(me), SU = engine_.logical_scaleup;
     for (int node = 0; node < geo_.num_nodes; ++node) {
       if (node == my_node || layout.node_count(me, node) == 0) continue;
       const int forwarder = node * SU + me % SU;
       peers.push_back(forwarder);
-      targets.push_back(core_.expect_signal(forwarder));
+      targets.push_back(engine_.expect_signal(forwarder));
     }
   } else {
     for (int d = 0; d < geo_.num_ranks; ++d) {
-      if (core_.same_node(d) || layout.count(me, d) == 0) continue;
+      if (engine_.same_node(d) || layout.count(me, d) == 0) continue;
       peers.push_back(d);
-      targets.push_back(core_.expect_signal(d));
+      targets.push_back(engine_.expect_signal(d));
     }
   }
-  if (!peers.empty()) core_.transport().wait_signals(peers, targets, core_.wait("combine: scale-out contributions"));
+  if (!peers.empty()) engine_.transport().wait_signals(peers, targets, engine_.wait("combine: scale-out contributions"));
 }
 
 void Combine::reduce_tokens() {
   const HandleState& plan = *plan_;
-  const int my_node = core_.node_of(core_.rank);
+  const int my_node = engine_.node_of(engine_.rank);
   const std::int64_t* topk = plan.topk.data_as<const std::int64_t>();
   const std::int64_t topk_row = plan.topk.defined() ? plan.topk.stride(0) : k_;
   auto* out = result.combined_x.data_as<std::uint16_t>();
   auto* out_w = has_weights_ ? result.combined_topk_weights.data_as<float>() : nullptr;
-  const bool hybrid = core_.paths.hybrid();
+  const bool hybrid = engine_.paths.hybrid();
 
-  core_.pool().parallel_for((N_ + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
+  engine_.pool().parallel_for((N_ + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
     prepare_scratch(H_);
     const int end = static_cast<int>(std::min<std::int64_t>(N_, (task + 1) * kTokensPerTask));
     std::array<Unit, kMaxTopk> units;
@@ -385,53 +425,64 @@ void Combine::reduce_tokens() {
       int scratch = 0, n = 0;
       float* w = out_w ? out_w + static_cast<std::int64_t>(t) * k_ : nullptr;
       if (w) std::fill(w, w + k_, 0.0f);
-      auto take_remote_weights = [&](const std::byte* record, auto keep) {
-        if (!w) return;
-        const auto* rw = reinterpret_cast<const float*>(record + record_.weights_offset);
+      auto take_remote_weights = [&](const float* rw, auto keep) {
+        if (!w || req_.sum_weights_over_ranks) return;
         for (int j = 0; j < k_; ++j)
           if (ids[j] >= 0 && keep(j)) w[j] = rw[j];
+      };
+      // Units on this node are read in place; units of other nodes arrived as records.
+      auto record_unit = [&](int key, int region) {
+        const std::byte* record = combine_record(region, t);
+        return Unit{key, reinterpret_cast<const std::uint16_t*>(record),
+                    reinterpret_cast<const float*>(record + record_.weights_offset)};
       };
       if (hybrid && multi_) {
         const int nn = routing::token_nodes(ids, k_, geo_, dests);
         for (int i = 0; i < nn; ++i) {
-          const int node = dests[static_cast<size_t>(i)].target;
+          const int node = dests[static_cast<size_t>(i)].target, key = dests[static_cast<size_t>(i)].master_lane;
           if (node == my_node) {
-            units[static_cast<size_t>(n++)] = {dests[static_cast<size_t>(i)].master_lane,
-                                               node_sum(ids, rows, expanded, node, scratch)};
+            Unit unit = node_sum(ids, rows, expanded, node, scratch);
+            unit.key = key;
+            units[static_cast<size_t>(n++)] = unit;
           } else {
-            const std::byte* record = combine_record(node, t);
-            units[static_cast<size_t>(n++)] = {dests[static_cast<size_t>(i)].master_lane,
-                                               reinterpret_cast<const std::uint16_t*>(record)};
-            take_remote_weights(record, [&](int j) { return geo_.node_of_rank(geo_.rank_of_expert(ids[j])) == node; });
+            units[static_cast<size_t>(n++)] = record_unit(key, node);
+            take_remote_weights(units[static_cast<size_t>(n - 1)].weights,
+                                [&](int j) { return geo_.node_of_rank(geo_.rank_of_expert(ids[j])) == node; });
           }
         }
       } else {
-        // Units on this node are read in place; units of other nodes arrived as records.
         n = node_units(ids, rows, expanded, my_node, units, scratch);
         if (expand_ && !multi_) {
           for (int j = 0; j < k_; ++j) {
-            if (ids[j] < 0 || core_.node_of(geo_.rank_of_expert(ids[j])) == my_node) continue;
-            const std::byte* record = combine_record(j, t);
-            units[static_cast<size_t>(n++)] = {j, reinterpret_cast<const std::uint16_t*>(record)};
-            take_remote_weights(record, [&](int l) { return l == j; });
+            if (ids[j] < 0 || engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node) continue;
+            units[static_cast<size_t>(n++)] = record_unit(j, j);
+            take_remote_weights(units[static_cast<size_t>(n - 1)].weights, [&](int l) { return l == j; });
           }
         } else {
           const int nd = routing::token_ranks(ids, k_, geo_, dests);
           for (int i = 0; i < nd; ++i) {
             const auto& d = dests[static_cast<size_t>(i)];
-            if (core_.node_of(d.target) == my_node) continue;
-            const std::byte* record = combine_record(d.master_lane, t);
-            units[static_cast<size_t>(n++)] = {d.master_lane, reinterpret_cast<const std::uint16_t*>(record)};
-            take_remote_weights(record, [&](int j) { return geo_.rank_of_expert(ids[j]) == d.target; });
+            if (engine_.node_of(d.target) == my_node) continue;
+            units[static_cast<size_t>(n++)] = record_unit(d.master_lane, d.master_lane);
+            take_remote_weights(units[static_cast<size_t>(n - 1)].weights,
+                                [&](int j) { return geo_.rank_of_expert(ids[j]) == d.target; });
           }
         }
         std::sort(units.begin(), units.begin() + n, [](const Unit& a, const Unit& b) { return a.key < b.key; });
       }
-      // Weights of lanes served on this node.
-      for (int j = 0; j < k_ && w; ++j)
-        if (ids[j] >= 0 && core_.node_of(geo_.rank_of_expert(ids[j])) == my_node) w[j] = lane_weight(ids, rows, expanded, j);
+      if (w && req_.sum_weights_over_ranks) {
+        // Every unit's whole weight row, summed in unit order.
+        std::array<const float*, kMaxTopk> rows_w;
+        for (int u = 0; u < n; ++u) rows_w[static_cast<size_t>(u)] = units[static_cast<size_t>(u)].weights;
+        sum_weight_rows({rows_w.data(), static_cast<size_t>(n)}, k_, w);
+      } else {
+        // Lanes served on this node: the weight their rank returned for them.
+        for (int j = 0; j < k_ && w; ++j)
+          if (ids[j] >= 0 && engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node)
+            w[j] = lane_weight(ids, rows, expanded, j);
+      }
       int count = 0;
-      for (const TensorView& b : args_.bias)
+      for (const TensorView& b : req_.bias)
         inputs[static_cast<size_t>(count++)] = b.data_as<const std::uint16_t>() + t * b.stride(0);
       for (int u = 0; u < n; ++u) inputs[static_cast<size_t>(count++)] = units[static_cast<size_t>(u)].row;
       core::sum_bf16_rows({inputs.data(), static_cast<size_t>(count)}, out + static_cast<std::int64_t>(t) * H_, H_);
@@ -441,8 +492,8 @@ void Combine::reduce_tokens() {
 
 }  // namespace
 
-std::shared_ptr<CombineOperation> make_combine(BufferCore& core, const CombineArgs& args, std::uint64_t sequence) {
-  return std::make_shared<Combine>(core, args, sequence);
+std::shared_ptr<CombineOperation> make_combine(Engine& engine, CombineRequest request, std::uint64_t sequence) {
+  return std::make_shared<Combine>(engine, std::move(request), sequence);
 }
 
-}  // namespace moe_ep::elastic
+}  // namespace moe_ep::engine

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 
-namespace moe_ep::elastic {
+namespace moe_ep::engine {
 
 inline constexpr std::int64_t kBufferAlignment = std::int64_t{2} << 20;
 inline constexpr int kMaxTopk = 32;
@@ -61,4 +61,4 @@ RegionSizes region_sizes(const Paths& paths, int num_max_tokens_per_rank, int hi
 std::int64_t buffer_size_hint(const Paths& paths, int num_max_tokens_per_rank, int hidden, int num_topk,
                               bool use_fp8_dispatch, bool allow_multiple_reduction);
 
-}  // namespace moe_ep::elastic
+}  // namespace moe_ep::engine

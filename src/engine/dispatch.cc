@@ -1,5 +1,5 @@
-// ElasticBuffer::dispatch. See buffer_core.hh for the data paths and docs/semantics.md for the
-// shapes and order of the outputs.
+// The dispatch operation of both buffer generations. See engine.hh for the data paths and
+// docs/semantics.md for the shapes and order of the outputs.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -8,19 +8,19 @@
 #include "comm/agreement.hh"
 #include "core/checks.hh"
 #include "core/reduce.hh"
-#include "elastic/buffer_core.hh"
+#include "engine/engine.hh"
 #include "moe_ep/error.hpp"
 
-namespace moe_ep::elastic {
+namespace moe_ep::engine {
 namespace {
 
 constexpr std::int64_t kRowsPerTask = 32;
 
 class Dispatch final : public DispatchOperation {
  public:
-  Dispatch(BufferCore& core, const DispatchArgs& args, std::uint64_t sequence)
-      : core_(core), args_(args), sequence_(sequence), ctx_(core.context("dispatch")) {
-    previous_event = args.previous_event;
+  Dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequence)
+      : engine_(engine), req_(std::move(request)), sequence_(sequence), ctx_(engine.context(req_.operation)) {
+    previous_event = req_.previous_event;
     try {
       validate();
       if (!cached_) start_handle();
@@ -35,6 +35,8 @@ class Dispatch final : public DispatchOperation {
 
  private:
   void validate();
+  void check_capacity(int tokens_bound) const;
+  void check_gathered(const std::vector<PeerTensors>& peers);
   void start_handle();
   std::int64_t worst_rows() const;
   std::int64_t worst_expanded_rows() const;
@@ -54,12 +56,12 @@ class Dispatch final : public DispatchOperation {
 
   std::byte* region_record(int source, std::int32_t slot);
   std::int64_t region_offset(int source, std::int32_t slot) const {
-    const int region = core_.paths.hybrid() ? core_.routing_node_of(source) : source;
+    const int region = engine_.paths.hybrid() ? engine_.routing_node_of(source) : source;
     return (static_cast<std::int64_t>(region) * T_ + slot) * record_.bytes;
   }
 
-  BufferCore& core_;
-  DispatchArgs args_;
+  Engine& engine_;
+  DispatchRequest req_;
   std::uint64_t sequence_;
   std::string ctx_;
 
@@ -77,41 +79,39 @@ class Dispatch final : public DispatchOperation {
 };
 
 void Dispatch::validate() {
-  const auto& a = args_;
+  const auto& a = req_;
   cached_ = a.handle != nullptr;
+  if (a.max_tokens < 0) core::fail(ctx_, "num_max_tokens_per_rank = {} is negative", a.max_tokens);
   if (cached_) {
     const EPHandle& h = *a.handle;
-    if (!h.state || h.state->buffer_id != core_.id)
+    if (!h.state || h.state->engine_id != engine_.id)
       core::fail(ctx_, "handle was created by another buffer (buffer id {}, this buffer {})",
-                 h.state ? h.state->buffer_id : 0, core_.id);
+                 h.state ? h.state->engine_id : 0, engine_.id);
     cached_state_ = h.state.get();
     if (a.topk_idx.defined()) core::fail(ctx_, "topk_idx must not be given with a cached handle");
-    if (a.do_cpu_sync.value_or(false)) core::fail(ctx_, "do_cpu_sync = true is not allowed with a cached handle");
+    if (a.cpu_sync) core::fail(ctx_, "do_cpu_sync = true is not allowed with a cached handle");
     if (a.cumulative_local_expert_recv_stats.defined())
       core::fail(ctx_, "cumulative_local_expert_recv_stats is not allowed with a cached handle");
     if (a.num_experts != 0 && a.num_experts != h.num_experts)
       core::fail(ctx_, "num_experts = {} differs from the handle's {}", a.num_experts, h.num_experts);
     if (a.expert_alignment != h.expert_alignment)
       core::fail(ctx_, "expert_alignment = {} differs from the handle's {}", a.expert_alignment, h.expert_alignment);
-    const int t = a.num_max_tokens_per_rank > 0 ? a.num_max_tokens_per_rank : core_.config.num_max_tokens_per_rank;
-    if (t != h.num_max_tokens_per_rank)
-      core::fail(ctx_, "num_max_tokens_per_rank = {} differs from the handle's {}", t, h.num_max_tokens_per_rank);
-    if (a.do_expand != h.do_expand)
-      core::fail(ctx_, "do_expand = {} differs from the handle's {}", a.do_expand, h.do_expand);
+    if (a.max_tokens != 0 && a.max_tokens != h.num_max_tokens_per_rank)
+      core::fail(ctx_, "num_max_tokens_per_rank = {} differs from the handle's {}", a.max_tokens,
+                 h.num_max_tokens_per_rank);
+    if (a.expand != h.do_expand) core::fail(ctx_, "do_expand = {} differs from the handle's {}", a.expand, h.do_expand);
     E_ = h.num_experts;
     k_ = h.num_topk;
     A_ = h.expert_alignment;
+    T_ = cached_state_->max_tokens;
     cpu_sync_ = false;
   } else {
     E_ = a.num_experts;
     A_ = a.expert_alignment;
-    cpu_sync_ = a.do_cpu_sync.value_or(true);
+    T_ = a.max_tokens;
+    cpu_sync_ = a.cpu_sync;
   }
-  expand_ = a.do_expand;
-  T_ = a.num_max_tokens_per_rank > 0 ? a.num_max_tokens_per_rank : core_.config.num_max_tokens_per_rank;
-  if (a.num_max_tokens_per_rank < 0)
-    core::fail(ctx_, "num_max_tokens_per_rank = {} is negative", a.num_max_tokens_per_rank);
-  if (T_ <= 0) core::fail(ctx_, "num_max_tokens_per_rank is 0: give it here or to the buffer's constructor");
+  expand_ = a.expand;
 
   // x and its scales.
   const TensorView& x = a.x;
@@ -124,9 +124,10 @@ void Dispatch::validate() {
   core::expect_rows_contiguous(ctx_, "x", x);
   N_ = static_cast<int>(x.size(0));
   H_ = static_cast<int>(x.size(1));
-  if (x.size(0) > T_) core::fail(ctx_, "x has {} tokens, more than num_max_tokens_per_rank = {}", x.size(0), T_);
-  if (core_.config.hidden > 0 && H_ != core_.config.hidden)
-    core::fail(ctx_, "x has hidden size {}, the buffer was built for hidden = {}", H_, core_.config.hidden);
+  if (T_ > 0 && x.size(0) > T_)
+    core::fail(ctx_, "x has {} tokens, more than num_max_tokens_per_rank = {}", x.size(0), T_);
+  if (engine_.config.fixed_hidden > 0 && H_ != engine_.config.fixed_hidden)
+    core::fail(ctx_, "x has hidden size {}, the buffer was built for hidden = {}", H_, engine_.config.fixed_hidden);
   if (H_ <= 0) core::fail(ctx_, "x has hidden size {}, expected a positive size", H_);
   if (fp8_) {
     if (H_ % 128 != 0) core::fail(ctx_, "FP8 hidden size {} is not a multiple of 128", H_);
@@ -155,10 +156,10 @@ void Dispatch::validate() {
   }
   if (k_ < 1 || k_ > kMaxTopk) core::fail(ctx_, "topk_idx has {} columns (k), expected 1 to {}", k_, kMaxTopk);
   if (E_ <= 0) core::fail(ctx_, "num_experts = {} must be positive", E_);
-  if (E_ % core_.num_ranks != 0)
-    core::fail(ctx_, "num_experts = {} is not divisible by the {} ranks", E_, core_.num_ranks);
+  if (E_ % engine_.num_ranks != 0)
+    core::fail(ctx_, "num_experts = {} is not divisible by the {} ranks", E_, engine_.num_ranks);
   if (A_ < 1) core::fail(ctx_, "expert_alignment = {} must be at least 1", A_);
-  El_ = E_ / core_.num_ranks;
+  El_ = E_ / engine_.num_ranks;
   has_weights_ = a.topk_weights.defined();
   if (has_weights_) {
     core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {N_, k_});
@@ -169,39 +170,65 @@ void Dispatch::validate() {
                         DType::kInt32, {El_});
     core::expect_contiguous(ctx_, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats);
   }
-  if (a.do_zero_padding && !a.do_expand) core::fail(ctx_, "do_zero_padding = true requires do_expand = true");
-  if (a.num_sms < 0 || a.num_sms > 1024) core::fail(ctx_, "num_sms = {} is outside [0, 1024]", a.num_sms);
-  core_.check_num_qps(ctx_, a.num_qps);
-  const std::int64_t worst = static_cast<std::int64_t>(T_) * core_.num_ranks * std::min(k_, El_) + std::int64_t{A_} * El_;
-  if (worst > (std::int64_t{1} << 31) - 1)
-    core::fail(ctx_, "num_max_tokens_per_rank = {} x {} ranks x min(k, local experts) = {} rows exceed the int32 "
-               "row index", T_, core_.num_ranks, worst);
-  geo_ = routing::Geometry{core_.num_ranks, E_, core_.logical_scaleout};
-
-  // Capacity.
-  const std::int64_t scale_bytes = fp8_ ? std::int64_t{P_} * 4 : 0;
-  record_ = DispatchRecord(row_bytes_, scale_bytes, k_);
-  const RegionSizes need =
-      region_sizes(core_.paths, T_, H_, row_bytes_, scale_bytes, k_, core_.config.allow_multiple_reduction);
-  if (need.dispatch_bytes > core_.num_bytes)
-    throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer (num_max_tokens_per_rank = {}, hidden = {}, "
-                                    "k = {}), the buffer holds {}", ctx_, align_to(need.dispatch_bytes, kBufferAlignment),
-                                    T_, H_, k_, core_.num_bytes),
-                        align_to(need.dispatch_bytes, kBufferAlignment), core_.num_bytes);
+  if (a.zero_padding && !a.expand) core::fail(ctx_, "do_zero_padding = true requires do_expand = true");
+  if (T_ == 0 && !cpu_sync_ && a.worst_rows <= 0)
+    core::fail(ctx_, "outputs of worst-case size need num_max_tokens_per_rank or a worst-case row count");
+  if (a.worst_rows < 0) core::fail(ctx_, "the worst-case row count {} is negative", a.worst_rows);
+  engine_.check_num_qps(ctx_, a.num_qps);
+  geo_ = routing::Geometry{engine_.num_ranks, E_, engine_.logical_scaleout};
+  record_ = DispatchRecord(row_bytes_, fp8_ ? std::int64_t{P_} * 4 : 0, k_);
+  if (T_ > 0) check_capacity(T_);
+  if (a.validate_more) a.validate_more(ctx_);
 
   // The routing of a new dispatch is checked here, before anything moves.
   if (!cached_)
     routing::validate_topk(ctx_, {a.topk_idx.data_as<const std::int64_t>(), a.topk_idx.stride(0), N_, k_}, E_);
 }
 
+// The row indices (int32) and the buffer must hold `tokens_bound` tokens per source.
+void Dispatch::check_capacity(int tokens_bound) const {
+  const std::int64_t worst =
+      static_cast<std::int64_t>(tokens_bound) * engine_.num_ranks * std::min(k_, El_) + std::int64_t{A_} * El_;
+  if (worst > (std::int64_t{1} << 31) - 1)
+    core::fail(ctx_, "num_max_tokens_per_rank = {} x {} ranks x min(k, local experts) = {} rows exceed the int32 "
+               "row index", tokens_bound, engine_.num_ranks, worst);
+  const RegionSizes need = region_sizes(engine_.paths, tokens_bound, H_, row_bytes_, record_.scales_bytes, k_,
+                                        engine_.config.allow_multiple_reduction);
+  if (need.dispatch_bytes > engine_.config.pool_bytes) {
+    const std::int64_t bytes = align_to(need.dispatch_bytes, engine_.config.pool_alignment);
+    throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer ({} tokens per rank, hidden = {}, k = {}), "
+                                    "the buffer holds {}", ctx_, bytes, tokens_bound, H_, k_, engine_.config.pool_bytes),
+                        bytes, engine_.config.pool_bytes);
+  }
+}
+
+// Checks of what the agreement gathered: every rank computes the same answer, so a failure here is
+// raised by all ranks alike.
+void Dispatch::check_gathered(const std::vector<PeerTensors>& peers) {
+  in_step_failure = true;
+  if (T_ == 0) {
+    for (const auto& p : peers) T_ = std::max(T_, p.num_tokens);
+    T_ = std::max(T_, 1);
+    check_capacity(T_);
+  }
+  if (req_.worst_rows > 0 && !cached_) {
+    for (int d = 0; d < geo_.num_ranks; ++d)
+      if (plan_->layout.rows_at(d) > req_.worst_rows)
+        throw InvalidArgument(fmt::format("{}: rank {} receives {} tokens, more than the worst-case row count {}",
+                                          ctx_, d, plan_->layout.rows_at(d), req_.worst_rows));
+  }
+  in_step_failure = false;
+}
+
 std::int64_t Dispatch::worst_rows() const {
-  if (cached_) return args_.handle->num_recv_tokens;
-  return static_cast<std::int64_t>(T_) * core_.num_ranks;
+  if (cached_) return req_.handle->num_recv_tokens;
+  if (req_.worst_rows > 0) return req_.worst_rows;
+  return static_cast<std::int64_t>(T_) * engine_.num_ranks;
 }
 
 std::int64_t Dispatch::worst_expanded_rows() const {
-  if (cached_) return args_.handle->num_expanded_tokens;
-  return routing::align_up(static_cast<std::int64_t>(core_.num_ranks) * T_ * std::min(k_, El_) +
+  if (cached_) return req_.handle->num_expanded_tokens;
+  return routing::align_up(static_cast<std::int64_t>(engine_.num_ranks) * T_ * std::min(k_, El_) +
                                static_cast<std::int64_t>(A_ - 1) * El_, A_);
 }
 
@@ -209,7 +236,7 @@ void Dispatch::allocate_outputs(std::int64_t rows, std::int64_t expanded_rows) {
   const std::int64_t out_rows = expand_ ? expanded_rows : rows;
   result.recv_x = Tensor::empty({out_rows, H_}, x_dtype_);
   if (fp8_) {
-    if (args_.use_tma_aligned_col_major_sf) {
+    if (req_.col_major_scales) {
       const std::int64_t padded = routing::align_up(std::max<std::int64_t>(out_rows, 1), 4);
       Tensor storage = Tensor::empty({P_, padded}, scale_dtype_);
       const std::int64_t shape[] = {out_rows, P_};
@@ -223,7 +250,7 @@ void Dispatch::allocate_outputs(std::int64_t rows, std::int64_t expanded_rows) {
   if (has_weights_)
     result.recv_topk_weights = expand_ ? Tensor::empty({expanded_rows}, DType::kFP32) : Tensor::empty({rows, k_}, DType::kFP32);
   if (cached_) {
-    result.handle = std::const_pointer_cast<EPHandle>(args_.handle);
+    result.handle = std::const_pointer_cast<EPHandle>(req_.handle);
   } else {
     result.handle->recv_src_metadata = Tensor::empty({rows, k_ + 2}, DType::kInt32);
   }
@@ -234,7 +261,7 @@ void Dispatch::allocate_outputs(std::int64_t rows, std::int64_t expanded_rows) {
 void Dispatch::start_handle() {
   state_ = std::make_shared<HandleState>();
   HandleState& s = *state_;
-  s.buffer_id = core_.id;
+  s.engine_id = engine_.id;
   s.dispatch_sequence = sequence_;
   result.handle = std::make_shared<EPHandle>();
   EPHandle& h = *result.handle;
@@ -254,16 +281,16 @@ void Dispatch::start_handle() {
 
 PeerTensors Dispatch::my_tensors() const {
   PeerTensors p;
-  p.x = static_cast<const std::byte*>(args_.x.data());
-  p.x_row_bytes = args_.x.stride(0) * static_cast<std::int64_t>(element_size(x_dtype_));
+  p.x = static_cast<const std::byte*>(req_.x.data());
+  p.x_row_bytes = req_.x.stride(0) * static_cast<std::int64_t>(element_size(x_dtype_));
   if (fp8_) {
-    p.scales = static_cast<const std::byte*>(args_.x_scales.data());
-    p.scale_stride[0] = args_.x_scales.stride(0);
-    p.scale_stride[1] = args_.x_scales.stride(1);
+    p.scales = static_cast<const std::byte*>(req_.x_scales.data());
+    p.scale_stride[0] = req_.x_scales.stride(0);
+    p.scale_stride[1] = req_.x_scales.stride(1);
   }
   if (has_weights_) {
-    p.weights = args_.topk_weights.data_as<const float>();
-    p.weights_row = args_.topk_weights.stride(0);
+    p.weights = req_.topk_weights.data_as<const float>();
+    p.weights_row = req_.topk_weights.stride(0);
   }
   const Tensor& topk = plan_->topk;
   p.topk = topk.data_as<const std::int64_t>();
@@ -278,21 +305,23 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
   std::exception_ptr error = local_error;
   if (!error) {
     try {
-      core_.wait_for_event(previous_event, ctx_, "previous_event");
-      workers_ = core_.resolve_workers(args_.num_sms, E_, k_);
+      engine_.wait_for_event(previous_event, ctx_, "previous_event");
+      workers_ = req_.workers(E_, k_);
+      engine_.set_workers(workers_);
       if (cached_) {
         plan_ = cached_state_;
       } else {
         plan_ = state_.get();
         state_->topk =
-            args_.do_handle_copy ? Tensor::empty({N_, k_}, DType::kInt64) : Tensor().with_view(args_.topk_idx);
-        if (args_.do_handle_copy)
+            req_.do_handle_copy ? Tensor::empty({N_, k_}, DType::kInt64) : Tensor().with_view(req_.topk_idx);
+        if (req_.do_handle_copy)
           for (int t = 0; t < N_; ++t)
             std::memcpy(state_->topk.data_as<std::int64_t>() + std::int64_t{t} * k_,
-                        args_.topk_idx.data_as<const std::int64_t>() + t * args_.topk_idx.stride(0),
+                        req_.topk_idx.data_as<const std::int64_t>() + t * req_.topk_idx.stride(0),
                         sizeof(std::int64_t) * k_);
         routing::count_local({state_->topk.data_as<const std::int64_t>(), state_->topk.stride(0), N_, k_}, geo_,
                              counts_);
+        if (!req_.expert_counts.empty()) counts_.per_expert = req_.expert_counts;
       }
     } catch (...) {
       error = std::current_exception();
@@ -311,7 +340,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
       }
     }
   }
-  comm::Agreement agreement(ctx_, "dispatch");
+  comm::Agreement agreement(ctx_, req_.operation);
   agreement.local_error(error)
       .field("operation number", static_cast<std::int64_t>(sequence_))
       .field("cached (handle given)", cached_)
@@ -328,7 +357,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
       .field("do_expand", expand_);
   std::vector<std::span<const std::byte>> payloads;
   try {
-    payloads = agreement.exchange(core_.transport(), comm::Scope::kWorld, core_.wait("dispatch: agreement"), payload);
+    payloads = agreement.exchange(engine_.transport(), comm::Scope::kWorld, engine_.wait("dispatch: agreement"), payload);
   } catch (...) {
     in_step_failure = agreement.gathered();
     throw;
@@ -353,6 +382,9 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
       std::memcpy(state_->layout.per_node_counts(s), c + sizeof(std::int32_t) * (R + E), sizeof(std::int32_t) * G);
     }
     state_->layout.finish();
+  }
+  check_gathered(peers);
+  if (!cached_) {
     plan_sources();
     plan_receive_local(peers);
   }
@@ -360,25 +392,25 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
     if (outputs_known_early()) {
       allocate_outputs_early();
     } else {
-      allocate_outputs(plan_->layout.rows_at(core_.rank), plan_->layout.expanded_rows_at(core_.rank));
+      allocate_outputs(plan_->layout.rows_at(engine_.rank), plan_->layout.expanded_rows_at(engine_.rank));
     }
   }
   if (!cached_) fill_handle();
   outputs_ready();
 
-  core_.wait_for_event(args_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
+  engine_.wait_for_event(req_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
   put_records(peers);
   wait_records();
-  if (!cached_ && core_.paths.hybrid()) plan_forwarding();
-  if (core_.paths.hybrid()) core_.transport().barrier(comm::Scope::kNode, core_.wait("dispatch: forwarded records ready"));
-  if (!cached_ && (core_.paths.hybrid() || core_.paths.direct_remote())) plan_receive_remote();
+  if (!cached_ && engine_.paths.hybrid()) plan_forwarding();
+  if (engine_.paths.hybrid()) engine_.transport().barrier(comm::Scope::kNode, engine_.wait("dispatch: forwarded records ready"));
+  if (!cached_ && (engine_.paths.hybrid() || engine_.paths.direct_remote())) plan_receive_remote();
   copy_rows(peers);
-  if (args_.do_zero_padding) zero_padding();
-  if (args_.cumulative_local_expert_recv_stats.defined()) {
-    auto* stats = args_.cumulative_local_expert_recv_stats.data_as<std::int32_t>();
-    for (int i = 0; i < El_; ++i) stats[i] += plan_->layout.expert_total(core_.rank * El_ + i);
+  if (req_.zero_padding) zero_padding();
+  if (req_.cumulative_local_expert_recv_stats.defined()) {
+    auto* stats = req_.cumulative_local_expert_recv_stats.data_as<std::int32_t>();
+    for (int i = 0; i < El_; ++i) stats[i] += plan_->layout.expert_total(engine_.rank * El_ + i);
   }
-  core_.transport().barrier(comm::Scope::kNode, core_.wait("dispatch: exit"));
+  engine_.transport().barrier(comm::Scope::kNode, engine_.wait("dispatch: exit"));
 }
 
 // Rows of my tokens at their destinations, and forwarder slots (hybrid).
@@ -388,12 +420,12 @@ void Dispatch::plan_sources() {
   s.dst_row.resize(nk);
   s.dst_expanded.resize(nk);
   routing::RowAssigner assigner;
-  assigner.start(s.layout, core_.rank);
+  assigner.start(s.layout, engine_.rank);
   const std::int64_t* topk = s.topk.data_as<const std::int64_t>();
   for (int t = 0; t < N_; ++t)
     assigner.next(topk + t * s.topk.stride(0), k_, [](int) { return true; }, &s.dst_row[static_cast<size_t>(t) * k_],
                   &s.dst_expanded[static_cast<size_t>(t) * k_]);
-  if (core_.paths.hybrid()) {
+  if (engine_.paths.hybrid()) {
     s.node_slot.assign(nk, -1);
     std::vector<std::int32_t> next(static_cast<size_t>(geo_.num_nodes), 0);
     std::array<routing::Destination, routing::kMaxTopk> nodes;
@@ -411,7 +443,7 @@ void Dispatch::plan_sources() {
 void Dispatch::accept_token(routing::RowAssigner& assigner, int source, std::int32_t index, std::int32_t token,
                             const std::int64_t* ids) {
   HandleState& s = *state_;
-  const int me = core_.rank;
+  const int me = engine_.rank;
   std::int32_t row_at_lane[routing::kMaxTopk], expanded_at_lane[routing::kMaxTopk];
   assigner.next(ids, k_, [me](int r) { return r == me; }, row_at_lane, expanded_at_lane);
   for (int j = 0; j < k_; ++j) {
@@ -430,7 +462,7 @@ void Dispatch::accept_token(routing::RowAssigner& assigner, int source, std::int
 
 void Dispatch::plan_receive_local(const std::vector<PeerTensors>& peers) {
   HandleState& s = *state_;
-  const int me = core_.rank;
+  const int me = engine_.rank;
   const std::int32_t rows = s.layout.rows_at(me);
   s.rows.resize(static_cast<size_t>(rows));
   s.row_token.resize(static_cast<size_t>(rows));
@@ -439,24 +471,24 @@ void Dispatch::plan_receive_local(const std::vector<PeerTensors>& peers) {
   if (expand_) s.expanded_rows.resize(static_cast<size_t>(rows) * k_);
   routing::RowAssigner assigner;
   for (int src = 0; src < geo_.num_ranks; ++src) {
-    if (!core_.same_node(src) || s.layout.count(src, me) == 0) continue;
+    if (!engine_.same_node(src) || s.layout.count(src, me) == 0) continue;
     assigner.start(s.layout, src);
     const PeerTensors& p = peers[static_cast<size_t>(src)];
-    const auto* topk = static_cast<const std::int64_t*>(core_.transport().node_address(src, p.topk));
+    const auto* topk = static_cast<const std::int64_t*>(engine_.transport().node_address(src, p.topk));
     for (int t = 0; t < p.num_tokens; ++t) accept_token(assigner, src, t, t, topk + t * p.topk_row);
   }
 }
 
 void Dispatch::plan_receive_remote() {
   const auto& layout = state_->layout;
-  const int me = core_.rank;
+  const int me = engine_.rank;
   routing::RowAssigner assigner;
   std::int64_t ids[routing::kMaxTopk];
   for (int src = 0; src < geo_.num_ranks; ++src) {
-    if (core_.same_node(src) || layout.count(src, me) == 0) continue;
+    if (engine_.same_node(src) || layout.count(src, me) == 0) continue;
     assigner.start(layout, src);
     const std::int32_t records =
-        core_.paths.hybrid() ? layout.node_count(src, core_.routing_node_of(me)) : layout.count(src, me);
+        engine_.paths.hybrid() ? layout.node_count(src, engine_.routing_node_of(me)) : layout.count(src, me);
     for (std::int32_t slot = 0; slot < records; ++slot) {
       const std::byte* rec = region_record(src, slot);
       const auto* rec_ids = reinterpret_cast<const std::int32_t*>(rec + record_.ids_offset);
@@ -472,8 +504,10 @@ void Dispatch::fill_handle() {
   HandleState& s = *state_;
   EPHandle& h = *result.handle;
   const auto& layout = s.layout;
-  const int me = core_.rank, SU = core_.logical_scaleup;
+  const int me = engine_.rank, SU = engine_.logical_scaleup;
   h.num_sms = workers_;
+  h.num_max_tokens_per_rank = T_;
+  s.max_tokens = T_;
   h.topk_idx = s.topk;
   if (cpu_sync_) {
     h.num_recv_tokens = layout.rows_at(me);
@@ -507,20 +541,20 @@ void Dispatch::fill_handle() {
 }
 
 std::byte* Dispatch::region_record(int source, std::int32_t slot) {
-  if (core_.paths.hybrid()) {
-    const int forwarder = core_.node_of(core_.rank) * core_.physical.num_scaleup + source % core_.physical.num_scaleup;
-    return core_.memory().node_peer(forwarder) + region_offset(source, slot);
+  if (engine_.paths.hybrid()) {
+    const int forwarder = engine_.node_of(engine_.rank) * engine_.physical.num_scaleup + source % engine_.physical.num_scaleup;
+    return engine_.memory().node_peer(forwarder) + region_offset(source, slot);
   }
-  return core_.memory().local() + region_offset(source, slot);
+  return engine_.memory().local() + region_offset(source, slot);
 }
 
 // Scale-out: one record per (token, remote destination rank) in direct mode, per (token,
 // remote destination node) in hybrid mode, then one signal per peer that got records.
 void Dispatch::put_records(const std::vector<PeerTensors>& peers) {
-  if (!core_.paths.hybrid() && !core_.paths.direct_remote()) return;
+  if (!engine_.paths.hybrid() && !engine_.paths.direct_remote()) return;
   const HandleState& s = *plan_;
   const auto& layout = s.layout;
-  const int me = core_.rank, R = geo_.num_ranks;
+  const int me = engine_.rank, R = geo_.num_ranks;
   const PeerTensors& mine = peers[static_cast<size_t>(me)];
   const std::int64_t* topk = s.topk.data_as<const std::int64_t>();
   record_scratch_.resize(static_cast<size_t>(record_.bytes - record_.scales_offset));
@@ -540,9 +574,9 @@ void Dispatch::put_records(const std::vector<PeerTensors>& peers) {
     std::memcpy(meta + (record_.token_offset - record_.scales_offset), &t, sizeof t);
   };
   auto put = [&](int peer, std::int64_t offset, int t) {
-    core_.transport().put(peer, core_.memory(), static_cast<std::size_t>(offset), mine.x + t * mine.x_row_bytes,
+    engine_.transport().put(peer, engine_.memory(), static_cast<std::size_t>(offset), mine.x + t * mine.x_row_bytes,
                           static_cast<std::size_t>(row_bytes_));
-    core_.transport().put(peer, core_.memory(), static_cast<std::size_t>(offset + record_.scales_offset), meta,
+    engine_.transport().put(peer, engine_.memory(), static_cast<std::size_t>(offset + record_.scales_offset), meta,
                           record_scratch_.size());
   };
   std::vector<bool> signalled(static_cast<size_t>(R), false);
@@ -552,16 +586,16 @@ void Dispatch::put_records(const std::vector<PeerTensors>& peers) {
       const std::size_t i = static_cast<size_t>(t) * k_ + j;
       int peer = -1;
       std::int32_t slot = -1;
-      if (core_.paths.hybrid()) {
+      if (engine_.paths.hybrid()) {
         if (s.node_slot[i] < 0) continue;
         const int node = geo_.node_of_rank(geo_.rank_of_expert(topk[t * s.topk.stride(0) + j]));
-        if (node == core_.routing_node_of(me)) continue;
-        peer = node * core_.logical_scaleup + me % core_.logical_scaleup;
+        if (node == engine_.routing_node_of(me)) continue;
+        peer = node * engine_.logical_scaleup + me % engine_.logical_scaleup;
         slot = s.node_slot[i];
       } else {
         if (s.dst_row[i] < 0) continue;
         const int d = geo_.rank_of_expert(topk[t * s.topk.stride(0) + j]);
-        if (core_.same_node(d)) continue;
+        if (engine_.same_node(d)) continue;
         peer = d;
         slot = s.dst_row[i] - layout.row_base(me, d);
       }
@@ -572,37 +606,37 @@ void Dispatch::put_records(const std::vector<PeerTensors>& peers) {
     }
   }
   for (int peer = 0; peer < R; ++peer)
-    if (signalled[static_cast<size_t>(peer)]) core_.transport().signal(peer);
+    if (signalled[static_cast<size_t>(peer)]) engine_.transport().signal(peer);
 }
 
 // Waits for the records addressed to this rank (direct) or forwarded through it (hybrid).
 void Dispatch::wait_records() {
   const auto& layout = plan_->layout;
-  const int me = core_.rank;
+  const int me = engine_.rank;
   std::vector<int> sources;
   std::vector<std::uint64_t> targets;
-  if (core_.paths.hybrid()) {
-    const int my_node = core_.routing_node_of(me), SU = core_.logical_scaleup;
+  if (engine_.paths.hybrid()) {
+    const int my_node = engine_.routing_node_of(me), SU = engine_.logical_scaleup;
     for (int node = 0; node < geo_.num_nodes; ++node) {
       const int src = node * SU + me % SU;
       if (node == my_node || layout.node_count(src, my_node) == 0) continue;
       sources.push_back(src);
-      targets.push_back(core_.expect_signal(src));
+      targets.push_back(engine_.expect_signal(src));
     }
-  } else if (core_.paths.direct_remote()) {
+  } else if (engine_.paths.direct_remote()) {
     for (int src = 0; src < geo_.num_ranks; ++src) {
-      if (core_.same_node(src) || layout.count(src, me) == 0) continue;
+      if (engine_.same_node(src) || layout.count(src, me) == 0) continue;
       sources.push_back(src);
-      targets.push_back(core_.expect_signal(src));
+      targets.push_back(engine_.expect_signal(src));
     }
   }
-  if (!sources.empty()) core_.transport().wait_signals(sources, targets, core_.wait("dispatch: scale-out records"));
+  if (!sources.empty()) engine_.transport().wait_signals(sources, targets, engine_.wait("dispatch: scale-out records"));
 }
 
 // Hybrid: the rows, at this node's ranks, of every token this rank forwards (used by combine).
 void Dispatch::plan_forwarding() {
   HandleState& s = *state_;
-  const int me = core_.rank, my_node = core_.routing_node_of(me), SU = core_.logical_scaleup;
+  const int me = engine_.rank, my_node = engine_.routing_node_of(me), SU = engine_.logical_scaleup;
   s.forward.assign(static_cast<size_t>(geo_.num_nodes), ForwardPlan{});
   routing::RowAssigner assigner;
   std::int64_t ids[routing::kMaxTopk];
@@ -618,12 +652,12 @@ void Dispatch::plan_forwarding() {
     f.expanded.resize(static_cast<size_t>(f.count) * k_);
     assigner.start(s.layout, src);
     for (std::int32_t slot = 0; slot < f.count; ++slot) {
-      const std::byte* rec = core_.memory().local() + region_offset(src, slot);
+      const std::byte* rec = engine_.memory().local() + region_offset(src, slot);
       const auto* rec_ids = reinterpret_cast<const std::int32_t*>(rec + record_.ids_offset);
       for (int j = 0; j < k_; ++j) ids[j] = rec_ids[j];
       std::memcpy(&f.token[static_cast<size_t>(slot)], rec + record_.token_offset, sizeof(std::int32_t));
       std::copy(ids, ids + k_, f.ids.begin() + static_cast<std::ptrdiff_t>(slot) * k_);
-      assigner.next(ids, k_, [&](int r) { return core_.routing_node_of(r) == my_node; },
+      assigner.next(ids, k_, [&](int r) { return engine_.routing_node_of(r) == my_node; },
                     &f.rows[static_cast<size_t>(slot) * k_], &f.expanded[static_cast<size_t>(slot) * k_]);
     }
   }
@@ -641,7 +675,7 @@ void Dispatch::copy_rows(const std::vector<PeerTensors>& peers) {
   std::int32_t* metadata = fresh ? result.handle->recv_src_metadata.data_as<std::int32_t>() : nullptr;
   const int meta_cols = k_ + 2;
 
-  core_.pool().parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, [&](std::int64_t task) {
+  engine_.pool().parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, [&](std::int64_t task) {
     const std::int64_t end = std::min(rows, (task + 1) * kRowsPerTask);
     for (std::int64_t i = task * kRowsPerTask; i < end; ++i) {
       const RowSource src = plan.rows[static_cast<size_t>(i)];
@@ -650,16 +684,16 @@ void Dispatch::copy_rows(const std::vector<PeerTensors>& peers) {
       std::int64_t scale_step = 1;
       const float* weights = nullptr;
       const std::int32_t token = plan.row_token[static_cast<size_t>(i)];
-      if (core_.same_node(src.source)) {
+      if (engine_.same_node(src.source)) {
         const PeerTensors& p = peers[static_cast<size_t>(src.source)];
-        payload = static_cast<const std::byte*>(core_.transport().node_address(src.source, p.x)) + src.index * p.x_row_bytes;
+        payload = static_cast<const std::byte*>(engine_.transport().node_address(src.source, p.x)) + src.index * p.x_row_bytes;
         if (fp8_) {
-          scales = static_cast<const std::uint32_t*>(core_.transport().node_address(src.source, p.scales)) +
+          scales = static_cast<const std::uint32_t*>(engine_.transport().node_address(src.source, p.scales)) +
                    src.index * p.scale_stride[0];
           scale_step = p.scale_stride[1];
         }
         if (has_weights_)
-          weights = static_cast<const float*>(core_.transport().node_address(src.source, p.weights)) + src.index * p.weights_row;
+          weights = static_cast<const float*>(engine_.transport().node_address(src.source, p.weights)) + src.index * p.weights_row;
       } else {
         const std::byte* rec = region_record(src.source, src.index);
         payload = rec;
@@ -688,7 +722,12 @@ void Dispatch::copy_rows(const std::vector<PeerTensors>& peers) {
         core::copy_bytes(out_x + i * row_bytes_, payload, static_cast<size_t>(row_bytes_));
         copy_scales(i);
         for (int j = 0; j < k_; ++j) out_ids[i * k_ + j] = local[j];
-        if (out_w) std::memcpy(out_w + i * k_, weights, sizeof(float) * static_cast<size_t>(k_));
+        if (out_w) {
+          std::memcpy(out_w + i * k_, weights, sizeof(float) * static_cast<size_t>(k_));
+          if (req_.zero_nonlocal_weights)
+            for (int j = 0; j < k_; ++j)
+              if (local[j] < 0) out_w[i * k_ + j] = 0.0f;
+        }
       }
       if (metadata) {
         std::int32_t* m = metadata + i * meta_cols;
@@ -709,7 +748,7 @@ void Dispatch::copy_rows(const std::vector<PeerTensors>& peers) {
 
 void Dispatch::zero_padding() {
   const auto& layout = plan_->layout;
-  const int me = core_.rank;
+  const int me = engine_.rank;
   for (int i = 0; i < El_; ++i) {
     const int e = me * El_ + i;
     const std::int64_t begin = layout.expert_start(e) + layout.expert_total(e);
@@ -726,8 +765,8 @@ void Dispatch::zero_padding() {
 
 }  // namespace
 
-std::shared_ptr<DispatchOperation> make_dispatch(BufferCore& core, const DispatchArgs& args, std::uint64_t sequence) {
-  return std::make_shared<Dispatch>(core, args, sequence);
+std::shared_ptr<DispatchOperation> make_dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequence) {
+  return std::make_shared<Dispatch>(engine, std::move(request), sequence);
 }
 
-}  // namespace moe_ep::elastic
+}  // namespace moe_ep::engine

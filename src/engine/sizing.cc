@@ -1,8 +1,8 @@
-#include "elastic/sizing.hh"
+#include "engine/sizing.hh"
 
 #include <algorithm>
 
-namespace moe_ep::elastic {
+namespace moe_ep::engine {
 
 RegionSizes region_sizes(const Paths& paths, int num_max_tokens_per_rank, int hidden, std::int64_t payload_bytes,
                          std::int64_t scale_bytes, int k, bool allow_multiple_reduction) {
@@ -29,4 +29,4 @@ std::int64_t buffer_size_hint(const Paths& paths, int num_max_tokens_per_rank, i
   return align_to(std::max<std::int64_t>(s.total(), 1), kBufferAlignment);
 }
 
-}  // namespace moe_ep::elastic
+}  // namespace moe_ep::engine

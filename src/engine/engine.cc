@@ -1,0 +1,215 @@
+#include "engine/engine.hh"
+
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <future>
+
+#include "core/bandwidth.hh"
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::engine {
+namespace {
+
+std::atomic<std::uint64_t> next_engine_id{1};
+
+}  // namespace
+
+Engine::Engine(Group& group, EngineConfig cfg, std::exception_ptr config_error,
+               const std::function<void(comm::Agreement&)>& fields)
+    : config(std::move(cfg)), rank(group.rank()), num_ranks(group.size()), physical(group.transport().topology()) {
+  logical_scaleout = config.allow_hybrid_mode ? physical.num_scaleout : 1;
+  logical_scaleup = num_ranks / logical_scaleout;
+  paths = Paths{num_ranks, physical.num_scaleout, logical_scaleout};
+  id = next_engine_id++;
+  const std::string ctx = context(config.name);
+  transport_ = group.transport().duplicate(wait("construction: channel setup"));
+  comm::Agreement agreement(ctx, config.name);
+  agreement.local_error(config_error);
+  fields(agreement);
+  agreement.exchange(*transport_, comm::Scope::kWorld, wait("construction: configuration agreement"), {});
+  memory_ = transport_->allocate_symmetric(static_cast<std::size_t>(config.pool_bytes), wait("construction: allocation"));
+  signals_expected_.assign(static_cast<size_t>(num_ranks), 0);
+}
+
+Engine::~Engine() {
+  comm_worker_.drain();
+  if (!destroyed_ && config.explicitly_destroy)
+    std::fprintf(stderr, "[moe-ep] warning: %s on rank %d was not destroyed explicitly\n", config.name.c_str(), rank);
+  // After a failure that left the ranks out of step, peers may still read this memory: keep it.
+  if (!broken_reason().empty()) (void)memory_.release();
+}
+
+std::string Engine::context(const std::string& operation) const { return fmt::format("[rank {}] {}", rank, operation); }
+
+std::string Engine::broken_reason() const {
+  std::lock_guard lock(state_mutex_);
+  return broken_;
+}
+
+void Engine::mark_broken(const std::string& reason) {
+  std::lock_guard lock(state_mutex_);
+  if (broken_.empty()) broken_ = reason;
+}
+
+void Engine::check_usable(const char* operation) const {
+  std::lock_guard lock(state_mutex_);
+  if (destroyed_) throw StateError(fmt::format("{}: the {} was destroyed", context(operation), config.name));
+  if (!broken_.empty())
+    throw StateError(fmt::format("{}: the {} is unusable after a failed collective ({}); destroy it and create a "
+                                 "new one", context(operation), config.name, broken_));
+}
+
+void Engine::run_guarded(Operation& op, const std::function<void()>& outputs_ready) {
+  try {
+    op.run(outputs_ready);
+  } catch (const std::exception& e) {
+    if (!op.in_step_failure) mark_broken(e.what());
+    throw;
+  }
+}
+
+Event Engine::submit(const std::shared_ptr<Operation>& op, bool async) {
+  if (!async) {
+    comm_worker_.drain();
+    run_guarded(*op, [] {});
+    return Event();
+  }
+  Event event = Event::pending();
+  if (op->local_error) {
+    // Take part in the agreement so that the peers learn about the rejection, but report now.
+    comm_worker_.submit([this, op, event] {
+      try {
+        run_guarded(*op, [] {});
+      } catch (...) {
+        event.fail(std::current_exception());
+      }
+    });
+    std::rethrow_exception(op->local_error);
+  }
+  if (op->outputs_known_early()) {
+    op->allocate_outputs_early();
+    comm_worker_.submit([this, op, event] {
+      try {
+        run_guarded(*op, [] {});
+        event.complete();
+      } catch (...) {
+        event.fail(std::current_exception());
+      }
+    });
+    return event;
+  }
+  // The output shapes depend on the count exchange: wait until the worker allocated them.
+  auto ready = std::make_shared<std::promise<void>>();
+  std::future<void> allocated = ready->get_future();
+  comm_worker_.submit([this, op, event, ready] {
+    bool signalled = false;
+    try {
+      run_guarded(*op, [&] {
+        signalled = true;
+        ready->set_value();
+      });
+      event.complete();
+    } catch (...) {
+      if (!signalled) ready->set_exception(std::current_exception());
+      event.fail(std::current_exception());
+    }
+  });
+  allocated.get();
+  return event;
+}
+
+// Buffer-level collectives go through an agreement too, so that a rank in a different call
+// (say dispatch) is reported instead of being matched with this one.
+void Engine::simple_collective(const char* operation) {
+  check_usable(operation);
+  comm_worker_.drain();
+  comm::Agreement agreement(context(operation), operation);
+  agreement.field("operation number", static_cast<std::int64_t>(next_sequence()));
+  try {
+    agreement.exchange(*transport_, comm::Scope::kWorld, wait(operation), {});
+  } catch (const std::exception& e) {
+    if (!agreement.gathered()) mark_broken(e.what());
+    throw;
+  }
+}
+
+void Engine::destroy() {
+  simple_collective("destroy");
+  memory_.reset();
+  std::lock_guard lock(state_mutex_);
+  destroyed_ = true;
+}
+
+int Engine::ranks_on_host() const { return std::max(1, transport_->ranks_on_host()); }
+
+int Engine::cores_per_rank() const { return std::max(1, core::machine_bandwidth().cores / ranks_on_host()); }
+
+void Engine::check_num_qps(const std::string& ctx, int num_qps) const {
+  if (num_qps < 0 || num_qps > config.num_allocated_qps)
+    throw InvalidArgument(fmt::format("{}: num_qps = {} is outside [0, num_allocated_qps = {}]", ctx, num_qps,
+                                      config.num_allocated_qps));
+}
+
+void Engine::wait_for_event(const std::optional<Event>& event, const std::string& ctx, const char* argument) const {
+  if (event && !event->wait_for(config.timeout_secs))
+    throw TimeoutError(fmt::format("{}: {} did not complete within {} s", ctx, argument, config.timeout_secs), {});
+}
+
+int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk, int num_scaleout_topk,
+                            double rdma_gbs, double nvlink_gbs, double sm_read_gbs, double sm_write_gbs) {
+  const std::string ctx = engine.context("get_theoretical_num_sms");
+  const int R = engine.num_ranks, SO = engine.logical_scaleout, SU = engine.logical_scaleup;
+  if (num_scaleout_topk != 0) throw InvalidArgument(fmt::format("{}: num_scaleout_topk must be 0", ctx));
+  if (num_experts <= 0 || num_experts % R != 0)
+    throw InvalidArgument(
+        fmt::format("{}: num_experts = {} must be a positive multiple of the {} ranks", ctx, num_experts, R));
+  if (num_topk < 1 || num_topk > kMaxTopk || num_topk > num_experts)
+    throw InvalidArgument(fmt::format("{}: num_topk = {} is outside [1, min({}, num_experts = {})]", ctx, num_topk,
+                                      kMaxTopk, num_experts));
+  // Cores this rank may use: the host's cores shared by the ranks running on it.
+  const auto& bw = core::machine_bandwidth();
+  const int cap = engine.cores_per_rank();
+  const int NVL = engine.physical.num_scaleup, RDMA = engine.physical.num_scaleout;
+  // Scale-up and scale-out links are memory here: each rank's share of the host's copy bandwidth.
+  const double share = bw.all_cores_gbs / engine.ranks_on_host();
+  if (nvlink_gbs <= 0) nvlink_gbs = share;
+  if (rdma_gbs <= 0) rdma_gbs = share;
+  if (sm_read_gbs <= 0) sm_read_gbs = bw.single_thread_gbs;
+  if (sm_write_gbs <= 0) sm_write_gbs = bw.single_thread_gbs;
+  // Expected number of groups (of G equal groups) hit by k distinct uniformly chosen experts.
+  auto groups_hit = [&](int G) {
+    const double per_group = static_cast<double>(num_experts) / G;
+    double miss = 1.0;
+    for (int i = 0; i < num_topk; ++i) miss *= (num_experts - per_group - i) / (num_experts - i);
+    return G * (1.0 - std::max(miss, 0.0));
+  };
+  const double n = groups_hit(R), n_so = SO > 1 ? groups_hit(SO) : 0.0;
+  double read = 1.0 / n, write, rdma, nvlink;
+  if (SO > 1) {
+    write = 1.0 / n + (1.0 / n) * (n_so / SO) + 1.0;
+    read += n_so / n;
+    rdma = (1.0 / n) * n_so * (1.0 - 1.0 / SO);
+    nvlink = 1.0 - 1.0 / SU;
+  } else {
+    write = (RDMA > 1 ? 1.0 / n : 0.0) + static_cast<double>(NVL) / R;
+    nvlink = (static_cast<double>(NVL) / R) * (1.0 - 1.0 / NVL);
+    rdma = static_cast<double>(R - NVL) / R;
+  }
+  double bandwidth = nvlink_gbs, traffic = nvlink;
+  if (SO > 1 && rdma / rdma_gbs > nvlink / nvlink_gbs) {
+    bandwidth = rdma_gbs;
+    traffic = rdma;
+  }
+  double sms = cap;
+  if (traffic > 0)
+    sms = std::max(bandwidth / traffic * read / sm_read_gbs, bandwidth / traffic * write / sm_write_gbs);
+  int result =
+      static_cast<int>(align_to(std::max<std::int64_t>(4, static_cast<std::int64_t>(std::ceil(1.25 * sms))), 2));
+  if (!engine.config.prefer_overlap_with_compute) result = std::max(result, 64);
+  return std::min(result, cap);
+}
+
+}  // namespace moe_ep::engine

@@ -1,0 +1,235 @@
+// The dispatch/combine engine shared by both buffer generations: one rank's channel, symmetric
+// memory, workers and collective operations.
+//
+// Data paths (docs/architecture.md):
+//  - same physical node: the receiver copies straight from the sender's tensors (published
+//    addresses) into its outputs: one copy per (token, destination);
+//  - direct mode across nodes: the sender puts records into the receiver's region [sender][slot];
+//  - hybrid mode (logical scale-out > 1): the sender puts one record per destination node to the
+//    rank of that node with its own scale-up index (the forwarder); receivers of that node copy
+//    from the forwarder's region. Combine reverses the paths; the forwarder reduces its node's
+//    rows first when multiple reduction is allowed.
+// Every operation starts with an Agreement (arguments, signature, counts), and ends with a node
+// barrier: after it, no peer reads this rank's inputs or regions any more. Operations run inline
+// (sync) or on the rank's communication worker (async), always in call order.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/agreement.hh"
+#include "comm/transport.hh"
+#include "core/executor.hh"
+#include "engine/sizing.hh"
+#include "moe_ep/elastic_buffer.hpp"
+#include "routing/plan.hh"
+
+namespace moe_ep::engine {
+
+// One collective call. The constructor validates (on the calling thread); run() executes inline
+// (sync) or on the communication worker (async) and performs the agreement even when the
+// arguments were rejected, so that peers never wait in vain.
+class Operation {
+ public:
+  virtual ~Operation() = default;
+  // Shapes of the outputs are known without the count exchange (cached, or no CPU sync).
+  virtual bool outputs_known_early() const = 0;
+  virtual void allocate_outputs_early() = 0;
+  // Calls outputs_ready() once the outputs exist (at most once; not on failure).
+  virtual void run(const std::function<void()>& outputs_ready) = 0;
+
+  std::exception_ptr local_error;  // this rank's arguments were rejected
+  std::optional<Event> previous_event;
+  // A failure leaves the ranks out of step (and the engine unusable) unless it is one every rank
+  // raises alike: the agreement's checks, or checks of what the agreement gathered.
+  bool in_step_failure = false;
+};
+
+// Facts every rank of a buffer shares (agreed at construction).
+struct EngineConfig {
+  std::string name;              // "ElasticBuffer", "Buffer": names the buffer in messages
+  std::int64_t pool_bytes = 0;   // symmetric memory per rank
+  std::int64_t pool_alignment = 1;  // sizes in capacity errors are rounded up to this
+  int fixed_hidden = 0;          // 0: any hidden size per call
+  bool allow_hybrid_mode = true;
+  bool allow_multiple_reduction = true;
+  bool prefer_overlap_with_compute = true;
+  int num_allocated_qps = 0;
+  double timeout_secs = 300;
+  bool explicitly_destroy = false;
+};
+
+class Engine {
+ public:
+  // Collective. `fields` adds the generation's configuration to the construction agreement;
+  // `config_error` is this rank's rejection of its configuration (reported through it).
+  Engine(Group& group, EngineConfig config, std::exception_ptr config_error,
+         const std::function<void(comm::Agreement&)>& fields);
+  ~Engine();
+
+  // Runs an operation (see Operation), then returns its result with the event.
+  template <class Op>
+  auto execute(const std::shared_ptr<Op>& op, bool async) {
+    Event event = submit(op, async);
+    auto result = op->result;
+    result.event = event;
+    return result;
+  }
+  void barrier() { simple_collective("barrier"); }
+  void destroy();
+
+  // Checks before a call: the engine is neither destroyed nor out of step.
+  void check_usable(const char* operation) const;
+  std::uint64_t next_sequence() { return ++sequence_; }
+
+  // Fixed facts.
+  const EngineConfig config;
+  int rank = 0, num_ranks = 1;
+  Topology physical;
+  int logical_scaleout = 1, logical_scaleup = 1;
+  Paths paths;
+  std::uint64_t id = 0;
+
+  // For the operations.
+  std::string context(const std::string& operation) const;
+  comm::Wait wait(const char* phase) const { return {phase, config.timeout_secs}; }
+  comm::Transport& transport() { return *transport_; }
+  comm::SymmetricMemory& memory() { return *memory_; }
+  core::WorkerPool& pool() { return pool_; }
+  int node_of(int r) const { return r / physical.num_scaleup; }
+  bool same_node(int r) const { return node_of(r) == node_of(rank); }
+  int routing_node_of(int r) const { return r / logical_scaleup; }
+  // Counts one more signal expected from `source`; returns the cumulative target.
+  std::uint64_t expect_signal(int source) { return ++signals_expected_[static_cast<size_t>(source)]; }
+  void set_workers(int workers) { pool_.resize(workers); }
+  int ranks_on_host() const;  // ranks sharing this host's cores
+  int cores_per_rank() const;
+  void check_num_qps(const std::string& context, int num_qps) const;
+  void wait_for_event(const std::optional<Event>& event, const std::string& context, const char* argument) const;
+  void mark_broken(const std::string& reason);
+
+ private:
+  Event submit(const std::shared_ptr<Operation>& op, bool async);
+  void run_guarded(Operation& op, const std::function<void()>& outputs_ready);
+  std::string broken_reason() const;
+  void simple_collective(const char* operation);
+
+  std::unique_ptr<comm::Transport> transport_;
+  std::unique_ptr<comm::SymmetricMemory> memory_;
+  core::SerialWorker comm_worker_;
+  core::WorkerPool pool_;
+  std::vector<std::uint64_t> signals_expected_;
+  std::uint64_t sequence_ = 0;
+  mutable std::mutex state_mutex_;
+  std::string broken_;
+  bool destroyed_ = false;
+};
+
+// Worker threads from DeepEP's bandwidth model (docs/semantics.md §6).
+int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk, int num_scaleout_topk,
+                            double rdma_gbs, double nvlink_gbs, double sm_read_gbs, double sm_write_gbs);
+
+struct RowSource {
+  std::int32_t source;  // source rank
+  std::int32_t index;   // token index (same node) or record slot (remote)
+};
+
+// Tokens of one source that a forwarder holds for its node.
+struct ForwardPlan {
+  int source = -1;
+  std::int32_t count = 0;
+  std::vector<std::int32_t> token;     // [count]
+  std::vector<std::int64_t> ids;       // [count * k] global expert ids
+  std::vector<std::int32_t> rows;      // [count * k] row at the lane's rank if master lane, else -1
+  std::vector<std::int32_t> expanded;  // [count * k] expanded row of the lane, or -1
+};
+
+// Routing state of a dispatch: everything cached dispatch and combine need.
+struct HandleState {
+  std::uint64_t engine_id = 0;
+  std::uint64_t dispatch_sequence = 0;  // the creating dispatch's operation number (same on all ranks)
+  int max_tokens = 0;                   // T of the call
+  routing::GlobalLayout layout;
+  // As destination.
+  std::vector<RowSource> rows;              // [real rows]
+  std::vector<std::int32_t> row_token;      // [real rows] token index at the source
+  std::vector<std::int32_t> master_lane;    // [real rows]
+  std::vector<std::int32_t> local_ids;      // [real rows * k]
+  std::vector<std::int32_t> expanded_rows;  // [real rows * k], expand only
+  // As source.
+  Tensor topk;                              // [N, k] int64
+  std::vector<std::int32_t> dst_row;        // [N * k]
+  std::vector<std::int32_t> dst_expanded;   // [N * k]
+  std::vector<std::int32_t> node_slot;      // [N * k] hybrid: forwarder slot at node master lanes
+  // As forwarder (hybrid): one plan per source node (index = node; own node unused).
+  std::vector<ForwardPlan> forward;
+};
+
+// What each rank publishes in a dispatch or combine agreement.
+struct PeerTensors {
+  const std::byte* x = nullptr;
+  std::int64_t x_row_bytes = 0;
+  const std::byte* scales = nullptr;
+  std::int64_t scale_stride[2] = {0, 0};  // elements
+  const float* weights = nullptr;
+  std::int64_t weights_row = 0;  // elements between rows (1-D expanded weights: 1)
+  const std::int64_t* topk = nullptr;
+  std::int64_t topk_row = 0;
+  std::int32_t num_tokens = 0;
+};
+
+// A dispatch, as both generations ask for it. Argument names in messages are the fields' names.
+struct DispatchRequest {
+  std::string operation = "dispatch";
+  TensorView x, x_scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats;
+  std::shared_ptr<const EPHandle> handle;  // cached dispatch
+  int num_experts = 0;
+  int max_tokens = 0;  // T; 0: the largest token count of any rank in this call
+  int expert_alignment = 1;
+  // Worker threads, given the validated (num_experts, num_topk).
+  std::function<int(int, int)> workers = [](int, int) { return 1; };
+  int num_qps = 0;
+  std::optional<Event> previous_event, previous_event_before_epilogue;
+  bool async = false;
+  bool do_handle_copy = true;
+  bool cpu_sync = true;
+  bool expand = false, zero_padding = false, col_major_scales = false;
+  std::int64_t worst_rows = 0;          // compact rows of worst-case outputs; 0: T * R
+  bool zero_nonlocal_weights = false;   // received weights are 0 where the expert is not local
+  std::vector<std::int32_t> expert_counts;  // announce these per-expert counts instead of counting ids
+  std::function<void(const std::string& context)> validate_more;  // generation-specific checks
+};
+
+struct CombineRequest {
+  std::string operation = "combine";
+  TensorView x;
+  std::shared_ptr<const EPHandle> handle;
+  TensorView topk_weights;
+  std::vector<TensorView> bias;
+  std::function<int(int, int)> workers = [](int, int) { return 1; };
+  int num_qps = 0;
+  std::optional<Event> previous_event, previous_event_before_epilogue;
+  bool async = false;
+  // combined_topk_weights: false = the weight each lane's rank returned for that lane (V2);
+  // true = the sum, over the token's ranks in unit order, of their whole weight rows (V1).
+  bool sum_weights_over_ranks = false;
+};
+
+class DispatchOperation : public Operation {
+ public:
+  DispatchResult result;
+};
+class CombineOperation : public Operation {
+ public:
+  CombineResult result;
+};
+std::shared_ptr<DispatchOperation> make_dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequence);
+std::shared_ptr<CombineOperation> make_combine(Engine& engine, CombineRequest request, std::uint64_t sequence);
+
+}  // namespace moe_ep::engine
