@@ -80,6 +80,7 @@ class Dispatch final : public DispatchOperation {
 
 void Dispatch::validate() {
   const auto& a = req_;
+  if (a.validate_more) a.validate_more(ctx_);
   cached_ = a.handle != nullptr;
   if (a.max_tokens < 0) core::fail(ctx_, "num_max_tokens_per_rank = {} is negative", a.max_tokens);
   if (cached_) {
@@ -178,7 +179,6 @@ void Dispatch::validate() {
   geo_ = routing::Geometry{engine_.num_ranks, E_, engine_.logical_scaleout};
   record_ = DispatchRecord(row_bytes_, fp8_ ? std::int64_t{P_} * 4 : 0, k_);
   if (T_ > 0) check_capacity(T_);
-  if (a.validate_more) a.validate_more(ctx_);
 
   // The routing of a new dispatch is checked here, before anything moves.
   if (!cached_)
@@ -382,6 +382,8 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
       std::memcpy(state_->layout.per_node_counts(s), c + sizeof(std::int32_t) * (R + E), sizeof(std::int32_t) * G);
     }
     state_->layout.finish();
+    state_->source_tokens.resize(peers.size());
+    for (std::size_t r = 0; r < peers.size(); ++r) state_->source_tokens[r] = peers[r].num_tokens;
   }
   check_gathered(peers);
   if (!cached_) {
@@ -411,6 +413,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
     for (int i = 0; i < El_; ++i) stats[i] += plan_->layout.expert_total(engine_.rank * El_ + i);
   }
   engine_.transport().barrier(comm::Scope::kNode, engine_.wait("dispatch: exit"));
+  if (!cached_ && req_.on_complete) req_.on_complete(*result.handle);
 }
 
 // Rows of my tokens at their destinations, and forwarder slots (hybrid).

@@ -18,6 +18,7 @@
 #include <exception>
 #include <functional>
 #include <memory>
+#include <array>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -81,6 +82,8 @@ class Engine {
     result.event = event;
     return result;
   }
+  // Runs an operation without a result, synchronously.
+  void run_sync(const std::shared_ptr<Operation>& op) { submit(op, false); }
   void barrier() { simple_collective("barrier"); }
   void destroy();
 
@@ -156,6 +159,7 @@ struct HandleState {
   std::uint64_t dispatch_sequence = 0;  // the creating dispatch's operation number (same on all ranks)
   int max_tokens = 0;                   // T of the call
   routing::GlobalLayout layout;
+  std::vector<std::int32_t> source_tokens;  // [R]: token count of every rank in the call
   // As destination.
   std::vector<RowSource> rows;              // [real rows]
   std::vector<std::int32_t> row_token;      // [real rows] token index at the source
@@ -203,7 +207,10 @@ struct DispatchRequest {
   std::int64_t worst_rows = 0;          // compact rows of worst-case outputs; 0: T * R
   bool zero_nonlocal_weights = false;   // received weights are 0 where the expert is not local
   std::vector<std::int32_t> expert_counts;  // announce these per-expert counts instead of counting ids
-  std::function<void(const std::string& context)> validate_more;  // generation-specific checks
+  // Generation-specific checks, run first (they see unvalidated arguments).
+  std::function<void(const std::string& context)> validate_more;
+  // Called on the executing thread once the handle is complete (new dispatches only).
+  std::function<void(const EPHandle& handle)> on_complete;
 };
 
 struct CombineRequest {

@@ -1,0 +1,231 @@
+// Buffer: expert-parallel dispatch and combine with the semantics of DeepEP V1 ("legacy").
+//
+// Two families of calls on one buffer:
+//  - normal mode: get_dispatch_layout (routing counts), dispatch (one row per (token, rank), in
+//    source-rank then token order) and combine (unweighted sum plus biases); cached dispatch
+//    with the returned handle; num_worst_tokens for fixed-size outputs;
+//  - low-latency mode (low_latency_mode = true): low_latency_dispatch into a per-expert 3-D slab
+//    [local experts, ranks x N, H], optionally FP8-cast with per-128 scales, with an optional
+//    receive hook; low_latency_combine (weighted sum over the token's top-k). Two buffer slots
+//    alternate: at most two low-latency results are live, and using a live slot again is an error.
+// Normal mode runs on the same engine as ElasticBuffer (docs/legacy.md lists the differences).
+// Every call is collective; bad arguments are typed errors on the rank that made them and
+// PeerErrors naming that rank on the others.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/event.hpp"
+#include "moe_ep/group.hpp"
+#include "moe_ep/tensor.hpp"
+
+namespace moe_ep {
+
+namespace legacy {
+class BufferCore;
+struct LowLatencyState;
+}  // namespace legacy
+
+// Worker and chunk configuration of normal-mode calls. num_sms maps to worker threads per
+// rank: num_sms / 2 channels, capped by the cores available to each rank. The chunk sizes feed
+// the size hints (the data path itself needs no rings).
+struct Config {
+  int num_sms = 20;
+  int num_max_nvl_chunked_send_tokens = 6;
+  int num_max_nvl_chunked_recv_tokens = 256;
+  int num_max_rdma_chunked_send_tokens = 6;
+  int num_max_rdma_chunked_recv_tokens = 256;
+
+  // Validated config (InvalidArgument naming the field); the RDMA receive size is rounded up to a
+  // multiple of the RDMA send size, as DeepEP does.
+  static Config make(int num_sms, int nvl_send, int nvl_recv, int rdma_send, int rdma_recv);
+  void validate(const std::string& context) const;
+  // DeepEP's formulas (docs/legacy.md).
+  std::int64_t get_nvl_buffer_size_hint(std::int64_t hidden_bytes, int num_ranks) const;
+  std::int64_t get_rdma_buffer_size_hint(std::int64_t hidden_bytes, int num_ranks) const;
+};
+
+struct BufferConfig {
+  std::int64_t num_nvl_bytes = 0;   // scale-up pool (multiple of 128)
+  std::int64_t num_rdma_bytes = 0;  // scale-out and low-latency pool (multiple of 128)
+  bool low_latency_mode = false;
+  int num_qps_per_rank = 24;
+  bool allow_nvlink_for_low_latency_mode = true;  // accepted
+  bool allow_mnnvl = false;                       // accepted
+  bool explicitly_destroy = false;
+  double num_cpu_timeout_secs = 100;
+};
+
+struct DispatchLayout {
+  Tensor num_tokens_per_rank;       // int32 [R]: tokens with >= 1 expert on the rank
+  Tensor num_tokens_per_rdma_rank;  // int32 [nodes]; undefined on one node
+  Tensor num_tokens_per_expert;     // int32 [E]: (token, lane) pairs naming the expert
+  Tensor is_token_in_rank;          // bool [N, R]
+  Event event;
+};
+
+// Routing state of a normal dispatch (DeepEP's handle tuple, as named fields).
+struct LegacyHandle {
+  int num_channels = 0;
+  Tensor rank_prefix_matrix;          // int32 [R, R]: [s][r] = tokens sources 0..s sent to rank r
+  Tensor channel_prefix_matrix;       // int32 [R, C]: this rank's tokens to d in channels 0..c
+  Tensor recv_channel_prefix_matrix;  // int32 [R, C]: offset in source s's block where channel c starts
+  Tensor recv_src_idx;                // int32 [M]: token index at the source
+  Tensor is_token_in_rank;            // bool [N, R]
+  Tensor send_head;                   // int32 [N, R]: position among this rank's tokens to r, or -1
+  Tensor recv_rdma_rank_prefix_sum;   // int32 [nodes]: tokens this rank forwarded per source node (inclusive)
+  Tensor recv_gbl_rank_prefix_sum;    // int32 [R]: tokens received per source rank (inclusive)
+  std::shared_ptr<const EPHandle> routing;  // internal
+};
+
+struct LegacyDispatchArgs {
+  TensorView x;         // bfloat16 [N, H], or float8_e4m3fn [N, H] with x_scales
+  TensorView x_scales;  // float32 or int32 [N, S], any strides
+  std::shared_ptr<const LegacyHandle> handle;  // cached dispatch
+  TensorView num_tokens_per_rank;       // int32 [R]      } from get_dispatch_layout;
+  TensorView num_tokens_per_rdma_rank;  // int32 [nodes]  } required without a handle
+  TensorView is_token_in_rank;          // bool [N, R]    } (per-rdma-rank only across nodes)
+  TensorView num_tokens_per_expert;     // int32 [E]      }
+  TensorView topk_idx;                  // int64 [N, k]; optional (routing then comes from is_token_in_rank)
+  TensorView topk_weights;              // float32 [N, k]; only with topk_idx
+  int expert_alignment = 1;
+  int num_worst_tokens = 0;  // > 0: outputs with this many rows, no wait for counts
+  std::optional<Config> config;
+  std::optional<Event> previous_event;
+  bool async_finish = false;
+  bool allocate_on_comm_stream = false;  // accepted
+};
+
+struct LegacyDispatchResult {
+  Tensor recv_x;
+  Tensor recv_x_scales;
+  Tensor recv_topk_idx;      // int64 [M, k]: local ids, -1 elsewhere; undefined without topk_idx
+  Tensor recv_topk_weights;  // float32 [M, k]: 0 where recv_topk_idx is -1
+  std::vector<int> num_recv_tokens_per_expert_list;  // aligned; empty with num_worst_tokens or a handle
+  std::shared_ptr<LegacyHandle> handle;              // null for cached dispatch
+  Event event;
+};
+
+struct LegacyCombineArgs {
+  TensorView x;  // bfloat16 [M, H]
+  std::shared_ptr<const LegacyHandle> handle;
+  TensorView topk_weights;       // float32 [M, k]
+  std::vector<TensorView> bias;  // 0-2 bfloat16 [N, H]
+  std::optional<Config> config;
+  std::optional<Event> previous_event;
+  bool async_finish = false;
+  bool allocate_on_comm_stream = false;
+};
+
+// A receive hook: call it exactly once, before its slot is used again.
+class ReceiveHook {
+ public:
+  ReceiveHook() = default;
+  explicit ReceiveHook(std::function<void()> receive) : receive_(std::make_shared<std::function<void()>>(std::move(receive))) {}
+  explicit operator bool() const { return receive_ != nullptr; }
+  void operator()() const;
+
+ private:
+  std::shared_ptr<std::function<void()>> receive_;
+};
+
+struct LowLatencyHandle {
+  Tensor packed_recv_src_info;      // int32 [El, R*N]: token index at the source (-1 past the count)
+  Tensor packed_recv_layout_range;  // int64 [El, R]: (begin << 32) | count per source rank
+  int num_max_dispatch_tokens_per_rank = 0;
+  int hidden = 0;
+  int num_experts = 0;
+  std::shared_ptr<const legacy::LowLatencyState> state;  // internal
+};
+
+struct LowLatencyDispatchArgs {
+  TensorView x;         // bfloat16 [N_tokens, H], N_tokens <= num_max_dispatch_tokens_per_rank
+  TensorView topk_idx;  // int64 [N_tokens, k]
+  int num_max_dispatch_tokens_per_rank = 0;
+  int num_experts = 0;
+  TensorView cumulative_local_expert_recv_stats;  // optional int32 [El]
+  TensorView dispatch_wait_recv_cost_stats;       // optional int64 [R]: nanoseconds waited per source
+  bool use_fp8 = true;
+  bool round_scale = false;
+  bool use_ue8m0 = false;  // requires round_scale
+  bool async_finish = false;
+  bool return_recv_hook = false;  // not with async_finish
+};
+
+struct LowLatencyDispatchResult {
+  Tensor recv_x;             // bfloat16 or float8_e4m3fn [El, R*N, H]
+  Tensor recv_x_scales;      // float32 [El, R*N, H/128] or int32 UE8M0 [El, R*N, H/512]; token stride 1
+  Tensor packed_recv_count;  // int32 [El]
+  std::shared_ptr<LowLatencyHandle> handle;
+  Event event;
+  ReceiveHook hook;  // with return_recv_hook: completes the receive
+};
+
+struct LowLatencyCombineArgs {
+  TensorView x;             // bfloat16 [El, R*N, H] (the dispatch slab layout)
+  TensorView topk_idx;      // int64 [N_tokens, k]: as dispatched
+  TensorView topk_weights;  // float32 [N_tokens, k]
+  std::shared_ptr<const LowLatencyHandle> handle;
+  bool use_logfmt = false;  // not supported (InvalidArgument)
+  bool zero_copy = false;   // x is get_next_low_latency_combine_buffer(handle), already filled
+  bool async_finish = false;
+  bool return_recv_hook = false;
+  TensorView out;                              // optional bfloat16 [N_tokens, H] to write into
+  TensorView combine_wait_recv_cost_stats;     // optional int64 [R]
+};
+
+struct LowLatencyCombineResult {
+  Tensor combined_x;  // bfloat16 [N_tokens, H] (the `out` tensor's storage when given)
+  Event event;
+  ReceiveHook hook;
+};
+
+class Buffer {
+ public:
+  Buffer(Group& group, const BufferConfig& config);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  // Process-wide number of SMs (workers x 2) for default configs; must be even, 2..1024.
+  static void set_num_sms(int num_sms);
+  static int num_sms();
+  // Default configs per rank count (DeepEP's table; other counts use the next larger entry).
+  static Config get_dispatch_config(int num_ranks);
+  static Config get_combine_config(int num_ranks);
+  // DeepEP's formula for the low-latency pool; ours needs at most this much.
+  static std::int64_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks,
+                                                     int num_experts);
+
+  DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts,
+                                     std::optional<Event> previous_event = std::nullopt, bool async_finish = false,
+                                     bool allocate_on_comm_stream = false);
+  LegacyDispatchResult dispatch(const LegacyDispatchArgs& args);
+  CombineResult combine(const LegacyCombineArgs& args);
+
+  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args);
+  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args);
+  // A BF16 view [El, R*N, H] (row stride H + 2*H/128) into the slot the next low-latency call
+  // uses; write expert outputs there and pass it to low_latency_combine with zero_copy.
+  TensorView get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
+  // Collective: resets both slots for (N, hidden, experts). Required after normal-mode use of the
+  // scale-out pool, or before low-latency calls with another N, hidden or expert count.
+  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts);
+
+  void barrier();
+  void destroy();  // requires explicitly_destroy
+  int rank() const;
+  int num_ranks() const;
+  std::pair<int, int> get_physical_domain_size() const;  // (nodes, ranks per node)
+  const BufferConfig& config() const;
+
+ private:
+  std::unique_ptr<legacy::BufferCore> core_;
+};
+
+}  // namespace moe_ep

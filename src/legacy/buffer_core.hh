@@ -1,0 +1,100 @@
+// Internals of the V1 Buffer: the engine, the low-latency slots and their bookkeeping.
+//
+// Low-latency slot rules (all kept on the calling thread, in call order, so every rank applies
+// them identically): every low-latency call takes the next of the two slots, even when it fails;
+// a call that finds its slot still holding a result whose receive hook has not run is rejected,
+// and that result is lost (its hook then raises StateError). A normal-mode call that uses the
+// scale-out pool, or a low-latency call with another (N, hidden, experts) than the last one,
+// requires clean_low_latency_buffer first; otherwise the next low-latency call is rejected with
+// an error that says so.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "engine/engine.hh"
+#include "moe_ep/legacy_buffer.hpp"
+
+namespace moe_ep::legacy {
+
+// Geometry of one low-latency slot in the scale-out pool (docs/legacy.md):
+//   [64 B header: op number of the last publication]
+//   [staging: N rows of payload | scales | token index, 16-byte aligned]  [N x k int32 expert ids]
+//   or, for combine, the zero-copy buffer [El, R*N, H + 2S] bfloat16 (same area).
+struct SlotLayout {
+  SlotLayout(int max_tokens, int hidden, int num_ranks, int num_experts, int k, bool fp8, bool ue8m0);
+  std::int64_t payload_bytes, scales_bytes, row_bytes;  // one staged token
+  std::int64_t ids_offset;                              // of the id table in the staging area
+  std::int64_t combine_row_elements;                    // H + 2S
+  std::int64_t area_bytes;                              // staging or zero-copy area
+  std::int64_t slot_bytes;                              // header + area, 64-byte aligned
+  static constexpr std::int64_t kHeaderBytes = 64;
+  // Bytes both slots need for (N, H, R, E) at the largest k and widest rows.
+  static std::int64_t pool_bytes(int max_tokens, int hidden, int num_ranks, int num_experts);
+};
+
+struct LowLatencyState {
+  std::uint64_t engine_id = 0;
+  std::uint64_t dispatch_number = 0;  // per-buffer count of low-latency calls (identifies the slot use)
+  int slot = 0;
+  std::uint64_t slot_generation = 0;
+  int max_tokens = 0, hidden = 0, num_experts = 0, num_topk = 0, num_tokens = 0;
+  Tensor topk;                       // [num_tokens, k] int64, a copy
+  std::vector<std::int32_t> rows;    // [num_tokens * k]: row of (token, lane) in its expert's slab, or -1
+};
+
+class BufferCore {
+ public:
+  BufferCore(Group& group, const BufferConfig& config);
+
+  // Slot bookkeeping. take_slot returns the slot for the next low-latency call and the reason to
+  // reject it (empty when fine); it always advances.
+  struct SlotUse {
+    int slot;
+    std::uint64_t generation;
+    std::uint64_t number;  // low-latency call number
+    std::string problem;
+  };
+  SlotUse take_slot(int max_tokens, int hidden, int num_experts, bool hook_pending, bool arguments_valid);
+  int next_slot() const;
+  void hook_done(int slot, std::uint64_t generation);
+  // Problem with calling a hook / using a handle of (slot, generation): empty when fine.
+  std::string slot_problem(int slot, std::uint64_t generation, const char* what) const;
+  void normal_call_used_pool();
+  void cleaned(int max_tokens, int hidden, int num_experts);
+
+  // Start of `slot` in `rank`'s pool (a rank of this node).
+  std::byte* slot_base(int rank, int slot);
+  // The problem with writing into the next slot now (a result still pending there), or empty.
+  std::string next_slot_problem() const;
+
+  const BufferConfig config;
+  engine::Engine engine;
+
+ private:
+  struct Slot {
+    std::uint64_t generation = 0;
+    bool hook_pending = false;
+    std::uint64_t owner = 0;  // low-latency call number that holds it
+  };
+  mutable std::mutex mutex_;
+  Slot slots_[2];
+  std::uint64_t calls_ = 0;
+  bool pool_dirty_ = false;
+  std::optional<std::array<int, 3>> shape_;  // (N, hidden, experts) since the last clean
+  std::atomic<std::int64_t> slot_stride_{0};  // bytes per slot for shape_
+};
+
+// Low-latency operations (low_latency.cc).
+LowLatencyDispatchResult low_latency_dispatch(BufferCore& core, const LowLatencyDispatchArgs& args);
+LowLatencyCombineResult low_latency_combine(BufferCore& core, const LowLatencyCombineArgs& args);
+void clean_low_latency_buffer(BufferCore& core, int max_tokens, int hidden, int num_experts);
+TensorView next_combine_buffer(BufferCore& core, const LowLatencyHandle& handle);
+
+}  // namespace moe_ep::legacy

@@ -1,0 +1,741 @@
+// Low-latency mode of the V1 Buffer (docs/legacy.md §4).
+//
+// Dispatch: after the agreement (per-expert counts), each rank stages its tokens once (cast to FP8
+// when asked) into its current slot and publishes the call number in the slot header; receivers
+// copy each (token, expert) row from the sources' slots into the per-expert slab, sources in rank
+// order, tokens in token order, so the layout is deterministic. With a receive hook the copy waits
+// for the hook. Combine: each token's rank reads the expert outputs of its (token, expert) pairs
+// straight from the experts' ranks (or from their slots, when staged for a hook or written in
+// place with zero_copy) and sums them weighted, in top-k order.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+
+#include "comm/wait.hh"
+#include "core/checks.hh"
+#include "core/reduce.hh"
+#include "legacy/buffer_core.hh"
+#include "moe_ep/convert.hpp"
+#include "moe_ep/error.hpp"
+#include "routing/plan.hh"
+
+namespace moe_ep::legacy {
+namespace {
+
+using engine::Engine;
+using std::int32_t;
+using std::int64_t;
+
+std::int64_t align(std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; }
+
+std::atomic<std::uint64_t>* header(std::byte* slot) { return reinterpret_cast<std::atomic<std::uint64_t>*>(slot); }
+
+// Waits until `rank`'s slot header shows call `number`; returns the nanoseconds waited.
+std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t number, const char* phase) {
+  auto* h = header(core.slot_base(rank, slot));
+  if (h->load(std::memory_order_acquire) >= number) return 0;
+  comm::Backoff backoff(core.engine.config.timeout_secs);
+  const auto start = std::chrono::steady_clock::now();
+  while (h->load(std::memory_order_acquire) < number) {
+    if (!backoff.pause())
+      throw TimeoutError(fmt::format("{}: {}: timed out after {:.1f} s waiting for rank {} to publish its data",
+                                     core.engine.context("low-latency"), phase, backoff.elapsed_secs(), rank),
+                         {rank});
+  }
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
+
+void publish(BufferCore& core, int slot, std::uint64_t number) {
+  header(core.slot_base(core.engine.rank, slot))->store(number, std::memory_order_release);
+}
+
+// Per-128-block FP8 cast of one BF16 row (the rule of convert.hpp) into `q` and its scales.
+void cast_row(const std::uint16_t* x, int hidden, bool round_scale, bool ue8m0, std::uint8_t* q, std::byte* scales) {
+  for (int b = 0; b < hidden / kFp8BlockSize; ++b) {
+    float amax = 0.0f;
+    for (int i = b * kFp8BlockSize; i < (b + 1) * kFp8BlockSize; ++i) amax = std::max(amax, std::fabs(bf16_to_float(x[i])));
+    const float scale_inv = fp8_block_scale_inv(amax, round_scale);
+    const float scale = round_scale ? 1.0f / scale_inv : kFp8E4M3Max / std::max(amax, kFp8AmaxFloor);
+    for (int i = b * kFp8BlockSize; i < (b + 1) * kFp8BlockSize; ++i) q[i] = float_to_fp8_e4m3(bf16_to_float(x[i]) * scale);
+    if (ue8m0) {
+      reinterpret_cast<std::uint8_t*>(scales)[b] = static_cast<std::uint8_t>(float_bits(scale_inv) >> 23);
+    } else {
+      std::memcpy(scales + 4 * b, &scale_inv, 4);
+    }
+  }
+}
+
+// Takes the call's slot once the arguments were checked (the slot is taken either way).
+template <class Op>
+void take_slot(BufferCore& core, Op& op, int max_tokens, int hidden, int num_experts, bool hook) {
+  op.use = core.take_slot(max_tokens, hidden, num_experts, hook, op.local_error == nullptr);
+  if (op.local_error || op.use.problem.empty()) return;
+  try {
+    core::fail(op.context(), "{}", op.use.problem);
+  } catch (...) {
+    op.local_error = std::current_exception();
+  }
+}
+
+class LowLatencyDispatch final : public engine::Operation {
+ public:
+  LowLatencyDispatch(BufferCore& core, const LowLatencyDispatchArgs& args, std::uint64_t sequence)
+      : core_(core), args_(args), sequence_(sequence), ctx_(core.engine.context("low_latency_dispatch")) {
+    try {
+      validate();
+    } catch (...) {
+      local_error = std::current_exception();
+    }
+  }
+  const std::string& context() const { return ctx_; }
+
+  bool outputs_known_early() const override { return true; }
+  void allocate_outputs_early() override;
+  void run(const std::function<void()>& outputs_ready) override;
+  void receive(bool parallel);
+
+  LowLatencyDispatchResult result;
+  BufferCore::SlotUse use;
+
+ private:
+  void validate();
+
+  BufferCore& core_;
+  LowLatencyDispatchArgs args_;
+  std::uint64_t sequence_;
+  std::string ctx_;
+  int N_ = 0, H_ = 0, E_ = 0, El_ = 1, R_ = 1, k_ = 0, n_ = 0, S_ = 0;
+  std::optional<SlotLayout> layout_;
+  std::vector<int32_t> counts_;       // [R * E] tokens of each source selecting each expert
+  std::vector<int32_t> tokens_;       // [R] tokens of each source
+  std::shared_ptr<LowLatencyState> state_;
+  std::atomic<bool> received_{false};
+};
+
+void LowLatencyDispatch::validate() {
+  auto& e = core_.engine;
+  const auto& a = args_;
+  R_ = e.num_ranks;
+  if (!core_.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
+  if (e.physical.num_scaleout > 1)
+    core::fail(ctx_, "low-latency calls across {} physical nodes are not supported by this transport",
+               e.physical.num_scaleout);
+  N_ = a.num_max_dispatch_tokens_per_rank;
+  if (N_ <= 0) core::fail(ctx_, "num_max_dispatch_tokens_per_rank = {} must be positive", N_);
+  core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {-1, -1});
+  core::expect_rows_contiguous(ctx_, "x", a.x);
+  n_ = static_cast<int>(a.x.size(0));
+  H_ = static_cast<int>(a.x.size(1));
+  if (n_ > N_) core::fail(ctx_, "x has {} tokens, more than num_max_dispatch_tokens_per_rank = {}", n_, N_);
+  if (H_ <= 0) core::fail(ctx_, "x has hidden size {}, expected a positive size", H_);
+  if (a.use_fp8 && H_ % 128 != 0) core::fail(ctx_, "FP8 hidden size {} is not a multiple of 128", H_);
+  if (a.use_ue8m0 && !a.round_scale) core::fail(ctx_, "use_ue8m0 = true requires round_scale = true");
+  if (a.round_scale && !a.use_fp8) core::fail(ctx_, "round_scale = true requires use_fp8 = true");
+  if (a.async_finish && a.return_recv_hook) core::fail(ctx_, "async_finish and return_recv_hook cannot both be true");
+  core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {n_, -1});
+  core::expect_rows_contiguous(ctx_, "topk_idx", a.topk_idx);
+  k_ = static_cast<int>(a.topk_idx.size(1));
+  if (k_ < 1 || k_ > engine::kMaxTopk) core::fail(ctx_, "topk_idx has {} columns (k), expected 1 to {}", k_, engine::kMaxTopk);
+  E_ = a.num_experts;
+  if (E_ <= 0 || E_ % R_ != 0) core::fail(ctx_, "num_experts = {} must be a positive multiple of the {} ranks", E_, R_);
+  El_ = E_ / R_;
+  if (a.cumulative_local_expert_recv_stats.defined()) {
+    core::expect_tensor(ctx_, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats, DType::kInt32, {El_});
+    core::expect_contiguous(ctx_, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats);
+  }
+  if (a.dispatch_wait_recv_cost_stats.defined()) {
+    core::expect_tensor(ctx_, "dispatch_wait_recv_cost_stats", a.dispatch_wait_recv_cost_stats, DType::kInt64, {R_});
+    core::expect_contiguous(ctx_, "dispatch_wait_recv_cost_stats", a.dispatch_wait_recv_cost_stats);
+  }
+  const std::int64_t need = SlotLayout::pool_bytes(N_, H_, R_, E_);
+  if (need > core_.config.num_rdma_bytes)
+    throw CapacityError(fmt::format("{}: low-latency calls with N = {}, hidden = {}, {} experts need num_rdma_bytes >= {} "
+                                    "(the buffer has {})", ctx_, N_, H_, E_, need, core_.config.num_rdma_bytes),
+                        need, core_.config.num_rdma_bytes);
+  routing::validate_topk(ctx_, {a.topk_idx.data_as<const int64_t>(), a.topk_idx.stride(0), n_, k_}, E_);
+  S_ = a.use_fp8 ? (a.use_ue8m0 ? (H_ / 128 + 3) / 4 : H_ / 128) : 0;
+  layout_.emplace(N_, H_, R_, E_, k_, a.use_fp8, a.use_ue8m0);
+}
+
+void LowLatencyDispatch::allocate_outputs_early() {
+  const int64_t rows = static_cast<int64_t>(R_) * N_;
+  result.recv_x = Tensor::empty({El_, rows, H_}, args_.use_fp8 ? DType::kFP8E4M3 : DType::kBF16);
+  if (args_.use_fp8) {
+    // Token dimension with stride 1: storage [El, S, R*N], viewed as [El, R*N, S].
+    const DType dtype = args_.use_ue8m0 ? DType::kInt32 : DType::kFP32;
+    Tensor storage = Tensor::empty({El_, S_, rows}, dtype);
+    result.recv_x_scales = storage.with_view(storage.transposed(1, 2));
+  }
+  result.packed_recv_count = Tensor::zeros({El_}, DType::kInt32);
+  result.handle = std::make_shared<LowLatencyHandle>();
+  LowLatencyHandle& h = *result.handle;
+  h.packed_recv_src_info = Tensor::empty({El_, rows}, DType::kInt32);
+  std::fill(h.packed_recv_src_info.data_as<int32_t>(), h.packed_recv_src_info.data_as<int32_t>() + El_ * rows, -1);
+  h.packed_recv_layout_range = Tensor::zeros({El_, R_}, DType::kInt64);
+  h.num_max_dispatch_tokens_per_rank = N_;
+  h.hidden = H_;
+  h.num_experts = E_;
+  state_ = std::make_shared<LowLatencyState>();
+  state_->engine_id = core_.engine.id;
+  state_->dispatch_number = use.number;
+  state_->slot = use.slot;
+  state_->slot_generation = use.generation;
+  state_->max_tokens = N_;
+  state_->hidden = H_;
+  state_->num_experts = E_;
+  state_->num_topk = k_;
+  state_->num_tokens = n_;
+  h.state = state_;
+}
+
+void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
+  auto& e = core_.engine;
+  std::vector<int32_t> mine;
+  std::exception_ptr error = local_error;
+  if (!error) {
+    try {
+      if (!result.recv_x.defined()) allocate_outputs_early();
+      mine.assign(static_cast<size_t>(E_) + 1, 0);
+      mine[static_cast<size_t>(E_)] = n_;
+      const auto* topk = args_.topk_idx.data_as<const int64_t>();
+      for (int t = 0; t < n_; ++t)
+        for (int j = 0; j < k_; ++j)
+          if (topk[t * args_.topk_idx.stride(0) + j] >= 0) ++mine[static_cast<size_t>(topk[t * args_.topk_idx.stride(0) + j])];
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  comm::Agreement agreement(ctx_, "low_latency_dispatch");
+  agreement.local_error(error)
+      .field("operation number", static_cast<int64_t>(sequence_))
+      .field("low-latency call number", static_cast<int64_t>(use.number))
+      .field("num_max_dispatch_tokens_per_rank", N_)
+      .field("hidden", H_)
+      .field("num_experts", E_)
+      .field("num_topk", k_)
+      .field("use_fp8", args_.use_fp8)
+      .field("round_scale", args_.round_scale)
+      .field("use_ue8m0", args_.use_ue8m0);
+  std::vector<std::span<const std::byte>> payloads;
+  try {
+    payloads = agreement.exchange(e.transport(), comm::Scope::kWorld, e.wait("low_latency_dispatch: agreement"),
+                                  std::as_bytes(std::span(mine)));
+  } catch (...) {
+    in_step_failure = agreement.gathered();
+    throw;
+  }
+  counts_.resize(static_cast<size_t>(R_) * E_);
+  tokens_.resize(static_cast<size_t>(R_));
+  for (int s = 0; s < R_; ++s) {
+    if (payloads[static_cast<size_t>(s)].size() != sizeof(int32_t) * (E_ + 1))
+      throw StateError(fmt::format("{}: rank {} published {} bytes of counts", ctx_, s, payloads[static_cast<size_t>(s)].size()));
+    std::memcpy(&counts_[static_cast<size_t>(s) * E_], payloads[static_cast<size_t>(s)].data(), sizeof(int32_t) * E_);
+    std::memcpy(&tokens_[static_cast<size_t>(s)], payloads[static_cast<size_t>(s)].data() + sizeof(int32_t) * E_, sizeof(int32_t));
+  }
+
+  // Layout: per local expert, one block per source in rank order.
+  const int me = e.rank;
+  auto* range = result.handle->packed_recv_layout_range.data_as<int64_t>();
+  for (int i = 0; i < El_; ++i) {
+    int64_t begin = 0;
+    for (int s = 0; s < R_; ++s) {
+      const int64_t count = counts_[static_cast<size_t>(s) * E_ + me * El_ + i];
+      range[i * R_ + s] = (begin << 32) | count;
+      begin += count;
+    }
+    result.packed_recv_count.data_as<int32_t>()[i] = static_cast<int32_t>(begin);
+  }
+  // Rows of this rank's (token, lane) pairs in their experts' slabs (for combine).
+  state_->topk = Tensor::empty({n_, k_}, DType::kInt64);
+  state_->rows.assign(static_cast<size_t>(n_) * k_, -1);
+  std::vector<int32_t> next(static_cast<size_t>(E_), 0);
+  for (int ex = 0; ex < E_; ++ex)
+    for (int s = 0; s < me; ++s) next[static_cast<size_t>(ex)] += counts_[static_cast<size_t>(s) * E_ + ex];
+  const auto* topk = args_.topk_idx.data_as<const int64_t>();
+  for (int t = 0; t < n_; ++t)
+    for (int j = 0; j < k_; ++j) {
+      const int64_t id = topk[t * args_.topk_idx.stride(0) + j];
+      state_->topk.data_as<int64_t>()[t * k_ + j] = id;
+      if (id >= 0) state_->rows[static_cast<size_t>(t) * k_ + j] = next[static_cast<size_t>(id)]++;
+    }
+
+  // Stage this rank's tokens once, then publish.
+  const SlotLayout& L = *layout_;
+  std::byte* area = core_.slot_base(me, use.slot) + SlotLayout::kHeaderBytes;
+  auto* ids = reinterpret_cast<int32_t*>(area + L.ids_offset);
+  e.pool().parallel_for(n_, [&](int64_t t) {
+    std::byte* row = area + t * L.row_bytes;
+    const auto* x = args_.x.data_as<const std::uint16_t>() + t * args_.x.stride(0);
+    if (args_.use_fp8) {
+      cast_row(x, H_, args_.round_scale, args_.use_ue8m0, reinterpret_cast<std::uint8_t*>(row), row + L.payload_bytes);
+    } else {
+      std::memcpy(row, x, static_cast<size_t>(L.payload_bytes));
+    }
+    const auto token = static_cast<int32_t>(t);
+    std::memcpy(row + L.payload_bytes + L.scales_bytes, &token, sizeof token);
+    for (int j = 0; j < k_; ++j) ids[t * k_ + j] = static_cast<int32_t>(topk[t * args_.topk_idx.stride(0) + j]);
+  });
+  publish(core_, use.slot, use.number);
+  outputs_ready();
+  if (!args_.return_recv_hook) receive(true);
+}
+
+// Copies this rank's rows from every source's slot into the slab.
+void LowLatencyDispatch::receive(bool parallel) {
+  if (received_.exchange(true)) throw StateError(fmt::format("{}: the receive hook was already called", ctx_));
+  const std::string problem = core_.slot_problem(use.slot, use.generation, "receive hook");
+  if (!problem.empty()) throw StateError(fmt::format("{}: {}", ctx_, problem));
+  auto& e = core_.engine;
+  const SlotLayout& L = *layout_;
+  const int me = e.rank;
+  const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
+  std::vector<int64_t> waited(static_cast<size_t>(R_), 0);
+  for (int s = 0; s < R_; ++s) waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "dispatch receive");
+  auto* out = static_cast<std::byte*>(result.recv_x.data());
+  auto* src_info = result.handle->packed_recv_src_info.data_as<int32_t>();
+  const auto* range = result.handle->packed_recv_layout_range.data_as<const int64_t>();
+  auto expert = [&](int64_t i) {
+    for (int s = 0; s < R_; ++s) {
+      const std::byte* area = core_.slot_base(s, use.slot) + SlotLayout::kHeaderBytes;
+      const auto* ids = reinterpret_cast<const int32_t*>(area + L.ids_offset);
+      int64_t row = range[i * R_ + s] >> 32;
+      const int target = me * El_ + static_cast<int>(i);
+      for (int t = 0; t < tokens_[static_cast<size_t>(s)]; ++t) {
+        bool hit = false;
+        for (int j = 0; j < k_; ++j) hit |= ids[t * k_ + j] == target;
+        if (!hit) continue;
+        const std::byte* staged = area + t * L.row_bytes;
+        const int64_t slab_row = i * slab_rows + row;
+        std::memcpy(out + slab_row * L.payload_bytes, staged, static_cast<size_t>(L.payload_bytes));
+        if (args_.use_fp8) {
+          const auto* scales = reinterpret_cast<const std::uint32_t*>(staged + L.payload_bytes);
+          auto* dst = result.recv_x_scales.data_as<std::uint32_t>();
+          for (int p = 0; p < S_; ++p)
+            dst[i * result.recv_x_scales.stride(0) + row * result.recv_x_scales.stride(1) + p * result.recv_x_scales.stride(2)] = scales[p];
+        }
+        src_info[slab_row] = t;
+        ++row;
+      }
+    }
+  };
+  if (parallel) {
+    e.pool().parallel_for(El_, expert);
+  } else {
+    for (int64_t i = 0; i < El_; ++i) expert(i);
+  }
+  if (args_.cumulative_local_expert_recv_stats.defined())
+    for (int i = 0; i < El_; ++i)
+      args_.cumulative_local_expert_recv_stats.data_as<int32_t>()[i] += result.packed_recv_count.data_as<int32_t>()[i];
+  if (args_.dispatch_wait_recv_cost_stats.defined())
+    for (int s = 0; s < R_; ++s) args_.dispatch_wait_recv_cost_stats.data_as<int64_t>()[s] += waited[static_cast<size_t>(s)];
+  core_.hook_done(use.slot, use.generation);
+}
+
+// Where a rank's combine input slab lives (published in the agreement).
+struct Slab {
+  const std::byte* data = nullptr;
+  std::int64_t expert_bytes = 0;  // between experts
+  std::int64_t row_bytes = 0;     // between rows
+};
+
+class LowLatencyCombine final : public engine::Operation {
+ public:
+  LowLatencyCombine(BufferCore& core, const LowLatencyCombineArgs& args, std::uint64_t sequence)
+      : core_(core), args_(args), sequence_(sequence), ctx_(core.engine.context("low_latency_combine")) {
+    try {
+      validate();
+    } catch (...) {
+      local_error = std::current_exception();
+    }
+  }
+  const std::string& context() const { return ctx_; }
+  // Checks that need the slot: a zero-copy slab must be the buffer of this call's slot.
+  void check_zero_copy();
+
+  bool outputs_known_early() const override { return true; }
+  void allocate_outputs_early() override {
+    result.combined_x = args_.out.defined() ? Tensor().with_view(args_.out) : Tensor::empty({n_, H_}, DType::kBF16);
+  }
+  void run(const std::function<void()>& outputs_ready) override;
+  void receive(bool parallel);
+
+  LowLatencyCombineResult result;
+  BufferCore::SlotUse use;
+
+ private:
+  void validate();
+
+  BufferCore& core_;
+  LowLatencyCombineArgs args_;
+  std::uint64_t sequence_;
+  std::string ctx_;
+  const LowLatencyState* state_ = nullptr;
+  int N_ = 0, H_ = 0, E_ = 0, El_ = 1, R_ = 1, k_ = 0, n_ = 0;
+  bool staged_ = false;
+  std::optional<SlotLayout> layout_;
+  std::vector<Slab> peers_;
+  std::atomic<bool> received_{false};
+};
+
+void LowLatencyCombine::validate() {
+  auto& e = core_.engine;
+  const auto& a = args_;
+  R_ = e.num_ranks;
+  if (!core_.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
+  if (!a.handle || !a.handle->state || a.handle->state->engine_id != e.id)
+    core::fail(ctx_, "handle is missing or was created by another buffer");
+  state_ = a.handle->state.get();
+  const std::string stale = core_.slot_problem(state_->slot, state_->slot_generation, "handle");
+  if (!stale.empty()) core::fail(ctx_, "{}", stale);
+  if (a.use_logfmt) core::fail(ctx_, "use_logfmt = true is not supported (BF16 combine only)");
+  if (a.async_finish && a.return_recv_hook) core::fail(ctx_, "async_finish and return_recv_hook cannot both be true");
+  N_ = state_->max_tokens;
+  H_ = state_->hidden;
+  E_ = state_->num_experts;
+  El_ = E_ / R_;
+  k_ = state_->num_topk;
+  n_ = state_->num_tokens;
+  layout_.emplace(N_, H_, R_, E_, k_, false, false);
+  const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
+  core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {El_, slab_rows, H_});
+  core::expect_rows_contiguous(ctx_, "x", a.x);
+  core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {n_, k_});
+  core::expect_rows_contiguous(ctx_, "topk_idx", a.topk_idx);
+  for (int t = 0; t < n_; ++t)
+    for (int j = 0; j < k_; ++j)
+      if (a.topk_idx.data_as<const int64_t>()[t * a.topk_idx.stride(0) + j] != state_->topk.data_as<const int64_t>()[t * k_ + j])
+        core::fail(ctx_, "topk_idx[{}, {}] = {} differs from the dispatched {}", t, j,
+                   a.topk_idx.data_as<const int64_t>()[t * a.topk_idx.stride(0) + j], state_->topk.data_as<const int64_t>()[t * k_ + j]);
+  core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {n_, k_});
+  core::expect_rows_contiguous(ctx_, "topk_weights", a.topk_weights);
+  if (a.out.defined()) {
+    core::expect_tensor(ctx_, "out", a.out, DType::kBF16, {n_, H_});
+    core::expect_rows_contiguous(ctx_, "out", a.out);
+  }
+  if (a.combine_wait_recv_cost_stats.defined()) {
+    core::expect_tensor(ctx_, "combine_wait_recv_cost_stats", a.combine_wait_recv_cost_stats, DType::kInt64, {R_});
+    core::expect_contiguous(ctx_, "combine_wait_recv_cost_stats", a.combine_wait_recv_cost_stats);
+  }
+  staged_ = a.zero_copy || a.return_recv_hook;
+}
+
+void LowLatencyCombine::check_zero_copy() {
+  if (local_error || !args_.zero_copy) return;
+  try {
+    const auto* expected = core_.slot_base(core_.engine.rank, use.slot) + SlotLayout::kHeaderBytes;
+    if (args_.x.data() != static_cast<const void*>(expected))
+      core::fail(ctx_, "zero_copy = true but x is not get_next_low_latency_combine_buffer(handle) for this call");
+  } catch (...) {
+    local_error = std::current_exception();
+  }
+}
+
+void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
+  auto& e = core_.engine;
+  Slab mine;
+  std::exception_ptr error = local_error;
+  if (!error) {
+    try {
+      if (!result.combined_x.defined()) allocate_outputs_early();
+      mine = {static_cast<const std::byte*>(args_.x.data()), args_.x.stride(0) * 2, args_.x.stride(1) * 2};
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  comm::Agreement agreement(ctx_, "low_latency_combine");
+  agreement.local_error(error)
+      .field("operation number", static_cast<int64_t>(e.next_sequence()))
+      .field("low-latency call number", static_cast<int64_t>(use.number))
+      .field("handle's dispatch", state_ ? static_cast<int64_t>(state_->dispatch_number) : 0)
+      .field("zero_copy", args_.zero_copy)
+      .field("return_recv_hook", args_.return_recv_hook);
+  std::vector<std::span<const std::byte>> payloads;
+  try {
+    payloads = agreement.exchange(e.transport(), comm::Scope::kWorld, e.wait("low_latency_combine: agreement"),
+                                  std::as_bytes(std::span(&mine, 1)));
+  } catch (...) {
+    in_step_failure = agreement.gathered();
+    throw;
+  }
+  peers_.resize(payloads.size());
+  for (std::size_t r = 0; r < payloads.size(); ++r) {
+    if (payloads[r].size() != sizeof(Slab))
+      throw StateError(fmt::format("{}: rank {} published {} bytes", ctx_, r, payloads[r].size()));
+    std::memcpy(&peers_[r], payloads[r].data(), sizeof(Slab));
+  }
+  const SlotLayout& L = *layout_;
+  if (staged_ && !args_.zero_copy) {
+    // Stage the valid rows of every local expert into this rank's slot, in the zero-copy layout.
+    std::byte* area = core_.slot_base(e.rank, use.slot) + SlotLayout::kHeaderBytes;
+    const auto* ranges = args_.handle->packed_recv_layout_range.data_as<const int64_t>();
+    const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
+    e.pool().parallel_for(El_, [&](int64_t i) {
+      int64_t valid = 0;
+      for (int s = 0; s < R_; ++s) valid += ranges[i * R_ + s] & 0xffffffff;
+      for (int64_t row = 0; row < valid; ++row)
+        std::memcpy(area + ((i * slab_rows + row) * L.combine_row_elements) * 2,
+                    args_.x.data_as<const std::uint16_t>() + i * args_.x.stride(0) + row * args_.x.stride(1),
+                    static_cast<size_t>(H_) * 2);
+    });
+  }
+  if (staged_) publish(core_, use.slot, use.number);
+  outputs_ready();
+  if (args_.return_recv_hook) return;
+  receive(true);
+  // Without staging, peers read this rank's x directly: keep it until they are done.
+  if (!staged_) e.transport().barrier(comm::Scope::kNode, e.wait("low_latency_combine: exit"));
+}
+
+void LowLatencyCombine::receive(bool parallel) {
+  if (received_.exchange(true)) throw StateError(fmt::format("{}: the receive hook was already called", ctx_));
+  const std::string problem = core_.slot_problem(use.slot, use.generation, "receive hook");
+  if (!problem.empty()) throw StateError(fmt::format("{}: {}", ctx_, problem));
+  const SlotLayout& L = *layout_;
+  auto& e = core_.engine;
+  const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
+  std::vector<int64_t> waited(static_cast<size_t>(R_), 0);
+  if (staged_)
+    for (int d = 0; d < R_; ++d) waited[static_cast<size_t>(d)] = wait_published(core_, d, use.slot, use.number, "combine receive");
+  const auto* ids = state_->topk.data_as<const int64_t>();
+  const auto* weights = args_.topk_weights.data_as<const float>();
+  auto* out = result.combined_x.data_as<std::uint16_t>();
+  auto token = [&](int64_t t) {
+    std::array<const std::uint16_t*, engine::kMaxTopk> rows;
+    std::array<float, engine::kMaxTopk> w;
+    int n = 0;
+    for (int j = 0; j < k_; ++j) {
+      const int64_t id = ids[t * k_ + j];
+      if (id < 0) continue;
+      const int d = static_cast<int>(id / El_);
+      const int64_t local = id % El_, row = state_->rows[static_cast<size_t>(t) * k_ + j];
+      if (staged_) {
+        const std::byte* area = core_.slot_base(d, use.slot) + SlotLayout::kHeaderBytes;
+        rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(area + ((local * slab_rows + row) * L.combine_row_elements) * 2);
+      } else {
+        const Slab& p = peers_[static_cast<size_t>(d)];
+        const auto* base = static_cast<const std::byte*>(e.transport().node_address(d, p.data));
+        rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(base + local * p.expert_bytes + row * p.row_bytes);
+      }
+      w[static_cast<size_t>(n++)] = weights[t * args_.topk_weights.stride(0) + j];
+    }
+    core::weighted_sum_bf16_rows({rows.data(), static_cast<size_t>(n)}, {w.data(), static_cast<size_t>(n)},
+                                 out + t * result.combined_x.stride(0), H_);
+  };
+  if (parallel) {
+    e.pool().parallel_for(n_, token);
+  } else {
+    for (int64_t t = 0; t < n_; ++t) token(t);
+  }
+  if (args_.combine_wait_recv_cost_stats.defined())
+    for (int d = 0; d < R_; ++d) args_.combine_wait_recv_cost_stats.data_as<int64_t>()[d] += waited[static_cast<size_t>(d)];
+  core_.hook_done(use.slot, use.generation);
+}
+
+class CleanLowLatency final : public engine::Operation {
+ public:
+  CleanLowLatency(BufferCore& core, int N, int H, int E, std::uint64_t sequence)
+      : core_(core), N_(N), H_(H), E_(E), sequence_(sequence), ctx_(core.engine.context("clean_low_latency_buffer")) {
+    try {
+      if (!core.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
+      if (N <= 0 || H <= 0 || E <= 0 || E % core.engine.num_ranks != 0)
+        core::fail(ctx_, "needs N > 0 (got {}), hidden > 0 (got {}) and num_experts a positive multiple of {} (got {})", N,
+                   H, core.engine.num_ranks, E);
+      const std::int64_t need = SlotLayout::pool_bytes(N, H, core.engine.num_ranks, E);
+      if (need > core.config.num_rdma_bytes)
+        throw CapacityError(fmt::format("{}: low-latency calls with N = {}, hidden = {}, {} experts need num_rdma_bytes "
+                                        ">= {} (the buffer has {})", ctx_, N, H, E, need, core.config.num_rdma_bytes),
+                            need, core.config.num_rdma_bytes);
+    } catch (...) {
+      local_error = std::current_exception();
+    }
+  }
+  bool outputs_known_early() const override { return true; }
+  void allocate_outputs_early() override {}
+  void run(const std::function<void()>&) override {
+    auto& e = core_.engine;
+    comm::Agreement agreement(ctx_, "clean_low_latency_buffer");
+    agreement.local_error(local_error)
+        .field("operation number", static_cast<int64_t>(sequence_))
+        .field("N", N_)
+        .field("hidden", H_)
+        .field("num_experts", E_);
+    try {
+      agreement.exchange(e.transport(), comm::Scope::kWorld, e.wait("clean_low_latency_buffer: agreement"), {});
+    } catch (...) {
+      in_step_failure = agreement.gathered();
+      throw;
+    }
+    core_.cleaned(N_, H_, E_);
+    for (int slot = 0; slot < 2; ++slot) header(core_.slot_base(e.rank, slot))->store(0, std::memory_order_release);
+    e.transport().barrier(comm::Scope::kWorld, e.wait("clean_low_latency_buffer: exit"));
+  }
+
+ private:
+  BufferCore& core_;
+  int N_, H_, E_;
+  std::uint64_t sequence_;
+  std::string ctx_;
+};
+
+}  // namespace
+
+// ---- SlotLayout and bookkeeping ------------------------------------------------------------------
+
+SlotLayout::SlotLayout(int max_tokens, int hidden, int num_ranks, int num_experts, int k, bool fp8, bool ue8m0) {
+  const std::int64_t blocks = (hidden + 127) / 128;
+  payload_bytes = fp8 ? hidden : 2 * std::int64_t{hidden};
+  scales_bytes = fp8 ? (ue8m0 ? 4 * ((blocks + 3) / 4) : 4 * blocks) : 0;
+  row_bytes = align(payload_bytes + scales_bytes + 4, 16);
+  ids_offset = max_tokens * row_bytes;
+  combine_row_elements = hidden + 2 * blocks;
+  const std::int64_t dispatch_area = ids_offset + std::int64_t{max_tokens} * k * 4;
+  const std::int64_t combine_area = std::int64_t{num_experts} * max_tokens * combine_row_elements * 2;
+  area_bytes = std::max(dispatch_area, combine_area);
+  slot_bytes = align(kHeaderBytes + area_bytes, 64);
+  (void)num_ranks;
+}
+
+std::int64_t SlotLayout::pool_bytes(int max_tokens, int hidden, int num_ranks, int num_experts) {
+  return 2 * SlotLayout(max_tokens, hidden, num_ranks, num_experts, engine::kMaxTopk, false, false).slot_bytes;
+}
+
+std::byte* BufferCore::slot_base(int rank, int slot) {
+  // Slots sit at fixed offsets for the shape, whatever the call's k and dtype.
+  return engine.memory().node_peer(rank) + slot * slot_stride_.load(std::memory_order_relaxed);
+}
+
+BufferCore::SlotUse BufferCore::take_slot(int max_tokens, int hidden, int num_experts, bool hook_pending,
+                                          bool arguments_valid) {
+  std::lock_guard lock(mutex_);
+  const int slot = static_cast<int>(calls_ % 2);
+  SlotUse use{slot, 0, ++calls_, {}};
+  Slot& s = slots_[slot];
+  if (!arguments_valid) {
+    // The arguments were rejected: nothing more to say about the slot.
+  } else if (pool_dirty_)
+    use.problem = "a normal-mode call used the scale-out pool since the last low-latency call: call "
+                  "clean_low_latency_buffer first";
+  else if (shape_ && (*shape_)[0] == max_tokens && (*shape_)[1] == hidden && (*shape_)[2] == num_experts)
+    ;
+  else if (shape_)
+    use.problem = fmt::format("N, hidden or num_experts changed from ({}, {}, {}) to ({}, {}, {}): call "
+                              "clean_low_latency_buffer({}, {}, {}) first",
+                              (*shape_)[0], (*shape_)[1], (*shape_)[2], max_tokens, hidden, num_experts, max_tokens,
+                              hidden, num_experts);
+  if (use.problem.empty() && s.hook_pending)
+    use.problem = fmt::format("slot {} still holds the result of low-latency call {}, whose receive hook has not run; at "
+                              "most two low-latency results can be live", slot, s.owner);
+  // The call takes the slot whatever happens to it (every rank does the same).
+  ++s.generation;
+  s.hook_pending = use.problem.empty() && arguments_valid && hook_pending;
+  s.owner = use.number;
+  use.generation = s.generation;
+  if (use.problem.empty() && arguments_valid && !shape_) {
+    shape_ = std::array<int, 3>{max_tokens, hidden, num_experts};
+    slot_stride_ = SlotLayout::pool_bytes(max_tokens, hidden, engine.num_ranks, num_experts) / 2;
+  }
+  return use;
+}
+
+int BufferCore::next_slot() const {
+  std::lock_guard lock(mutex_);
+  return static_cast<int>(calls_ % 2);
+}
+
+std::string BufferCore::next_slot_problem() const {
+  std::lock_guard lock(mutex_);
+  const Slot& s = slots_[calls_ % 2];
+  if (s.hook_pending)
+    return fmt::format("the next slot ({}) still holds the result of low-latency call {}, whose receive hook has not "
+                       "run", calls_ % 2, s.owner);
+  return {};
+}
+
+void BufferCore::hook_done(int slot, std::uint64_t generation) {
+  std::lock_guard lock(mutex_);
+  if (slots_[slot].generation == generation) slots_[slot].hook_pending = false;
+}
+
+std::string BufferCore::slot_problem(int slot, std::uint64_t generation, const char* what) const {
+  std::lock_guard lock(mutex_);
+  if (slots_[slot].generation != generation)
+    return fmt::format("the {}'s slot {} was used again by low-latency call {} (or cleaned, or used by normal mode); "
+                       "its data is gone", what, slot, slots_[slot].owner);
+  return {};
+}
+
+void BufferCore::normal_call_used_pool() {
+  std::lock_guard lock(mutex_);
+  if (!config.low_latency_mode) return;
+  pool_dirty_ = true;
+  for (auto& s : slots_) {
+    ++s.generation;
+    s.hook_pending = false;
+  }
+}
+
+void BufferCore::cleaned(int max_tokens, int hidden, int num_experts) {
+  std::lock_guard lock(mutex_);
+  pool_dirty_ = false;
+  shape_ = std::array<int, 3>{max_tokens, hidden, num_experts};
+  slot_stride_ = SlotLayout::pool_bytes(max_tokens, hidden, engine.num_ranks, num_experts) / 2;
+  calls_ = 0;
+  for (auto& s : slots_) {
+    ++s.generation;
+    s.hook_pending = false;
+  }
+}
+
+// ---- Entry points ------------------------------------------------------------------------------------
+
+TensorView next_combine_buffer(BufferCore& core, const LowLatencyHandle& handle) {
+  auto& e = core.engine;
+  e.check_usable("get_next_low_latency_combine_buffer");
+  const std::string ctx = e.context("get_next_low_latency_combine_buffer");
+  if (!handle.state || handle.state->engine_id != e.id) core::fail(ctx, "handle was created by another buffer");
+  const LowLatencyState& s = *handle.state;
+  const std::string problem = core.next_slot_problem();
+  if (!problem.empty()) throw StateError(fmt::format("{}: {}", ctx, problem));
+  const std::string stale = core.slot_problem(s.slot, s.slot_generation, "handle");
+  if (!stale.empty()) throw StateError(fmt::format("{}: {}", ctx, stale));
+  const SlotLayout layout(s.max_tokens, s.hidden, e.num_ranks, s.num_experts, s.num_topk, false, false);
+  const std::int64_t El = s.num_experts / e.num_ranks, rows = static_cast<std::int64_t>(e.num_ranks) * s.max_tokens;
+  const std::int64_t shape[] = {El, rows, s.hidden};
+  const std::int64_t strides[] = {rows * layout.combine_row_elements, layout.combine_row_elements, 1};
+  return TensorView(core.slot_base(e.rank, core.next_slot()) + SlotLayout::kHeaderBytes, DType::kBF16, shape, strides);
+}
+
+LowLatencyDispatchResult low_latency_dispatch(BufferCore& core, const LowLatencyDispatchArgs& args) {
+  auto& e = core.engine;
+  e.check_usable("low_latency_dispatch");
+  auto op = std::make_shared<LowLatencyDispatch>(core, args, e.next_sequence());
+  take_slot(core, *op, args.num_max_dispatch_tokens_per_rank,
+            args.x.ndim() == 2 ? static_cast<int>(args.x.size(1)) : 0, args.num_experts, args.return_recv_hook);
+  auto result = e.execute(op, args.async_finish);
+  if (args.return_recv_hook) result.hook = ReceiveHook([op] { op->receive(false); });
+  return result;
+}
+
+LowLatencyCombineResult low_latency_combine(BufferCore& core, const LowLatencyCombineArgs& args) {
+  auto& e = core.engine;
+  e.check_usable("low_latency_combine");
+  const auto* state = args.handle ? args.handle->state.get() : nullptr;
+  auto op = std::make_shared<LowLatencyCombine>(core, args, e.next_sequence());
+  take_slot(core, *op, state ? state->max_tokens : 0, state ? state->hidden : 0, state ? state->num_experts : 0,
+            args.return_recv_hook);
+  op->check_zero_copy();
+  auto result = e.execute(op, args.async_finish);
+  if (args.return_recv_hook) result.hook = ReceiveHook([op] { op->receive(false); });
+  return result;
+}
+
+void clean_low_latency_buffer(BufferCore& core, int max_tokens, int hidden, int num_experts) {
+  auto& e = core.engine;
+  e.check_usable("clean_low_latency_buffer");
+  e.run_sync(std::make_shared<CleanLowLatency>(core, max_tokens, hidden, num_experts, e.next_sequence()));
+}
+
+}  // namespace moe_ep::legacy
