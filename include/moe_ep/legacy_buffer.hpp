@@ -198,7 +198,8 @@ class Buffer {
   // Default configs per rank count (DeepEP's table; other counts use the next larger entry).
   static Config get_dispatch_config(int num_ranks);
   static Config get_combine_config(int num_ranks);
-  // DeepEP's formula for the low-latency pool; ours needs at most this much.
+  // DeepEP's formula for the low-latency pool (ours needs at most this much), or our own need
+  // where that is larger (only with very few experts).
   static std::int64_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks,
                                                      int num_experts);
 

@@ -30,16 +30,31 @@ Engine::Engine(Group& group, EngineConfig cfg, std::exception_ptr config_error,
   agreement.local_error(config_error);
   fields(agreement);
   agreement.exchange(*transport_, comm::Scope::kWorld, wait("construction: configuration agreement"), {});
-  memory_ = transport_->allocate_symmetric(static_cast<std::size_t>(config.pool_bytes), wait("construction: allocation"));
+  // At least one page: a buffer may need no pool at all (one node, normal mode only).
+  memory_ = transport_->allocate_symmetric(static_cast<std::size_t>(std::max<std::int64_t>(config.pool_bytes, 4096)),
+                                           wait("construction: allocation"));
   signals_expected_.assign(static_cast<size_t>(num_ranks), 0);
 }
 
 Engine::~Engine() {
   comm_worker_.drain();
-  if (!destroyed_ && config.explicitly_destroy)
-    std::fprintf(stderr, "[moe-ep] warning: %s on rank %d was not destroyed explicitly\n", config.name.c_str(), rank);
-  // After a failure that left the ranks out of step, peers may still read this memory: keep it.
-  if (!broken_reason().empty()) (void)memory_.release();
+  bool keep_memory = !broken_reason().empty();  // peers may still read it
+  if (!destroyed_ && !keep_memory) {
+    if (config.explicitly_destroy) {
+      std::fprintf(stderr, "[moe-ep] warning: %s on rank %d was not destroyed explicitly; its memory stays mapped\n",
+                   config.name.c_str(), rank);
+      keep_memory = true;
+    } else {
+      // Peers may still read this rank's memory (a receive hook not yet run): free it only once
+      // every rank got here.
+      try {
+        simple_collective("destruction");
+      } catch (const std::exception&) {
+        keep_memory = true;
+      }
+    }
+  }
+  if (keep_memory) (void)memory_.release();
 }
 
 std::string Engine::context(const std::string& operation) const { return fmt::format("[rank {}] {}", rank, operation); }

@@ -23,19 +23,21 @@
 
 namespace moe_ep::legacy {
 
-// Geometry of one low-latency slot in the scale-out pool (docs/legacy.md):
-//   [64 B header: op number of the last publication]
-//   [staging: N rows of payload | scales | token index, 16-byte aligned]  [N x k int32 expert ids]
-//   or, for combine, the zero-copy buffer [El, R*N, H + 2S] bfloat16 (same area).
+// Geometry of one low-latency slot in the scale-out pool (docs/legacy.md). Offsets of the areas
+// depend only on (N, hidden, ranks, experts), so every call of a shape finds them in place:
+//   [64 B header: number of the last low-latency call that published here]
+//   [send area: N staged rows (payload | scales | token index, 16-byte aligned) + N x k int32
+//    expert ids; or, for combine, the zero-copy slab [El, R*N, H + 2S] bfloat16]
+//   [receive area, for ranks of other nodes: dispatch rows [El][R][N], or combine rows [E][N] of H bfloat16]
 struct SlotLayout {
   SlotLayout(int max_tokens, int hidden, int num_ranks, int num_experts, int k, bool fp8, bool ue8m0);
-  std::int64_t payload_bytes, scales_bytes, row_bytes;  // one staged token
-  std::int64_t ids_offset;                              // of the id table in the staging area
+  std::int64_t payload_bytes, scales_bytes, row_bytes;  // one staged token of this call
+  std::int64_t ids_offset;                              // of the id table in the send area
   std::int64_t combine_row_elements;                    // H + 2S
-  std::int64_t area_bytes;                              // staging or zero-copy area
-  std::int64_t slot_bytes;                              // header + area, 64-byte aligned
+  std::int64_t recv_offset;                             // of the receive area, from the slot start
+  std::int64_t slot_bytes;                              // 64-byte aligned
   static constexpr std::int64_t kHeaderBytes = 64;
-  // Bytes both slots need for (N, H, R, E) at the largest k and widest rows.
+  // Bytes both slots need for (N, H, R, E).
   static std::int64_t pool_bytes(int max_tokens, int hidden, int num_ranks, int num_experts);
 };
 
@@ -47,6 +49,7 @@ struct LowLatencyState {
   int max_tokens = 0, hidden = 0, num_experts = 0, num_topk = 0, num_tokens = 0;
   Tensor topk;                       // [num_tokens, k] int64, a copy
   std::vector<std::int32_t> rows;    // [num_tokens * k]: row of (token, lane) in its expert's slab, or -1
+  std::vector<std::int32_t> counts;  // [R * E]: tokens of each source selecting each expert
 };
 
 class BufferCore {
@@ -69,13 +72,17 @@ class BufferCore {
   void normal_call_used_pool();
   void cleaned(int max_tokens, int hidden, int num_experts);
 
-  // Start of `slot` in `rank`'s pool (a rank of this node).
+  // Start of `slot` in `rank`'s pool (a rank of this node), and its offset in any rank's pool.
   std::byte* slot_base(int rank, int slot);
+  std::int64_t slot_offset(int slot) const;
   // The problem with writing into the next slot now (a result still pending there), or empty.
   std::string next_slot_problem() const;
 
   const BufferConfig config;
   engine::Engine engine;
+  // Cleared when the buffer goes away: receive hooks outliving it check it first.
+  std::shared_ptr<std::atomic<bool>> alive = std::make_shared<std::atomic<bool>>(true);
+  ~BufferCore() { *alive = false; }
 
  private:
   struct Slot {

@@ -177,7 +177,9 @@ std::int64_t Buffer::get_low_latency_rdma_size_hint(int N, int H, int R, int E) 
   const std::int64_t recv = std::max<std::int64_t>(std::int64_t{E} * N * dispatch_msg, std::int64_t{E} * N * combine_msg);
   const std::int64_t signal = (4 * std::int64_t{E} + 127) / 128 * 128;
   const std::int64_t total = 2 * signal + 2 * send + 2 * recv;
-  return (total + 128) / 128 * 128;  // DeepEP adds 128 even to an exact multiple
+  const std::int64_t deepep = (total + 128) / 128 * 128;  // DeepEP adds 128 even to an exact multiple
+  // Ours fits in DeepEP's size except for very few experts; never hand out less than we need.
+  return std::max(deepep, (legacy::SlotLayout::pool_bytes(N, H, R, E) + 127) / 128 * 128);
 }
 
 DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,

@@ -112,6 +112,8 @@ class LowLatencyDispatch final : public engine::Operation {
   std::vector<int32_t> counts_;       // [R * E] tokens of each source selecting each expert
   std::vector<int32_t> tokens_;       // [R] tokens of each source
   std::shared_ptr<LowLatencyState> state_;
+  std::vector<int> remote_sources_;           // ranks of other nodes sending here
+  std::vector<std::uint64_t> remote_targets_;  // their signal counts to wait for
   std::atomic<bool> received_{false};
 };
 
@@ -120,9 +122,6 @@ void LowLatencyDispatch::validate() {
   const auto& a = args_;
   R_ = e.num_ranks;
   if (!core_.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
-  if (e.physical.num_scaleout > 1)
-    core::fail(ctx_, "low-latency calls across {} physical nodes are not supported by this transport",
-               e.physical.num_scaleout);
   N_ = a.num_max_dispatch_tokens_per_rank;
   if (N_ <= 0) core::fail(ctx_, "num_max_dispatch_tokens_per_rank = {} must be positive", N_);
   core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {-1, -1});
@@ -279,6 +278,35 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
     for (int j = 0; j < k_; ++j) ids[t * k_ + j] = static_cast<int32_t>(topk[t * args_.topk_idx.stride(0) + j]);
   });
   publish(core_, use.slot, use.number);
+  state_->counts = counts_;
+
+  // Ranks of other nodes: one put per (token, expert) into the expert's rank's receive area
+  // [local expert][source][ordinal], then one signal per destination.
+  for (int s = 0; s < R_; ++s) {
+    if (e.same_node(s)) continue;
+    int32_t incoming = 0;
+    for (int i = 0; i < El_; ++i) incoming += counts_[static_cast<size_t>(s) * E_ + me * El_ + i];
+    if (incoming > 0) {
+      remote_sources_.push_back(s);
+      remote_targets_.push_back(e.expect_signal(s));
+    }
+  }
+  std::vector<int32_t> ordinal(static_cast<size_t>(E_), 0);
+  std::vector<bool> sent(static_cast<size_t>(R_), false);
+  for (int t = 0; t < n_; ++t)
+    for (int j = 0; j < k_; ++j) {
+      const int64_t id = topk[t * args_.topk_idx.stride(0) + j];
+      if (id < 0) continue;
+      const int d = static_cast<int>(id / El_);
+      const int32_t slot_row = ordinal[static_cast<size_t>(id)]++;
+      if (e.same_node(d)) continue;
+      const int64_t offset = core_.slot_offset(use.slot) + L.recv_offset +
+                             ((id % El_ * R_ + me) * static_cast<int64_t>(N_) + slot_row) * L.row_bytes;
+      e.transport().put(d, e.memory(), static_cast<size_t>(offset), area + t * L.row_bytes, static_cast<size_t>(L.row_bytes));
+      sent[static_cast<size_t>(d)] = true;
+    }
+  for (int d = 0; d < R_; ++d)
+    if (sent[static_cast<size_t>(d)]) e.transport().signal(d);
   outputs_ready();
   if (!args_.return_recv_hook) receive(true);
 }
@@ -293,31 +321,45 @@ void LowLatencyDispatch::receive(bool parallel) {
   const int me = e.rank;
   const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
   std::vector<int64_t> waited(static_cast<size_t>(R_), 0);
-  for (int s = 0; s < R_; ++s) waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "dispatch receive");
+  for (int s = 0; s < R_; ++s)
+    if (e.same_node(s)) waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "dispatch receive");
+  if (!remote_sources_.empty()) {
+    const auto start = std::chrono::steady_clock::now();
+    e.transport().wait_signals(remote_sources_, remote_targets_, e.wait("low_latency_dispatch: records of other nodes"));
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    for (int s : remote_sources_) waited[static_cast<size_t>(s)] = ns;
+  }
   auto* out = static_cast<std::byte*>(result.recv_x.data());
   auto* src_info = result.handle->packed_recv_src_info.data_as<int32_t>();
   const auto* range = result.handle->packed_recv_layout_range.data_as<const int64_t>();
+  // Copies one staged row (payload | scales | token) to slab row `row` of local expert i.
+  auto place = [&](int64_t i, int64_t row, const std::byte* staged) {
+    const int64_t slab_row = i * slab_rows + row;
+    std::memcpy(out + slab_row * L.payload_bytes, staged, static_cast<size_t>(L.payload_bytes));
+    if (args_.use_fp8) {
+      const auto* scales = reinterpret_cast<const std::uint32_t*>(staged + L.payload_bytes);
+      auto* dst = result.recv_x_scales.data_as<std::uint32_t>();
+      for (int p = 0; p < S_; ++p)
+        dst[i * result.recv_x_scales.stride(0) + row * result.recv_x_scales.stride(1) + p * result.recv_x_scales.stride(2)] = scales[p];
+    }
+    std::memcpy(&src_info[slab_row], staged + L.payload_bytes + L.scales_bytes, sizeof(int32_t));
+  };
   auto expert = [&](int64_t i) {
+    const int target = me * El_ + static_cast<int>(i);
     for (int s = 0; s < R_; ++s) {
+      int64_t row = range[i * R_ + s] >> 32;
+      if (!e.same_node(s)) {  // arrived in this rank's receive area, in token order
+        const int64_t count = range[i * R_ + s] & 0xffffffff;
+        const std::byte* recv = core_.slot_base(me, use.slot) + L.recv_offset;
+        for (int64_t c = 0; c < count; ++c) place(i, row + c, recv + ((i * R_ + s) * static_cast<int64_t>(N_) + c) * L.row_bytes);
+        continue;
+      }
       const std::byte* area = core_.slot_base(s, use.slot) + SlotLayout::kHeaderBytes;
       const auto* ids = reinterpret_cast<const int32_t*>(area + L.ids_offset);
-      int64_t row = range[i * R_ + s] >> 32;
-      const int target = me * El_ + static_cast<int>(i);
       for (int t = 0; t < tokens_[static_cast<size_t>(s)]; ++t) {
         bool hit = false;
         for (int j = 0; j < k_; ++j) hit |= ids[t * k_ + j] == target;
-        if (!hit) continue;
-        const std::byte* staged = area + t * L.row_bytes;
-        const int64_t slab_row = i * slab_rows + row;
-        std::memcpy(out + slab_row * L.payload_bytes, staged, static_cast<size_t>(L.payload_bytes));
-        if (args_.use_fp8) {
-          const auto* scales = reinterpret_cast<const std::uint32_t*>(staged + L.payload_bytes);
-          auto* dst = result.recv_x_scales.data_as<std::uint32_t>();
-          for (int p = 0; p < S_; ++p)
-            dst[i * result.recv_x_scales.stride(0) + row * result.recv_x_scales.stride(1) + p * result.recv_x_scales.stride(2)] = scales[p];
-        }
-        src_info[slab_row] = t;
-        ++row;
+        if (hit) place(i, row++, area + t * L.row_bytes);
       }
     }
   };
@@ -377,6 +419,8 @@ class LowLatencyCombine final : public engine::Operation {
   bool staged_ = false;
   std::optional<SlotLayout> layout_;
   std::vector<Slab> peers_;
+  std::vector<int> remote_experts_;            // ranks of other nodes sending rows here
+  std::vector<std::uint64_t> remote_targets_;  // their signal counts to wait for
   std::atomic<bool> received_{false};
 };
 
@@ -482,6 +526,40 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
     });
   }
   if (staged_) publish(core_, use.slot, use.number);
+
+  // Rows for tokens of other nodes' ranks: one put per (token, expert) into the token's rank's
+  // receive area [global expert][token], then one signal per source. Expectations, in call order.
+  const int me = e.rank;
+  const auto& counts = state_->counts;
+  for (int d = 0; d < R_; ++d) {
+    if (e.same_node(d)) continue;
+    int32_t outgoing = 0;
+    for (int i = 0; i < El_; ++i) outgoing += counts[static_cast<size_t>(me) * E_ + d * El_ + i];
+    if (outgoing > 0) {
+      remote_experts_.push_back(d);
+      remote_targets_.push_back(e.expect_signal(d));
+    }
+  }
+  const auto* ranges = args_.handle->packed_recv_layout_range.data_as<const int64_t>();
+  const auto* src_info = args_.handle->packed_recv_src_info.data_as<const int32_t>();
+  const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
+  for (int src = 0; src < R_; ++src) {
+    if (e.same_node(src)) continue;
+    bool sent = false;
+    for (int i = 0; i < El_; ++i) {
+      const int64_t begin = ranges[i * R_ + src] >> 32, count = ranges[i * R_ + src] & 0xffffffff;
+      for (int64_t c = 0; c < count; ++c) {
+        const int32_t token = src_info[i * slab_rows + begin + c];
+        const int64_t offset = core_.slot_offset(use.slot) + L.recv_offset +
+                               ((static_cast<int64_t>(me) * El_ + i) * N_ + token) * H_ * 2;
+        e.transport().put(src, e.memory(), static_cast<size_t>(offset),
+                          args_.x.data_as<const std::uint16_t>() + i * args_.x.stride(0) + (begin + c) * args_.x.stride(1),
+                          static_cast<size_t>(H_) * 2);
+        sent = true;
+      }
+    }
+    if (sent) e.transport().signal(src);
+  }
   outputs_ready();
   if (args_.return_recv_hook) return;
   receive(true);
@@ -497,8 +575,15 @@ void LowLatencyCombine::receive(bool parallel) {
   auto& e = core_.engine;
   const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
   std::vector<int64_t> waited(static_cast<size_t>(R_), 0);
-  if (staged_)
-    for (int d = 0; d < R_; ++d) waited[static_cast<size_t>(d)] = wait_published(core_, d, use.slot, use.number, "combine receive");
+  for (int d = 0; d < R_ && staged_; ++d)
+    if (e.same_node(d)) waited[static_cast<size_t>(d)] = wait_published(core_, d, use.slot, use.number, "combine receive");
+  if (!remote_experts_.empty()) {
+    const auto start = std::chrono::steady_clock::now();
+    e.transport().wait_signals(remote_experts_, remote_targets_, e.wait("low_latency_combine: rows of other nodes"));
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+    for (int d : remote_experts_) waited[static_cast<size_t>(d)] = ns;
+  }
+  const std::byte* recv = core_.slot_base(e.rank, use.slot) + L.recv_offset;
   const auto* ids = state_->topk.data_as<const int64_t>();
   const auto* weights = args_.topk_weights.data_as<const float>();
   auto* out = result.combined_x.data_as<std::uint16_t>();
@@ -511,7 +596,9 @@ void LowLatencyCombine::receive(bool parallel) {
       if (id < 0) continue;
       const int d = static_cast<int>(id / El_);
       const int64_t local = id % El_, row = state_->rows[static_cast<size_t>(t) * k_ + j];
-      if (staged_) {
+      if (!e.same_node(d)) {
+        rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(recv + (id * N_ + t) * H_ * 2);
+      } else if (staged_) {
         const std::byte* area = core_.slot_base(d, use.slot) + SlotLayout::kHeaderBytes;
         rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(area + ((local * slab_rows + row) * L.combine_row_elements) * 2);
       } else {
@@ -585,16 +672,20 @@ class CleanLowLatency final : public engine::Operation {
 // ---- SlotLayout and bookkeeping ------------------------------------------------------------------
 
 SlotLayout::SlotLayout(int max_tokens, int hidden, int num_ranks, int num_experts, int k, bool fp8, bool ue8m0) {
-  const std::int64_t blocks = (hidden + 127) / 128;
-  payload_bytes = fp8 ? hidden : 2 * std::int64_t{hidden};
+  const std::int64_t N = max_tokens, H = hidden, E = num_experts, blocks = (H + 127) / 128;
+  payload_bytes = fp8 ? H : 2 * H;
   scales_bytes = fp8 ? (ue8m0 ? 4 * ((blocks + 3) / 4) : 4 * blocks) : 0;
   row_bytes = align(payload_bytes + scales_bytes + 4, 16);
-  ids_offset = max_tokens * row_bytes;
-  combine_row_elements = hidden + 2 * blocks;
-  const std::int64_t dispatch_area = ids_offset + std::int64_t{max_tokens} * k * 4;
-  const std::int64_t combine_area = std::int64_t{num_experts} * max_tokens * combine_row_elements * 2;
-  area_bytes = std::max(dispatch_area, combine_area);
-  slot_bytes = align(kHeaderBytes + area_bytes, 64);
+  ids_offset = N * row_bytes;
+  combine_row_elements = H + 2 * blocks;
+  (void)k;
+  // Fixed per shape: the widest row (BF16) and the largest id table (k <= min(32, E)).
+  const std::int64_t widest_row = align(2 * H + 4, 16);
+  const std::int64_t send = std::max(N * widest_row + N * std::min<std::int64_t>(engine::kMaxTopk, E) * 4,
+                                     E * N * combine_row_elements * 2);
+  const std::int64_t recv = std::max(E * N * widest_row, E * N * 2 * H);
+  recv_offset = align(kHeaderBytes + send, 64);
+  slot_bytes = align(recv_offset + recv, 64);
   (void)num_ranks;
 }
 
@@ -602,10 +693,12 @@ std::int64_t SlotLayout::pool_bytes(int max_tokens, int hidden, int num_ranks, i
   return 2 * SlotLayout(max_tokens, hidden, num_ranks, num_experts, engine::kMaxTopk, false, false).slot_bytes;
 }
 
-std::byte* BufferCore::slot_base(int rank, int slot) {
+std::int64_t BufferCore::slot_offset(int slot) const {
   // Slots sit at fixed offsets for the shape, whatever the call's k and dtype.
-  return engine.memory().node_peer(rank) + slot * slot_stride_.load(std::memory_order_relaxed);
+  return slot * slot_stride_.load(std::memory_order_relaxed);
 }
+
+std::byte* BufferCore::slot_base(int rank, int slot) { return engine.memory().node_peer(rank) + slot_offset(slot); }
 
 BufferCore::SlotUse BufferCore::take_slot(int max_tokens, int hidden, int num_experts, bool hook_pending,
                                           bool arguments_valid) {
@@ -715,7 +808,10 @@ LowLatencyDispatchResult low_latency_dispatch(BufferCore& core, const LowLatency
   take_slot(core, *op, args.num_max_dispatch_tokens_per_rank,
             args.x.ndim() == 2 ? static_cast<int>(args.x.size(1)) : 0, args.num_experts, args.return_recv_hook);
   auto result = e.execute(op, args.async_finish);
-  if (args.return_recv_hook) result.hook = ReceiveHook([op] { op->receive(false); });
+  if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive] {
+    if (!*alive) throw StateError("low_latency_dispatch: the receive hook was called after its buffer was destroyed");
+    op->receive(false);
+  });
   return result;
 }
 
@@ -728,7 +824,10 @@ LowLatencyCombineResult low_latency_combine(BufferCore& core, const LowLatencyCo
             args.return_recv_hook);
   op->check_zero_copy();
   auto result = e.execute(op, args.async_finish);
-  if (args.return_recv_hook) result.hook = ReceiveHook([op] { op->receive(false); });
+  if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive] {
+    if (!*alive) throw StateError("low_latency_combine: the receive hook was called after its buffer was destroyed");
+    op->receive(false);
+  });
   return result;
 }
 

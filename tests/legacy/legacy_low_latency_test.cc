@@ -1,0 +1,344 @@
+// V1 low-latency mode: slab contents and counts per expert, FP8 casts, hooks, slot alternation,
+// the clean requirement, zero-copy combine, across nodes, all against references built from
+// every rank's inputs.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+
+#include "moe_ep/convert.hpp"
+#include "moe_ep/error.hpp"
+#include "moe_ep/legacy_buffer.hpp"
+#include "reference/dense_reference.hh"
+
+namespace moe_ep {
+namespace {
+
+using reference::CaseSpec;
+using reference::RankInputs;
+
+struct LLOptions {
+  bool fp8 = false, round_scale = false, ue8m0 = false;
+  bool hook = false, combine_hook = false, zero_copy = false, async = false;
+};
+
+CaseSpec ll_spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed) {
+  CaseSpec s;
+  s.ranks = ranks;
+  s.scaleout = scaleout;
+  s.num_experts = experts;
+  s.k = k;
+  s.max_tokens = N;
+  s.hidden = hidden;
+  s.seed = seed;
+  s.mask_ratio = 0.15;
+  s.skew = 1.0;
+  for (int r = 0; r < ranks; ++r) s.tokens.push_back(r == 1 ? 0 : std::max(0, N - (r % 3)));
+  return s;
+}
+
+std::int64_t ll_pool(const CaseSpec& s) {
+  return Buffer::get_low_latency_rdma_size_hint(s.max_tokens, s.hidden, s.ranks, s.num_experts);
+}
+
+// The (source, token) pairs of local expert i of `dest`, in slab order.
+std::vector<std::pair<int, int>> expert_rows(const CaseSpec& s, const std::vector<RankInputs>& all, int dest, int i) {
+  std::vector<std::pair<int, int>> rows;
+  const int e = dest * s.experts_per_rank() + i;
+  for (int src = 0; src < s.ranks; ++src)
+    for (int t = 0; t < all[static_cast<size_t>(src)].num_tokens; ++t)
+      for (int j = 0; j < s.k; ++j)
+        if (all[static_cast<size_t>(src)].topk[static_cast<size_t>(t * s.k + j)] == e) rows.push_back({src, t});
+  return rows;
+}
+
+void check_slab(const CaseSpec& s, const LLOptions& o, const std::vector<RankInputs>& all, int me,
+                const LowLatencyDispatchResult& r, std::vector<std::string>& bad) {
+  const int El = s.experts_per_rank(), H = s.hidden, N = s.max_tokens;
+  const std::int64_t slab_rows = static_cast<std::int64_t>(s.ranks) * N;
+  for (int i = 0; i < El; ++i) {
+    const auto rows = expert_rows(s, all, me, i);
+    if (r.packed_recv_count.data_as<std::int32_t>()[i] != static_cast<int>(rows.size()))
+      bad.push_back(fmt::format("packed_recv_count[{}] = {}, expected {}", i, r.packed_recv_count.data_as<std::int32_t>()[i], rows.size()));
+    std::vector<std::int64_t> begin(static_cast<size_t>(s.ranks), 0), count(static_cast<size_t>(s.ranks), 0);
+    for (std::size_t k = 0; k < rows.size(); ++k) ++count[static_cast<size_t>(rows[k].first)];
+    for (int src = 1; src < s.ranks; ++src) begin[static_cast<size_t>(src)] = begin[static_cast<size_t>(src) - 1] + count[static_cast<size_t>(src) - 1];
+    for (int src = 0; src < s.ranks; ++src)
+      if (r.handle->packed_recv_layout_range.data_as<std::int64_t>()[i * s.ranks + src] !=
+          ((begin[static_cast<size_t>(src)] << 32) | count[static_cast<size_t>(src)]))
+        bad.push_back(fmt::format("layout_range[{}, {}]", i, src));
+    for (std::size_t row = 0; row < rows.size(); ++row) {
+      const auto [src, t] = rows[row];
+      const std::int64_t slab_row = i * slab_rows + static_cast<std::int64_t>(row);
+      if (r.handle->packed_recv_src_info.data_as<std::int32_t>()[slab_row] != t) bad.push_back(fmt::format("src_info[{}, {}]", i, row));
+      const auto* x = reinterpret_cast<const std::uint16_t*>(all[static_cast<size_t>(src)].x.data()) + t * H;
+      if (!o.fp8) {
+        if (std::memcmp(r.recv_x.data_as<std::uint16_t>() + slab_row * H, x, sizeof(std::uint16_t) * static_cast<size_t>(H)) != 0)
+          bad.push_back(fmt::format("recv_x[{}, {}] is not rank {} token {}", i, row, src, t));
+        continue;
+      }
+      // FP8: the per-128 cast of the source row (quantize_fp8 is checked against its definition).
+      std::vector<std::uint16_t> copy(x, x + H);
+      Fp8Tensor q = quantize_fp8(TensorView(copy.data(), DType::kBF16, {1, H}), {.round_scale = o.round_scale, .use_ue8m0 = o.ue8m0});
+      if (std::memcmp(r.recv_x.data_as<std::uint8_t>() + slab_row * H, q.data.data(), static_cast<size_t>(H)) != 0)
+        bad.push_back(fmt::format("FP8 recv_x[{}, {}] differs from the cast of rank {} token {}", i, row, src, t));
+      const TensorView& sc = r.recv_x_scales;
+      if (sc.stride(1) != 1) bad.push_back("recv_x_scales must have token stride 1");
+      for (std::int64_t p = 0; p < sc.size(2); ++p) {
+        const std::uint32_t got = sc.data_as<std::uint32_t>()[i * sc.stride(0) + static_cast<std::int64_t>(row) * sc.stride(1) + p * sc.stride(2)];
+        if (got != q.scales.data_as<std::uint32_t>()[p]) bad.push_back(fmt::format("scales[{}, {}, {}]", i, row, p));
+      }
+    }
+  }
+}
+
+// out[t] = bf16(sum over valid lanes, ascending, of w * y), the first product taken as is.
+std::vector<std::uint16_t> ll_reference(const CaseSpec& s, const RankInputs& in, int me) {
+  const int H = s.hidden, k = s.k, El = s.experts_per_rank();
+  std::vector<std::uint16_t> out(static_cast<size_t>(in.num_tokens) * H);
+  for (int t = 0; t < in.num_tokens; ++t)
+    for (int h = 0; h < H; ++h) {
+      float acc = 0.0f;
+      bool first = true;
+      for (int j = 0; j < k; ++j) {
+        const auto id = in.topk[static_cast<size_t>(t * k + j)];
+        if (id < 0) continue;
+        const float product = in.weights[static_cast<size_t>(t * k + j)] *
+                              bf16_to_float(reference::expert_value(static_cast<int>(id / El), static_cast<int>(id % El), me * s.max_tokens + t, h));
+        acc = first ? product : acc + product;
+        first = false;
+      }
+      out[static_cast<size_t>(t * H + h)] = float_to_bf16(acc);
+    }
+  return out;
+}
+
+std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o, int rounds) {
+  std::vector<std::string> bad;
+  const int me = g.rank(), H = s.hidden, k = s.k, El = s.experts_per_rank(), N = s.max_tokens;
+  Buffer b(g, {.num_rdma_bytes = ll_pool(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
+  std::vector<RankInputs> all;
+  for (int r = 0; r < s.ranks; ++r) all.push_back(reference::make_inputs(s, r));
+  RankInputs& in = all[static_cast<size_t>(me)];
+  const std::int64_t n = in.num_tokens;
+  TensorView x(in.x.data(), DType::kBF16, {n, H});
+  TensorView topk(in.topk.data(), DType::kInt64, {n, k});
+  TensorView weights(in.weights.data(), DType::kFP32, {n, k});
+  Tensor stats = Tensor::zeros({El}, DType::kInt32);
+  for (int round = 0; round < rounds; ++round) {
+    LowLatencyDispatchResult d = b.low_latency_dispatch({.x = x, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
+                                                         .num_experts = s.num_experts,
+                                                         .cumulative_local_expert_recv_stats = stats,
+                                                         .use_fp8 = o.fp8, .round_scale = o.round_scale, .use_ue8m0 = o.ue8m0,
+                                                         .async_finish = o.async, .return_recv_hook = o.hook});
+    d.event.wait();
+    if (o.hook) {
+      // Before the hook the receive has not happened: no source info, stats untouched.
+      const auto* info = d.handle->packed_recv_src_info.data_as<std::int32_t>();
+      if (std::any_of(info, info + El * s.ranks * N, [](std::int32_t v) { return v != -1; }))
+        bad.push_back("rows were received before the hook ran");
+      if (stats.data_as<std::int32_t>()[0] != round * static_cast<int>(expert_rows(s, all, me, 0).size()))
+        bad.push_back("stats were updated before the hook ran");
+      g.barrier();  // the peers have published by now; the hook still has to copy
+      d.hook();
+    }
+    check_slab(s, o, all, me, d, bad);
+    for (int i = 0; i < El; ++i)
+      if (stats.data_as<std::int32_t>()[i] != (round + 1) * static_cast<int>(expert_rows(s, all, me, i).size()))
+        bad.push_back(fmt::format("cumulative stats[{}]", i));
+
+    // Expert outputs, unweighted: low-latency combine applies the weights.
+    const std::int64_t slab_rows = static_cast<std::int64_t>(s.ranks) * N;
+    Tensor own;
+    TensorView y;
+    if (o.zero_copy) {
+      y = b.get_next_low_latency_combine_buffer(*d.handle);
+    } else {
+      own = Tensor::empty({El, slab_rows, H}, DType::kBF16);
+      y = own;
+    }
+    for (int i = 0; i < El; ++i) {
+      const auto rows = expert_rows(s, all, me, i);
+      for (std::size_t row = 0; row < rows.size(); ++row)
+        for (int h = 0; h < H; ++h)
+          y.data_as<std::uint16_t>()[i * y.stride(0) + static_cast<std::int64_t>(row) * y.stride(1) + h] =
+              reference::expert_value(me, i, rows[row].first * N + rows[row].second, h);
+    }
+    Tensor out = Tensor::empty({n, H}, DType::kBF16);
+    std::fill(out.data_as<std::uint16_t>(), out.data_as<std::uint16_t>() + n * H, 0x7fc1);
+    LowLatencyCombineResult c = b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle,
+                                                       .zero_copy = o.zero_copy, .async_finish = o.async,
+                                                       .return_recv_hook = o.combine_hook, .out = out});
+    c.event.wait();
+    if (o.combine_hook) {
+      if (n > 0 && out.data_as<std::uint16_t>()[0] != 0x7fc1) bad.push_back("combine output written before the hook ran");
+      g.barrier();
+      c.hook();
+    }
+    if (c.combined_x.data() != out.data()) bad.push_back("combine must write into `out`");
+    const auto expected = ll_reference(s, in, me);
+    for (std::int64_t t = 0; t < n; ++t)
+      if (std::memcmp(out.data_as<std::uint16_t>() + t * H, &expected[static_cast<size_t>(t * H)], sizeof(std::uint16_t) * static_cast<size_t>(H)) != 0)
+        bad.push_back(fmt::format("round {}: combined token {} differs", round, t));
+  }
+  return bad;
+}
+
+void run(const CaseSpec& s, const LLOptions& o, int rounds = 2) {
+  LocalWorld world(s.ranks, {.num_scaleout = s.scaleout});
+  std::vector<std::vector<std::string>> failures(static_cast<size_t>(s.ranks));
+  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_ll(g, s, o, rounds); });
+  for (int r = 0; r < s.ranks; ++r)
+    for (std::size_t i = 0; i < std::min<std::size_t>(failures[static_cast<size_t>(r)].size(), 10); ++i)
+      ADD_FAILURE() << "seed " << s.seed << " ranks " << s.ranks << "x" << s.scaleout << " rank " << r << ": "
+                    << failures[static_cast<size_t>(r)][i];
+}
+
+TEST(LowLatency, Bf16SlabAndWeightedCombine) { run(ll_spec(4, 1, 16, 4, 6, 256, 1), {}); }
+TEST(LowLatency, Fp8CastVariants) {
+  run(ll_spec(4, 1, 8, 3, 5, 256, 2), {.fp8 = true});
+  run(ll_spec(4, 1, 8, 3, 5, 256, 3), {.fp8 = true, .round_scale = true});
+  run(ll_spec(4, 1, 8, 3, 5, 640, 4), {.fp8 = true, .round_scale = true, .ue8m0 = true});
+}
+TEST(LowLatency, HooksCompleteTheReceive) {
+  run(ll_spec(4, 1, 16, 4, 6, 128, 5), {.hook = true});
+  run(ll_spec(4, 1, 16, 4, 6, 128, 6), {.hook = true, .combine_hook = true});
+}
+TEST(LowLatency, ZeroCopyAndAsync) {
+  run(ll_spec(4, 1, 16, 4, 6, 128, 7), {.zero_copy = true});
+  run(ll_spec(4, 1, 16, 4, 6, 128, 8), {.async = true});
+}
+TEST(LowLatency, AcrossNodes) {
+  run(ll_spec(8, 2, 16, 4, 5, 128, 9), {});
+  run(ll_spec(8, 4, 16, 5, 5, 128, 10), {.fp8 = true, .hook = true, .combine_hook = true});
+  run(ll_spec(4, 2, 8, 2, 4, 128, 11), {.zero_copy = true});
+}
+TEST(LowLatency, RandomShapes) {
+  std::mt19937 rng(12);
+  for (int i = 0; i < 12; ++i) {
+    const int ranks = std::uniform_int_distribution<int>(1, 8)(rng);
+    const int scaleout = (ranks % 2 == 0 && i % 2) ? 2 : 1;
+    const int experts = ranks * std::uniform_int_distribution<int>(1, 6)(rng);
+    const int k = std::uniform_int_distribution<int>(1, std::min(6, experts))(rng);
+    LLOptions o;
+    o.fp8 = i % 3 == 0;
+    o.hook = i % 4 == 1;
+    o.zero_copy = i % 5 == 2;
+    run(ll_spec(ranks, scaleout, experts, k, std::uniform_int_distribution<int>(1, 7)(rng), 128, 100 + i), o, 1);
+  }
+}
+
+// ---- Slot rules, hooks and the clean requirement -------------------------------------------------
+
+struct Small {
+  explicit Small(int rank, int n = 4) : n(n) {
+    x.assign(static_cast<size_t>(n * 128), float_to_bf16(1.0f + rank));
+    for (int t = 0; t < n; ++t)
+      for (int j = 0; j < 2; ++j) topk.push_back((t + j * 3 + rank) % 8);
+    weights.assign(static_cast<size_t>(n * 2), 0.5f);
+  }
+  LowLatencyDispatchArgs dispatch(int N = 4, bool hook = false) {
+    return {.x = TensorView(x.data(), DType::kBF16, {n, 128}), .topk_idx = TensorView(topk.data(), DType::kInt64, {n, 2}),
+            .num_max_dispatch_tokens_per_rank = N, .num_experts = 8, .use_fp8 = false, .return_recv_hook = hook};
+  }
+  std::int64_t n;
+  std::vector<std::uint16_t> x;
+  std::vector<std::int64_t> topk;
+  std::vector<float> weights;
+};
+
+template <class Fn>
+std::string error_of(Fn fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(LowLatencySlots, AtMostTwoLiveResultsAndHookRules) {
+  LocalWorld(4).run([&](Group& g) {
+    Buffer b(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(8, 128, 4, 8), .low_latency_mode = true});
+    Small s(g.rank());
+    auto a = b.low_latency_dispatch(s.dispatch(4, true));  // slot 0, hook pending
+    auto c = b.low_latency_dispatch(s.dispatch(4, true));  // slot 1, hook pending
+    const std::string third = error_of([&] { b.low_latency_dispatch(s.dispatch(4, true)); });  // slot 0 again
+    EXPECT_NE(third.find("slot 0 still holds the result of low-latency call 1"), std::string::npos) << third;
+    // The call took slot 0 anyway: the first result is gone, and its hook says so.
+    const std::string stale = error_of([&] { a.hook(); });
+    EXPECT_NE(stale.find("slot 0 was used again"), std::string::npos) << stale;
+    c.hook();
+    const std::string twice = error_of([&] { c.hook(); });
+    EXPECT_NE(twice.find("already called"), std::string::npos) << twice;
+    auto d = b.low_latency_dispatch(s.dispatch());  // slot 1 (free again)
+    // Handles whose slot was used again cannot be combined.
+    auto e = b.low_latency_dispatch(s.dispatch());  // slot 0
+    auto f = b.low_latency_dispatch(s.dispatch());  // slot 1: d's slot is recycled
+    Tensor y = Tensor::zeros({2, 4 * 4, 128}, DType::kBF16);
+    const std::string recycled = error_of([&] {
+      b.low_latency_combine({.x = y, .topk_idx = TensorView(s.topk.data(), DType::kInt64, {s.n, 2}),
+                             .topk_weights = TensorView(s.weights.data(), DType::kFP32, {s.n, 2}), .handle = d.handle});
+    });
+    EXPECT_NE(recycled.find("handle's slot 1 was used again"), std::string::npos) << recycled;
+    // The latest handle still combines (two-micro-batch order: dispatch A, dispatch B, combine A).
+    auto combined = b.low_latency_combine({.x = y, .topk_idx = TensorView(s.topk.data(), DType::kInt64, {s.n, 2}),
+                                           .topk_weights = TensorView(s.weights.data(), DType::kFP32, {s.n, 2}),
+                                           .handle = f.handle});
+    EXPECT_EQ(combined.combined_x.size(0), s.n);
+    EXPECT_THROW(ReceiveHook()(), StateError);
+    (void)e;
+  });
+}
+
+TEST(LowLatencySlots, CleanIsRequiredAfterAShapeChangeAndAfterNormalModeUsedThePool) {
+  LocalWorld(4, {.num_scaleout = 2}).run([&](Group& g) {
+    Buffer b(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(8, 128, 4, 8), .low_latency_mode = true});
+    Small s(g.rank());
+    b.low_latency_dispatch(s.dispatch(4));
+    const std::string changed = error_of([&] { b.low_latency_dispatch(s.dispatch(8)); });
+    EXPECT_NE(changed.find("changed from (4, 128, 8) to (8, 128, 8): call clean_low_latency_buffer(8, 128, 8) first"),
+              std::string::npos) << changed;
+    b.clean_low_latency_buffer(8, 128, 8);
+    b.low_latency_dispatch(s.dispatch(8));
+    // Normal mode across nodes uses the scale-out pool.
+    auto layout = b.get_dispatch_layout(TensorView(s.topk.data(), DType::kInt64, {s.n, 2}), 8);
+    auto d = b.dispatch({.x = TensorView(s.x.data(), DType::kBF16, {s.n, 128}),
+                         .num_tokens_per_rank = layout.num_tokens_per_rank,
+                         .num_tokens_per_rdma_rank = layout.num_tokens_per_rdma_rank,
+                         .is_token_in_rank = layout.is_token_in_rank,
+                         .num_tokens_per_expert = layout.num_tokens_per_expert,
+                         .topk_idx = TensorView(s.topk.data(), DType::kInt64, {s.n, 2})});
+    const std::string dirty = error_of([&] { b.low_latency_dispatch(s.dispatch(8)); });
+    EXPECT_NE(dirty.find("a normal-mode call used the scale-out pool since the last low-latency call: call "
+                         "clean_low_latency_buffer first"), std::string::npos) << dirty;
+    b.clean_low_latency_buffer(8, 128, 8);
+    auto again = b.low_latency_dispatch(s.dispatch(8));
+    EXPECT_EQ(again.packed_recv_count.size(0), 2);
+  });
+}
+
+TEST(LowLatencyErrors, BadArgumentsAreNamed) {
+  LocalWorld(2).run([&](Group& g) {
+    Buffer b(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(4, 128, 2, 8), .low_latency_mode = true});
+    Small s(g.rank(), 5);
+    const std::string many = error_of([&] { b.low_latency_dispatch(s.dispatch(4)); });
+    EXPECT_NE(many.find("x has 5 tokens, more than num_max_dispatch_tokens_per_rank = 4"), std::string::npos) << many;
+    auto args = s.dispatch(8);
+    args.use_ue8m0 = true;
+    args.use_fp8 = true;
+    EXPECT_NE(error_of([&] { b.low_latency_dispatch(args); }).find("use_ue8m0 = true requires round_scale = true"), std::string::npos);
+    args = s.dispatch(8, true);
+    args.async_finish = true;
+    EXPECT_NE(error_of([&] { b.low_latency_dispatch(args); }).find("cannot both be true"), std::string::npos);
+    args = s.dispatch(64);
+    const std::string big = error_of([&] { b.low_latency_dispatch(args); });
+    EXPECT_NE(big.find("need num_rdma_bytes >="), std::string::npos) << big;
+    Buffer normal(g, {});
+    EXPECT_NE(error_of([&] { normal.low_latency_dispatch(s.dispatch(8)); }).find("low_latency_mode = false"), std::string::npos);
+  });
+}
+
+}  // namespace
+}  // namespace moe_ep
