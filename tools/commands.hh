@@ -6,11 +6,13 @@
 #include <cstdint>
 #include <string>
 
+#include "layer_paths.hh"
 #include "moe_layer.hh"
 
 namespace moe_ep::tools {
 
 struct RunOptions {
+  Api api = Api::kV2;
   LayerConfig layer;
   int iterations = 3;
   int workers = 0;  // num_sms; 0 = the theoretical model

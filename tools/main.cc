@@ -40,7 +40,12 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--iters", run.iterations, "iterations (the best time per phase is reported)")->check(CLI::PositiveNumber);
   run_cmd->add_option("--workers", run.workers, "worker threads per rank (0 = the theoretical model)")->check(CLI::NonNegativeNumber);
   run_cmd->add_flag("--async", run.async, "run dispatch and combine on the communication workers, then wait");
-  run_cmd->add_option("--dump", run.dump_dir, "write every rank's inputs and outputs as .npy files here");
+  run_cmd->add_option("--dump", run.dump_dir, "write every rank's inputs and outputs as .npy files here (--api v2)");
+  std::string run_api = "v2";
+  bool run_low_latency = false;
+  run_cmd->add_option("--api", run_api, "which API runs the layer: v2 (ElasticBuffer) or v1 (Buffer)")
+      ->check(CLI::IsMember({"v1", "v2"}));
+  run_cmd->add_flag("--low-latency", run_low_latency, "with --api v1: low_latency_dispatch / low_latency_combine");
 
   BenchOptions bench;
   CLI::App* bench_cmd = app.add_subcommand("bench", "dispatch/combine bandwidth against the memcpy ceiling");
@@ -64,7 +69,12 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   try {
-    if (app.got_subcommand("run")) return run_command(run);
+    if (app.got_subcommand("run")) {
+      if (run_low_latency && run_api != "v1") throw moe_ep::InvalidArgument("--low-latency needs --api v1");
+      if (!run.dump_dir.empty() && run_api != "v2") throw moe_ep::InvalidArgument("--dump is available with --api v2");
+      run.api = run_api == "v2" ? Api::kV2 : run_low_latency ? Api::kV1LowLatency : Api::kV1;
+      return run_command(run);
+    }
     if (app.got_subcommand("bench")) return bench_command(bench);
     if (app.got_subcommand("env")) return env_command(env_markdown);
   } catch (const std::exception& e) {

@@ -25,25 +25,40 @@ void accumulate_expert(const float* x, const ExpertParams& params, std::int64_t 
   }
 }
 
-// Row t of the received or local activations as FP32.
-void load_row(const LayerConfig& config, const TensorView& x, const TensorView& scales, std::int64_t row, float* out) {
-  const int H = config.hidden;
-  if (!config.fp8) {
-    const auto* in = x.data_as<const std::uint16_t>() + row * x.stride(0);
-    for (int h = 0; h < H; ++h) out[h] = bf16_to_float(in[h]);
-    return;
+// One expert's unweighted output row, rounded to BF16 (low-latency mode).
+void expert_row(const float* x, const ExpertParams& params, std::int64_t expert, int hidden, std::uint16_t* out) {
+  const float* s = params.scale.data_as<const float>() + expert * hidden;
+  const float* b = params.bias.data_as<const float>() + expert * hidden;
+  for (int h = 0; h < hidden; ++h) {
+    const float value = x[h] * s[h] + b[h];
+    out[h] = float_to_bf16(value);
   }
-  // Decode through a table of the 256 FP8 values, one scale per 128-element block.
+}
+
+// Row `row` of BF16 or FP8 activations (with per-128 scales, any strides) as FP32.
+void load_row(bool fp8, int H, const std::byte* x, const float* scales, std::int64_t scale_step, float* out) {
   static const std::vector<float> decoded = [] {
     std::vector<float> table(256);
     for (int code = 0; code < 256; ++code) table[static_cast<size_t>(code)] = fp8_e4m3_to_float(static_cast<std::uint8_t>(code));
     return table;
   }();
-  const auto* q = x.data_as<const std::uint8_t>() + row * x.stride(0);
+  if (!fp8) {
+    const auto* in = reinterpret_cast<const std::uint16_t*>(x);
+    for (int h = 0; h < H; ++h) out[h] = bf16_to_float(in[h]);
+    return;
+  }
+  const auto* q = reinterpret_cast<const std::uint8_t*>(x);
   for (int block = 0; block < H / 128; ++block) {
-    const float scale = scales.data_as<const float>()[row * scales.stride(0) + block * scales.stride(1)];
+    const float scale = scales[block * scale_step];
     for (int h = block * 128; h < (block + 1) * 128; ++h) out[h] = decoded[q[h]] * scale;
   }
+}
+
+// Row t of the received or local activations as FP32.
+void load_row(const LayerConfig& config, const TensorView& x, const TensorView& scales, std::int64_t row, float* out) {
+  const auto* data = static_cast<const std::byte*>(x.data()) + row * x.stride(0) * static_cast<std::int64_t>(element_size(x.dtype()));
+  if (!config.fp8) return load_row(false, config.hidden, data, nullptr, 0, out);
+  load_row(true, config.hidden, data, scales.data_as<const float>() + row * scales.stride(0), scales.stride(1), out);
 }
 
 void round_row(const float* acc, int hidden, std::uint16_t* out) {
@@ -243,6 +258,61 @@ Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const 
     }
     const auto final_row = sum_rows(units, H);
     std::memcpy(out.data_as<std::uint16_t>() + t * H, final_row.data(), sizeof(std::uint16_t) * static_cast<size_t>(H));
+  }
+  return out;
+}
+
+}  // namespace moe_ep::tools
+
+namespace moe_ep::tools {
+
+Tensor run_experts_low_latency(const LayerConfig& c, const ExpertParams& params, int rank,
+                               const LowLatencyDispatchResult& r) {
+  const int H = c.hidden, El = c.experts / c.ranks;
+  const std::int64_t slab = static_cast<std::int64_t>(c.ranks) * c.tokens;
+  // Only the valid rows are written (and read by combine): the rest of the slab stays untouched.
+  Tensor y = Tensor::empty({El, slab, H}, DType::kBF16);
+  std::vector<float> x(static_cast<size_t>(H));
+  const TensorView& sc = r.recv_x_scales;
+  const std::int64_t es = static_cast<std::int64_t>(element_size(r.recv_x.dtype()));
+  for (int i = 0; i < El; ++i)
+    for (std::int64_t row = 0; row < r.packed_recv_count.data_as<const std::int32_t>()[i]; ++row) {
+      const auto* data = static_cast<const std::byte*>(r.recv_x.data()) + ((i * slab + row) * H) * es;
+      if (c.fp8) {
+        load_row(true, H, data, sc.data_as<const float>() + i * sc.stride(0) + row * sc.stride(1), sc.stride(2), x.data());
+      } else {
+        load_row(false, H, data, nullptr, 0, x.data());
+      }
+      expert_row(x.data(), params, std::int64_t{rank} * El + i, H, y.data_as<std::uint16_t>() + (i * slab + row) * H);
+    }
+  return y;
+}
+
+Tensor reference_low_latency_output(const LayerConfig& c, const ExpertParams& params, const RankBatch& b) {
+  const int H = c.hidden, k = c.topk;
+  const std::int64_t n = b.x.size(0);
+  Tensor out = Tensor::empty({n, H}, DType::kBF16);
+  std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
+  std::vector<std::uint16_t> row(static_cast<size_t>(H));
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (c.fp8) {
+      load_row(c, b.x_fp8, b.x_scales, t, x.data());
+    } else {
+      load_row(c, b.x, TensorView(), t, x.data());
+    }
+    bool first = true;
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t e = b.topk_idx.data_as<const std::int64_t>()[t * k + j];
+      if (e < 0) continue;
+      expert_row(x.data(), params, e, H, row.data());
+      const float w = b.topk_weights.data_as<const float>()[t * k + j];
+      for (int h = 0; h < H; ++h) {
+        const float product = w * bf16_to_float(row[static_cast<size_t>(h)]);
+        acc[static_cast<size_t>(h)] = first ? product : acc[static_cast<size_t>(h)] + product;
+      }
+      first = false;
+    }
+    for (int h = 0; h < H; ++h) out.data_as<std::uint16_t>()[t * H + h] = first ? 0 : float_to_bf16(acc[static_cast<size_t>(h)]);
   }
   return out;
 }

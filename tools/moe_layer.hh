@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/legacy_buffer.hpp"
 #include "moe_ep/tensor.hpp"
 
 namespace moe_ep::tools {
@@ -65,5 +66,12 @@ Tensor run_experts(const LayerConfig& config, const ExpertParams& params, int ra
 // The expected combine output of every token of `rank`, [N, H] BF16.
 Tensor reference_output(const LayerConfig& config, const ExpertParams& params, const std::vector<RankBatch>& all,
                         int rank);
+
+// Low-latency mode (V1): the experts return unweighted rows bf16(f_e(x)) into the slab
+// [El, R*N, H]; combine applies the weights: out[t] = bf16(sum over lanes j, ascending, of
+// w_j * f_ej(x)), FP32 products summed in order, the first taken as is.
+Tensor run_experts_low_latency(const LayerConfig& config, const ExpertParams& params, int rank,
+                               const LowLatencyDispatchResult& received);
+Tensor reference_low_latency_output(const LayerConfig& config, const ExpertParams& params, const RankBatch& batch);
 
 }  // namespace moe_ep::tools

@@ -162,9 +162,10 @@ class LocalTransport final : public Transport {
     return Gathered(std::move(blocks));
   }
 
-  std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait) override {
+  std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait, bool prefault) override {
     // MAP_POPULATE faults every page in from this (the owning) thread: first touch by the owner.
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | (prefault ? MAP_POPULATE : MAP_NORESERVE), -1, 0);
     struct Published {
       std::byte* base;
       std::size_t bytes;

@@ -80,7 +80,9 @@ class Transport {
 
   virtual void barrier(Scope scope, const Wait& wait) = 0;
   virtual Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) = 0;
-  virtual std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait) = 0;
+  // prefault: the owner faults every page in now (else pages are faulted in by first use).
+  virtual std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait,
+                                                              bool prefault = true) = 0;
 
   // Scale-up: an address a rank of this node published (in a gathered block), made usable here.
   virtual const void* node_address(int rank, const void* published) const = 0;

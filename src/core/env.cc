@@ -22,8 +22,8 @@ const std::vector<Variable>& variables() {
        "Timeout of Group::barrier when none is given (buffers use their num_cpu_timeout_secs)."},
       {"MOE_EP_NUM_WORKERS", Type::kInt, "0", {},
        "Worker threads per rank for dispatch/combine copies; 0 = the theoretical model."},
-      {"MOE_EP_ALLOCATOR_CACHE_BYTES", Type::kInt, "17179869184", {},
-       "Bytes of freed tensor storage kept mapped for reuse by the caching host allocator."},
+      {"MOE_EP_ALLOCATOR_CACHE_BYTES", Type::kInt, "68719476736", {},
+       "Bytes of freed tensor storage (address space) kept mapped for reuse by the caching host allocator."},
   };
   return vars;
 }

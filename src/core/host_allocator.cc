@@ -33,7 +33,8 @@ class LargeBlockCache {
     const std::size_t rounded = (bytes + kLargeGranule - 1) / kLargeGranule * kLargeGranule;
     void* p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
-    madvise(p, rounded, MADV_HUGEPAGE);
+    // No MADV_HUGEPAGE: outputs such as the low-latency slab are sparse (rows at the start of
+    // each expert's block); huge pages would zero 2 MiB for every touched row.
     std::lock_guard lock(mutex_);
     stats_.mapped_bytes += rounded;
     ++stats_.num_maps;

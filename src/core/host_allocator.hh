@@ -4,8 +4,8 @@
 // best-fit free list after release instead of being unmapped: the next allocation of a similar
 // size reuses pages that are already faulted in, so a steady-state dispatch/combine loop does not
 // pay page faults for its outputs. A block is reused for a request of at least half its size.
-// The cache is bounded (MOE_EP_ALLOCATOR_CACHE_BYTES, default 16 GiB); beyond it, blocks are
-// unmapped on release. Small blocks use aligned operator new. Thread-safe.
+// The cache is bounded (MOE_EP_ALLOCATOR_CACHE_BYTES, default 64 GiB of address space; only the
+// pages a block's users touched are resident); beyond it, blocks are unmapped on release. Small blocks use aligned operator new. Thread-safe.
 #pragma once
 
 #include <cstddef>

@@ -30,9 +30,11 @@ Engine::Engine(Group& group, EngineConfig cfg, std::exception_ptr config_error,
   agreement.local_error(config_error);
   fields(agreement);
   agreement.exchange(*transport_, comm::Scope::kWorld, wait("construction: configuration agreement"), {});
-  // At least one page: a buffer may need no pool at all (one node, normal mode only).
-  memory_ = transport_->allocate_symmetric(static_cast<std::size_t>(std::max<std::int64_t>(config.pool_bytes, 4096)),
-                                           wait("construction: allocation"));
+  // At least one page: a buffer may need no pool at all (one node, normal mode only). Pools up
+  // to kPrefaultLimit are faulted in by their owner now; larger ones (sized for worst cases most
+  // calls never reach) are faulted in by first use, so only what is used becomes resident.
+  const auto bytes = static_cast<std::size_t>(std::max<std::int64_t>(config.pool_bytes, 4096));
+  memory_ = transport_->allocate_symmetric(bytes, wait("construction: allocation"), config.pool_bytes <= kPrefaultLimit);
   signals_expected_.assign(static_cast<size_t>(num_ranks), 0);
 }
 

@@ -52,6 +52,9 @@ class Operation {
   bool in_step_failure = false;
 };
 
+// Symmetric pools up to this size are faulted in at construction (docs/architecture.md).
+inline constexpr std::int64_t kPrefaultLimit = std::int64_t{256} << 20;
+
 // Facts every rank of a buffer shares (agreed at construction).
 struct EngineConfig {
   std::string name;              // "ElasticBuffer", "Buffer": names the buffer in messages
