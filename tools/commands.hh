@@ -21,6 +21,7 @@ struct RunOptions {
 };
 
 struct BenchOptions {
+  std::string api = "v2";
   int ranks = 8;
   int nodes = 1;
   bool allow_hybrid = true;

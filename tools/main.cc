@@ -62,6 +62,8 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--decode-iters", bench.decode_iterations, "timed iterations, decode")->check(CLI::PositiveNumber);
   bench_cmd->add_option("--seed", bench.seed, "seed");
   bench_cmd->add_option("--json", bench.json_path, "also write the results as JSON to this file");
+  bench_cmd->add_option("--api", bench.api, "v2 (ElasticBuffer) or v1 (Buffer: normal mode prefill, low-latency decode)")
+      ->check(CLI::IsMember({"v1", "v2"}));
 
   bool env_markdown = false;
   CLI::App* env_cmd = app.add_subcommand("env", "list moe-ep's environment variables with their current values and sources");
