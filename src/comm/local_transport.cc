@@ -290,6 +290,13 @@ std::string describe(const std::exception_ptr& e) {
 
 }  // namespace
 
+void retire(std::unique_ptr<SymmetricMemory> memory) {
+  static std::mutex mutex;
+  static auto* retired = new std::vector<std::unique_ptr<SymmetricMemory>>();  // reachable until exit
+  std::lock_guard lock(mutex);
+  retired->push_back(std::move(memory));
+}
+
 Topology resolve_topology(int num_ranks, Topology topology) {
   if (num_ranks < 1) throw InvalidArgument(fmt::format("num_ranks is {}, expected at least 1", num_ranks));
   if (topology.num_scaleout < 1)

@@ -103,6 +103,10 @@ class Transport {
   Topology topology_;
 };
 
+// Keeps symmetric memory mapped until the process exits: for memory peers may still read after a
+// failure left the ranks out of step.
+void retire(std::unique_ptr<SymmetricMemory> memory);
+
 // Checks a topology against a rank count and fills num_scaleup; throws InvalidArgument.
 Topology resolve_topology(int num_ranks, Topology topology);
 

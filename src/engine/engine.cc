@@ -56,7 +56,7 @@ Engine::~Engine() {
       }
     }
   }
-  if (keep_memory) (void)memory_.release();
+  if (keep_memory) comm::retire(std::move(memory_));
 }
 
 std::string Engine::context(const std::string& operation) const { return fmt::format("[rank {}] {}", rank, operation); }
