@@ -68,7 +68,23 @@ inline float bf16_to_float(std::uint16_t b) { return bits_float(static_cast<std:
 
 inline constexpr float kFp8E4M3Max = 448.0f;
 
-std::uint8_t float_to_fp8_e4m3(float f);
+// Branch-free (selects only) so that loops over it vectorize.
+inline std::uint8_t float_to_fp8_e4m3(float f) {
+  const std::uint32_t u = float_bits(f);
+  const std::uint32_t sign = (u >> 24) & 0x80u;
+  const std::uint32_t mag = u & 0x7fffffffu;
+  // Normal range: keep 3 of the 23 mantissa bits, round to nearest even on the 20 dropped bits;
+  // (biased float exponent << 3 | mantissa) - (120 << 3) rebiases the exponent from 127 to 7.
+  const std::uint32_t rounded = (mag + 0x7ffffu + ((mag >> 20) & 1u)) >> 20;
+  const std::uint32_t normal = rounded - (120u << 3);
+  // Below 2^-6 the E4M3 values are m * 2^-9, m in [0, 8]: |f| * 512 rounded to an integer
+  // (adding 2^23 rounds to nearest even in the default rounding mode; m = 8 is code 0x08).
+  const std::uint32_t subnormal = float_bits(bits_float(mag) * 512.0f + 8388608.0f) - 0x4b000000u;
+  std::uint32_t code = mag < 0x3c800000u ? subnormal : normal;
+  code = mag > 0x43e00000u ? 0x7eu : code;  // beyond 448 (infinity included): saturate
+  code = mag > 0x7f800000u ? 0x7fu : code;  // NaN
+  return static_cast<std::uint8_t>(sign | code);
+}
 float fp8_e4m3_to_float(std::uint8_t code);
 
 }  // namespace moe_ep

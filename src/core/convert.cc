@@ -1,19 +1,16 @@
 #include "moe_ep/convert.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "core/checks.hh"
+#include "core/fp8_rows.hh"
 
 namespace moe_ep {
 namespace {
 
 constexpr std::string_view kQuantize = "quantize_fp8";
-
-float load_as_float(const TensorView& x, const std::byte* row, std::int64_t i) {
-  if (x.dtype() == DType::kBF16) return bf16_to_float(reinterpret_cast<const std::uint16_t*>(row)[i]);
-  return reinterpret_cast<const float*>(row)[i];
-}
 
 }  // namespace
 
@@ -45,26 +42,15 @@ Fp8Tensor quantize_fp8(const TensorView& x, Fp8Options options) {
   out.scales = options.use_ue8m0 ? Tensor::zeros({n, (blocks + 3) / 4}, DType::kInt32)
                                  : Tensor::empty({n, blocks}, DType::kFP32);
   const std::size_t es = element_size(x.dtype());
+  const std::size_t scale_row_bytes = out.scales.nbytes() / static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
   for (std::int64_t t = 0; t < n; ++t) {
     const auto* row = static_cast<const std::byte*>(x.data()) + t * x.stride(0) * static_cast<std::int64_t>(es);
     auto* q = out.data.data_as<std::uint8_t>() + t * h;
-    for (std::int64_t b = 0; b < blocks; ++b) {
-      float amax = 0.0f;
-      for (std::int64_t i = b * kFp8BlockSize; i < (b + 1) * kFp8BlockSize; ++i) {
-        const float v = std::fabs(load_as_float(x, row, i));
-        if (v > amax) amax = v;  // NaN compares false: ignored
-      }
-      const float scale_inv = fp8_block_scale_inv(amax, options.round_scale);
-      const float scale = options.round_scale ? 1.0f / scale_inv
-                                              : kFp8E4M3Max / std::max(amax, kFp8AmaxFloor);
-      for (std::int64_t i = b * kFp8BlockSize; i < (b + 1) * kFp8BlockSize; ++i)
-        q[i] = float_to_fp8_e4m3(load_as_float(x, row, i) * scale);
-      if (options.use_ue8m0) {
-        auto* packed = reinterpret_cast<std::uint8_t*>(out.scales.data_as<std::int32_t>() + t * out.scales.size(1));
-        packed[b] = static_cast<std::uint8_t>(float_bits(scale_inv) >> 23);
-      } else {
-        out.scales.data_as<float>()[t * blocks + b] = scale_inv;
-      }
+    auto* s = static_cast<std::byte*>(out.scales.data()) + static_cast<std::size_t>(t) * scale_row_bytes;
+    if (x.dtype() == DType::kBF16) {
+      core::cast_row_fp8(reinterpret_cast<const std::uint16_t*>(row), h, options.round_scale, options.use_ue8m0, q, s);
+    } else {
+      core::cast_row_fp8(reinterpret_cast<const float*>(row), h, options.round_scale, options.use_ue8m0, q, s);
     }
   }
   return out;

@@ -25,26 +25,6 @@ std::string_view dtype_name(DType t) {
   return "?";
 }
 
-std::uint8_t float_to_fp8_e4m3(float f) {
-  const std::uint32_t u = float_bits(f);
-  const std::uint8_t sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
-  const std::uint32_t mag = u & 0x7fffffffu;
-  if (mag > 0x7f800000u) return sign | 0x7f;               // NaN
-  if (mag > float_bits(kFp8E4M3Max)) return sign | 0x7e;   // saturate (includes infinity)
-  if (mag < 0x3c800000u) {                                 // below 2^-6: subnormal range
-    // Subnormal E4M3 values are m * 2^-9, m in [0, 8]; m = 8 is the smallest normal (code 0x08).
-    // a * 512 is exact in float, and nearbyint rounds half to even in the default mode.
-    const float scaled = bits_float(mag) * 512.0f;
-    return sign | static_cast<std::uint8_t>(std::nearbyint(scaled));
-  }
-  // Normal: keep 3 of the 23 mantissa bits, round to nearest even on the dropped 20 bits.
-  const std::uint32_t rounded = (mag + 0x7ffffu + ((mag >> 20) & 1u)) & ~0xfffffu;
-  const int exponent = static_cast<int>(rounded >> 23) - 127 + 7;
-  const std::uint32_t mantissa = (rounded >> 20) & 7u;
-  // rounded <= 448 here (448 = exponent 15, mantissa 6), so no overflow into the NaN code.
-  return sign | static_cast<std::uint8_t>((exponent << 3) | mantissa);
-}
-
 float fp8_e4m3_to_float(std::uint8_t code) {
   const bool negative = code & 0x80;
   const int exponent = (code >> 3) & 0xf;

@@ -16,6 +16,7 @@
 
 #include "comm/wait.hh"
 #include "core/checks.hh"
+#include "core/fp8_rows.hh"
 #include "core/reduce.hh"
 #include "legacy/buffer_core.hh"
 #include "moe_ep/convert.hpp"
@@ -50,22 +51,6 @@ std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t 
 
 void publish(BufferCore& core, int slot, std::uint64_t number) {
   header(core.slot_base(core.engine.rank, slot))->store(number, std::memory_order_release);
-}
-
-// Per-128-block FP8 cast of one BF16 row (the rule of convert.hpp) into `q` and its scales.
-void cast_row(const std::uint16_t* x, int hidden, bool round_scale, bool ue8m0, std::uint8_t* q, std::byte* scales) {
-  for (int b = 0; b < hidden / kFp8BlockSize; ++b) {
-    float amax = 0.0f;
-    for (int i = b * kFp8BlockSize; i < (b + 1) * kFp8BlockSize; ++i) amax = std::max(amax, std::fabs(bf16_to_float(x[i])));
-    const float scale_inv = fp8_block_scale_inv(amax, round_scale);
-    const float scale = round_scale ? 1.0f / scale_inv : kFp8E4M3Max / std::max(amax, kFp8AmaxFloor);
-    for (int i = b * kFp8BlockSize; i < (b + 1) * kFp8BlockSize; ++i) q[i] = float_to_fp8_e4m3(bf16_to_float(x[i]) * scale);
-    if (ue8m0) {
-      reinterpret_cast<std::uint8_t*>(scales)[b] = static_cast<std::uint8_t>(float_bits(scale_inv) >> 23);
-    } else {
-      std::memcpy(scales + 4 * b, &scale_inv, 4);
-    }
-  }
 }
 
 // Takes the call's slot once the arguments were checked (the slot is taken either way).
@@ -269,7 +254,7 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
     std::byte* row = area + t * L.row_bytes;
     const auto* x = args_.x.data_as<const std::uint16_t>() + t * args_.x.stride(0);
     if (args_.use_fp8) {
-      cast_row(x, H_, args_.round_scale, args_.use_ue8m0, reinterpret_cast<std::uint8_t*>(row), row + L.payload_bytes);
+      core::cast_row_fp8(x, H_, args_.round_scale, args_.use_ue8m0, reinterpret_cast<std::uint8_t*>(row), row + L.payload_bytes);
     } else {
       std::memcpy(row, x, static_cast<size_t>(L.payload_bytes));
     }

@@ -1,9 +1,13 @@
 // FP8 per-block quantization against a reference written from the definition in convert.hpp.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
+#include <vector>
 
+#include "core/fp8_rows.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/error.hpp"
 
@@ -81,6 +85,84 @@ TEST(Fp8Quantize, RoundScaleGivesPowersOfTwoAndUe8m0PacksExponents) {
   EXPECT_EQ(fp8_block_scale_inv(448.0f, true), 1.0f);
   EXPECT_EQ(fp8_block_scale_inv(449.0f, true), 2.0f);
   EXPECT_EQ(fp8_block_scale_inv(0.0f, false), 1e-4f / 448.0f);
+}
+
+// Blocks with NaN, infinities, subnormals and signed zeros, in BF16 and FP32, against the
+// definition evaluated one element at a time (NaN never raises amax).
+TEST(Fp8Quantize, SpecialValuesInBothInputTypesFollowTheDefinition) {
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> values(4 * 256);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = dist(rng) * std::ldexp(1.0f, static_cast<int>(i / 128) * 9 - 30);
+  values[3] = nan;
+  values[130] = -nan;
+  values[300] = inf;     // block 2: amax = inf, every value becomes 0 or NaN
+  values[520] = -0.0f;
+  values[700] = std::numeric_limits<float>::denorm_min();
+  for (int i = 768; i < 896; ++i) values[static_cast<std::size_t>(i)] = nan;  // block 6: all NaN
+  for (DType dtype : {DType::kBF16, DType::kFP32}) {
+    for (bool round : {false, true}) {
+      Tensor x = Tensor::empty({4, 256}, dtype);
+      std::vector<float> as_read(values.size());
+      for (std::size_t i = 0; i < values.size(); ++i) {
+        if (dtype == DType::kBF16) {
+          x.data_as<std::uint16_t>()[i] = float_to_bf16(values[i]);
+          as_read[i] = bf16_to_float(x.data_as<std::uint16_t>()[i]);
+        } else {
+          x.data_as<float>()[i] = as_read[i] = values[i];
+        }
+      }
+      Fp8Tensor q = quantize_fp8(x, {.round_scale = round});
+      for (int blk = 0; blk < 8; ++blk) {
+        float amax = 0.0f;
+        for (int i = blk * 128; i < (blk + 1) * 128; ++i)
+          if (std::fabs(as_read[static_cast<std::size_t>(i)]) > amax) amax = std::fabs(as_read[static_cast<std::size_t>(i)]);
+        const float scale_inv = fp8_block_scale_inv(amax, round);
+        ASSERT_EQ(float_bits(q.scales.data_as<float>()[blk]), float_bits(scale_inv)) << "block " << blk;
+        const float scale = round ? 1.0f / scale_inv : 448.0f / std::max(amax, 1e-4f);
+        for (int i = blk * 128; i < (blk + 1) * 128; ++i)
+          ASSERT_EQ(q.data.data_as<std::uint8_t>()[i], float_to_fp8_e4m3(as_read[static_cast<std::size_t>(i)] * scale))
+              << dtype_name(dtype) << " element " << i;
+      }
+    }
+  }
+}
+
+// Every BF16 code, in blocks whose scales span the FP8 range (saturation, subnormals, NaN and
+// infinities included), through the vector path and the portable one: identical bytes.
+TEST(Fp8Quantize, VectorPathMatchesThePortablePathOnEveryBf16Code) {
+  constexpr int kHidden = 1024;
+  std::mt19937 rng(5);
+  std::vector<std::uint16_t> codes(65536);
+  for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<std::uint16_t>(i);
+  std::shuffle(codes.begin(), codes.end(), rng);
+  for (bool round : {false, true}) {
+    for (std::size_t row = 0; row < codes.size() / kHidden; ++row) {
+      const std::uint16_t* x = codes.data() + row * kHidden;
+      std::vector<std::uint8_t> q1(kHidden), q2(kHidden);
+      std::vector<std::byte> s1(4 * kHidden / 128), s2(4 * kHidden / 128);
+      core::cast_row_fp8(x, kHidden, round, false, q1.data(), s1.data());
+      core::cast_row_fp8_generic(x, kHidden, round, false, q2.data(), s2.data());
+      ASSERT_EQ(q1, q2) << "row " << row;
+      ASSERT_EQ(s1, s2) << "row " << row;
+    }
+  }
+  // Blocks of one magnitude each, so that amax is finite and the values fill the FP8 range.
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (int trial = 0; trial < 64; ++trial) {
+    std::vector<std::uint16_t> x(kHidden);
+    for (int i = 0; i < kHidden; ++i)
+      x[static_cast<std::size_t>(i)] = float_to_bf16(dist(rng) * std::ldexp(1.0f, (i / 128) * 8 - 30 + trial % 7));
+    for (bool ue8m0 : {false, true}) {
+      std::vector<std::uint8_t> q1(kHidden), q2(kHidden);
+      std::vector<std::byte> s1(4 * kHidden / 128), s2(4 * kHidden / 128);
+      core::cast_row_fp8(x.data(), kHidden, ue8m0, ue8m0, q1.data(), s1.data());
+      core::cast_row_fp8_generic(x.data(), kHidden, ue8m0, ue8m0, q2.data(), s2.data());
+      ASSERT_EQ(q1, q2) << "trial " << trial;
+      ASSERT_EQ(s1, s2) << "trial " << trial;
+    }
+  }
 }
 
 TEST(Fp8Quantize, RejectsBadArguments) {

@@ -1,0 +1,136 @@
+#include "core/fp8_rows.hh"
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "moe_ep/convert.hpp"
+#include "moe_ep/dtype.hpp"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MOE_EP_X86_DISPATCH 1
+#endif
+
+namespace moe_ep::core {
+namespace {
+
+// |x| as ordered integer bits, NaN as zero (ignored by the maximum).
+inline std::uint32_t magnitude_bits(std::uint16_t b) {
+  const std::uint32_t m = b & 0x7fffu;
+  return m > 0x7f80u ? 0u : m << 16;
+}
+inline std::uint32_t magnitude_bits(float f) {
+  const std::uint32_t m = float_bits(f) & 0x7fffffffu;
+  return m > 0x7f800000u ? 0u : m;
+}
+inline float widen(std::uint16_t b) { return bf16_to_float(b); }
+inline float widen(float f) { return f; }
+
+struct BlockScale {
+  float scale_inv;  // stored
+  float scale;      // applied
+};
+
+inline BlockScale block_scale(std::uint32_t amax_bits, bool round_scale) {
+  const float amax = bits_float(amax_bits);
+  const float scale_inv = fp8_block_scale_inv(amax, round_scale);
+  return {scale_inv, round_scale ? 1.0f / scale_inv : kFp8E4M3Max / std::max(amax, kFp8AmaxFloor)};
+}
+
+inline void store_scale(std::byte* scales, std::int64_t b, float scale_inv, bool ue8m0) {
+  if (ue8m0) {
+    reinterpret_cast<std::uint8_t*>(scales)[b] = static_cast<std::uint8_t>(float_bits(scale_inv) >> 23);
+  } else {
+    std::memcpy(scales + 4 * b, &scale_inv, 4);
+  }
+}
+
+template <class T>
+void cast_generic(const T* x, std::int64_t hidden, bool round_scale, bool ue8m0, std::uint8_t* q, std::byte* scales) {
+  for (std::int64_t b = 0; b < hidden / kFp8BlockSize; ++b) {
+    const T* in = x + b * kFp8BlockSize;
+    std::uint8_t* out = q + b * kFp8BlockSize;
+    std::uint32_t amax_bits = 0;
+    for (int i = 0; i < kFp8BlockSize; ++i) amax_bits = std::max(amax_bits, magnitude_bits(in[i]));
+    const BlockScale s = block_scale(amax_bits, round_scale);
+    for (int i = 0; i < kFp8BlockSize; ++i) out[i] = float_to_fp8_e4m3(widen(in[i]) * s.scale);
+    store_scale(scales, b, s.scale_inv, ue8m0);
+  }
+}
+
+#ifdef MOE_EP_X86_DISPATCH
+// AVX2: the same integer maximum and the same FP32 product per element, then the selects of
+// float_to_fp8_e4m3 on eight lanes at a time.
+__attribute__((target("avx2"))) inline __m256i encode8(const std::uint16_t* p, __m256 scale) {
+  const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)), scale);
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+  const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, 20), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(0x7ffff)), lsb), 20),
+      _mm256_set1_epi32(120 << 3));
+  const __m256 sub_f = _mm256_add_ps(_mm256_mul_ps(_mm256_castsi256_ps(mag), _mm256_set1_ps(512.0f)),
+                                     _mm256_set1_ps(8388608.0f));
+  const __m256i subnormal = _mm256_sub_epi32(_mm256_castps_si256(sub_f), _mm256_set1_epi32(0x4b000000));
+  __m256i code = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3c800000), mag));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7e), _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x43e00000)));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000)));
+  return _mm256_or_si256(code, sign);
+}
+
+__attribute__((target("avx2"))) void cast_bf16_avx2(const std::uint16_t* x, std::int64_t hidden, bool round_scale,
+                                                    bool ue8m0, std::uint8_t* q, std::byte* scales) {
+  const __m256i no_sign = _mm256_set1_epi16(0x7fff), inf = _mm256_set1_epi16(0x7f80);
+  for (std::int64_t b = 0; b < hidden / kFp8BlockSize; ++b) {
+    const std::uint16_t* in = x + b * kFp8BlockSize;
+    __m256i amax = _mm256_setzero_si256();
+    for (int i = 0; i < kFp8BlockSize; i += 16) {
+      const __m256i m = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i)), no_sign);
+      amax = _mm256_max_epu16(amax, _mm256_andnot_si256(_mm256_cmpgt_epi16(m, inf), m));  // NaN -> 0
+    }
+    alignas(32) std::uint16_t lanes[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), amax);
+    const std::uint32_t amax_bits = static_cast<std::uint32_t>(*std::max_element(lanes, lanes + 16)) << 16;
+    const BlockScale s = block_scale(amax_bits, round_scale);
+    const __m256 scale = _mm256_set1_ps(s.scale);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < kFp8BlockSize; i += 32) {
+      // packus interleaves 128-bit lanes: [a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7]; the
+      // permute restores element order.
+      const __m256i ab = _mm256_packus_epi32(encode8(in + i, scale), encode8(in + i + 8, scale));
+      const __m256i cd = _mm256_packus_epi32(encode8(in + i + 16, scale), encode8(in + i + 24, scale));
+      const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kFp8BlockSize + i), bytes);
+    }
+    store_scale(scales, b, s.scale_inv, ue8m0);
+  }
+}
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+}  // namespace
+
+void cast_row_fp8(const std::uint16_t* bf16, std::int64_t hidden, bool round_scale, bool ue8m0, std::uint8_t* q,
+                  std::byte* scales) {
+#ifdef MOE_EP_X86_DISPATCH
+  if (kHasAvx2) return cast_bf16_avx2(bf16, hidden, round_scale, ue8m0, q, scales);
+#endif
+  cast_generic(bf16, hidden, round_scale, ue8m0, q, scales);
+}
+
+void cast_row_fp8(const float* fp32, std::int64_t hidden, bool round_scale, bool ue8m0, std::uint8_t* q,
+                  std::byte* scales) {
+  cast_generic(fp32, hidden, round_scale, ue8m0, q, scales);
+}
+
+void cast_row_fp8_generic(const std::uint16_t* bf16, std::int64_t hidden, bool round_scale, bool ue8m0,
+                          std::uint8_t* q, std::byte* scales) {
+  cast_generic(bf16, hidden, round_scale, ue8m0, q, scales);
+}
+
+}  // namespace moe_ep::core
