@@ -110,7 +110,8 @@ __attribute__((target("avx2"))) void cast_bf16_avx2(const std::uint16_t* x, std:
     store_scale(scales, b, s.scale_inv, ue8m0);
   }
 }
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+// __builtin_cpu_init: this may run in a shared library's static initialisation, before libgcc's own.
+const bool kHasAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
 #endif
 
 }  // namespace

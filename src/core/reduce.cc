@@ -139,7 +139,8 @@ __attribute__((target("avx2"))) void weighted_avx2(std::span<const std::uint16_t
                                                    std::int64_t hidden) {
   weighted_impl(inputs, weights, out, hidden);
 }
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+// __builtin_cpu_init: this may run in a shared library's static initialisation, before libgcc's own.
+const bool kHasAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
 #endif
 
 }  // namespace

@@ -1,0 +1,61 @@
+// The built-in provider "cpu": this library's Buffer and ElasticBuffer behind the provider
+// interfaces.
+#include "moe_ep/provider.hpp"
+
+namespace moe_ep::provider {
+namespace {
+
+class CpuLegacy final : public LegacyBackend {
+ public:
+  CpuLegacy(Group& group, const BufferConfig& config) : buffer_(group, config) {}
+  DispatchLayout get_dispatch_layout(const TensorView& topk_idx, int num_experts) override {
+    return buffer_.get_dispatch_layout(topk_idx, num_experts);
+  }
+  LegacyDispatchResult dispatch(const LegacyDispatchArgs& args) override { return buffer_.dispatch(args); }
+  CombineResult combine(const LegacyCombineArgs& args) override { return buffer_.combine(args); }
+  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args) override {
+    return buffer_.low_latency_dispatch(args);
+  }
+  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args) override {
+    return buffer_.low_latency_combine(args);
+  }
+  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts) override {
+    buffer_.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts);
+  }
+  void destroy() override { buffer_.destroy(); }
+
+ private:
+  Buffer buffer_;
+};
+
+class CpuElastic final : public ElasticBackend {
+ public:
+  CpuElastic(Group& group, const ElasticBufferConfig& config) : buffer_(group, config) {}
+  DispatchResult dispatch(const DispatchArgs& args) override { return buffer_.dispatch(args); }
+  CombineResult combine(const CombineArgs& args) override { return buffer_.combine(args); }
+  std::int64_t num_bytes() const override { return buffer_.num_bytes(); }
+  void destroy() override { buffer_.destroy(); }
+
+ private:
+  moe_ep::ElasticBuffer buffer_;
+};
+
+const Table kCpu = {
+    .abi_version = kAbiVersion,
+    .table_bytes = sizeof(Table),
+    .name = "cpu",
+    .init = []() -> const char* { return nullptr; },
+    .create_legacy = [](Group& group, const BufferConfig& config) -> LegacyBackend* {
+      return new CpuLegacy(group, config);
+    },
+    .create_elastic = [](Group& group, const ElasticBufferConfig& config) -> ElasticBackend* {
+      return new CpuElastic(group, config);
+    },
+    .low_latency_rdma_size_hint = &Buffer::get_low_latency_rdma_size_hint,
+};
+
+}  // namespace
+
+const Table& builtin() { return kCpu; }
+
+}  // namespace moe_ep::provider

@@ -1,0 +1,82 @@
+#include "dispatcher/v2_slab.hh"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::dispatcher {
+
+V2Slab make_slab(const DispatchResult& r, int El, std::int64_t RC) {
+  const EPHandle& h = *r.handle;
+  V2Slab s;
+  s.rows_per_expert = RC;
+  s.masked_m = Tensor::empty({El}, DType::kInt32);
+  const auto* unaligned = h.num_unaligned_recv_tokens_per_expert.data_as<const std::int32_t>();
+  const auto* psum = h.psum_num_recv_tokens_per_expert.data_as<const std::int32_t>();
+  for (int i = 0; i < El; ++i) {
+    const std::int32_t count = unaligned[i];
+    const std::int64_t start = psum[i] - count;
+    // Expert groups are aligned to RC rows and hold at most RC rows; each starts at or before its
+    // slab position.
+    if (count < 0 || count > RC || start < 0 || start % RC != 0 || start > i * RC)
+      throw StateError(fmt::format("dispatcher: V2 low-latency: expert {} has {} rows at row {}, not an aligned group "
+                                   "of at most {} rows",
+                                   i, count, start, RC));
+    s.counts.push_back(count);
+    s.starts.push_back(start);
+    s.masked_m.data_as<std::int32_t>()[i] = count;
+  }
+  const std::int64_t H = r.recv_x.size(1);
+  const std::size_t row_bytes = static_cast<std::size_t>(H) * element_size(r.recv_x.dtype());
+  if (r.recv_x.size(0) >= El * RC) {
+    // Last expert first: a group moves to a higher or equal position, never onto a group still to move.
+    auto* base = static_cast<std::byte*>(r.recv_x.data());
+    for (int i = El - 1; i >= 0; --i) {
+      const std::int64_t start = s.starts[static_cast<size_t>(i)];
+      if (start != i * RC && s.counts[static_cast<size_t>(i)] > 0)
+        std::memcpy(base + i * RC * row_bytes, base + start * row_bytes, s.counts[static_cast<size_t>(i)] * row_bytes);
+    }
+    s.hidden_states = r.recv_x.with_view(TensorView(r.recv_x.data(), r.recv_x.dtype(), {El, RC, H}));
+  } else {
+    s.hidden_states = Tensor::empty({El, RC, H}, r.recv_x.dtype());
+    const auto* from = static_cast<const std::byte*>(r.recv_x.data());
+    auto* to = static_cast<std::byte*>(s.hidden_states.data());
+    for (int i = 0; i < El; ++i)
+      std::memcpy(to + i * RC * row_bytes, from + s.starts[static_cast<size_t>(i)] * row_bytes,
+                  s.counts[static_cast<size_t>(i)] * row_bytes);
+  }
+  if (r.recv_x_scales.defined()) {
+    // Scales are 4-byte words (FP32, or four UE8M0 exponents): storage [El, S, RC], viewed [El, RC, S].
+    const std::int64_t S = r.recv_x_scales.size(1);
+    Tensor storage = Tensor::empty({El, S, RC}, r.recv_x_scales.dtype());
+    const auto* src = r.recv_x_scales.data_as<const std::uint32_t>();
+    auto* dst = storage.data_as<std::uint32_t>();
+    const std::int64_t row_stride = r.recv_x_scales.stride(0), col_stride = r.recv_x_scales.stride(1);
+    for (int i = 0; i < El; ++i)
+      for (std::int64_t p = 0; p < S; ++p)
+        for (std::int64_t t = 0; t < s.counts[static_cast<size_t>(i)]; ++t)
+          dst[(i * S + p) * RC + t] = src[(s.starts[static_cast<size_t>(i)] + t) * row_stride + p * col_stride];
+    s.scales = storage.with_view(storage.transposed(1, 2));
+  }
+  return s;
+}
+
+Tensor slab_to_expanded(const V2Slab& s, const DispatchResult& r, const TensorView& y) {
+  const std::int64_t H = y.size(2);
+  Tensor x = Tensor::empty({r.handle->num_expanded_tokens, H}, DType::kBF16);
+  const auto* w = r.recv_topk_weights.data_as<const float>();
+  auto* out = x.data_as<std::uint16_t>();
+  for (std::size_t i = 0; i < s.counts.size(); ++i)
+    for (std::int64_t t = 0; t < s.counts[i]; ++t) {
+      const std::int64_t row = s.starts[i] + t;
+      const float weight = w[row];
+      const auto* in = y.data_as<const std::uint16_t>() + static_cast<std::int64_t>(i) * y.stride(0) + t * y.stride(1);
+      std::uint16_t* o = out + row * H;
+      for (std::int64_t h = 0; h < H; ++h) o[h] = float_to_bf16(weight * bf16_to_float(in[h]));
+    }
+  return x;
+}
+
+}  // namespace moe_ep::dispatcher
