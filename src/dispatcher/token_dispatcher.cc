@@ -372,6 +372,13 @@ DispatchOutput DispatcherState::finish_dispatch(Slot& s, int micro_batch) {
     out.topk_ids = s.v2.recv_topk_idx;
     out.topk_weights = s.v2.recv_topk_weights;
     out.num_recv_tokens_per_expert = s.v2.handle->num_recv_tokens_per_expert_list;
+    if (s.format == OutputFormat::kNormal) {
+      // V2's compact rows carry the token's full weight row; the normal format (V1's) has 0
+      // where the expert lives elsewhere.
+      const std::int64_t n = out.topk_ids.size(0) * out.topk_ids.size(1);
+      for (std::int64_t i = 0; i < n; ++i)
+        if (out.topk_ids.data_as<const std::int64_t>()[i] < 0) out.topk_weights.data_as<float>()[i] = 0.0f;
+    }
     return out;
   }
   s.slab = make_slab(s.v2, local_experts(), R * cap());

@@ -11,12 +11,14 @@
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
+#include "reference/low_latency_reference.hh"
 
 namespace moe_ep {
 namespace {
 
 using reference::CaseSpec;
 using reference::RankInputs;
+using reference::expert_rows;
 
 struct LLOptions {
   bool fp8 = false, round_scale = false, ue8m0 = false;
@@ -40,78 +42,6 @@ CaseSpec ll_spec(int ranks, int scaleout, int experts, int k, int N, int hidden,
 
 std::int64_t ll_pool(const CaseSpec& s) {
   return Buffer::get_low_latency_rdma_size_hint(s.max_tokens, s.hidden, s.ranks, s.num_experts);
-}
-
-// The (source, token) pairs of local expert i of `dest`, in slab order.
-std::vector<std::pair<int, int>> expert_rows(const CaseSpec& s, const std::vector<RankInputs>& all, int dest, int i) {
-  std::vector<std::pair<int, int>> rows;
-  const int e = dest * s.experts_per_rank() + i;
-  for (int src = 0; src < s.ranks; ++src)
-    for (int t = 0; t < all[static_cast<size_t>(src)].num_tokens; ++t)
-      for (int j = 0; j < s.k; ++j)
-        if (all[static_cast<size_t>(src)].topk[static_cast<size_t>(t * s.k + j)] == e) rows.push_back({src, t});
-  return rows;
-}
-
-void check_slab(const CaseSpec& s, const LLOptions& o, const std::vector<RankInputs>& all, int me,
-                const LowLatencyDispatchResult& r, std::vector<std::string>& bad) {
-  const int El = s.experts_per_rank(), H = s.hidden, N = s.max_tokens;
-  const std::int64_t slab_rows = static_cast<std::int64_t>(s.ranks) * N;
-  for (int i = 0; i < El; ++i) {
-    const auto rows = expert_rows(s, all, me, i);
-    if (r.packed_recv_count.data_as<std::int32_t>()[i] != static_cast<int>(rows.size()))
-      bad.push_back(fmt::format("packed_recv_count[{}] = {}, expected {}", i, r.packed_recv_count.data_as<std::int32_t>()[i], rows.size()));
-    std::vector<std::int64_t> begin(static_cast<size_t>(s.ranks), 0), count(static_cast<size_t>(s.ranks), 0);
-    for (std::size_t k = 0; k < rows.size(); ++k) ++count[static_cast<size_t>(rows[k].first)];
-    for (int src = 1; src < s.ranks; ++src) begin[static_cast<size_t>(src)] = begin[static_cast<size_t>(src) - 1] + count[static_cast<size_t>(src) - 1];
-    for (int src = 0; src < s.ranks; ++src)
-      if (r.handle->packed_recv_layout_range.data_as<std::int64_t>()[i * s.ranks + src] !=
-          ((begin[static_cast<size_t>(src)] << 32) | count[static_cast<size_t>(src)]))
-        bad.push_back(fmt::format("layout_range[{}, {}]", i, src));
-    for (std::size_t row = 0; row < rows.size(); ++row) {
-      const auto [src, t] = rows[row];
-      const std::int64_t slab_row = i * slab_rows + static_cast<std::int64_t>(row);
-      if (r.handle->packed_recv_src_info.data_as<std::int32_t>()[slab_row] != t) bad.push_back(fmt::format("src_info[{}, {}]", i, row));
-      const auto* x = reinterpret_cast<const std::uint16_t*>(all[static_cast<size_t>(src)].x.data()) + t * H;
-      if (!o.fp8) {
-        if (std::memcmp(r.recv_x.data_as<std::uint16_t>() + slab_row * H, x, sizeof(std::uint16_t) * static_cast<size_t>(H)) != 0)
-          bad.push_back(fmt::format("recv_x[{}, {}] is not rank {} token {}", i, row, src, t));
-        continue;
-      }
-      // FP8: the per-128 cast of the source row (quantize_fp8 is checked against its definition).
-      std::vector<std::uint16_t> copy(x, x + H);
-      Fp8Tensor q = quantize_fp8(TensorView(copy.data(), DType::kBF16, {1, H}), {.round_scale = o.round_scale, .use_ue8m0 = o.ue8m0});
-      if (std::memcmp(r.recv_x.data_as<std::uint8_t>() + slab_row * H, q.data.data(), static_cast<size_t>(H)) != 0)
-        bad.push_back(fmt::format("FP8 recv_x[{}, {}] differs from the cast of rank {} token {}", i, row, src, t));
-      const TensorView& sc = r.recv_x_scales;
-      if (sc.stride(1) != 1) bad.push_back("recv_x_scales must have token stride 1");
-      for (std::int64_t p = 0; p < sc.size(2); ++p) {
-        const std::uint32_t got = sc.data_as<std::uint32_t>()[i * sc.stride(0) + static_cast<std::int64_t>(row) * sc.stride(1) + p * sc.stride(2)];
-        if (got != q.scales.data_as<std::uint32_t>()[p]) bad.push_back(fmt::format("scales[{}, {}, {}]", i, row, p));
-      }
-    }
-  }
-}
-
-// out[t] = bf16(sum over valid lanes, ascending, of w * y), the first product taken as is.
-std::vector<std::uint16_t> ll_reference(const CaseSpec& s, const RankInputs& in, int me) {
-  const int H = s.hidden, k = s.k, El = s.experts_per_rank();
-  std::vector<std::uint16_t> out(static_cast<size_t>(in.num_tokens) * H);
-  for (int t = 0; t < in.num_tokens; ++t)
-    for (int h = 0; h < H; ++h) {
-      float acc = 0.0f;
-      bool first = true;
-      for (int j = 0; j < k; ++j) {
-        const auto id = in.topk[static_cast<size_t>(t * k + j)];
-        if (id < 0) continue;
-        const float product = in.weights[static_cast<size_t>(t * k + j)] *
-                              bf16_to_float(reference::expert_value(static_cast<int>(id / El), static_cast<int>(id % El), me * s.max_tokens + t, h));
-        acc = first ? product : acc + product;
-        first = false;
-      }
-      out[static_cast<size_t>(t * H + h)] = float_to_bf16(acc);
-    }
-  return out;
 }
 
 std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o, int rounds) {
@@ -143,7 +73,21 @@ std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o,
       g.barrier();  // the peers have published by now; the hook still has to copy
       d.hook();
     }
-    check_slab(s, o, all, me, d, bad);
+    reference::check_slab(s, {.fp8 = o.fp8, .round_scale = o.round_scale, .ue8m0 = o.ue8m0, .rows_per_expert = std::int64_t{s.ranks} * N},
+                          all, me, d.recv_x, d.recv_x_scales, d.packed_recv_count, bad);
+    for (int i = 0; i < El; ++i) {  // source info and layout ranges (V1 only)
+      const auto rows = expert_rows(s, all, me, i);
+      std::vector<std::int64_t> begin(static_cast<size_t>(s.ranks), 0), count(static_cast<size_t>(s.ranks), 0);
+      for (const auto& row : rows) ++count[static_cast<size_t>(row.first)];
+      for (int src = 1; src < s.ranks; ++src) begin[static_cast<size_t>(src)] = begin[static_cast<size_t>(src) - 1] + count[static_cast<size_t>(src) - 1];
+      for (int src = 0; src < s.ranks; ++src)
+        if (d.handle->packed_recv_layout_range.data_as<std::int64_t>()[i * s.ranks + src] !=
+            ((begin[static_cast<size_t>(src)] << 32) | count[static_cast<size_t>(src)]))
+          bad.push_back(fmt::format("layout_range[{}, {}]", i, src));
+      for (std::size_t row = 0; row < rows.size(); ++row)
+        if (d.handle->packed_recv_src_info.data_as<std::int32_t>()[i * std::int64_t{s.ranks} * N + static_cast<std::int64_t>(row)] != rows[row].second)
+          bad.push_back(fmt::format("src_info[{}, {}]", i, row));
+    }
     for (int i = 0; i < El; ++i)
       if (stats.data_as<std::int32_t>()[i] != (round + 1) * static_cast<int>(expert_rows(s, all, me, i).size()))
         bad.push_back(fmt::format("cumulative stats[{}]", i));
@@ -177,7 +121,7 @@ std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o,
       c.hook();
     }
     if (c.combined_x.data() != out.data()) bad.push_back("combine must write into `out`");
-    const auto expected = ll_reference(s, in, me);
+    const auto expected = reference::low_latency_combine_reference(s, in, me);
     for (std::int64_t t = 0; t < n; ++t)
       if (std::memcmp(out.data_as<std::uint16_t>() + t * H, &expected[static_cast<size_t>(t * H)], sizeof(std::uint16_t) * static_cast<size_t>(H)) != 0)
         bad.push_back(fmt::format("round {}: combined token {} differs", round, t));

@@ -136,10 +136,13 @@ RefCombine reference_combine(const CaseSpec& spec, const std::vector<RankInputs>
   out.x.resize(static_cast<size_t>(in.num_tokens) * H);
   out.weights.assign(static_cast<size_t>(in.num_tokens) * k, 0.0f);
   std::map<std::tuple<int, int, int>, std::vector<std::uint16_t>> rows;  // storage for expert rows
-  auto expert_row = [&](int d, int local, int src_global) -> const std::uint16_t* {
+  auto expert_row = [&](int d, int local, int src_global, float weight = 1.0f) -> const std::uint16_t* {
     auto& row = rows[{d, local, src_global}];
     if (row.empty())
-      for (int h = 0; h < H; ++h) row.push_back(expert_value(d, local, src_global, h));
+      for (int h = 0; h < H; ++h) {
+        const std::uint16_t v = expert_value(d, local, src_global, h);
+        row.push_back(spec.weight_lanes && local >= 0 ? float_to_bf16(weight * bf16_to_float(v)) : v);
+      }
     return row.data();
   };
   for (int t = 0; t < in.num_tokens; ++t) {
@@ -156,14 +159,16 @@ RefCombine reference_combine(const CaseSpec& spec, const std::vector<RankInputs>
       if (!spec.expand) return expert_row(d, -1, g);
       std::vector<const std::uint16_t*> lanes;
       for (int j = 0; j < k; ++j)
-        if (ids[j] >= 0 && rank_of(spec, ids[j]) == d) lanes.push_back(expert_row(d, static_cast<int>(ids[j] % El), g));
+        if (ids[j] >= 0 && rank_of(spec, ids[j]) == d)
+          lanes.push_back(expert_row(d, static_cast<int>(ids[j] % El), g, in.weights[static_cast<size_t>(t * k + j)]));
       return lanes.size() == 1 ? lanes[0] : keep(round_sum(lanes, H));
     };
     std::vector<const std::uint16_t*> inputs;
     for (const auto& b : in.bias) inputs.push_back(&b[static_cast<size_t>(t * H)]);
     if (spec.expand && !spec.multi) {
       for (int j = 0; j < k; ++j)
-        if (ids[j] >= 0) inputs.push_back(expert_row(rank_of(spec, ids[j]), static_cast<int>(ids[j] % El), g));
+        if (ids[j] >= 0)
+          inputs.push_back(expert_row(rank_of(spec, ids[j]), static_cast<int>(ids[j] % El), g, in.weights[static_cast<size_t>(t * k + j)]));
     } else {
       // Ranks by master lane.
       std::vector<std::pair<int, int>> ranks;  // (master lane, rank)

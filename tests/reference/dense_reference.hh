@@ -30,6 +30,9 @@ struct CaseSpec {
   double skew = 0.0;        // 0 uniform; larger values favour low expert ids
   std::uint64_t seed = 1;
   std::vector<int> tokens;  // per rank, <= max_tokens
+  // Expanded lanes arrive weighted: bf16(w_j x expert_value) (the dispatcher's low-latency
+  // format on V2, which weights each lane before V2's unweighted combine).
+  bool weight_lanes = false;
 
   int experts_per_rank() const { return num_experts / ranks; }
   int row_bytes() const { return hidden * (fp8 ? 1 : 2); }

@@ -1,0 +1,63 @@
+// A provider library for the dispatcher tests: this library's own buffers behind a table whose
+// name, generations, init result, ABI version and entry symbol are chosen at compile time, so
+// each variant is a real shared library that the probe loads with dlopen.
+#include <cstdint>
+
+#include "moe_ep/error.hpp"
+#include "moe_ep/provider.hpp"
+
+#ifndef TEST_PROVIDER_NAME
+#error "TEST_PROVIDER_NAME is required"
+#endif
+#ifndef TEST_PROVIDER_ABI
+#define TEST_PROVIDER_ABI 1
+#endif
+
+namespace {
+
+using moe_ep::provider::builtin;
+using moe_ep::provider::Table;
+
+const char* init() {
+#ifdef TEST_PROVIDER_INIT_FAILURE
+  return TEST_PROVIDER_INIT_FAILURE;
+#else
+  return nullptr;
+#endif
+}
+
+moe_ep::provider::ElasticBackend* create_elastic(moe_ep::Group& group, const moe_ep::ElasticBufferConfig& config) {
+#ifdef TEST_PROVIDER_FAIL_HIDDEN
+  // A constructor that fails for one shape (as a device out of memory would), on every rank.
+  if (config.hidden == TEST_PROVIDER_FAIL_HIDDEN)
+    throw moe_ep::CapacityError("test provider: cannot allocate the buffer for this shape", 1LL << 40, 1LL << 30);
+#endif
+  return builtin().create_elastic(group, config);
+}
+
+Table make_table() {
+  Table t = builtin();
+  t.abi_version = TEST_PROVIDER_ABI;
+  t.name = TEST_PROVIDER_NAME;
+  t.init = &init;
+  t.create_elastic = &create_elastic;
+#ifndef TEST_PROVIDER_V1
+  t.create_legacy = nullptr;
+#endif
+#ifndef TEST_PROVIDER_V2
+  t.create_elastic = nullptr;
+#endif
+  return t;
+}
+
+}  // namespace
+
+#ifdef TEST_PROVIDER_ENTRY
+extern "C" __attribute__((visibility("default"))) const Table* TEST_PROVIDER_ENTRY() {
+  static const Table table = make_table();
+  return &table;
+}
+#else
+// No entry symbol: a shared library that is not a provider.
+extern "C" __attribute__((visibility("default"))) int test_provider_not_a_provider() { return make_table().abi_version; }
+#endif

@@ -1,0 +1,90 @@
+#include "reference/low_latency_reference.hh"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "moe_ep/convert.hpp"
+
+namespace moe_ep::reference {
+
+std::vector<std::pair<int, int>> expert_rows(const CaseSpec& s, const std::vector<RankInputs>& all, int dest, int i) {
+  std::vector<std::pair<int, int>> rows;
+  const int e = dest * s.experts_per_rank() + i;
+  for (int src = 0; src < s.ranks; ++src)
+    for (int t = 0; t < all[static_cast<size_t>(src)].num_tokens; ++t)
+      for (int j = 0; j < s.k; ++j)
+        if (all[static_cast<size_t>(src)].topk[static_cast<size_t>(t * s.k + j)] == e) rows.push_back({src, t});
+  return rows;
+}
+
+void check_slab(const CaseSpec& s, const SlabFormat& f, const std::vector<RankInputs>& all, int me,
+                const TensorView& recv_x, const TensorView& sc, const TensorView& counts,
+                std::vector<std::string>& bad) {
+  const int El = s.experts_per_rank(), H = s.hidden;
+  const std::int64_t slab_rows = f.rows_per_expert;
+  if (recv_x.ndim() != 3 || recv_x.size(0) != El || recv_x.size(1) != slab_rows || recv_x.size(2) != H) {
+    bad.push_back(fmt::format("slab has shape {}, expected [{}, {}, {}]", recv_x.describe(), El, slab_rows, H));
+    return;
+  }
+  for (int i = 0; i < El; ++i) {
+    const auto rows = expert_rows(s, all, me, i);
+    if (counts.data_as<std::int32_t>()[i] != static_cast<int>(rows.size()))
+      bad.push_back(fmt::format("count[{}] = {}, expected {}", i, counts.data_as<std::int32_t>()[i], rows.size()));
+    for (std::size_t row = 0; row < rows.size(); ++row) {
+      const auto [src, t] = rows[row];
+      const std::int64_t slab_row = i * slab_rows + static_cast<std::int64_t>(row);
+      const auto* x = reinterpret_cast<const std::uint16_t*>(all[static_cast<size_t>(src)].x.data()) + t * H;
+      if (!f.fp8) {
+        if (std::memcmp(recv_x.data_as<std::uint16_t>() + slab_row * H, x, sizeof(std::uint16_t) * static_cast<size_t>(H)) != 0)
+          bad.push_back(fmt::format("slab[{}, {}] is not rank {} token {}", i, row, src, t));
+        continue;
+      }
+      // FP8: the per-128 cast of the source row (quantize_fp8 is checked against its definition).
+      std::vector<std::uint16_t> copy(x, x + H);
+      Fp8Tensor q = quantize_fp8(TensorView(copy.data(), DType::kBF16, {1, H}), {.round_scale = f.round_scale, .use_ue8m0 = f.ue8m0});
+      if (std::memcmp(recv_x.data_as<std::uint8_t>() + slab_row * H, q.data.data(), static_cast<size_t>(H)) != 0)
+        bad.push_back(fmt::format("FP8 slab[{}, {}] differs from the cast of rank {} token {}", i, row, src, t));
+      if (sc.stride(1) != 1) bad.push_back("slab scales must have token stride 1");
+      for (std::int64_t p = 0; p < sc.size(2); ++p) {
+        const std::uint32_t got = sc.data_as<std::uint32_t>()[i * sc.stride(0) + static_cast<std::int64_t>(row) * sc.stride(1) + p * sc.stride(2)];
+        if (got != q.scales.data_as<std::uint32_t>()[p]) bad.push_back(fmt::format("scales[{}, {}, {}]", i, row, p));
+      }
+    }
+  }
+}
+
+Tensor slab_expert_outputs(const CaseSpec& s, const std::vector<RankInputs>& all, int me, std::int64_t rows_per_expert) {
+  const int El = s.experts_per_rank(), H = s.hidden;
+  Tensor y = Tensor::zeros({El, rows_per_expert, H}, DType::kBF16);
+  for (int i = 0; i < El; ++i) {
+    const auto rows = expert_rows(s, all, me, i);
+    for (std::size_t row = 0; row < rows.size(); ++row)
+      for (int h = 0; h < H; ++h)
+        y.data_as<std::uint16_t>()[(i * rows_per_expert + static_cast<std::int64_t>(row)) * H + h] =
+            expert_value(me, i, rows[row].first * s.max_tokens + rows[row].second, h);
+  }
+  return y;
+}
+
+std::vector<std::uint16_t> low_latency_combine_reference(const CaseSpec& s, const RankInputs& in, int me) {
+  const int H = s.hidden, k = s.k, El = s.experts_per_rank();
+  std::vector<std::uint16_t> out(static_cast<size_t>(in.num_tokens) * H);
+  for (int t = 0; t < in.num_tokens; ++t)
+    for (int h = 0; h < H; ++h) {
+      float acc = 0.0f;
+      bool first = true;
+      for (int j = 0; j < k; ++j) {
+        const auto id = in.topk[static_cast<size_t>(t * k + j)];
+        if (id < 0) continue;
+        const float product = in.weights[static_cast<size_t>(t * k + j)] *
+                              bf16_to_float(expert_value(static_cast<int>(id / El), static_cast<int>(id % El), me * s.max_tokens + t, h));
+        acc = first ? product : acc + product;
+        first = false;
+      }
+      out[static_cast<size_t>(t * H + h)] = float_to_bf16(acc);
+    }
+  return out;
+}
+
+}  // namespace moe_ep::reference
