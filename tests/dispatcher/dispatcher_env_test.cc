@@ -1,0 +1,135 @@
+// The dispatcher's typed configuration: unset options take their environment variables; bad
+// values name the variable and the accepted values; options override the environment; scoped
+// overrides restore the previous state.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "fixture.hh"
+#include "moe_ep/env.hpp"
+
+namespace moe_ep::testing {
+namespace {
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+DispatcherOptions shape() {
+  DispatcherOptions o;
+  o.hidden = 256;
+  o.num_experts = 8;
+  o.num_topk = 2;
+  return o;
+}
+
+// Sets a process environment variable for one scope (the parse errors are only reachable
+// through the environment: overrides are validated when they are made).
+class ScopedSetenv {
+ public:
+  ScopedSetenv(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) previous_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedSetenv() {
+    if (previous_) {
+      setenv(name_, previous_->c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> previous_;
+};
+
+TEST(DispatcherEnv, UnsetOptionsTakeTheEnvironment) {
+  LocalWorld(2).run([&](Group& g) {
+    BufferCache cache(g);
+    {
+      TokenDispatcher d(cache, shape());
+      EXPECT_EQ(d.generation(), Generation::kV1);  // V2 is opt-in
+      EXPECT_EQ(d.mode(), DispatchMode::kAuto);
+      EXPECT_EQ(*d.options().num_max_dispatch_tokens_per_rank, 128);
+      EXPECT_EQ(*d.options().dispatch_dtype, WireDType::kBF16);
+      EXPECT_EQ(d.resolve(BatchKind::kPrefill), DispatchMode::kNormal);
+      EXPECT_EQ(d.resolve(BatchKind::kDecode), DispatchMode::kLowLatency);
+    }
+    g.barrier();
+    if (g.rank() == 0) {  // overrides are process-wide: one rank sets them
+      env::ScopedOverride v2("MOE_EP_USE_V2", "1"), mode("MOE_EP_MODE", "LOW_LATENCY"),
+          cap("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "64"), dtype("MOE_EP_DISPATCH_DTYPE", "fp8"),
+          layout("MOE_EP_V2_NORMAL_LAYOUT", "expanded");
+      TokenDispatcher d(cache, shape());
+      EXPECT_EQ(d.generation(), Generation::kV2);
+      EXPECT_EQ(d.mode(), DispatchMode::kLowLatency);
+      EXPECT_EQ(d.resolve(BatchKind::kPrefill), DispatchMode::kLowLatency);
+      EXPECT_EQ(*d.options().num_max_dispatch_tokens_per_rank, 64);
+      EXPECT_EQ(*d.options().dispatch_dtype, WireDType::kFP8);
+      EXPECT_TRUE(*d.options().v2_expanded_normal_layout);
+      DispatcherOptions fields = shape();
+      fields.use_v2 = false;
+      fields.mode = DispatchMode::kNormal;
+      fields.num_max_dispatch_tokens_per_rank = 32;
+      TokenDispatcher f(cache, fields);  // fields win over the environment
+      EXPECT_EQ(f.generation(), Generation::kV1);
+      EXPECT_EQ(f.mode(), DispatchMode::kNormal);
+      EXPECT_EQ(*f.options().num_max_dispatch_tokens_per_rank, 32);
+    }
+    g.barrier();
+    if (g.rank() == 0) {
+      TokenDispatcher d(cache, shape());  // restored
+      EXPECT_EQ(d.generation(), Generation::kV1);
+      EXPECT_EQ(env::current("MOE_EP_USE_V2").source, env::Source::kDefault);
+    }
+  });
+}
+
+TEST(DispatcherEnv, BadValuesNameTheVariableAndTheAcceptedValues) {
+  LocalWorld(1).run([&](Group& g) {
+    BufferCache cache(g);
+    struct Case {
+      const char* name;
+      const char* value;
+      std::string message;
+    };
+    const Case cases[] = {
+        {"MOE_EP_MODE", "fast", "MOE_EP_MODE=\"fast\" is invalid: accepted values are normal | low_latency | auto"},
+        {"MOE_EP_USE_V2", "maybe", "MOE_EP_USE_V2=\"maybe\" is invalid: accepted values are 1/true/on/yes or 0/false/off/no"},
+        {"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "-5", "MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=\"-5\" is invalid"},
+        {"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "0",
+         "MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK = 0 is out of range: expected 1 to 1048576"},
+        {"MOE_EP_DISPATCH_DTYPE", "fp16", "accepted values are bf16 | fp8"},
+        {"MOE_EP_V2_NORMAL_LAYOUT", "dense", "accepted values are compact | expanded"},
+        {"MOE_EP_TIMEOUT_SECS", "soon", "MOE_EP_TIMEOUT_SECS=\"soon\" is invalid: accepted values are a non-negative number"},
+        {"MOE_EP_TIMEOUT_SECS", "0", "MOE_EP_TIMEOUT_SECS = 0 must be positive"},
+        {"MOE_EP_NUM_WORKERS", "4096", "MOE_EP_NUM_WORKERS = 4096 is out of range: expected 0 to 512"},
+    };
+    for (const Case& c : cases) {
+      ScopedSetenv set(c.name, c.value);
+      const Caught e = catch_error([&] { TokenDispatcher d(cache, shape()); });
+      EXPECT_EQ(e.type, "InvalidArgument") << c.name;
+      EXPECT_TRUE(contains(e.message, c.message)) << e.message;
+    }
+    // Option fields are named as fields.
+    DispatcherOptions o = shape();
+    o.num_max_dispatch_tokens_per_rank = 0;
+    EXPECT_TRUE(contains(catch_error([&] { TokenDispatcher d(cache, o); }).message,
+                         "DispatcherOptions.num_max_dispatch_tokens_per_rank = 0 is out of range"));
+    o = shape();
+    o.num_experts = 0;
+    EXPECT_TRUE(contains(catch_error([&] { TokenDispatcher d(cache, o); }).message,
+                         "DispatcherOptions.num_experts = 0 is out of range"));
+    o = shape();
+    o.hidden = 200;
+    o.dispatch_dtype = WireDType::kFP8;
+    EXPECT_TRUE(contains(catch_error([&] { TokenDispatcher d(cache, o); }).message, "multiple of 128, got 200"));
+    o = shape();
+    o.use_ue8m0 = true;
+    EXPECT_TRUE(contains(catch_error([&] { TokenDispatcher d(cache, o); }).message, "needs round_scale"));
+    // An override is validated when it is made.
+    EXPECT_THROW(env::ScopedOverride("MOE_EP_MODE", "fast"), InvalidArgument);
+  });
+}
+
+}  // namespace
+}  // namespace moe_ep::testing
