@@ -20,6 +20,12 @@ struct RunOptions {
   std::string dump_dir;
 };
 
+struct DispatcherRunOptions {
+  std::string mode;              // normal | low_latency | auto; empty = MOE_EP_MODE
+  std::string sequence = "PDDPD";  // batch kinds: P = prefill, D = decode
+  int decode_tokens = 64;
+};
+
 struct BenchOptions {
   std::string api = "v2";
   int ranks = 8;
@@ -40,6 +46,7 @@ struct BenchOptions {
 void add_layer_options(CLI::App& app, LayerConfig& layer);
 
 int run_command(const RunOptions& options);
+int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run);
 int bench_command(const BenchOptions& options);
 int env_command(bool markdown);
 

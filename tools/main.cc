@@ -46,6 +46,15 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--api", run_api, "which API runs the layer: v2 (ElasticBuffer) or v1 (Buffer)")
       ->check(CLI::IsMember({"v1", "v2"}));
   run_cmd->add_flag("--low-latency", run_low_latency, "with --api v1: low_latency_dispatch / low_latency_combine");
+  bool run_dispatcher = false;
+  DispatcherRunOptions dispatcher_run;
+  run_cmd->add_flag("--dispatcher", run_dispatcher,
+                    "through the token dispatcher (generation from MOE_EP_USE_V2), over a sequence of batches");
+  run_cmd->add_option("--mode", dispatcher_run.mode, "with --dispatcher: normal, low_latency or auto (default: MOE_EP_MODE)")
+      ->check(CLI::IsMember({"normal", "low_latency", "auto"}));
+  run_cmd->add_option("--sequence", dispatcher_run.sequence, "with --dispatcher: batch kinds, P = prefill, D = decode");
+  run_cmd->add_option("--decode-tokens", dispatcher_run.decode_tokens, "with --dispatcher: tokens per rank of decode batches")
+      ->check(CLI::PositiveNumber);
 
   BenchOptions bench;
   CLI::App* bench_cmd = app.add_subcommand("bench", "dispatch/combine bandwidth against the memcpy ceiling");
@@ -71,6 +80,14 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   try {
+    if (app.got_subcommand("run") && run_dispatcher) {
+      if (run_cmd->count("--api") || run_low_latency || !run.dump_dir.empty() || run.async)
+        throw moe_ep::InvalidArgument("--dispatcher chooses the API itself (MOE_EP_USE_V2, --mode): drop --api, "
+                                      "--low-latency, --dump and --async");
+      return dispatcher_command(run, dispatcher_run);
+    }
+    if (app.got_subcommand("run") && (!dispatcher_run.mode.empty() || run_cmd->count("--sequence") || run_cmd->count("--decode-tokens")))
+      throw moe_ep::InvalidArgument("--mode, --sequence and --decode-tokens need --dispatcher");
     if (app.got_subcommand("run")) {
       if (run_low_latency && run_api != "v1") throw moe_ep::InvalidArgument("--low-latency needs --api v1");
       if (!run.dump_dir.empty() && run_api != "v2") throw moe_ep::InvalidArgument("--dump is available with --api v2");

@@ -138,41 +138,107 @@ ExpertParams make_experts(const LayerConfig& c) {
   return p;
 }
 
-Tensor run_experts(const LayerConfig& c, const ExpertParams& params, int rank, const DispatchResult& r) {
+namespace {
+
+// Compact rows: row i = bf16(sum over its local lanes j, ascending, of w_j * f_e(x)).
+Tensor experts_compact(const LayerConfig& c, const ExpertParams& params, int rank, const TensorView& recv_x,
+                       const TensorView& scales, const TensorView& topk_idx, const TensorView& weights, std::int64_t real) {
   const int H = c.hidden, k = c.topk, El = c.experts / c.ranks;
-  const EPHandle& h = *r.handle;
-  const std::int64_t rows = r.recv_x.size(0);
-  Tensor y = Tensor::zeros({rows, H}, DType::kBF16);
+  Tensor y = Tensor::zeros({recv_x.size(0), H}, DType::kBF16);
   std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
   auto* out = y.data_as<std::uint16_t>();
-  if (!c.expand) {
-    const std::int64_t real = h.psum_num_recv_tokens_per_scaleup_rank.data_as<const std::int32_t>()[h.psum_num_recv_tokens_per_scaleup_rank.size(0) - 1];
-    for (std::int64_t i = 0; i < real; ++i) {
-      load_row(c, r.recv_x, r.recv_x_scales, i, x.data());
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int j = 0; j < k; ++j) {
-        const std::int64_t local = r.recv_topk_idx.data_as<const std::int64_t>()[i * k + j];
-        if (local < 0) continue;
-        accumulate_expert(x.data(), params, std::int64_t{rank} * El + local, r.recv_topk_weights.data_as<const float>()[i * k + j], H,
-                          acc.data());
-      }
-      round_row(acc.data(), H, out + i * H);
+  for (std::int64_t i = 0; i < real; ++i) {
+    load_row(c, recv_x, scales, i, x.data());
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t local = topk_idx.data_as<const std::int64_t>()[i * k + j];
+      if (local < 0) continue;
+      accumulate_expert(x.data(), params, std::int64_t{rank} * El + local, weights.data_as<const float>()[i * k + j], H,
+                        acc.data());
     }
-    return y;
+    round_row(acc.data(), H, out + i * H);
+  }
+  return y;
+}
+
+// Expanded rows: expert i's rows [start_i, start_i + count_i) = bf16(w_row * f_e(x)); padding 0.
+Tensor experts_expanded(const LayerConfig& c, const ExpertParams& params, int rank, const TensorView& recv_x,
+                        const TensorView& scales, const TensorView& weights, const std::vector<std::int64_t>& start,
+                        const std::vector<std::int64_t>& count) {
+  const int H = c.hidden, El = c.experts / c.ranks;
+  Tensor y = Tensor::zeros({recv_x.size(0), H}, DType::kBF16);
+  std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
+  auto* out = y.data_as<std::uint16_t>();
+  for (int i = 0; i < El; ++i)
+    for (std::int64_t row = start[static_cast<size_t>(i)]; row < start[static_cast<size_t>(i)] + count[static_cast<size_t>(i)]; ++row) {
+      load_row(c, recv_x, scales, row, x.data());
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      accumulate_expert(x.data(), params, std::int64_t{rank} * El + i, weights.data_as<const float>()[row], H, acc.data());
+      round_row(acc.data(), H, out + row * H);
+    }
+  return y;
+}
+
+// The slab [El, rows, H]: expert i's first count_i rows = bf16(f_e(x)), unweighted.
+Tensor experts_slab(const LayerConfig& c, const ExpertParams& params, int rank, const TensorView& recv_x,
+                    const TensorView& sc, const TensorView& counts) {
+  const int H = c.hidden, El = c.experts / c.ranks;
+  const std::int64_t slab = recv_x.size(1);
+  // Only the valid rows are written (and read by combine): the rest of the slab stays untouched.
+  Tensor y = Tensor::empty({El, slab, H}, DType::kBF16);
+  std::vector<float> x(static_cast<size_t>(H));
+  const std::int64_t es = static_cast<std::int64_t>(element_size(recv_x.dtype()));
+  for (int i = 0; i < El; ++i)
+    for (std::int64_t row = 0; row < counts.data_as<const std::int32_t>()[i]; ++row) {
+      const auto* data = static_cast<const std::byte*>(recv_x.data()) + ((i * slab + row) * H) * es;
+      if (c.fp8) {
+        load_row(true, H, data, sc.data_as<const float>() + i * sc.stride(0) + row * sc.stride(1), sc.stride(2), x.data());
+      } else {
+        load_row(false, H, data, nullptr, 0, x.data());
+      }
+      expert_row(x.data(), params, std::int64_t{rank} * El + i, H, y.data_as<std::uint16_t>() + (i * slab + row) * H);
+    }
+  return y;
+}
+
+}  // namespace
+
+Tensor run_experts(const LayerConfig& c, const ExpertParams& params, int rank, const DispatchResult& r) {
+  const EPHandle& h = *r.handle;
+  if (!c.expand) {
+    const auto& psum = h.psum_num_recv_tokens_per_scaleup_rank;
+    return experts_compact(c, params, rank, r.recv_x, r.recv_x_scales, r.recv_topk_idx, r.recv_topk_weights,
+                           psum.data_as<const std::int32_t>()[psum.size(0) - 1]);
   }
   // Expanded: expert i holds rows [start_i, start_i + count_i); start_i = align(psum[i-1]).
   const auto* psum = h.psum_num_recv_tokens_per_expert.data_as<const std::int32_t>();
-  for (int i = 0; i < El; ++i) {
-    const std::int64_t end = psum[i];
-    const std::int64_t start = i == 0 ? 0 : (psum[i - 1] + c.alignment - 1) / c.alignment * c.alignment;
-    for (std::int64_t row = start; row < end; ++row) {
-      load_row(c, r.recv_x, r.recv_x_scales, row, x.data());
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      accumulate_expert(x.data(), params, std::int64_t{rank} * El + i, r.recv_topk_weights.data_as<const float>()[row], H, acc.data());
-      round_row(acc.data(), H, out + row * H);
-    }
+  std::vector<std::int64_t> start, count;
+  for (int i = 0; i < c.experts / c.ranks; ++i) {
+    start.push_back(i == 0 ? 0 : (psum[i - 1] + c.alignment - 1) / c.alignment * c.alignment);
+    count.push_back(psum[i] - start.back());
   }
-  return y;
+  return experts_expanded(c, params, rank, r.recv_x, r.recv_x_scales, r.recv_topk_weights, start, count);
+}
+
+Tensor run_experts(const LayerConfig& c, const ExpertParams& params, int rank, const DispatchOutput& r) {
+  switch (r.format) {
+    case OutputFormat::kNormal:
+      return experts_compact(c, params, rank, r.hidden_states, r.hidden_states_scale, r.topk_ids, r.topk_weights,
+                             r.hidden_states.size(0));
+    case OutputFormat::kV2Expanded: {
+      std::vector<std::int64_t> start, count;
+      std::int64_t next = 0;
+      for (std::size_t i = 0; i < r.num_recv_tokens_per_expert.size(); ++i) {
+        start.push_back(next);
+        count.push_back(r.masked_m.data_as<const std::int32_t>()[i]);
+        next += r.num_recv_tokens_per_expert[i];
+      }
+      return experts_expanded(c, params, rank, r.hidden_states, r.hidden_states_scale, r.topk_weights, start, count);
+    }
+    case OutputFormat::kLowLatency:
+      return experts_slab(c, params, rank, r.hidden_states, r.hidden_states_scale, r.masked_m);
+  }
+  return Tensor();
 }
 
 Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const std::vector<RankBatch>& all, int rank) {
@@ -208,6 +274,13 @@ Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const 
     for (int j = 0; j < k && c.expand; ++j) {
       if (ids[j] < 0) continue;
       lane_rows[static_cast<size_t>(j)].resize(static_cast<size_t>(H));
+      if (c.lanes_weighted_after_rounding) {  // bf16(w * bf16(f(x))): the dispatcher's V2 low-latency lanes
+        std::vector<std::uint16_t> unweighted(static_cast<size_t>(H));
+        expert_row(x.data(), params, ids[j], H, unweighted.data());
+        for (int h = 0; h < H; ++h)
+          lane_rows[static_cast<size_t>(j)][static_cast<size_t>(h)] = float_to_bf16(w[j] * bf16_to_float(unweighted[static_cast<size_t>(h)]));
+        continue;
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       accumulate_expert(x.data(), params, ids[j], w[j], H, acc.data());
       round_row(acc.data(), H, lane_rows[static_cast<size_t>(j)].data());
@@ -268,24 +341,7 @@ namespace moe_ep::tools {
 
 Tensor run_experts_low_latency(const LayerConfig& c, const ExpertParams& params, int rank,
                                const LowLatencyDispatchResult& r) {
-  const int H = c.hidden, El = c.experts / c.ranks;
-  const std::int64_t slab = static_cast<std::int64_t>(c.ranks) * c.tokens;
-  // Only the valid rows are written (and read by combine): the rest of the slab stays untouched.
-  Tensor y = Tensor::empty({El, slab, H}, DType::kBF16);
-  std::vector<float> x(static_cast<size_t>(H));
-  const TensorView& sc = r.recv_x_scales;
-  const std::int64_t es = static_cast<std::int64_t>(element_size(r.recv_x.dtype()));
-  for (int i = 0; i < El; ++i)
-    for (std::int64_t row = 0; row < r.packed_recv_count.data_as<const std::int32_t>()[i]; ++row) {
-      const auto* data = static_cast<const std::byte*>(r.recv_x.data()) + ((i * slab + row) * H) * es;
-      if (c.fp8) {
-        load_row(true, H, data, sc.data_as<const float>() + i * sc.stride(0) + row * sc.stride(1), sc.stride(2), x.data());
-      } else {
-        load_row(false, H, data, nullptr, 0, x.data());
-      }
-      expert_row(x.data(), params, std::int64_t{rank} * El + i, H, y.data_as<std::uint16_t>() + (i * slab + row) * H);
-    }
-  return y;
+  return experts_slab(c, params, rank, r.recv_x, r.recv_x_scales, r.packed_recv_count);
 }
 
 Tensor reference_low_latency_output(const LayerConfig& c, const ExpertParams& params, const RankBatch& b) {

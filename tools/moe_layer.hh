@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "moe_ep/dispatcher.hpp"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "moe_ep/tensor.hpp"
@@ -35,6 +36,9 @@ struct LayerConfig {
   bool expand = false;
   int alignment = 1;
   double skew = 0.8;  // Zipf exponent of expert popularity
+  // Expanded lanes are bf16(w * bf16(f(x))) (the dispatcher's low-latency format on V2: the
+  // experts return unweighted rows, the dispatcher weights them before V2's combine).
+  bool lanes_weighted_after_rounding = false;
   std::uint64_t seed = 1;
 
   int tokens_on(int rank) const;  // N of a rank, <= tokens
@@ -62,6 +66,10 @@ ExpertParams make_experts(const LayerConfig& config);
 // Runs the local experts on a dispatch result; returns the combine input (BF16, rows of the
 // dispatch layout; padding and rows past the real count are zero).
 Tensor run_experts(const LayerConfig& config, const ExpertParams& params, int rank, const DispatchResult& received);
+
+// The experts on a dispatcher output, per its format: normal rows as the compact layout above,
+// expanded rows as the expanded layout, the low-latency slab unweighted (as below).
+Tensor run_experts(const LayerConfig& config, const ExpertParams& params, int rank, const DispatchOutput& received);
 
 // The expected combine output of every token of `rank`, [N, H] BF16.
 Tensor reference_output(const LayerConfig& config, const ExpertParams& params, const std::vector<RankBatch>& all,

@@ -130,7 +130,7 @@ struct DispatchOutput {
   Tensor topk_ids;             // kNormal: int64 [M, k] local ids or -1
   Tensor topk_weights;         // kNormal: float32 [M, k]; kV2Expanded: [M_exp]
   std::vector<int> num_recv_tokens_per_expert;  // kNormal, kV2Expanded: aligned counts
-  Tensor masked_m;             // kLowLatency: int32 [El]
+  Tensor masked_m;             // kLowLatency, kV2Expanded: int32 [El] real rows per expert
   int expected_m = 0;          // kLowLatency
 };
 

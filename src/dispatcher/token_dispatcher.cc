@@ -372,6 +372,7 @@ DispatchOutput DispatcherState::finish_dispatch(Slot& s, int micro_batch) {
     out.topk_ids = s.v2.recv_topk_idx;
     out.topk_weights = s.v2.recv_topk_weights;
     out.num_recv_tokens_per_expert = s.v2.handle->num_recv_tokens_per_expert_list;
+    if (s.format == OutputFormat::kV2Expanded) out.masked_m = s.v2.handle->num_unaligned_recv_tokens_per_expert;
     if (s.format == OutputFormat::kNormal) {
       // V2's compact rows carry the token's full weight row; the normal format (V1's) has 0
       // where the expert lives elsewhere.

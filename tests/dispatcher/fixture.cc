@@ -111,6 +111,9 @@ void check_dispatch(const CaseSpec& spec, const Expectation& e, const std::vecto
     return;
   }
   // Expanded: rows grouped by expert; padding rows are not checked.
+  for (std::size_t i = 0; i < ref.unaligned.size(); ++i)
+    if (!out.masked_m.defined() || out.masked_m.data_as<std::int32_t>()[i] != ref.unaligned[i])
+      bad.push_back(fmt::format("masked_m[{}] differs from the reference count {}", i, ref.unaligned[i]));
   if (out.hidden_states.size(0) != ref.expanded_rows) {
     bad.push_back(fmt::format("{} expanded rows, expected {}", out.hidden_states.size(0), ref.expanded_rows));
     return;

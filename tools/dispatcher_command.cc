@@ -1,0 +1,162 @@
+// moe-ep run --dispatcher: the layer through the token dispatcher over a sequence of prefill and
+// decode batches, each verified against the single-threaded reference of the format it was
+// delivered in, with the generation, provider and mode that ran it.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include "commands.hh"
+#include "moe_ep/dispatcher.hpp"
+#include "moe_ep/env.hpp"
+#include "moe_ep/error.hpp"
+#include "moe_ep/group.hpp"
+#include "report.hh"
+
+namespace moe_ep::tools {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct BatchRecord {
+  DispatchOutput info;  // format, generation, mode, provider (tensors dropped)
+  Tensor combined;
+  double dispatch_s = 0, combine_s = 0;
+};
+
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+bool env_is_set(const char* name) { return env::current(name).source != env::Source::kDefault; }
+
+}  // namespace
+
+int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run) {
+  const LayerConfig& c = options.layer;
+  LocalWorld world(c.ranks, {.num_scaleout = c.scaleout});
+  const ExpertParams params = make_experts(c);
+  std::vector<BatchKind> kinds;
+  for (char k : run.sequence) {
+    if (k != 'P' && k != 'D' && k != 'p' && k != 'd')
+      throw InvalidArgument(fmt::format("--sequence: '{}' is not P (prefill) or D (decode)", k));
+    kinds.push_back(k == 'P' || k == 'p' ? BatchKind::kPrefill : BatchKind::kDecode);
+  }
+  if (kinds.empty()) throw InvalidArgument("--sequence is empty");
+
+  DispatcherOptions o;
+  o.hidden = c.hidden;
+  o.num_experts = c.experts;
+  o.num_topk = c.topk;
+  if (!run.mode.empty())
+    o.mode = run.mode == "normal" ? DispatchMode::kNormal : run.mode == "low_latency" ? DispatchMode::kLowLatency
+                                                                                     : DispatchMode::kAuto;
+  if (c.fp8) o.dispatch_dtype = WireDType::kFP8;
+  if (c.expand) o.v2_expanded_normal_layout = true;
+  if (c.alignment != 1) o.expert_alignment = c.alignment;
+  if (!c.allow_hybrid) o.allow_hybrid_mode = false;
+  if (!c.multi) o.allow_multiple_reduction = false;
+  // The batches of this run: prefill batches of --tokens, decode batches of --decode-tokens per
+  // rank. Unless the environment sets them, the caps are sized to fit.
+  const DispatchMode mode = o.mode.value_or(env::get_string("MOE_EP_MODE") == "normal"        ? DispatchMode::kNormal
+                                            : env::get_string("MOE_EP_MODE") == "low_latency" ? DispatchMode::kLowLatency
+                                                                                              : DispatchMode::kAuto);
+  auto tokens_of = [&](BatchKind k) { return k == BatchKind::kPrefill ? c.tokens : run.decode_tokens; };
+  auto resolves_to_ll = [&](BatchKind k) {
+    return mode == DispatchMode::kLowLatency || (mode == DispatchMode::kAuto && k == BatchKind::kDecode);
+  };
+  int ll_tokens = 1, normal_tokens = 1;
+  for (BatchKind k : kinds) (resolves_to_ll(k) ? ll_tokens : normal_tokens) = std::max(resolves_to_ll(k) ? ll_tokens : normal_tokens, tokens_of(k));
+  if (!env_is_set("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")) o.num_max_dispatch_tokens_per_rank = ll_tokens;
+  if (!env_is_set("MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK")) o.num_max_prefill_tokens_per_rank = normal_tokens;
+
+  std::vector<LayerConfig> configs;
+  std::vector<std::vector<RankBatch>> batches;
+  for (std::size_t b = 0; b < kinds.size(); ++b) {
+    LayerConfig cb = c;
+    cb.tokens = tokens_of(kinds[b]);
+    cb.seed = c.seed + 1000 * b;
+    configs.push_back(cb);
+    batches.emplace_back();
+    for (int r = 0; r < c.ranks; ++r) batches.back().push_back(make_batch(cb, r));
+  }
+
+  std::vector<std::vector<BatchRecord>> records(static_cast<size_t>(c.ranks));
+  DispatcherOptions resolved;
+  BufferCacheStats stats;
+  world.run([&](Group& g) {
+    BufferCache cache(g);
+    TokenDispatcher d(cache, o);
+    if (g.rank() == 0) resolved = d.options();
+    for (std::size_t b = 0; b < kinds.size(); ++b) {
+      const RankBatch& in = batches[b][static_cast<size_t>(g.rank())];
+      BatchRecord rec;
+      g.barrier();
+      const auto t0 = Clock::now();
+      const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, kinds[b]);
+      const auto t1 = Clock::now();
+      const Tensor y = run_experts(configs[b], params, g.rank(), out);
+      g.barrier();
+      const auto t2 = Clock::now();
+      rec.combined = d.combine(y);
+      const auto t3 = Clock::now();
+      rec.info = out;
+      rec.info.hidden_states = rec.info.hidden_states_scale = rec.info.topk_ids = rec.info.topk_weights = rec.info.masked_m = Tensor();
+      rec.dispatch_s = seconds(t0, t1);
+      rec.combine_s = seconds(t2, t3);
+      records[static_cast<size_t>(g.rank())].push_back(std::move(rec));
+    }
+    if (g.rank() == 0) stats = cache.stats();
+  });
+
+  const Generation generation = *resolved.use_v2 ? Generation::kV2 : Generation::kV1;
+  const ProbeReport& probe = probe_providers(*resolved.provider_path);
+  fmt::print("moe-ep run --dispatcher: {} ranks as threads, topology {}x{}; hidden {}, {} experts, top-{}, {} dispatch\n",
+             c.ranks, c.scaleout, c.ranks / c.scaleout, c.hidden, c.experts, c.topk, c.fp8 ? "FP8" : "BF16");
+  fmt::print("generation {} ({}), provider '{}' ({}), mode {} ({}); caps: low-latency {} tokens, normal {} tokens per rank\n\n",
+             generation_name(generation), env_is_set("MOE_EP_USE_V2") ? "MOE_EP_USE_V2 from the environment" : "MOE_EP_USE_V2 default",
+             probe[generation].provider, probe[generation].origin, mode_name(*resolved.mode),
+             run.mode.empty() ? "MOE_EP_MODE" : "--mode", *resolved.num_max_dispatch_tokens_per_rank,
+             *resolved.num_max_prefill_tokens_per_rank);
+  Table table({"batch", "kind", "tokens/rank", "generation", "provider", "mode", "format", "dispatch (ms)", "combine (ms)",
+               "verified"});
+  bool all_ok = true;
+  for (std::size_t b = 0; b < kinds.size(); ++b) {
+    const DispatchOutput& info = records[0][b].info;
+    LayerConfig ref = configs[b];
+    ref.allow_hybrid = *resolved.allow_hybrid_mode;
+    ref.multi = *resolved.allow_multiple_reduction;
+    ref.expand = info.format != OutputFormat::kNormal;
+    ref.alignment = resolved.expert_alignment;
+    ref.lanes_weighted_after_rounding = info.format == OutputFormat::kLowLatency;
+    std::int64_t bad = 0, tokens = 0;
+    double dispatch_s = 0, combine_s = 0;
+    for (int r = 0; r < c.ranks; ++r) {
+      const BatchRecord& rec = records[static_cast<size_t>(r)][b];
+      dispatch_s = std::max(dispatch_s, rec.dispatch_s);
+      combine_s = std::max(combine_s, rec.combine_s);
+      const Tensor expected = info.format == OutputFormat::kLowLatency && info.generation == Generation::kV1
+                                  ? reference_low_latency_output(configs[b], params, batches[b][static_cast<size_t>(r)])
+                                  : reference_output(ref, params, batches[b], r);
+      tokens += expected.size(0);
+      for (std::int64_t t = 0; t < expected.size(0); ++t)
+        bad += std::memcmp(rec.combined.data_as<std::uint16_t>() + t * c.hidden, expected.data_as<std::uint16_t>() + t * c.hidden,
+                           sizeof(std::uint16_t) * static_cast<size_t>(c.hidden)) != 0;
+    }
+    all_ok &= bad == 0;
+    table.row({std::to_string(b), kinds[b] == BatchKind::kPrefill ? "prefill" : "decode", std::to_string(configs[b].tokens),
+               generation_name(info.generation), info.provider, mode_name(info.mode), format_name(info.format),
+               fmt::format("{:.3f}", dispatch_s * 1e3), fmt::format("{:.3f}", combine_s * 1e3),
+               bad == 0 ? fmt::format("PASS ({} tokens)", tokens) : fmt::format("FAIL ({} of {} tokens differ)", bad, tokens)});
+  }
+  table.print();
+  fmt::print("\nbuffer cache: {} build(s), {} reuse(s), {} V1 clean_low_latency_buffer call(s), {:.1f} MB buffer\n",
+             stats.builds, stats.reuses, stats.clean_calls, static_cast<double>(stats.buffer_bytes) / 1e6);
+  fmt::print("time: slowest rank; dispatch includes the receive (and, for the first batch, building the buffer), "
+             "combine the reduction.\nEach batch is verified bit for bit against the single-threaded reference of its "
+             "output format (docs/dispatcher.md).\n");
+  fmt::print("verification: {}\n", all_ok ? "PASS" : "FAIL");
+  return all_ok ? 0 : 1;
+}
+
+}  // namespace moe_ep::tools
