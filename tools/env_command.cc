@@ -17,7 +17,8 @@ int env_command(bool markdown) {
     for (const auto& v : env::registry()) {
       std::string type(env::type_name(v.type));
       if (!v.choices.empty()) type += fmt::format(" ({})", fmt::join(v.choices, " \\| "));
-      fmt::print("| `{}` | {} | `{}` | {} |\n", v.name, type, v.default_value, v.doc);
+      const std::string shown = v.default_value.empty() ? std::string("(empty)") : fmt::format("`{}`", v.default_value);
+      fmt::print("| `{}` | {} | {} | {} |\n", v.name, type, shown, v.doc);
     }
     return 0;
   }
