@@ -8,7 +8,7 @@
 // validates before touching the buffer, and returns one output format per mode whichever
 // generation ran. Dispatch and combine are split into a/b halves guarded by a per-micro-batch
 // stage machine; every call is collective, and every failure reaches every rank as an error
-// that names the ranks involved.
+// that names the ranks involved. A TokenDispatcher must not outlive its BufferCache.
 #pragma once
 
 #include <cstdint>
