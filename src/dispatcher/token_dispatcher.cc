@@ -88,6 +88,7 @@ struct Slot {
   std::string provider;
   int num_tokens = 0;
   Tensor x, topk_idx, topk_weights, x_fp8, x_scales;
+  DispatchLayout layout;  // V1 normal: read by the asynchronous dispatch
   LegacyDispatchResult v1;
   LowLatencyDispatchResult ll;
   DispatchResult v2;
@@ -286,7 +287,8 @@ void DispatcherState::start_dispatch(Slot& s) {
   if (s.generation == Generation::kV1) {
     provider::LegacyBackend& b = *shared.legacy();
     if (s.mode == DispatchMode::kNormal) {
-      const DispatchLayout layout = b.get_dispatch_layout(s.topk_idx, E);
+      s.layout = b.get_dispatch_layout(s.topk_idx, E);
+      const DispatchLayout& layout = s.layout;
       Config config = Buffer::get_dispatch_config(ranks());
       if (*options.num_workers > 0) config.num_sms = 2 * *options.num_workers;
       LegacyDispatchArgs a{.x = x,
