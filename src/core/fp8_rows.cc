@@ -3,16 +3,9 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
+#include "core/cpu_features.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/dtype.hpp"
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MOE_EP_X86_DISPATCH 1
-#endif
 
 namespace moe_ep::core {
 namespace {
@@ -110,8 +103,6 @@ __attribute__((target("avx2"))) void cast_bf16_avx2(const std::uint16_t* x, std:
     store_scale(scales, b, s.scale_inv, ue8m0);
   }
 }
-// __builtin_cpu_init: this may run in a shared library's static initialisation, before libgcc's own.
-const bool kHasAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
 #endif
 
 }  // namespace
@@ -119,7 +110,7 @@ const bool kHasAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
 void cast_row_fp8(const std::uint16_t* bf16, std::int64_t hidden, bool round_scale, bool ue8m0, std::uint8_t* q,
                   std::byte* scales) {
 #ifdef MOE_EP_X86_DISPATCH
-  if (kHasAvx2) return cast_bf16_avx2(bf16, hidden, round_scale, ue8m0, q, scales);
+  if (has_avx2()) return cast_bf16_avx2(bf16, hidden, round_scale, ue8m0, q, scales);
 #endif
   cast_generic(bf16, hidden, round_scale, ue8m0, q, scales);
 }

@@ -2,17 +2,11 @@
 
 #include <cstring>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
+#include "core/cpu_features.hh"
 #include "moe_ep/dtype.hpp"
 
 // Vector paths: the same scalar code compiled for AVX2 and selected at run time. Every path does
 // the same FP32 operations in the same order; -ffp-contract is off for this file (no FMA fusion).
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define MOE_EP_X86_DISPATCH 1
-#endif
 
 namespace moe_ep::core {
 namespace {
@@ -139,15 +133,13 @@ __attribute__((target("avx2"))) void weighted_avx2(std::span<const std::uint16_t
                                                    std::int64_t hidden) {
   weighted_impl(inputs, weights, out, hidden);
 }
-// __builtin_cpu_init: this may run in a shared library's static initialisation, before libgcc's own.
-const bool kHasAvx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2"));
 #endif
 
 }  // namespace
 
 void sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::uint16_t* out, std::int64_t hidden) {
 #ifdef MOE_EP_X86_DISPATCH
-  if (kHasAvx2) return sum_avx2(inputs, out, hidden);
+  if (has_avx2()) return sum_avx2(inputs, out, hidden);
 #endif
   sum_generic(inputs, out, hidden);
 }
@@ -155,7 +147,7 @@ void sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::uint16_t* 
 void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::span<const float> weights,
                             std::uint16_t* out, std::int64_t hidden) {
 #ifdef MOE_EP_X86_DISPATCH
-  if (kHasAvx2) return weighted_avx2(inputs, weights, out, hidden);
+  if (has_avx2()) return weighted_avx2(inputs, weights, out, hidden);
 #endif
   weighted_generic(inputs, weights, out, hidden);
 }
