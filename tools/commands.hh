@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "launch.hh"
 #include "layer_paths.hh"
 #include "moe_layer.hh"
 
@@ -18,6 +19,7 @@ struct RunOptions {
   int workers = 0;  // num_sms; 0 = the theoretical model
   bool async = false;
   std::string dump_dir;
+  LaunchOptions launch;
 };
 
 struct DispatcherRunOptions {
@@ -41,11 +43,12 @@ struct BenchOptions {
   int decode_iterations = 50;
   std::uint64_t seed = 1;
   std::string json_path;
+  LaunchOptions launch;
 };
 
 void add_layer_options(CLI::App& app, LayerConfig& layer);
 
-int run_command(const RunOptions& options);
+int run_command(const RunOptions& options, Launch& launch);
 int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run);
 int bench_command(const BenchOptions& options);
 int env_command(bool markdown);

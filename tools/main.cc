@@ -74,6 +74,16 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--api", bench.api, "v2 (ElasticBuffer) or v1 (Buffer: normal mode prefill, low-latency decode)")
       ->check(CLI::IsMember({"v1", "v2"}));
 
+  for (auto [cmd, launch] : {std::pair{run_cmd, &run.launch}, std::pair{bench_cmd, &bench.launch}}) {
+    cmd->add_option("--transport", launch->transport, "local: ranks are threads of this process; mpi: this process is "
+                                                      "one rank of an MPI job (start with mpirun)")
+        ->check(CLI::IsMember({"local", "mpi"}));
+    cmd->add_option("--ranks-per-node", launch->ranks_per_node,
+                    "ranks per logical node (instead of --nodes); with mpi, processes of one host in different logical "
+                    "nodes talk through MPI")
+        ->check(CLI::NonNegativeNumber);
+  }
+
   bool env_markdown = false;
   CLI::App* env_cmd = app.add_subcommand("env", "list moe-ep's environment variables with their current values and sources");
   env_cmd->add_flag("--markdown", env_markdown, "print the documentation table (docs/env.md)");
@@ -81,6 +91,8 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     if (app.got_subcommand("run") && run_dispatcher) {
+      if (run.launch.transport != "local" || run.launch.ranks_per_node > 0)
+        throw moe_ep::InvalidArgument("--dispatcher runs its ranks as threads: drop --transport and --ranks-per-node");
       if (run_cmd->count("--api") || run_low_latency || !run.dump_dir.empty() || run.async)
         throw moe_ep::InvalidArgument("--dispatcher chooses the API itself (MOE_EP_USE_V2, --mode): drop --api, "
                                       "--low-latency, --dump and --async");
@@ -92,7 +104,11 @@ int main(int argc, char** argv) {
       if (run_low_latency && run_api != "v1") throw moe_ep::InvalidArgument("--low-latency needs --api v1");
       if (!run.dump_dir.empty() && run_api != "v2") throw moe_ep::InvalidArgument("--dump is available with --api v2");
       run.api = run_api == "v2" ? Api::kV2 : run_low_latency ? Api::kV1LowLatency : Api::kV1;
-      return run_command(run);
+      run.launch.ranks = run.layer.ranks;
+      run.launch.ranks_given = run_cmd->count("--ranks") > 0;
+      run.launch.nodes = run.layer.scaleout;
+      auto launch = make_launch(&argc, &argv, run.launch);
+      return run_command(run, *launch);
     }
     if (app.got_subcommand("bench")) return bench_command(bench);
     if (app.got_subcommand("env")) return env_command(env_markdown);

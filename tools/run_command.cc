@@ -14,7 +14,9 @@
 #include "core/bandwidth.hh"
 #include "core/npy.hh"
 #include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/error.hpp"
 #include "moe_ep/group.hpp"
+#include "launch.hh"
 #include "layer_paths.hh"
 #include "report.hh"
 
@@ -58,66 +60,104 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const ExpertPa
 
 }  // namespace
 
-int run_command(const RunOptions& options) {
-  const LayerConfig& c = options.layer;
-  LocalWorld world(c.ranks, {.num_scaleout = c.scaleout});  // validates the topology
+// What each rank reports: verification counts, then dispatch/experts/combine seconds per iteration.
+struct RankSummary {
+  std::int64_t tokens = 0, bad_tokens = 0, bad_weights = 0, unstable = 0, received_rows = 0, workers = 1;
+};
+
+int run_command(const RunOptions& options, Launch& launch) {
+  LayerConfig c = options.layer;
+  c.ranks = launch.size();
+  c.scaleout = launch.topology().num_scaleout;
   const ExpertParams params = make_experts(c);
-  std::vector<RankBatch> batches;
-  for (int r = 0; r < c.ranks; ++r) batches.push_back(make_batch(c, r));
-  if (!options.dump_dir.empty()) write_manifest(options.dump_dir, c, params);
+  if (!options.dump_dir.empty() && launch.reports()) write_manifest(options.dump_dir, c, params);
 
   std::vector<RankOutcome> outcomes(static_cast<size_t>(c.ranks));
-  world.run([&](Group& group) {
+  std::vector<RankSummary> summaries(static_cast<size_t>(c.ranks));
+  launch.run([&](Group& group) {
     const int me = group.rank();
-    RankOutcome& out = outcomes[static_cast<size_t>(me)];
-    auto path = make_path(options.api, group, c, params, batches[static_cast<size_t>(me)],
-                          {.workers = options.workers, .async = options.async});
-    for (int it = 0; it < options.iterations; ++it) {
-      path->barrier();
-      const auto t0 = Clock::now();
-      path->dispatch();
-      const auto t1 = Clock::now();
-      path->barrier();
-      const auto t2 = Clock::now();
-      path->experts();
-      const auto t3 = Clock::now();
-      path->barrier();
-      const auto t4 = Clock::now();
-      path->combine();
-      const auto t5 = Clock::now();
-      out.dispatch_s.push_back(seconds(t0, t1));
-      out.experts_s.push_back(seconds(t2, t3));
-      out.combine_s.push_back(seconds(t4, t5));
-      const Tensor combined = path->combined_x();
-      out.output_hashes.push_back(hash_bytes(combined.data(), combined.nbytes()));
+    RankOutcome out;
+    std::vector<RankBatch> batches(static_cast<size_t>(c.ranks));  // the reference reads this rank's only
+    batches[static_cast<size_t>(me)] = make_batch(c, me);
+    const RankBatch& batch = batches[static_cast<size_t>(me)];
+    {
+      auto path = make_path(options.api, group, c, params, batch, {.workers = options.workers, .async = options.async});
+      for (int it = 0; it < options.iterations; ++it) {
+        path->barrier();
+        const auto t0 = Clock::now();
+        path->dispatch();
+        const auto t1 = Clock::now();
+        path->barrier();
+        const auto t2 = Clock::now();
+        path->experts();
+        const auto t3 = Clock::now();
+        path->barrier();
+        const auto t4 = Clock::now();
+        path->combine();
+        const auto t5 = Clock::now();
+        out.dispatch_s.push_back(seconds(t0, t1));
+        out.experts_s.push_back(seconds(t2, t3));
+        out.combine_s.push_back(seconds(t4, t5));
+        const Tensor combined = path->combined_x();
+        out.output_hashes.push_back(hash_bytes(combined.data(), combined.nbytes()));
+      }
+      out.received_rows = path->received_rows();
+      out.workers = path->workers();
+      out.combined_x = path->combined_x();
+      out.combined_weights = path->combined_weights();
+      if (!options.dump_dir.empty()) path->dump(options.dump_dir);
     }
-    out.received_rows = path->received_rows();
-    out.workers = path->workers();
-    out.combined_x = path->combined_x();
-    out.combined_weights = path->combined_weights();
-    if (!options.dump_dir.empty()) path->dump(options.dump_dir);
-  });
 
-  // Verification, single-threaded.
-  std::int64_t tokens = 0, bad_tokens = 0, bad_weights = 0, unstable = 0;
-  for (int r = 0; r < c.ranks; ++r) {
-    const RankOutcome& o = outcomes[static_cast<size_t>(r)];
-    const Tensor expected = options.api == Api::kV1LowLatency
-                                ? reference_low_latency_output(c, params, batches[static_cast<size_t>(r)])
-                                : reference_output(c, params, batches, r);
+    // This rank's verification against the single-threaded reference.
+    RankSummary sum;
+    const Tensor expected = options.api == Api::kV1LowLatency ? reference_low_latency_output(c, params, batch)
+                                                              : reference_output(c, params, batches, me);
     const std::int64_t n = expected.size(0);
-    tokens += n;
+    sum.tokens = n;
     for (std::int64_t t = 0; t < n; ++t) {
-      if (std::memcmp(o.combined_x.data_as<std::uint16_t>() + t * c.hidden, expected.data_as<std::uint16_t>() + t * c.hidden,
+      if (std::memcmp(out.combined_x.data_as<std::uint16_t>() + t * c.hidden, expected.data_as<std::uint16_t>() + t * c.hidden,
                       sizeof(std::uint16_t) * static_cast<size_t>(c.hidden)) != 0)
-        ++bad_tokens;
-      if (o.combined_weights.defined() &&
-          std::memcmp(o.combined_weights.data_as<float>() + t * c.topk,
-                      batches[static_cast<size_t>(r)].topk_weights.data_as<float>() + t * c.topk,
+        ++sum.bad_tokens;
+      if (out.combined_weights.defined() &&
+          std::memcmp(out.combined_weights.data_as<float>() + t * c.topk, batch.topk_weights.data_as<float>() + t * c.topk,
                       sizeof(float) * static_cast<size_t>(c.topk)) != 0)
-        ++bad_weights;
+        ++sum.bad_weights;
     }
-    for (std::uint64_t h : o.output_hashes) unstable += h != o.output_hashes.front();
+    for (std::uint64_t h : out.output_hashes) sum.unstable += h != out.output_hashes.front();
+    sum.received_rows = out.received_rows;
+    sum.workers = out.workers;
+
+    // Every rank's summary and timings, on every rank.
+    std::vector<std::byte> block(sizeof sum);
+    std::memcpy(block.data(), &sum, sizeof sum);
+    for (const auto* v : {&out.dispatch_s, &out.experts_s, &out.combine_s}) {
+      const auto* b = reinterpret_cast<const std::byte*>(v->data());
+      block.insert(block.end(), b, b + v->size() * sizeof(double));
+    }
+    const auto all = gather_blocks(group, block);
+    if (me != 0) return;
+    const auto iters = static_cast<size_t>(options.iterations);
+    for (int r = 0; r < c.ranks; ++r) {
+      const auto& b = all[static_cast<size_t>(r)];
+      if (b.size() != sizeof(RankSummary) + 3 * iters * sizeof(double))
+        throw StateError(fmt::format("rank {} reported {} bytes", r, b.size()));
+      std::memcpy(&summaries[static_cast<size_t>(r)], b.data(), sizeof(RankSummary));
+      RankOutcome& o = outcomes[static_cast<size_t>(r)];
+      for (auto* v : {&o.dispatch_s, &o.experts_s, &o.combine_s}) v->resize(iters);
+      std::memcpy(o.dispatch_s.data(), b.data() + sizeof(RankSummary), iters * sizeof(double));
+      std::memcpy(o.experts_s.data(), b.data() + sizeof(RankSummary) + iters * sizeof(double), iters * sizeof(double));
+      std::memcpy(o.combine_s.data(), b.data() + sizeof(RankSummary) + 2 * iters * sizeof(double), iters * sizeof(double));
+      o.received_rows = summaries[static_cast<size_t>(r)].received_rows;
+      o.workers = static_cast<int>(summaries[static_cast<size_t>(r)].workers);
+    }
+  });
+  if (!launch.reports()) return 0;  // rank 0 reports and returns the verdict
+  std::int64_t tokens = 0, bad_tokens = 0, bad_weights = 0, unstable = 0;
+  for (const RankSummary& s : summaries) {
+    tokens += s.tokens;
+    bad_tokens += s.bad_tokens;
+    bad_weights += s.bad_weights;
+    unstable += s.unstable;
   }
 
   // Report.
@@ -137,8 +177,8 @@ int run_command(const RunOptions& options) {
   const int threads = c.ranks * outcomes.front().workers;
   const double ceiling = core::measure_copy_bandwidth(threads, std::size_t{64} << 20, 3);
 
-  fmt::print("moe-ep run ({}): {} ranks as threads, topology {}x{} ({}), {} worker thread(s) per rank\n",
-             api_name(options.api), c.ranks, c.scaleout, c.ranks / c.scaleout,
+  fmt::print("moe-ep run ({}): {}, topology {}x{} ({}), {} worker thread(s) per rank\n",
+             api_name(options.api), launch.describe(), c.scaleout, c.ranks / c.scaleout,
              c.scaleout > 1 ? (c.allow_hybrid ? "hybrid: scale-out then scale-up" : "direct across nodes") : "one node",
              outcomes.front().workers);
   fmt::print("layer: hidden {}, {} experts, top-{}, up to {} tokens per rank ({} in all), {} dispatch, {} layout{}, "

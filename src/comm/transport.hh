@@ -13,7 +13,11 @@
 //  - Scale-out: put() copies bytes into a peer's symmetric memory; signal() increments the
 //    peer's counter for this rank once every earlier put to that peer is complete. A receiver
 //    that observes the counter value (wait_signals) sees all data put before it. Completion is
-//    counted, never inferred from the order in which writes land.
+//    counted, never inferred from the order in which writes land. put() has read `src` when it
+//    returns (the in-process transport wrote the peer's memory; the MPI transport copied the
+//    bytes into a message that leaves by the next signal() to that peer at the latest).
+//  - share(): this rank's own memory (user tensors) that node peers read through node_address()
+//    stays readable until this rank's next share() on the same transport.
 #pragma once
 
 #include <cstddef>
@@ -86,6 +90,22 @@ class Transport {
 
   // Scale-up: an address a rank of this node published (in a gathered block), made usable here.
   virtual const void* node_address(int rank, const void* published) const = 0;
+
+  // Makes these bytes readable by the ranks of this node until the next share(); returns the
+  // values to publish (null for empty spans). Ranks in one address space publish the addresses
+  // themselves; processes copy into memory their node peers map.
+  struct Span {
+    const void* data;
+    std::size_t bytes;
+  };
+  virtual std::vector<const void*> share(std::span<const Span> spans) {
+    std::vector<const void*> out;
+    for (const Span& s : spans) out.push_back(s.bytes ? s.data : nullptr);
+    return out;
+  }
+
+  // Scale-out: at most this many transfers in flight to one peer (>= 1).
+  virtual void set_inflight_limit(int per_peer) {}
 
   // Scale-out, one-sided.
   virtual void put(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) = 0;

@@ -41,6 +41,11 @@ const std::vector<Variable>& variables() {
        "Dispatcher, V2 normal mode: compact rows (one per token and rank) or expanded (one per token and expert)."},
       {"MOE_EP_PROVIDER_PATH", Type::kString, "", {},
        "Dispatcher: provider libraries to probe, colon-separated; 'cpu' is the built-in provider; empty = cpu."},
+      {"MOE_EP_RANKS_PER_NODE", Type::kInt, "0", {},
+       "MPI groups: ranks per logical node (scale-up domain over shared memory); 0 = the ranks of each host. "
+       "Smaller values make processes of one host talk through MPI as if on different nodes."},
+      {"MOE_EP_MPI_CHUNK_BYTES", Type::kInt, "262144", {},
+       "MPI transport: bytes of scale-out records aggregated into one message per peer."},
       {"MOE_EP_ALLOCATOR_CACHE_BYTES", Type::kInt, "68719476736", {},
        "Bytes of freed tensor storage (address space) kept mapped for reuse by the caching host allocator."},
   };

@@ -6,6 +6,7 @@
 
 #include "core/checks.hh"
 #include "core/log.hh"
+#include "core/fabric.hh"
 #include "engine/engine.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
@@ -61,7 +62,8 @@ engine::EngineConfig engine_config(const Group& group, const ElasticBufferConfig
   e.allow_hybrid_mode = c.allow_hybrid_mode;
   e.allow_multiple_reduction = c.allow_multiple_reduction;
   e.prefer_overlap_with_compute = c.prefer_overlap_with_compute;
-  e.num_allocated_qps = c.num_allocated_qps != 0 ? c.num_allocated_qps : c.allow_hybrid_mode ? 129 : 17;
+  // 0 = auto-size; capped where the fabric's per-peer request ring is smaller (core/fabric.hh).
+  e.num_allocated_qps = core::cap_inflight(c.num_allocated_qps != 0 ? c.num_allocated_qps : c.allow_hybrid_mode ? 129 : 17);
   e.timeout_secs = c.num_cpu_timeout_secs > 0 ? c.num_cpu_timeout_secs : 1;
   e.explicitly_destroy = c.explicitly_destroy;
   return e;

@@ -84,21 +84,20 @@ class Combine final : public CombineOperation {
   // Row r of rank d's combine input (d on this node).
   const std::uint16_t* row_of(int d, std::int32_t r) const {
     const PeerTensors& p = peers_[static_cast<size_t>(d)];
-    return reinterpret_cast<const std::uint16_t*>(
-        static_cast<const std::byte*>(engine_.transport().node_address(d, p.x)) + r * p.x_row_bytes);
+    return reinterpret_cast<const std::uint16_t*>(p.x + r * p.x_row_bytes);
   }
   // The whole weight row rank d (on this node) returned with its compact row r, or null.
   const float* weight_row(int d, std::int32_t r) const {
     const PeerTensors& p = peers_[static_cast<size_t>(d)];
     if (!has_weights_) return nullptr;
-    return static_cast<const float*>(engine_.transport().node_address(d, p.weights)) + r * p.weights_row;
+    return p.weights + r * p.weights_row;
   }
   // The weight that lane j's rank (on this node) returned for the token: column j of the rank's
   // row at its master lane (compact), or the weight of lane j's expanded row.
   float lane_weight(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int j) const {
     const int d = geo_.rank_of_expert(ids[j]);
     const PeerTensors& p = peers_[static_cast<size_t>(d)];
-    const float* w = static_cast<const float*>(engine_.transport().node_address(d, p.weights));
+    const float* w = p.weights;
     if (expand_) return w[expanded[j]];
     for (int l = k_ - 1; l >= 0; --l)
       if (ids[l] >= 0 && geo_.rank_of_expert(ids[l]) == d) return w[rows[l] * p.weights_row + j];
@@ -196,6 +195,7 @@ void Combine::run(const std::function<void()>& outputs_ready) {
       engine_.wait_for_event(previous_event, ctx_, "previous_event");
       if (!result.combined_x.defined()) allocate_outputs_early();
       engine_.set_workers(req_.workers(geo_.num_experts, k_));
+      engine_.limit_inflight(req_.num_qps);
       mine.x = static_cast<const std::byte*>(req_.x.data());
       mine.x_row_bytes = req_.x.stride(0) * 2;
       if (has_weights_) {
@@ -203,6 +203,15 @@ void Combine::run(const std::function<void()>& outputs_ready) {
         mine.weights_row = expand_ ? 1 : req_.topk_weights.stride(0);
       }
       mine.num_tokens = N_;
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  PeerTensors shared;
+  if (!error) {
+    try {
+      shared = share_tensors(engine_, mine,
+                             {.x = view_extent(req_.x), .weights = has_weights_ ? view_extent(req_.topk_weights) : 0});
     } catch (...) {
       error = std::current_exception();
     }
@@ -217,7 +226,7 @@ void Combine::run(const std::function<void()>& outputs_ready) {
   std::vector<std::span<const std::byte>> payloads;
   try {
     payloads = agreement.exchange(engine_.transport(), comm::Scope::kWorld, engine_.wait("combine: agreement"),
-                                  std::as_bytes(std::span(&mine, 1)));
+                                  std::as_bytes(std::span(&shared, 1)));
   } catch (...) {
     in_step_failure = agreement.gathered();
     throw;
@@ -229,6 +238,7 @@ void Combine::run(const std::function<void()>& outputs_ready) {
                                    sizeof(PeerTensors)));
     std::memcpy(&peers_[r], payloads[r].data(), sizeof(PeerTensors));
   }
+  resolve_tensors(engine_, peers_, mine);
   outputs_ready();
   engine_.wait_for_event(req_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
   put_contributions();

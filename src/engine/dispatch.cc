@@ -308,6 +308,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
       engine_.wait_for_event(previous_event, ctx_, "previous_event");
       workers_ = req_.workers(E_, k_);
       engine_.set_workers(workers_);
+      engine_.limit_inflight(req_.num_qps);
       if (cached_) {
         plan_ = cached_state_;
       } else {
@@ -330,9 +331,22 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
 
   // Agreement: arguments, signature, published tensors and (new dispatch) counts.
   std::vector<std::byte> payload(sizeof(PeerTensors));
+  PeerTensors mine;
   if (!error) {
-    const PeerTensors mine = my_tensors();
-    std::memcpy(payload.data(), &mine, sizeof mine);
+    try {
+      mine = my_tensors();
+      const PeerTensors shared =
+          share_tensors(engine_, mine,
+                        {.x = view_extent(req_.x),
+                         .scales = fp8_ ? view_extent(req_.x_scales) : 0,
+                         .weights = has_weights_ ? view_extent(req_.topk_weights) : 0,
+                         .topk = view_extent(plan_->topk)});
+      std::memcpy(payload.data(), &shared, sizeof shared);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  if (!error) {
     if (!cached_) {
       for (const auto* v : {&counts_.per_rank, &counts_.per_expert, &counts_.per_node}) {
         const auto* b = reinterpret_cast<const std::byte*>(v->data());
@@ -372,6 +386,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
                                    sizeof(PeerTensors) + counts_bytes));
     std::memcpy(&peers[r], payloads[r].data(), sizeof(PeerTensors));
   }
+  resolve_tensors(engine_, peers, mine);
   if (!cached_) {
     state_->layout.reset(geo_, A_);
     const int R = geo_.num_ranks, E = geo_.num_experts, G = geo_.num_nodes;
@@ -477,8 +492,7 @@ void Dispatch::plan_receive_local(const std::vector<PeerTensors>& peers) {
     if (!engine_.same_node(src) || s.layout.count(src, me) == 0) continue;
     assigner.start(s.layout, src);
     const PeerTensors& p = peers[static_cast<size_t>(src)];
-    const auto* topk = static_cast<const std::int64_t*>(engine_.transport().node_address(src, p.topk));
-    for (int t = 0; t < p.num_tokens; ++t) accept_token(assigner, src, t, t, topk + t * p.topk_row);
+    for (int t = 0; t < p.num_tokens; ++t) accept_token(assigner, src, t, t, p.topk + t * p.topk_row);
   }
 }
 
@@ -689,14 +703,12 @@ void Dispatch::copy_rows(const std::vector<PeerTensors>& peers) {
       const std::int32_t token = plan.row_token[static_cast<size_t>(i)];
       if (engine_.same_node(src.source)) {
         const PeerTensors& p = peers[static_cast<size_t>(src.source)];
-        payload = static_cast<const std::byte*>(engine_.transport().node_address(src.source, p.x)) + src.index * p.x_row_bytes;
+        payload = p.x + src.index * p.x_row_bytes;
         if (fp8_) {
-          scales = static_cast<const std::uint32_t*>(engine_.transport().node_address(src.source, p.scales)) +
-                   src.index * p.scale_stride[0];
+          scales = reinterpret_cast<const std::uint32_t*>(p.scales) + src.index * p.scale_stride[0];
           scale_step = p.scale_stride[1];
         }
-        if (has_weights_)
-          weights = static_cast<const float*>(engine_.transport().node_address(src.source, p.weights)) + src.index * p.weights_row;
+        if (has_weights_) weights = p.weights + src.index * p.weights_row;
       } else {
         const std::byte* rec = region_record(src.source, src.index);
         payload = rec;

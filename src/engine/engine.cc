@@ -26,6 +26,7 @@ Engine::Engine(Group& group, EngineConfig cfg, std::exception_ptr config_error,
   id = next_engine_id++;
   const std::string ctx = context(config.name);
   transport_ = group.transport().duplicate(wait("construction: channel setup"));
+  limit_inflight(0);
   comm::Agreement agreement(ctx, config.name);
   agreement.local_error(config_error);
   fields(agreement);
@@ -164,6 +165,10 @@ int Engine::ranks_on_host() const { return std::max(1, transport_->ranks_on_host
 
 int Engine::cores_per_rank() const { return std::max(1, core::machine_bandwidth().cores / ranks_on_host()); }
 
+void Engine::limit_inflight(int num_qps) {
+  transport_->set_inflight_limit(num_qps > 0 ? num_qps : std::max(config.num_allocated_qps, 1));
+}
+
 void Engine::check_num_qps(const std::string& ctx, int num_qps) const {
   if (num_qps < 0 || num_qps > config.num_allocated_qps)
     throw InvalidArgument(fmt::format("{}: num_qps = {} is outside [0, num_allocated_qps = {}]", ctx, num_qps,
@@ -227,6 +232,44 @@ int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk,
       static_cast<int>(align_to(std::max<std::int64_t>(4, static_cast<std::int64_t>(std::ceil(1.25 * sms))), 2));
   if (!engine.config.prefer_overlap_with_compute) result = std::max(result, 64);
   return std::min(result, cap);
+}
+
+std::size_t view_extent(const TensorView& view) {
+  if (!view.defined() || view.numel() == 0) return 0;
+  std::int64_t last = 0;
+  for (int d = 0; d < view.ndim(); ++d) last += (view.size(d) - 1) * view.stride(d);
+  return static_cast<std::size_t>(last + 1) * element_size(view.dtype());
+}
+
+PeerTensors share_tensors(Engine& engine, const PeerTensors& mine, const TensorExtents& extents) {
+  const comm::Transport::Span spans[] = {
+      {mine.x, mine.x ? extents.x : 0},
+      {mine.scales, mine.scales ? extents.scales : 0},
+      {mine.weights, mine.weights ? extents.weights : 0},
+      {mine.topk, mine.topk ? extents.topk : 0},
+  };
+  const auto published = engine.transport().share(spans);
+  PeerTensors p = mine;
+  p.x = static_cast<const std::byte*>(published[0]);
+  p.scales = static_cast<const std::byte*>(published[1]);
+  p.weights = static_cast<const float*>(published[2]);
+  p.topk = static_cast<const std::int64_t*>(published[3]);
+  return p;
+}
+
+void resolve_tensors(Engine& engine, std::vector<PeerTensors>& peers, const PeerTensors& mine) {
+  auto& t = engine.transport();
+  for (int r = 0; r < static_cast<int>(peers.size()); ++r) {
+    PeerTensors& p = peers[static_cast<size_t>(r)];
+    if (r == engine.rank) {
+      p = mine;
+    } else if (engine.same_node(r)) {
+      p.x = static_cast<const std::byte*>(t.node_address(r, p.x));
+      p.scales = static_cast<const std::byte*>(t.node_address(r, p.scales));
+      p.weights = static_cast<const float*>(t.node_address(r, p.weights));
+      p.topk = static_cast<const std::int64_t*>(t.node_address(r, p.topk));
+    }
+  }
 }
 
 }  // namespace moe_ep::engine

@@ -117,6 +117,8 @@ class Engine {
   int ranks_on_host() const;  // ranks sharing this host's cores
   int cores_per_rank() const;
   void check_num_qps(const std::string& context, int num_qps) const;
+  // Scale-out transfers in flight per peer: num_qps, or num_allocated_qps when 0.
+  void limit_inflight(int num_qps);
   void wait_for_event(const std::optional<Event>& event, const std::string& context, const char* argument) const;
   void mark_broken(const std::string& reason);
 
@@ -190,6 +192,19 @@ struct PeerTensors {
   std::int64_t topk_row = 0;
   std::int32_t num_tokens = 0;
 };
+
+// Bytes from data() to one past the last element of a view (non-negative strides); 0 if empty.
+std::size_t view_extent(const TensorView& view);
+
+// Makes this rank's tensors readable by its node peers (Transport::share); returns what to
+// publish. Extents are in bytes (view_extent).
+struct TensorExtents {
+  std::size_t x = 0, scales = 0, weights = 0, topk = 0;
+};
+PeerTensors share_tensors(Engine& engine, const PeerTensors& mine, const TensorExtents& extents);
+// Turns what ranks of this node published into addresses here; this rank's entry becomes `mine`.
+// Entries of other nodes are left as published (never dereferenced).
+void resolve_tensors(Engine& engine, std::vector<PeerTensors>& peers, const PeerTensors& mine);
 
 // A dispatch, as both generations ask for it. Argument names in messages are the fields' names.
 struct DispatchRequest {

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "core/checks.hh"
+#include "core/fabric.hh"
 #include "legacy/buffer_core.hh"
 #include "moe_ep/error.hpp"
 #include "routing/plan.hh"
@@ -47,7 +48,7 @@ engine::EngineConfig engine_config(const BufferConfig& c) {
   e.pool_alignment = 128;
   e.allow_hybrid_mode = true;  // across nodes V1 always sends each token once per node
   e.allow_multiple_reduction = true;
-  e.num_allocated_qps = std::max(c.num_qps_per_rank, 1);
+  e.num_allocated_qps = core::cap_inflight(std::max(c.num_qps_per_rank, 1));
   e.timeout_secs = c.num_cpu_timeout_secs > 0 ? c.num_cpu_timeout_secs : 1;
   e.explicitly_destroy = c.explicitly_destroy;
   return e;

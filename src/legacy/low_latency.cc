@@ -474,6 +474,16 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
       error = std::current_exception();
     }
   }
+  // Without staging, node peers read x itself: share it (Transport::share).
+  Slab shared = mine;
+  if (!error && !staged_) {
+    try {
+      const comm::Transport::Span span{mine.data, engine::view_extent(args_.x)};
+      shared.data = static_cast<const std::byte*>(e.transport().share({&span, 1})[0]);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
   comm::Agreement agreement(ctx_, "low_latency_combine");
   agreement.local_error(error)
       .field("operation number", static_cast<int64_t>(e.next_sequence()))
@@ -484,7 +494,7 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
   std::vector<std::span<const std::byte>> payloads;
   try {
     payloads = agreement.exchange(e.transport(), comm::Scope::kWorld, e.wait("low_latency_combine: agreement"),
-                                  std::as_bytes(std::span(&mine, 1)));
+                                  std::as_bytes(std::span(&shared, 1)));
   } catch (...) {
     in_step_failure = agreement.gathered();
     throw;
@@ -494,6 +504,10 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
     if (payloads[r].size() != sizeof(Slab))
       throw StateError(fmt::format("{}: rank {} published {} bytes", ctx_, r, payloads[r].size()));
     std::memcpy(&peers_[r], payloads[r].data(), sizeof(Slab));
+    if (static_cast<int>(r) == e.rank)
+      peers_[r] = mine;
+    else if (!staged_ && e.same_node(static_cast<int>(r)))
+      peers_[r].data = static_cast<const std::byte*>(e.transport().node_address(static_cast<int>(r), peers_[r].data));
   }
   const SlotLayout& L = *layout_;
   if (staged_ && !args_.zero_copy) {
@@ -588,8 +602,7 @@ void LowLatencyCombine::receive(bool parallel) {
         rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(area + ((local * slab_rows + row) * L.combine_row_elements) * 2);
       } else {
         const Slab& p = peers_[static_cast<size_t>(d)];
-        const auto* base = static_cast<const std::byte*>(e.transport().node_address(d, p.data));
-        rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(base + local * p.expert_bytes + row * p.row_bytes);
+        rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(p.data + local * p.expert_bytes + row * p.row_bytes);
       }
       w[static_cast<size_t>(n++)] = weights[t * args_.topk_weights.stride(0) + j];
     }

@@ -1,0 +1,346 @@
+#include "comm/mpi/messenger.hh"
+
+#include <signal.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <fstream>
+
+#include "comm/wait.hh"
+#include "moe_ep/env.hpp"
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::comm::mpi {
+namespace {
+
+constexpr int kTagData = 13;
+constexpr int kTagSignal = 14;
+
+struct PieceHeader {
+  std::uint32_t memory;
+  std::uint32_t bytes;
+  std::uint64_t offset;
+};
+constexpr std::size_t kAlign = 8;
+std::size_t padded(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// A process that no longer exists, or that exited and waits to be reaped.
+bool process_gone(pid_t pid) {
+  if (pid <= 0) return false;
+  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  if (!stat) return false;
+  std::string line;
+  std::getline(stat, line);
+  const auto close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return false;
+  const char state = line[close + 2];
+  return state == 'Z' || state == 'X';
+}
+
+}  // namespace
+
+std::mutex& mpi_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+void check_mpi(int rc, const char* call, int rank) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(rc, text, &length);
+  throw StateError(fmt::format("[rank {}] {} failed: {}", rank, call, std::string(text, static_cast<size_t>(length))));
+}
+
+Messenger::Messenger(MPI_Comm comm, int rank, int size)
+    : comm_(comm),
+      rank_(rank),
+      size_(size),
+      inflight_(static_cast<size_t>(size), 0),
+      chunk_bytes_(static_cast<std::size_t>(std::max<std::int64_t>(env::get_int("MOE_EP_MPI_CHUNK_BYTES"), 4096))),
+      chunks_(static_cast<size_t>(size)),
+      sent_records_(static_cast<size_t>(size), 0),
+      sources_(static_cast<size_t>(size)) {}
+
+Messenger::~Messenger() { drain(1.0); }
+
+void Messenger::drain(double secs) {
+  std::lock_guard lock(mpi_mutex());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(secs);
+  while (!pending_.empty() && std::chrono::steady_clock::now() < deadline) {
+    progress();
+    if (!pending_.empty()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  // Whatever is left goes to a peer that is gone: let MPI drop it, keep the buffers alive.
+  for (Pending& p : pending_) {
+    MPI_Request_free(&p.request);
+    new std::vector<std::byte>(std::move(p.buffer));  // NOLINT: kept until exit on purpose
+  }
+  pending_.clear();
+}
+
+bool Messenger::gone(int rank) const {
+  if (!hosts_ || rank == rank_ || !hosts_->same_host(rank, rank_)) return false;
+  return process_gone(hosts_->pids[static_cast<size_t>(rank)]);
+}
+
+void Messenger::fail(const Wait& wait, const std::vector<int>& missing, double elapsed) {
+  std::vector<int> departed;
+  for (int r : missing)
+    if (gone(r)) departed.push_back(r);
+  if (!departed.empty()) {
+    std::string pids;
+    for (int r : departed) pids += fmt::format("; rank {} was process {} on this host", r, hosts_->pids[static_cast<size_t>(r)]);
+    throw PeerError(fmt::format("[rank {}] {}: ranks [{}] left the group instead of arriving (their processes are "
+                                "gone{})",
+                                rank_, wait.phase, fmt::join(departed, ", "), pids),
+                    departed);
+  }
+  throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s waiting for ranks [{}]", rank_, wait.phase,
+                                 elapsed, fmt::join(missing, ", ")),
+                     missing);
+}
+
+template <class Done, class Missing>
+void Messenger::wait_until(const Wait& wait, Done done, Missing missing) {
+  Backoff backoff(wait.timeout_secs);
+  auto last_check = std::chrono::steady_clock::now();
+  for (;;) {
+    {
+      std::lock_guard lock(mpi_mutex());
+      progress();
+      if (done()) return;
+    }
+    bool expired = !backoff.pause();
+    const auto now = std::chrono::steady_clock::now();
+    if (expired || now - last_check > std::chrono::milliseconds(50)) {
+      last_check = now;
+      std::vector<int> waiting;
+      {
+        std::lock_guard lock(mpi_mutex());
+        if (done()) return;
+        waiting = missing();
+      }
+      bool any_gone = false;
+      for (int r : waiting) any_gone = any_gone || gone(r);
+      if (expired || any_gone) fail(wait, waiting, backoff.elapsed_secs());
+    }
+  }
+}
+
+std::vector<std::vector<std::byte>> Messenger::gather(std::span<const int> members, int tag, std::uint64_t epoch,
+                                                      std::span<const std::byte> mine, const Wait& wait) {
+  std::vector<std::vector<std::byte>> blocks(members.size());
+  std::vector<bool> have(members.size(), false);
+  {
+    std::lock_guard lock(mpi_mutex());
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      if (members[i] == rank_) {
+        blocks[i].assign(mine.begin(), mine.end());
+        have[i] = true;
+        continue;
+      }
+      std::vector<std::byte> message(sizeof epoch + mine.size());
+      std::memcpy(message.data(), &epoch, sizeof epoch);
+      if (!mine.empty()) std::memcpy(message.data() + sizeof epoch, mine.data(), mine.size());
+      send(members[i], tag, std::move(message), false);
+    }
+  }
+  auto receive_some = [&] {
+    bool all = true;
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      if (have[i]) continue;
+      int flag = 0;
+      MPI_Message message;
+      MPI_Status status;
+      check_mpi(MPI_Improbe(members[i], tag, comm_, &flag, &message, &status), "MPI_Improbe", rank_);
+      if (!flag) {
+        all = false;
+        continue;
+      }
+      int count = 0;
+      MPI_Get_count(&status, MPI_BYTE, &count);
+      std::vector<std::byte> data(static_cast<size_t>(count));
+      check_mpi(MPI_Mrecv(data.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE), "MPI_Mrecv", rank_);
+      std::uint64_t theirs = 0;
+      if (data.size() >= sizeof theirs) std::memcpy(&theirs, data.data(), sizeof theirs);
+      if (data.size() < sizeof theirs || theirs != epoch)
+        throw StateError(fmt::format("[rank {}] {}: rank {} sent collective number {} while this rank is at {}: the "
+                                     "ranks do not call collectives in the same order",
+                                     rank_, wait.phase, members[i], theirs, epoch));
+      blocks[i].assign(data.begin() + sizeof theirs, data.end());
+      have[i] = true;
+    }
+    return all;
+  };
+  wait_until(
+      wait, receive_some, [&] {
+        std::vector<int> missing;
+        for (std::size_t i = 0; i < members.size(); ++i)
+          if (!have[i]) missing.push_back(members[i]);
+        return missing;
+      });
+  return blocks;
+}
+
+void Messenger::register_memory(std::uint32_t id, std::byte* base, std::size_t bytes) {
+  std::lock_guard lock(mpi_mutex());
+  memories_[id] = {base, bytes};
+}
+
+void Messenger::unregister_memory(std::uint32_t id) {
+  std::lock_guard lock(mpi_mutex());
+  memories_.erase(id);
+}
+
+void Messenger::set_inflight_limit(int per_peer, const Wait& wait) {
+  std::lock_guard lock(mpi_mutex());
+  inflight_limit_ = std::max(1, per_peer);
+  send_wait_ = wait;
+}
+
+void Messenger::send(int peer, int tag, std::vector<std::byte> buffer, bool record) {
+  if (buffer.size() > static_cast<std::size_t>(INT_MAX))
+    throw StateError(fmt::format("[rank {}] message of {} bytes to rank {} is too large", rank_, buffer.size(), peer));
+  pending_.push_back({MPI_REQUEST_NULL, std::move(buffer), peer, record});
+  Pending& p = pending_.back();
+  check_mpi(MPI_Isend(p.buffer.data(), static_cast<int>(p.buffer.size()), MPI_BYTE, peer, tag, comm_, &p.request),
+            "MPI_Isend", rank_);
+  if (record) ++inflight_[static_cast<size_t>(peer)];
+}
+
+void Messenger::flush(int peer) {
+  auto& chunk = chunks_[static_cast<size_t>(peer)];
+  if (chunk.empty()) return;
+  if (inflight_[static_cast<size_t>(peer)] >= inflight_limit_) {
+    mpi_mutex().unlock();
+    try {
+      wait_until(
+          send_wait_, [&] { return inflight_[static_cast<size_t>(peer)] < inflight_limit_; },
+          [&] { return std::vector<int>{peer}; });
+    } catch (...) {
+      mpi_mutex().lock();
+      throw;
+    }
+    mpi_mutex().lock();
+  }
+  std::vector<std::byte> message;
+  message.swap(chunk);
+  send(peer, kTagData, std::move(message), true);
+  ++sent_records_[static_cast<size_t>(peer)];
+}
+
+void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes) {
+  std::lock_guard lock(mpi_mutex());
+  const auto* from = static_cast<const std::byte*>(src);
+  auto& chunk = chunks_[static_cast<size_t>(peer)];
+  while (bytes > 0) {
+    if (chunk.size() + sizeof(PieceHeader) + kAlign > chunk_bytes_) flush(peer);
+    const std::size_t room = chunk_bytes_ - chunk.size() - sizeof(PieceHeader);
+    const std::size_t n = std::min({bytes, room, std::size_t{UINT32_MAX} / 2});
+    const PieceHeader header{memory, static_cast<std::uint32_t>(n), offset};
+    const std::size_t at = chunk.size();
+    chunk.resize(at + sizeof header + padded(n));
+    std::memcpy(chunk.data() + at, &header, sizeof header);
+    std::memcpy(chunk.data() + at + sizeof header, from, n);
+    from += n;
+    offset += n;
+    bytes -= n;
+  }
+}
+
+void Messenger::signal(int peer) {
+  std::lock_guard lock(mpi_mutex());
+  flush(peer);
+  std::vector<std::byte> message(sizeof(std::uint64_t));
+  std::memcpy(message.data(), &sent_records_[static_cast<size_t>(peer)], sizeof(std::uint64_t));
+  send(peer, kTagSignal, std::move(message), false);
+  progress();
+}
+
+void Messenger::apply(int source, std::span<const std::byte> message) {
+  std::size_t at = 0;
+  while (at < message.size()) {
+    PieceHeader header;
+    if (message.size() - at < sizeof header)
+      throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
+    std::memcpy(&header, message.data() + at, sizeof header);
+    at += sizeof header;
+    const auto it = memories_.find(header.memory);
+    if (it == memories_.end())
+      throw StateError(fmt::format("[rank {}] rank {} put into symmetric memory #{} that this rank does not hold",
+                                   rank_, source, header.memory));
+    if (header.bytes > message.size() - at || header.offset > it->second.second ||
+        header.bytes > it->second.second - header.offset)
+      throw StateError(fmt::format("[rank {}] rank {} put {} bytes at offset {} of a {}-byte region", rank_, source,
+                                   header.bytes, header.offset, it->second.second));
+    std::memcpy(it->second.first + header.offset, message.data() + at, header.bytes);
+    at += padded(header.bytes);
+  }
+  ++sources_[static_cast<size_t>(source)].applied;
+}
+
+void Messenger::progress() {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    int done = 0;
+    check_mpi(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE), "MPI_Test (send)", rank_);
+    if (!done) {
+      ++it;
+      continue;
+    }
+    if (it->record) --inflight_[static_cast<size_t>(it->peer)];
+    it = pending_.erase(it);
+  }
+  for (;;) {
+    int flag = 0;
+    MPI_Message message;
+    MPI_Status status;
+    check_mpi(MPI_Improbe(MPI_ANY_SOURCE, kTagData, comm_, &flag, &message, &status), "MPI_Improbe", rank_);
+    if (!flag) break;
+    int count = 0;
+    MPI_Get_count(&status, MPI_BYTE, &count);
+    receive_.resize(static_cast<size_t>(count));
+    check_mpi(MPI_Mrecv(receive_.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE), "MPI_Mrecv", rank_);
+    apply(status.MPI_SOURCE, receive_);
+  }
+  for (;;) {
+    int flag = 0;
+    MPI_Message message;
+    MPI_Status status;
+    check_mpi(MPI_Improbe(MPI_ANY_SOURCE, kTagSignal, comm_, &flag, &message, &status), "MPI_Improbe", rank_);
+    if (!flag) break;
+    std::uint64_t threshold = 0;
+    check_mpi(MPI_Mrecv(&threshold, sizeof threshold, MPI_BYTE, &message, MPI_STATUS_IGNORE), "MPI_Mrecv", rank_);
+    sources_[static_cast<size_t>(status.MPI_SOURCE)].thresholds.push_back(threshold);
+  }
+  for (Source& s : sources_)
+    while (!s.thresholds.empty() && s.thresholds.front() <= s.applied) {
+      ++s.signals;
+      s.thresholds.pop_front();
+    }
+}
+
+void Messenger::wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait) {
+  auto reached = [&](std::size_t i) { return sources_[static_cast<size_t>(peers[i])].signals >= targets[i]; };
+  wait_until(
+      wait,
+      [&] {
+        for (std::size_t i = 0; i < peers.size(); ++i)
+          if (!reached(i)) return false;
+        return true;
+      },
+      [&] {
+        std::vector<int> missing;
+        for (std::size_t i = 0; i < peers.size(); ++i)
+          if (!reached(i)) missing.push_back(peers[i]);
+        return missing;
+      });
+}
+
+}  // namespace moe_ep::comm::mpi

@@ -1,0 +1,415 @@
+// The MPI transport: ranks are MPI processes (include/moe_ep/mpi.hpp).
+//
+// Scale-up (ranks of one node): symmetric memory is an MPI_Win_allocate_shared window over the
+// node's communicator, every member's segment mapped in every member; shared user tensors are
+// copied into the rank's SharedArena, which node peers map. Scale-out: Messenger records and
+// counted signals. Collectives are Messenger gathers (a timeout names the missing ranks); MPI's
+// own blocking collectives (communicator split, window creation and release) run only after a
+// gather showed that every member arrived.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "comm/mpi/messenger.hh"
+#include "comm/mpi/shared_arena.hh"
+#include "comm/transport.hh"
+#include "comm/wait.hh"
+#include "core/log.hh"
+#include "moe_ep/env.hpp"
+#include "moe_ep/error.hpp"
+#include "moe_ep/mpi.hpp"
+
+namespace moe_ep {
+namespace comm::mpi {
+namespace {
+
+constexpr int kTagWorld = 11;
+constexpr int kTagNode = 12;
+
+std::atomic<bool> g_abandoned{false};
+
+// Duplicates a communicator without blocking past the timeout (MPI_Comm_idup).
+MPI_Comm duplicate_comm(MPI_Comm comm, int rank, const Wait& wait) {
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Request request = MPI_REQUEST_NULL;
+  {
+    std::lock_guard lock(mpi_mutex());
+    check_mpi(MPI_Comm_idup(comm, &dup, &request), "MPI_Comm_idup", rank);
+  }
+  Backoff backoff(wait.timeout_secs);
+  for (;;) {
+    int done = 0;
+    {
+      std::lock_guard lock(mpi_mutex());
+      check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test (MPI_Comm_idup)", rank);
+    }
+    if (done) break;
+    if (!backoff.pause())
+      throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s duplicating the communicator: some rank "
+                                     "of it did not make the call",
+                                     rank, wait.phase, backoff.elapsed_secs()),
+                         {});
+  }
+  std::lock_guard lock(mpi_mutex());
+  check_mpi(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler", rank);
+  return dup;
+}
+
+class MpiTransport;
+
+class WindowMemory final : public SymmetricMemory {
+ public:
+  WindowMemory(MpiTransport& owner, std::uint32_t id, MPI_Win window, std::byte* local, std::size_t bytes,
+               std::vector<std::byte*> node_bases, Wait wait)
+      : owner_(owner), id_(id), window_(window), local_(local), bytes_(bytes), node_bases_(std::move(node_bases)),
+        wait_(wait) {}
+  ~WindowMemory() override;
+
+  std::byte* local() override { return local_; }
+  std::size_t bytes() const override { return bytes_; }
+  std::byte* node_peer(int rank) override;
+  std::uint32_t id() const { return id_; }
+
+ private:
+  MpiTransport& owner_;
+  std::uint32_t id_;
+  MPI_Win window_;
+  std::byte* local_;
+  std::size_t bytes_;
+  std::vector<std::byte*> node_bases_;  // by local index
+  Wait wait_;
+};
+
+class MpiTransport final : public Transport {
+ public:
+  // Collective over `comm` (already duplicated; owned from now on).
+  MpiTransport(MPI_Comm comm, int rank, int size, Topology topology, std::shared_ptr<const HostInfo> hosts,
+               const Wait& wait)
+      : Transport(rank, size, topology), messenger_(comm, rank, size), hosts_(std::move(hosts)), timeout_(wait.timeout_secs) {
+    messenger_.set_host_info(hosts_);
+    for (int m = 0; m < node_size(); ++m) node_members_.push_back(node_first_rank() + m);
+    for (int r = 0; r < size; ++r) world_members_.push_back(r);
+    // Node peers learn where this rank's shared arena is.
+    const int fd = arena_.fd();
+    const Gathered fds = all_gather(std::as_bytes(std::span(&fd, 1)), Scope::kNode, wait);
+    for (int m = 0; m < node_size(); ++m) arena_fds_.push_back(fds.as<int>(m));
+  }
+
+  ~MpiTransport() override {
+    views_.clear();
+    messenger_.drain(1.0);
+    if (g_abandoned.load()) return;
+    std::lock_guard lock(mpi_mutex());
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    MPI_Comm comm = messenger_.comm();
+    if (node_comm_ != MPI_COMM_NULL) MPI_Comm_free(&node_comm_);
+    MPI_Comm_free(&comm);
+  }
+
+  int ranks_on_host() const override { return hosts_->host_size; }
+
+  std::unique_ptr<Transport> duplicate(const Wait& wait) override {
+    barrier(Scope::kWorld, wait);  // every rank is here: the MPI call below cannot wait for a missing one
+    MPI_Comm dup = duplicate_comm(messenger_.comm(), rank(), wait);
+    return std::make_unique<MpiTransport>(dup, rank(), size(), topology(), hosts_, wait);
+  }
+
+  void barrier(Scope scope, const Wait& wait) override { all_gather({}, scope, wait); }
+
+  Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) override {
+    const bool world = scope == Scope::kWorld;
+    auto& store = world ? world_blocks_ : node_blocks_;
+    store = messenger_.gather(world ? world_members_ : node_members_, world ? kTagWorld : kTagNode,
+                              ++epochs_[world ? 0 : 1], mine, wait);
+    std::vector<std::span<const std::byte>> blocks;
+    for (const auto& b : store) blocks.emplace_back(b.data(), b.size());
+    return Gathered(std::move(blocks));
+  }
+
+  std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait, bool prefault) override {
+    const std::uint64_t mine = bytes;
+    const Gathered sizes = all_gather(std::as_bytes(std::span(&mine, 1)), Scope::kWorld, wait);
+    std::vector<int> mismatched;
+    for (int r = 0; r < size(); ++r)
+      if (sizes.as<std::uint64_t>(r) != mine) mismatched.push_back(r);
+    if (!mismatched.empty())
+      throw PeerError(fmt::format("[rank {}] symmetric allocation: ranks [{}] asked for a size other than {} bytes",
+                                  rank(), fmt::join(mismatched, ", "), bytes),
+                      mismatched);
+    timeout_ = wait.timeout_secs;
+    void* base = nullptr;
+    MPI_Win window = MPI_WIN_NULL;
+    std::vector<std::byte*> bases;
+    {
+      std::lock_guard lock(mpi_mutex());
+      if (node_comm_ == MPI_COMM_NULL)
+        check_mpi(MPI_Comm_split(messenger_.comm(), node_of(rank()), rank(), &node_comm_), "MPI_Comm_split", rank());
+      MPI_Info info;
+      MPI_Info_create(&info);
+      MPI_Info_set(info, "alloc_shared_noncontig", "true");
+      const int rc = MPI_Win_allocate_shared(static_cast<MPI_Aint>(bytes), 1, info, node_comm_, &base, &window);
+      MPI_Info_free(&info);
+      check_mpi(rc, "MPI_Win_allocate_shared", rank());
+      for (int m = 0; m < node_size(); ++m) {
+        MPI_Aint peer_bytes = 0;
+        int unit = 0;
+        void* peer = nullptr;
+        check_mpi(MPI_Win_shared_query(window, m, &peer_bytes, &unit, &peer), "MPI_Win_shared_query", rank());
+        bases.push_back(static_cast<std::byte*>(peer));
+      }
+    }
+    // First touch by the owner (prefault or not), and the zeroed start every transport guarantees.
+    (void)prefault;
+    std::memset(base, 0, bytes);
+    const std::uint32_t id = next_memory_++;
+    messenger_.register_memory(id, static_cast<std::byte*>(base), bytes);
+    auto memory = std::make_unique<WindowMemory>(*this, id, window, static_cast<std::byte*>(base), bytes,
+                                                 std::move(bases), wait);
+    barrier(Scope::kNode, wait);  // every segment is zeroed before anyone uses the memory
+    return memory;
+  }
+
+  std::vector<const void*> share(std::span<const Span> spans) override {
+    std::size_t total = 0;
+    for (const Span& s : spans) total += (s.bytes + 63) / 64 * 64;
+    std::byte* base = arena_.reserve(total);
+    std::vector<const void*> published;
+    std::size_t at = 0;
+    for (const Span& s : spans) {
+      if (s.bytes == 0) {
+        published.push_back(nullptr);
+        continue;
+      }
+      std::memcpy(base + at, s.data, s.bytes);
+      published.push_back(reinterpret_cast<const void*>(static_cast<std::uintptr_t>(at + 1)));
+      at += (s.bytes + 63) / 64 * 64;
+    }
+    return published;
+  }
+
+  const void* node_address(int peer, const void* published) const override {
+    check_same_node(peer);
+    if (published == nullptr) return nullptr;
+    const auto offset = static_cast<std::size_t>(reinterpret_cast<std::uintptr_t>(published) - 1);
+    const int local = peer - node_first_rank();
+    std::lock_guard lock(views_mutex_);
+    auto& view = views_[local];
+    if (!view)
+      view = std::make_unique<ArenaView>(hosts_->pids[static_cast<size_t>(peer)], arena_fds_[static_cast<size_t>(local)],
+                                         fmt::format("rank {}", peer));
+    return view->at(offset, 0);
+  }
+
+  void set_inflight_limit(int per_peer) override { messenger_.set_inflight_limit(per_peer, {"scale-out send", timeout_}); }
+
+  void put(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) override {
+    if (offset > memory.bytes() || bytes > memory.bytes() - offset)
+      throw StateError(fmt::format("[rank {}] put of {} bytes at offset {} exceeds the {}-byte symmetric region",
+                                   rank(), bytes, offset, memory.bytes()));
+    if (peer < 0 || peer >= size())
+      throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), peer, size()));
+    messenger_.put(peer, static_cast<WindowMemory&>(memory).id(), offset, src, bytes);
+  }
+
+  void signal(int peer) override { messenger_.signal(peer); }
+
+  void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait) override {
+    messenger_.wait_signals(peers, targets, wait);
+  }
+
+  void check_same_node(int peer) const {
+    if (peer < 0 || peer >= size())
+      throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), peer, size()));
+    if (!same_node(peer))
+      throw StateError(fmt::format(
+          "[rank {}] rank {} is on node {}, not on this rank's node {}: it is reachable only through the "
+          "scale-out interface",
+          rank(), peer, node_of(peer), node_of(rank())));
+  }
+
+  // Frees a window: collective over the node, so it runs only once every member arrived.
+  void release(std::uint32_t id, MPI_Win window, const Wait& wait) noexcept {
+    messenger_.unregister_memory(id);
+    if (g_abandoned.load()) return;
+    try {
+      barrier(Scope::kNode, {"symmetric memory release", wait.timeout_secs});
+      std::lock_guard lock(mpi_mutex());
+      MPI_Win_free(&window);
+    } catch (const std::exception& e) {
+      core::debug("[rank {}] symmetric memory kept mapped: {}", rank(), e.what());
+    }
+  }
+
+ private:
+  Messenger messenger_;
+  std::shared_ptr<const HostInfo> hosts_;
+  std::vector<int> world_members_, node_members_;
+  std::vector<std::vector<std::byte>> world_blocks_, node_blocks_;
+  std::uint64_t epochs_[2] = {0, 0};
+  MPI_Comm node_comm_ = MPI_COMM_NULL;
+  std::uint32_t next_memory_ = 1;
+  double timeout_;
+  SharedArena arena_;
+  std::vector<int> arena_fds_;  // by local index
+  mutable std::mutex views_mutex_;
+  mutable std::map<int, std::unique_ptr<ArenaView>> views_;
+};
+
+WindowMemory::~WindowMemory() { owner_.release(id_, window_, wait_); }
+
+std::byte* WindowMemory::node_peer(int rank) {
+  owner_.check_same_node(rank);
+  return node_bases_[static_cast<size_t>(rank - owner_.node_first_rank())];
+}
+
+struct Arrival {
+  std::int32_t ranks_per_node;  // requested; 0 = per host
+  std::int32_t pid;
+};
+
+struct HostFacts {
+  std::int32_t host;
+  std::int32_t host_size;
+};
+
+}  // namespace
+}  // namespace comm::mpi
+
+namespace mpi {
+
+std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
+  using namespace comm::mpi;
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) throw StateError("mpi::make_group: MPI is not initialized (use moe_ep::mpi::Session or MPI_Init_thread)");
+  int level = 0;
+  MPI_Query_thread(&level);
+  if (level < MPI_THREAD_SERIALIZED)
+    throw StateError(fmt::format("mpi::make_group: MPI was initialized with thread level {}; moe-ep needs at least "
+                                 "MPI_THREAD_SERIALIZED (initialize with MPI_Init_thread)",
+                                 level));
+  if (comm == MPI_COMM_NULL) throw InvalidArgument("mpi::make_group: comm is MPI_COMM_NULL");
+  int rank = 0, size = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  const double timeout = options.timeout_secs > 0 ? options.timeout_secs : env::get_float("MOE_EP_TIMEOUT_SECS");
+  const comm::Wait wait{"group creation", timeout};
+  const int requested = options.ranks_per_node ? *options.ranks_per_node
+                                               : static_cast<int>(env::get_int("MOE_EP_RANKS_PER_NODE"));
+  if (requested < 0)
+    throw InvalidArgument(fmt::format("[rank {}] ranks_per_node = {} is negative (0 = the ranks of each host)", rank, requested));
+
+  MPI_Comm dup = duplicate_comm(comm, rank, wait);
+  // Who is here, what each asks for, and which host each runs on.
+  Messenger messenger(dup, rank, size);
+  const Arrival mine{requested, static_cast<std::int32_t>(getpid())};
+  std::vector<int> members(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) members[static_cast<size_t>(r)] = r;
+  const auto arrivals = messenger.gather(members, kTagWorld, 1, std::as_bytes(std::span(&mine, 1)), wait);
+  auto hosts = std::make_shared<HostInfo>();
+  std::map<int, std::vector<int>> by_request;
+  for (int r = 0; r < size; ++r) {
+    Arrival a;
+    std::memcpy(&a, arrivals[static_cast<size_t>(r)].data(), sizeof a);
+    hosts->pids.push_back(a.pid);
+    by_request[a.ranks_per_node].push_back(r);
+  }
+  MPI_Comm host_comm = MPI_COMM_NULL;
+  {
+    std::lock_guard lock(mpi_mutex());
+    check_mpi(MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host_comm), "MPI_Comm_split_type", rank);
+  }
+  HostFacts facts{};
+  {
+    std::lock_guard lock(mpi_mutex());
+    MPI_Comm_size(host_comm, &facts.host_size);
+    MPI_Group host_group, dup_group;
+    MPI_Comm_group(host_comm, &host_group);
+    MPI_Comm_group(dup, &dup_group);
+    const int zero = 0;
+    MPI_Group_translate_ranks(host_group, 1, &zero, dup_group, &facts.host);
+    MPI_Group_free(&host_group);
+    MPI_Group_free(&dup_group);
+    MPI_Comm_free(&host_comm);
+  }
+  const auto host_facts = messenger.gather(members, kTagWorld, 2, std::as_bytes(std::span(&facts, 1)), wait);
+  std::map<int, std::vector<int>> host_members;
+  for (int r = 0; r < size; ++r) {
+    HostFacts f;
+    std::memcpy(&f, host_facts[static_cast<size_t>(r)].data(), sizeof f);
+    hosts->host.push_back(f.host);
+    host_members[f.host].push_back(r);
+  }
+  hosts->host_size = facts.host_size;
+  messenger.drain(timeout);
+
+  auto fail = [&](auto error) {
+    MPI_Comm_free(&dup);
+    throw error;
+  };
+  if (by_request.size() > 1) {
+    std::string held;
+    std::vector<int> ranks;
+    for (const auto& [value, rs] : by_request) {
+      held += fmt::format("{}ranks [{}] ask for {}", held.empty() ? "" : "; ", fmt::join(rs, ", "), value);
+      ranks.insert(ranks.end(), rs.begin(), rs.end());
+    }
+    fail(PeerError(fmt::format("[rank {}] mpi::make_group: the ranks disagree on ranks_per_node: {}", rank, held), ranks));
+  }
+  int per_node = requested;
+  if (per_node == 0) {
+    per_node = static_cast<int>(host_members.begin()->second.size());
+    for (const auto& [host, rs] : host_members)
+      if (static_cast<int>(rs.size()) != per_node)
+        fail(InvalidArgument(fmt::format("[rank {}] mpi::make_group: hosts run different numbers of ranks ({} on the "
+                                         "host of rank {}, {} on the host of rank {}); set ranks_per_node",
+                                         rank, per_node, host_members.begin()->first, rs.size(), host)));
+  }
+  if (size % per_node != 0)
+    fail(InvalidArgument(fmt::format("[rank {}] mpi::make_group: the communicator has {} ranks, not a multiple of "
+                                     "ranks_per_node = {}",
+                                     rank, size, per_node)));
+  for (int r = 0; r < size; ++r)
+    if (hosts->host[static_cast<size_t>(r)] != hosts->host[static_cast<size_t>(r / per_node * per_node)])
+      fail(InvalidArgument(fmt::format("[rank {}] mpi::make_group: node {} (ranks {}..{}) spans more than one host "
+                                       "(rank {} runs on another host than rank {}): nodes share memory, so a node's "
+                                       "ranks must be consecutive ranks of one host",
+                                       rank, r / per_node, r / per_node * per_node, r / per_node * per_node + per_node - 1,
+                                       r, r / per_node * per_node)));
+  const Topology topology{.num_scaleout = size / per_node, .num_scaleup = per_node};
+  return std::make_unique<Group>(std::make_shared<MpiTransport>(dup, rank, size, topology, hosts, wait));
+}
+
+Session::Session(int* argc, char*** argv) {
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (initialized) {
+    MPI_Query_thread(&provided_);
+  } else {
+    MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided_);
+    owns_ = true;
+  }
+  if (provided_ < MPI_THREAD_SERIALIZED)
+    throw StateError(fmt::format("MPI provides thread level {}; moe-ep needs at least MPI_THREAD_SERIALIZED", provided_));
+}
+
+Session::~Session() {
+  if (!owns_ || comm::mpi::g_abandoned.load()) return;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+void Session::abandon() { comm::mpi::g_abandoned.store(true); }
+
+}  // namespace mpi
+}  // namespace moe_ep

@@ -1,0 +1,85 @@
+#include "comm/mpi/shared_arena.hh"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::comm::mpi {
+namespace {
+
+constexpr std::size_t kGrain = std::size_t{2} << 20;
+
+std::string errno_text() { return std::strerror(errno); }
+
+}  // namespace
+
+SharedArena::SharedArena() {
+  fd_ = memfd_create("moe-ep-shared", MFD_CLOEXEC);
+  if (fd_ < 0) throw StateError(fmt::format("shared arena: memfd_create failed: {}", errno_text()));
+}
+
+SharedArena::~SharedArena() {
+  if (base_) munmap(base_, capacity_);
+  if (fd_ >= 0) close(fd_);
+}
+
+std::byte* SharedArena::reserve(std::size_t bytes) {
+  if (bytes <= capacity_) return base_;
+  const std::size_t grown = std::max(bytes, capacity_ + capacity_ / 2);
+  const std::size_t capacity = (grown + kGrain - 1) / kGrain * kGrain;
+  if (ftruncate(fd_, static_cast<off_t>(capacity)) != 0)
+    throw StateError(fmt::format("shared arena: growing to {} bytes failed: {}", capacity, errno_text()));
+  void* p = base_ ? mremap(base_, capacity_, capacity, MREMAP_MAYMOVE)
+                  : mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) throw StateError(fmt::format("shared arena: mapping {} bytes failed: {}", capacity, errno_text()));
+  base_ = static_cast<std::byte*>(p);
+  capacity_ = capacity;
+  return base_;
+}
+
+ArenaView::ArenaView(pid_t pid, int fd, std::string owner) : pid_(pid), owner_fd_(fd), owner_(std::move(owner)) {}
+
+ArenaView::~ArenaView() {
+  if (base_) munmap(const_cast<std::byte*>(base_), mapped_);
+  if (fd_ >= 0) close(fd_);
+}
+
+const std::byte* ArenaView::at(std::size_t offset, std::size_t bytes) {
+  std::lock_guard lock(mutex_);
+  if (fd_ < 0) {
+    const std::string path = fmt::format("/proc/{}/fd/{}", pid_, owner_fd_);
+    fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0)
+      throw StateError(fmt::format("shared arena of {}: cannot open {}: {} (processes of one node must be able to "
+                                   "open each other's /proc/<pid>/fd entries)",
+                                   owner_, path, errno_text()));
+  }
+  bytes = std::max<std::size_t>(bytes, 1);
+  if (offset > SIZE_MAX - bytes) throw StateError(fmt::format("shared arena of {}: bad range", owner_));
+  if (base_ == nullptr || offset + bytes > mapped_) {
+    struct stat st {};
+    if (fstat(fd_, &st) != 0) throw StateError(fmt::format("shared arena of {}: fstat failed: {}", owner_, errno_text()));
+    const auto size = static_cast<std::size_t>(st.st_size);
+    if (offset + bytes > size)
+      throw StateError(fmt::format("shared arena of {}: bytes [{}, {}) published beyond its {} bytes", owner_, offset,
+                                   offset + bytes, size));
+    if (base_) munmap(const_cast<std::byte*>(base_), mapped_);
+    base_ = nullptr;
+    mapped_ = 0;
+    void* p = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) throw StateError(fmt::format("shared arena of {}: mapping failed: {}", owner_, errno_text()));
+    base_ = static_cast<const std::byte*>(p);
+    mapped_ = size;
+  }
+  return base_ + offset;
+}
+
+}  // namespace moe_ep::comm::mpi

@@ -1,0 +1,102 @@
+#include "launch.hh"
+
+#include <fmt/format.h>
+
+#include "comm/transport.hh"
+#include "moe_ep/env.hpp"
+#include "moe_ep/error.hpp"
+#ifdef MOE_EP_WITH_MPI
+#include "moe_ep/mpi.hpp"
+#endif
+
+namespace moe_ep::tools {
+namespace {
+
+Topology local_topology(const LaunchOptions& o) {
+  if (o.ranks_per_node > 0) {
+    if (o.ranks % o.ranks_per_node != 0)
+      throw InvalidArgument(fmt::format("--ranks-per-node {} does not divide --ranks {}", o.ranks_per_node, o.ranks));
+    return {.num_scaleout = o.ranks / o.ranks_per_node, .num_scaleup = o.ranks_per_node};
+  }
+  return {.num_scaleout = o.nodes};
+}
+
+class ThreadLaunch final : public Launch {
+ public:
+  explicit ThreadLaunch(const LaunchOptions& o) : world_(o.ranks, local_topology(o)) {}
+  int size() const override { return world_.size(); }
+  Topology topology() const override { return world_.topology(); }
+  void run(const std::function<void(Group&)>& fn) override { world_.run(fn); }
+  bool reports() const override { return true; }
+  std::string describe() const override { return fmt::format("{} ranks as threads", world_.size()); }
+
+ private:
+  LocalWorld world_;
+};
+
+#ifdef MOE_EP_WITH_MPI
+class MpiLaunch final : public Launch {
+ public:
+  MpiLaunch(int* argc, char*** argv, const LaunchOptions& o) : session_(argc, argv) {
+    mpi::GroupOptions options;
+    int size = 0;
+    MPI_Comm_size(MPI_COMM_WORLD, &size);
+    if (o.ranks_given && o.ranks != size)
+      throw InvalidArgument(fmt::format("--ranks {} does not match the {} processes of the MPI job", o.ranks, size));
+    if (o.ranks_per_node > 0) {
+      options.ranks_per_node = o.ranks_per_node;
+    } else if (o.nodes > 1) {
+      if (size % o.nodes != 0)
+        throw InvalidArgument(fmt::format("--nodes {} does not divide the {} processes of the MPI job", o.nodes, size));
+      options.ranks_per_node = size / o.nodes;
+    }
+    try {
+      group_ = mpi::make_group(MPI_COMM_WORLD, options);
+    } catch (...) {
+      mpi::Session::abandon();
+      throw;
+    }
+  }
+  int size() const override { return group_->size(); }
+  Topology topology() const override { return {group_->num_scaleout(), group_->num_scaleup()}; }
+  void run(const std::function<void(Group&)>& fn) override {
+    try {
+      fn(*group_);
+    } catch (...) {
+      // Peers may be gone or out of step: leave without the collective finalization.
+      mpi::Session::abandon();
+      throw;
+    }
+  }
+  bool reports() const override { return group_->rank() == 0; }
+  std::string describe() const override { return fmt::format("{} MPI processes", group_->size()); }
+
+ private:
+  mpi::Session session_;
+  std::unique_ptr<Group> group_;
+};
+#endif
+
+}  // namespace
+
+std::unique_ptr<Launch> make_launch(int* argc, char*** argv, const LaunchOptions& options) {
+  if (options.transport == "local") return std::make_unique<ThreadLaunch>(options);
+  if (options.transport == "mpi") {
+#ifdef MOE_EP_WITH_MPI
+    return std::make_unique<MpiLaunch>(argc, argv, options);
+#else
+    throw InvalidArgument("--transport mpi: this moe-ep was built without MPI (MOE_EP_WITH_MPI=OFF)");
+#endif
+  }
+  throw InvalidArgument(fmt::format("--transport is '{}', expected local or mpi", options.transport));
+}
+
+std::vector<std::vector<std::byte>> gather_blocks(Group& group, std::span<const std::byte> mine) {
+  const comm::Gathered all = group.transport().all_gather(
+      mine, comm::Scope::kWorld, {"report: result exchange", env::get_float("MOE_EP_TIMEOUT_SECS")});
+  std::vector<std::vector<std::byte>> out;
+  for (int r = 0; r < all.size(); ++r) out.emplace_back(all[r].begin(), all[r].end());
+  return out;
+}
+
+}  // namespace moe_ep::tools

@@ -1,0 +1,42 @@
+// Where the ranks of a command run: every rank as a thread of this process (transport "local",
+// the embedded default), or this process as one rank of an MPI job (transport "mpi", started by
+// mpirun). Commands write one rank function and exchange per-rank results through the group, so
+// the same code reports for both.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moe_ep/group.hpp"
+
+namespace moe_ep::tools {
+
+struct LaunchOptions {
+  std::string transport = "local";  // local | mpi
+  int ranks = 8;                    // local: threads; mpi: must match the job (or be left unset)
+  bool ranks_given = false;
+  int nodes = 1;                    // logical nodes
+  int ranks_per_node = 0;           // overrides nodes when > 0
+};
+
+class Launch {
+ public:
+  virtual ~Launch() = default;
+  virtual int size() const = 0;
+  virtual Topology topology() const = 0;  // num_scaleup filled in
+  // Runs fn on every rank of this process; rethrows the root cause of a failure.
+  virtual void run(const std::function<void(Group&)>& fn) = 0;
+  virtual bool reports() const = 0;  // this process prints the report (holds rank 0)
+  virtual std::string describe() const = 0;
+};
+
+// MPI is initialized here for transport "mpi" (and finalized when the launch ends cleanly).
+std::unique_ptr<Launch> make_launch(int* argc, char*** argv, const LaunchOptions& options);
+
+// Every rank's block, on every rank (a world all-gather over the group).
+std::vector<std::vector<std::byte>> gather_blocks(Group& group, std::span<const std::byte> mine);
+
+}  // namespace moe_ep::tools
