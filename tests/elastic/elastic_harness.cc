@@ -293,10 +293,28 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
                 combined.combined_topk_weights.data_as<const float>()[t * k + j], ref_combined.weights[static_cast<size_t>(t * k + j)]);
   }
   if (!spec.weights && combined.combined_topk_weights.defined()) bad.add("combined_topk_weights defined without weights");
+  if (opt.digest) {
+    std::uint64_t d = 1469598103934665603ULL;
+    auto mix = [&](const void* data, std::size_t bytes) {
+      const auto* p = static_cast<const unsigned char*>(data);
+      for (std::size_t i = 0; i < bytes; ++i) d = (d ^ p[i]) * 1099511628211ULL;
+    };
+    const std::int64_t real_rows = spec.expand ? ref.expanded_rows : static_cast<std::int64_t>(ref.rows.size());
+    for (std::int64_t r = 0; r < real_rows; ++r)  // padding rows are unspecified without zero padding
+      if (!spec.expand || ref.expanded_owner[static_cast<size_t>(r)].first >= 0)
+        mix(static_cast<const std::byte*>(res.recv_x.data()) + r * spec.row_bytes(), static_cast<std::size_t>(spec.row_bytes()));
+    mix(res.handle->recv_src_metadata.data(), static_cast<std::size_t>(ref.rows.size()) * (k + 2) * sizeof(std::int32_t));
+    mix(res.handle->psum_num_recv_tokens_per_expert.data(), res.handle->psum_num_recv_tokens_per_expert.nbytes());
+    mix(combined.combined_x.data(), combined.combined_x.nbytes());
+    if (spec.weights) mix(combined.combined_topk_weights.data(), combined.combined_topk_weights.nbytes());
+    *opt.digest = d;
+  }
   return std::move(bad.list());
 }
 
-CaseSpec random_case(std::uint64_t seed, RunOptions* options) {
+CaseSpec random_case(std::uint64_t seed, RunOptions* options) { return random_case(seed, 0, 0, options); }
+
+CaseSpec random_case(std::uint64_t seed, int ranks, int scaleout, RunOptions* options) {
   std::mt19937_64 rng(seed * 2654435761ULL + 17);
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   auto chance = [&](double p) { return std::uniform_real_distribution<double>(0, 1)(rng) < p; };
@@ -305,6 +323,10 @@ CaseSpec random_case(std::uint64_t seed, RunOptions* options) {
   s.ranks = pick(1, 8);
   if ((s.ranks == 4 || s.ranks == 8) && chance(0.5)) s.scaleout = s.ranks == 4 ? 2 : (chance(0.5) ? 2 : 4);
   if (s.ranks == 6 && chance(0.3)) s.scaleout = chance(0.5) ? 2 : 3;
+  if (ranks > 0) {
+    s.ranks = ranks;
+    s.scaleout = scaleout;
+  }
   s.allow_hybrid = chance(0.7);
   s.multi = chance(0.6);
   const int per_rank = chance(0.3) ? pick(1, 2) : pick(1, 32);

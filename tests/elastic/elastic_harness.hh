@@ -3,6 +3,7 @@
 // threads would not stop the other ranks).
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -19,6 +20,9 @@ struct RunOptions {
   bool zero_padding = false;
   bool col_major_scales = false;
   int num_sms = 0;
+  // When set, receives a digest of this rank's outputs (received rows, handle counts, combined
+  // rows and weights): equal digests mean bit-identical outputs.
+  std::uint64_t* digest = nullptr;
 };
 
 // Returns the mismatches found on `group`'s rank (empty when everything matched).
@@ -26,6 +30,8 @@ std::vector<std::string> run_elastic_case(Group& group, const reference::CaseSpe
 
 // A random case from a seed, covering the parameter space of the property tests.
 reference::CaseSpec random_case(std::uint64_t seed, RunOptions* options);
+// The same, on a fixed number of ranks and nodes (a group that exists already).
+reference::CaseSpec random_case(std::uint64_t seed, int ranks, int scaleout, RunOptions* options);
 
 std::string describe(const reference::CaseSpec& spec, const RunOptions& options);
 

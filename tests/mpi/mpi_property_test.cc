@@ -1,0 +1,227 @@
+// MPI transport tests, run under mpirun (tests/CMakeLists.txt starts them with 2, 4 and 8
+// processes and logical topologies 1xN, 2x2, 2x4, 4x2 through MOE_EP_RANKS_PER_NODE).
+//
+// Every process runs every test on its rank. Property cases are the randomized cases of the
+// in-process suite on this job's rank count and topology, checked against the dense reference;
+// rank 0 also runs each case on in-process ranks and requires every rank's outputs to be
+// bit-identical to the in-process transport's. Failures are reported by the rank that saw them.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <fmt/format.h>
+
+#include <cstring>
+#include <optional>
+
+#include "comm/transport.hh"
+#include "elastic/elastic_harness.hh"
+#include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/error.hpp"
+#include "moe_ep/legacy_buffer.hpp"
+#include "moe_ep/mpi.hpp"
+
+namespace moe_ep::testing {
+namespace {
+
+Group* g_group = nullptr;
+
+std::vector<std::uint64_t> gather_u64(Group& group, std::uint64_t mine) {
+  const comm::Gathered all =
+      group.transport().all_gather(std::as_bytes(std::span(&mine, 1)), comm::Scope::kWorld, {"test: gather", 120});
+  std::vector<std::uint64_t> out;
+  for (int r = 0; r < all.size(); ++r) out.push_back(all.as<std::uint64_t>(r));
+  return out;
+}
+
+// The in-process transport's digests of the same case, one per rank.
+std::vector<std::uint64_t> in_process_digests(const reference::CaseSpec& spec, RunOptions options) {
+  std::vector<std::uint64_t> digests(static_cast<size_t>(spec.ranks), 0);
+  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
+  world.run([&](Group& g) {
+    RunOptions o = options;
+    o.digest = &digests[static_cast<size_t>(g.rank())];
+    run_elastic_case(g, spec, o);
+  });
+  return digests;
+}
+
+TEST(MpiTransport, GroupMatchesTheJob) {
+  Group& g = *g_group;
+  int rank = 0, size = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  EXPECT_EQ(g.rank(), rank);
+  EXPECT_EQ(g.size(), size);
+  EXPECT_EQ(g.num_scaleout() * g.num_scaleup(), size);
+  // A world all-gather delivers every rank's block in rank order.
+  const auto all = gather_u64(g, 1000 + static_cast<std::uint64_t>(rank));
+  for (int r = 0; r < size; ++r) EXPECT_EQ(all[static_cast<size_t>(r)], 1000u + static_cast<std::uint64_t>(r));
+}
+
+TEST(MpiTransport, RandomCasesMatchReferenceAndInProcess) {
+  Group& g = *g_group;
+  const int cases = 10;
+  for (int i = 0; i < cases; ++i) {
+    RunOptions options;
+    const auto spec = random_case(static_cast<std::uint64_t>(7000 + i), g.size(), g.num_scaleout(), &options);
+    SCOPED_TRACE(describe(spec, options));
+    std::uint64_t digest = 0;
+    options.digest = &digest;
+    for (const auto& f : run_elastic_case(g, spec, options)) ADD_FAILURE() << f;
+    const auto digests = gather_u64(g, digest);
+    if (g.rank() == 0) {
+      options.digest = nullptr;
+      const auto expected = in_process_digests(spec, options);
+      for (int r = 0; r < g.size(); ++r)
+        EXPECT_EQ(digests[static_cast<size_t>(r)], expected[static_cast<size_t>(r)])
+            << "rank " << r << ": outputs over MPI differ from the in-process transport's";
+    }
+  }
+}
+
+TEST(MpiTransport, HybridAndDirectOnEveryLayout) {
+  Group& g = *g_group;
+  for (int variant = 0; variant < 8; ++variant) {
+    reference::CaseSpec s;
+    s.ranks = g.size();
+    s.scaleout = g.num_scaleout();
+    s.allow_hybrid = variant & 1;
+    s.expand = variant & 2;
+    s.fp8 = variant & 4;
+    s.multi = !(variant & 1) || variant == 5;
+    s.num_experts = s.ranks * 3;
+    s.k = 4;
+    s.max_tokens = 12;
+    s.hidden = 128;
+    s.scale_cols = s.fp8 ? 1 : 0;
+    s.seed = 500 + static_cast<std::uint64_t>(variant);
+    for (int r = 0; r < s.ranks; ++r) s.tokens.push_back(r % 3 == 1 ? 0 : 12 - r % 5);
+    RunOptions o;
+    o.async = variant & 1;
+    SCOPED_TRACE(describe(s, o));
+    for (const auto& f : run_elastic_case(g, s, o)) ADD_FAILURE() << f;
+  }
+}
+
+// Bad input across processes: the rank with other arguments is named on every rank.
+TEST(MpiTransport, DisagreeingHiddenNamesTheRank) {
+  Group& g = *g_group;
+  const int odd = g.size() - 1;
+  ElasticBufferConfig c{.num_max_tokens_per_rank = 8, .hidden = g.rank() == odd ? 256 : 128, .num_topk = 2,
+                        .num_cpu_timeout_secs = 60};
+  try {
+    ElasticBuffer buffer(g, c);
+    ADD_FAILURE() << "construction with disagreeing hidden sizes succeeded";
+  } catch (const PeerError& e) {
+    EXPECT_NE(std::string(e.what()).find("hidden"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(std::to_string(odd)), std::string::npos) << e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected PeerError, got: " << e.what();
+  }
+}
+
+TEST(MpiTransport, DisagreeingTopkInDispatchNamesTheRank) {
+  Group& g = *g_group;
+  ElasticBuffer buffer(g, {.num_max_tokens_per_rank = 4, .hidden = 128, .num_topk = 2, .num_cpu_timeout_secs = 60});
+  const int k = g.rank() == 0 ? 1 : 2;
+  Tensor x = Tensor::zeros({4, 128}, DType::kBF16);
+  Tensor topk = Tensor::zeros({4, k}, DType::kInt64);
+  for (int t = 0; t < 4; ++t)
+    for (int j = 0; j < k; ++j) topk.data_as<std::int64_t>()[t * k + j] = j;
+  try {
+    buffer.dispatch({.x = x, .topk_idx = topk, .num_experts = g.size() * 2});
+    ADD_FAILURE() << "dispatch with disagreeing top-k succeeded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_topk: 1 on rank [0]"), std::string::npos) << e.what();
+  }
+  // The buffer stays usable after an error every rank raised alike.
+  Tensor good = Tensor::zeros({4, 2}, DType::kInt64);
+  for (int t = 0; t < 4; ++t)
+    for (int j = 0; j < 2; ++j) good.data_as<std::int64_t>()[t * 2 + j] = (g.rank() + j) % (g.size() * 2);
+  DispatchResult res = buffer.dispatch({.x = x, .topk_idx = good, .num_experts = g.size() * 2});
+  EXPECT_TRUE(res.recv_x.defined());
+}
+
+TEST(MpiTransport, TopologyThatDoesNotFitIsRejected) {
+  Group& g = *g_group;
+  try {
+    mpi::make_group(MPI_COMM_WORLD, {.ranks_per_node = g.size() + 1, .timeout_secs = 60});
+    ADD_FAILURE() << "ranks_per_node larger than the communicator was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(g.size() + 1)), std::string::npos) << e.what();
+  }
+  if (g.size() < 2) return;
+  // Ranks that ask for different topologies: every rank names both groups of ranks.
+  try {
+    mpi::make_group(MPI_COMM_WORLD, {.ranks_per_node = g.rank() == 0 ? 1 : g.size(), .timeout_secs = 60});
+    ADD_FAILURE() << "disagreeing ranks_per_node was accepted";
+  } catch (const PeerError& e) {
+    EXPECT_NE(std::string(e.what()).find("ranks [0] ask for 1"), std::string::npos) << e.what();
+  }
+}
+
+TEST(MpiTransport, LegacyNormalAndLowLatencyAcrossNodes) {
+  Group& g = *g_group;
+  // V1 low-latency: every token to experts on every rank, hook receive, then combine; the
+  // combined row of token t is sum_j w_j * x_t (experts are the identity here).
+  const int H = 128, N = 6, k = 2, E = g.size() * 2;
+  BufferConfig cfg{.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(N, H, g.size(), E),
+                   .low_latency_mode = true,
+                   .num_qps_per_rank = E / g.size(),
+                   .num_cpu_timeout_secs = 60};
+  Buffer buffer(g, cfg);
+  Tensor x = Tensor::empty({N, H}, DType::kBF16);
+  Tensor topk = Tensor::empty({N, k}, DType::kInt64);
+  Tensor weights = Tensor::empty({N, k}, DType::kFP32);
+  for (int t = 0; t < N; ++t) {
+    for (int h = 0; h < H; ++h) x.data_as<std::uint16_t>()[t * H + h] = float_to_bf16(static_cast<float>((t + g.rank() + h) % 7));
+    for (int j = 0; j < k; ++j) {
+      topk.data_as<std::int64_t>()[t * k + j] = (g.rank() * 3 + t * 5 + j * (E / 2)) % E;
+      weights.data_as<float>()[t * k + j] = j == 0 ? 0.5f : 0.25f;
+    }
+  }
+  auto d = buffer.low_latency_dispatch({.x = x, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
+                                        .num_experts = E, .use_fp8 = false});
+  auto c = buffer.low_latency_combine({.x = d.recv_x, .topk_idx = topk, .topk_weights = weights, .handle = d.handle});
+  for (int t = 0; t < N; ++t)
+    for (int h = 0; h < H; ++h) {
+      const float v = static_cast<float>((t + g.rank() + h) % 7);
+      ASSERT_EQ(c.combined_x.data_as<std::uint16_t>()[t * H + h], float_to_bf16(0.5f * v + 0.25f * v))
+          << "token " << t << " column " << h;
+    }
+}
+
+// On ranks other than 0: only failed assertions, prefixed with the rank.
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    std::fprintf(stderr, "[rank %d] %s:%d: failure\n%s\n", rank_, result.file_name() ? result.file_name() : "?",
+                 result.line_number(), result.message());
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+}  // namespace moe_ep::testing
+
+int main(int argc, char** argv) {
+  moe_ep::mpi::Session session(&argc, &argv);
+  ::testing::InitGoogleTest(&argc, argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) {  // one report; every rank still fails its own assertions (and the exit status)
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new moe_ep::testing::RankFailurePrinter(rank));
+  }
+  auto group = moe_ep::mpi::make_group(MPI_COMM_WORLD);
+  moe_ep::testing::g_group = group.get();
+  int failed = RUN_ALL_TESTS();
+  if (failed) std::fprintf(stderr, "[rank %d] %d test(s) failed\n", rank, failed);
+  group.reset();
+  return failed;
+}
