@@ -2,6 +2,7 @@
 // prefill and decode, beside the memcpy ceiling measured in the same run at the same thread
 // count. --api v1 measures the V1 Buffer: normal mode for prefill, low-latency mode for decode.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <chrono>
@@ -12,11 +13,17 @@
 #include <nlohmann/json.hpp>
 
 #include "commands.hh"
+#include "comm/transport.hh"
 #include "core/bandwidth.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/group.hpp"
 #include "moe_ep/legacy_buffer.hpp"
+#include "launch.hh"
+#include "moe_ep/error.hpp"
 #include "report.hh"
+#ifdef MOE_EP_WITH_MPI
+#include "alltoallv_baseline.hh"
+#endif
 
 namespace moe_ep::tools {
 namespace {
@@ -26,8 +33,10 @@ using Clock = std::chrono::steady_clock;
 // One timed operation of a shape: median over iterations of the slowest rank.
 struct Measured {
   std::string operation;
+  std::string baseline_of;  // for a baseline operation: the operation of ours it stands beside
   double seconds = 0;
   double bytes = 0;  // logical bytes, all ranks
+  std::vector<std::uint64_t> scaleout_bytes;  // [rank] bytes put to other nodes in one call
 };
 
 struct ShapeResult {
@@ -35,6 +44,7 @@ struct ShapeResult {
   int tokens = 0;
   int workers = 1;
   std::vector<Measured> operations;
+  std::vector<std::int64_t> node_pairs, rank_pairs;  // [rank] (token, remote node / remote rank) pairs
 };
 
 double median(std::vector<double> v) {
@@ -48,46 +58,87 @@ struct Operation {
   std::function<void()> call;
   std::int64_t rows = 0;  // received rows on this rank
   std::int64_t row_bytes = 0;
+  std::string baseline_of;
 };
-using Setup = std::function<std::vector<Operation>(Group&, int& workers)>;
+// pairs: this rank's (token, remote node) and (token, remote rank) pairs (remote_pairs).
+using Setup = std::function<std::vector<Operation>(Group&, int& workers, std::pair<std::int64_t, std::int64_t>& pairs)>;
 
-ShapeResult measure(const BenchOptions& o, const std::string& shape, int tokens, int iterations, const Setup& setup) {
-  ShapeResult result{shape, tokens};
-  std::vector<std::vector<std::vector<double>>> times;  // [operation][iteration][rank]
-  std::vector<Measured> measured;
-  std::vector<std::int64_t> bytes_per_rank;
-  std::mutex mutex;
-  LocalWorld world(o.ranks, {.num_scaleout = o.nodes});
-  world.run([&](Group& g) {
-    int workers = 1;
-    std::vector<Operation> ops = setup(g, workers);
-    {
-      std::lock_guard lock(mutex);
-      if (times.empty()) {
-        times.assign(ops.size(), std::vector<std::vector<double>>(static_cast<size_t>(iterations),
-                                                                  std::vector<double>(static_cast<size_t>(o.ranks), 0)));
-        measured.resize(ops.size());
-        for (std::size_t i = 0; i < ops.size(); ++i) measured[i].operation = ops[i].name;
-        result.workers = workers;
-      }
-      for (std::size_t i = 0; i < ops.size(); ++i) measured[i].bytes += static_cast<double>(ops[i].rows * ops[i].row_bytes);
+// (token, remote node) and (token, remote rank) pairs of this rank's routing: the scale-out
+// records of hybrid and direct mode.
+std::pair<std::int64_t, std::int64_t> remote_pairs(const LayerConfig& c, const Tensor& topk, int rank, int nodes) {
+  const int El = c.experts / c.ranks, per_node = c.ranks / nodes;
+  std::int64_t node_pairs = 0, rank_pairs = 0;
+  for (std::int64_t t = 0; t < topk.size(0); ++t) {
+    std::vector<bool> node_seen(static_cast<size_t>(nodes)), rank_seen(static_cast<size_t>(c.ranks));
+    for (int j = 0; j < c.topk; ++j) {
+      const std::int64_t id = topk.data_as<const std::int64_t>()[t * c.topk + j];
+      if (id < 0) continue;
+      const int r = static_cast<int>(id / El), node = r / per_node;
+      if (node == rank / per_node) continue;
+      if (!node_seen[static_cast<size_t>(node)]) ++node_pairs;
+      if (!rank_seen[static_cast<size_t>(r)]) ++rank_pairs;
+      node_seen[static_cast<size_t>(node)] = rank_seen[static_cast<size_t>(r)] = true;
     }
+  }
+  return {node_pairs, rank_pairs};
+}
+
+ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& shape, int tokens, int iterations,
+                    const Setup& setup) {
+  ShapeResult result{shape, tokens};
+  const int R = launch.size();
+  launch.run([&](Group& g) {
+    int workers = 1;
+    std::pair<std::int64_t, std::int64_t> pairs{0, 0};
+    std::vector<Operation> ops = setup(g, workers, pairs);
+    std::vector<double> times(ops.size() * static_cast<size_t>(iterations));
+    std::vector<std::uint64_t> scaleout(ops.size());
     for (int it = -2; it < iterations; ++it) {  // two warm-up rounds
       for (std::size_t i = 0; i < ops.size(); ++i) {
         g.barrier();
+        const std::uint64_t sent = g.transport().scaleout_bytes_sent();
         const auto t0 = Clock::now();
         ops[i].call();
         const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-        if (it >= 0) times[i][static_cast<size_t>(it)][static_cast<size_t>(g.rank())] = s;
+        if (it >= 0) times[i * static_cast<size_t>(iterations) + static_cast<size_t>(it)] = s;
+        scaleout[i] = g.transport().scaleout_bytes_sent() - sent;
       }
     }
+    // Every rank's numbers to rank 0: workers, then per operation its bytes and scale-out bytes,
+    // then the times.
+    std::vector<double> block = {static_cast<double>(workers), static_cast<double>(pairs.first),
+                                 static_cast<double>(pairs.second)};
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      block.push_back(static_cast<double>(ops[i].rows * ops[i].row_bytes));
+      block.push_back(static_cast<double>(scaleout[i]));
+    }
+    block.insert(block.end(), times.begin(), times.end());
+    const auto all = gather_blocks(g, std::as_bytes(std::span(block)));
+    result.workers = workers;
+    if (g.rank() != 0) return;
+    std::vector<std::vector<double>> slowest(ops.size(), std::vector<double>(static_cast<size_t>(iterations), 0));
+    result.operations.resize(ops.size());
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      result.operations[i].operation = ops[i].name;
+      result.operations[i].baseline_of = ops[i].baseline_of;
+      result.operations[i].scaleout_bytes.resize(static_cast<size_t>(R));
+    }
+    for (int r = 0; r < R; ++r) {
+      std::vector<double> theirs(all[static_cast<size_t>(r)].size() / sizeof(double));
+      if (theirs.size() != block.size()) throw StateError(fmt::format("bench: rank {} reported {} values", r, theirs.size()));
+      std::memcpy(theirs.data(), all[static_cast<size_t>(r)].data(), all[static_cast<size_t>(r)].size());
+      for (std::size_t i = 0; i < ops.size(); ++i) {
+        result.operations[i].bytes += theirs[3 + 2 * i];
+        result.operations[i].scaleout_bytes[static_cast<size_t>(r)] = static_cast<std::uint64_t>(theirs[4 + 2 * i]);
+        for (int it = 0; it < iterations; ++it)
+          slowest[i][static_cast<size_t>(it)] = std::max(
+              slowest[i][static_cast<size_t>(it)], theirs[3 + 2 * ops.size() + i * static_cast<size_t>(iterations) + static_cast<size_t>(it)]);
+      }
+      result.node_pairs.push_back(static_cast<std::int64_t>(theirs[1]));
+      result.rank_pairs.push_back(static_cast<std::int64_t>(theirs[2]));
+    }
+    for (std::size_t i = 0; i < ops.size(); ++i) result.operations[i].seconds = median(slowest[i]);
   });
-  for (std::size_t i = 0; i < measured.size(); ++i) {
-    std::vector<double> slowest;
-    for (const auto& ranks : times[i]) slowest.push_back(*std::max_element(ranks.begin(), ranks.end()));
-    measured[i].seconds = median(slowest);
-  }
-  result.operations = measured;
   return result;
 }
 
@@ -122,10 +173,29 @@ struct BenchInputs {
 std::int64_t compact_dispatch_row(const BenchOptions& o) { return o.hidden + 4 * (o.hidden / 128) + 12 * std::int64_t{o.topk}; }
 std::int64_t compact_combine_row(const BenchOptions& o) { return 2 * std::int64_t{o.hidden} + 4 * std::int64_t{o.topk}; }
 
+// Under MPI: the same dispatch and combine written with MPI_Alltoall + MPI_Alltoallv (bench/).
+void add_baseline(const BenchOptions& o, Group& g, const std::shared_ptr<BenchInputs>& in, std::vector<Operation>& ops,
+                  const std::string& dispatch_name, const std::string& combine_name) {
+#ifdef MOE_EP_WITH_MPI
+  if (o.launch.transport != "mpi") return;
+  auto baseline = std::make_shared<bench::AlltoallvBaseline>(MPI_COMM_WORLD);
+  auto first = std::make_shared<bench::BaselineDispatch>(
+      baseline->dispatch(in->x, in->scales, in->topk, in->weights, o.experts));
+  auto y = std::make_shared<Tensor>(Tensor::zeros({first->recv_x.size(0), o.hidden}, DType::kBF16));
+  const std::int64_t rows = first->recv_x.size(0);
+  ops.push_back({"alltoallv dispatch", [=, &o] { baseline->dispatch(in->x, in->scales, in->topk, in->weights, o.experts); },
+                 rows, compact_dispatch_row(o), dispatch_name});
+  ops.push_back({"alltoallv combine", [=] { baseline->combine(*first, *y); }, rows, 2 * std::int64_t{o.hidden}, combine_name});
+#else
+  (void)o, (void)g, (void)in, (void)ops, (void)dispatch_name, (void)combine_name;
+#endif
+}
+
 Setup v2_setup(const BenchOptions& o, int tokens) {
-  return [&o, tokens](Group& g, int& workers) {
+  return [&o, tokens](Group& g, int& workers, std::pair<std::int64_t, std::int64_t>& pairs) {
     const LayerConfig c = layer(o, tokens);
     auto in = std::make_shared<BenchInputs>(c, g.rank());
+    pairs = remote_pairs(c, in->topk, g.rank(), o.nodes);
     auto buffer = std::make_shared<ElasticBuffer>(
         g, ElasticBufferConfig{.num_max_tokens_per_rank = tokens, .hidden = o.hidden, .num_topk = o.topk,
                                .use_fp8_dispatch = true, .allow_hybrid_mode = o.allow_hybrid});
@@ -137,19 +207,22 @@ Setup v2_setup(const BenchOptions& o, int tokens) {
     const std::int64_t rows = first->recv_x.size(0);
     DispatchArgs replay{.x = in->x, .x_scales = in->scales, .topk_weights = in->weights, .num_sms = o.workers,
                         .handle = first->handle};
-    return std::vector<Operation>{
+    std::vector<Operation> ops{
         // The calls capture `in`: their argument views point into it.
         {"dispatch", [=] { (void)in; buffer->dispatch(args); }, rows, compact_dispatch_row(o)},
         {"cached dispatch", [=] { (void)in; buffer->dispatch(replay); }, rows, compact_dispatch_row(o)},
         {"combine", [=, &o] { buffer->combine({.x = *y, .handle = first->handle, .num_sms = o.workers}); }, rows,
          compact_combine_row(o)}};
+    add_baseline(o, g, in, ops, "dispatch", "combine");
+    return ops;
   };
 }
 
 Setup v1_setup(const BenchOptions& o, int tokens) {
-  return [&o, tokens](Group& g, int& workers) {
+  return [&o, tokens](Group& g, int& workers, std::pair<std::int64_t, std::int64_t>& pairs) {
     const LayerConfig c = layer(o, tokens);
     auto in = std::make_shared<BenchInputs>(c, g.rank());
+    pairs = remote_pairs(c, in->topk, g.rank(), o.nodes);
     const std::int64_t pool = o.nodes > 1 ? ElasticBuffer::get_buffer_size_hint(g, tokens, o.hidden, o.topk, true) : 0;
     auto buffer = std::make_shared<Buffer>(g, BufferConfig{.num_rdma_bytes = pool});
     Config dispatch_config = Buffer::get_dispatch_config(o.ranks), combine_config = Buffer::get_combine_config(o.ranks);
@@ -166,20 +239,23 @@ Setup v1_setup(const BenchOptions& o, int tokens) {
     auto y = std::make_shared<Tensor>(Tensor::zeros({first->recv_x.size(0), o.hidden}, DType::kBF16));
     workers = first->handle->routing->num_sms;
     const std::int64_t rows = first->recv_x.size(0);
-    return std::vector<Operation>{
+    std::vector<Operation> ops{
         {"layout + dispatch", [=] { normal(); }, rows, compact_dispatch_row(o)},
         {"cached dispatch",
          [=] { buffer->dispatch({.x = in->x, .x_scales = in->scales, .handle = first->handle, .config = dispatch_config}); },
          rows, compact_dispatch_row(o)},
         {"combine", [=] { buffer->combine({.x = *y, .handle = first->handle, .config = combine_config}); }, rows,
          compact_combine_row(o)}};
+    add_baseline(o, g, in, ops, "layout + dispatch", "combine");
+    return ops;
   };
 }
 
 Setup low_latency_setup(const BenchOptions& o, int tokens) {
-  return [&o, tokens](Group& g, int& workers) {
+  return [&o, tokens](Group& g, int& workers, std::pair<std::int64_t, std::int64_t>& pairs) {
     const LayerConfig c = layer(o, tokens);
     auto in = std::make_shared<BenchInputs>(c, g.rank());
+    pairs = remote_pairs(c, in->topk, g.rank(), o.nodes);
     auto buffer = std::make_shared<Buffer>(
         g, BufferConfig{.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(tokens, o.hidden, o.ranks, o.experts),
                         .low_latency_mode = true});
@@ -188,49 +264,122 @@ Setup low_latency_setup(const BenchOptions& o, int tokens) {
     auto first = std::make_shared<LowLatencyDispatchResult>(buffer->low_latency_dispatch(args));
     const int El = o.experts / o.ranks;
     auto y = std::make_shared<Tensor>(Tensor::zeros({El, std::int64_t{o.ranks} * tokens, o.hidden}, DType::kBF16));
-    std::int64_t pairs = 0;
-    for (int i = 0; i < El; ++i) pairs += first->packed_recv_count.data_as<std::int32_t>()[i];
+    std::int64_t expert_pairs = 0;
+    for (int i = 0; i < El; ++i) expert_pairs += first->packed_recv_count.data_as<std::int32_t>()[i];
     workers = 1;
     // Each timed combine needs a live handle: dispatch again right before it (not timed).
     auto handle = std::make_shared<std::shared_ptr<LowLatencyHandle>>(first->handle);
-    return std::vector<Operation>{
-        {"low-latency dispatch", [=] { (void)in; *handle = buffer->low_latency_dispatch(args).handle; }, pairs,
+    std::vector<Operation> ops{
+        {"low-latency dispatch", [=] { (void)in; *handle = buffer->low_latency_dispatch(args).handle; }, expert_pairs,
          o.hidden + 4 * (o.hidden / 128) + 16},
         {"low-latency combine",
          [=] { buffer->low_latency_combine({.x = *y, .topk_idx = in->topk, .topk_weights = in->weights, .handle = *handle}); },
-         pairs, 2 * std::int64_t{o.hidden}}};
+         expert_pairs, 2 * std::int64_t{o.hidden}}};
+    add_baseline(o, g, in, ops, "low-latency dispatch", "low-latency combine");
+    return ops;
   };
 }
 
 }  // namespace
 
-int bench_command(const BenchOptions& o) {
-  const bool v1 = o.api == "v1";
-  std::vector<ShapeResult> results;
-  results.push_back(measure(o, "prefill", o.prefill_tokens, o.prefill_iterations,
-                            v1 ? v1_setup(o, o.prefill_tokens) : v2_setup(o, o.prefill_tokens)));
-  results.push_back(measure(o, "decode", o.decode_tokens, o.decode_iterations,
-                            v1 ? low_latency_setup(o, o.decode_tokens) : v2_setup(o, o.decode_tokens)));
-  const int threads = o.ranks * results.front().workers;
-  const double ceiling = core::measure_copy_bandwidth(threads, std::size_t{64} << 20, 5);
+// Scale-out bytes each rank put in one call of each of our operations, beside the (token, remote
+// node) and (token, remote rank) pairs of its routing: hybrid mode sends one record per
+// (token, destination node), direct mode one per (token, destination rank).
+void print_scaleout(const std::vector<ShapeResult>& results, const BenchOptions& o, bool v1) {
+  if (o.nodes < 2) {
+    fmt::print("\nscale-out bytes: none (one node)\n");
+    return;
+  }
+  const bool hybrid = o.allow_hybrid || v1;
+  fmt::print("\nscale-out bytes per rank, one call ({} mode: one record per (token, destination {})):\n",
+             hybrid ? "hybrid" : "direct", hybrid ? "node" : "rank");
+  for (const auto& r : results) {
+    const Measured& dispatch = r.operations.front();
+    if (dispatch.operation.rfind("low-latency", 0) == 0) {
+      fmt::print("{}: low-latency mode sends one record per (token, remote expert); dispatch bytes per rank: [{}]\n",
+                 r.shape, fmt::join(dispatch.scaleout_bytes, ", "));
+      continue;
+    }
+    Table t({"shape", "rank", dispatch.operation + " bytes", hybrid ? "(token, node) pairs" : "(token, rank) pairs",
+             "bytes / pair", "combine bytes"});
+    for (int rank = 0; rank < o.ranks; ++rank) {
+      const std::int64_t pairs = hybrid ? r.node_pairs[static_cast<size_t>(rank)] : r.rank_pairs[static_cast<size_t>(rank)];
+      const std::uint64_t bytes = dispatch.scaleout_bytes[static_cast<size_t>(rank)];
+      std::uint64_t combine = 0;
+      for (const auto& op : r.operations)
+        if (op.operation.find("combine") != std::string::npos && op.baseline_of.empty())
+          combine = op.scaleout_bytes[static_cast<size_t>(rank)];
+      t.row({r.shape, std::to_string(rank), std::to_string(bytes), std::to_string(pairs),
+             pairs ? fmt::format("{:.1f}", static_cast<double>(bytes) / static_cast<double>(pairs)) : "-",
+             std::to_string(combine)});
+    }
+    t.print();
+  }
+}
 
-  fmt::print("moe-ep bench ({}): {} in-process ranks, topology {}x{}, {} worker thread(s) per rank; hidden {}, {} experts, "
+int bench_command(const BenchOptions& options, Launch& launch) {
+  BenchOptions o = options;
+  o.ranks = launch.size();
+  o.nodes = launch.topology().num_scaleout;
+  const bool v1 = o.api == "v1";
+  const bool mpi = o.launch.transport == "mpi";
+  std::vector<ShapeResult> results;
+  results.push_back(measure(launch, o, "prefill", o.prefill_tokens, o.prefill_iterations,
+                            v1 ? v1_setup(o, o.prefill_tokens) : v2_setup(o, o.prefill_tokens)));
+  results.push_back(measure(launch, o, "decode", o.decode_tokens, o.decode_iterations,
+                            v1 ? low_latency_setup(o, o.decode_tokens) : v2_setup(o, o.decode_tokens)));
+  // The memcpy ceiling at the same thread count: one process with every thread, or every
+  // process at once with its own threads (summed).
+  double ceiling = 0;
+  int threads = 0;
+  launch.run([&](Group& g) {
+    if (!mpi) {
+      if (g.rank() == 0) {
+        threads = o.ranks * results.front().workers;
+        ceiling = core::measure_copy_bandwidth(threads, std::size_t{64} << 20, 5);
+      }
+      return;
+    }
+    g.barrier();
+    const double mine = core::measure_copy_bandwidth(results.front().workers, std::size_t{64} << 20, 5);
+    const auto all = gather_blocks(g, std::as_bytes(std::span(&mine, 1)));
+    for (const auto& b : all) {
+      double v;
+      std::memcpy(&v, b.data(), sizeof v);
+      ceiling += v;
+    }
+    threads = o.ranks * results.front().workers;
+  });
+  if (!launch.reports()) return 0;
+
+  fmt::print("moe-ep bench ({}): {}, topology {}x{}, {} worker thread(s) per rank; hidden {}, {} experts, "
              "top-{}; FP8 dispatch (per-128 scales), BF16 combine\n\n",
-             v1 ? "V1 Buffer: normal mode for prefill, low-latency mode for decode" : "V2 ElasticBuffer", o.ranks,
-             o.nodes, o.ranks / o.nodes, results.front().workers, o.hidden, o.experts, o.topk);
-  Table table({"shape", "tokens/rank", "operation", "time (us)", "GB/s", "memcpy GB/s", "ratio", "floor (us)"});
+             v1 ? "V1 Buffer: normal mode for prefill, low-latency mode for decode" : "V2 ElasticBuffer",
+             launch.describe(), o.nodes, o.ranks / o.nodes, results.front().workers, o.hidden, o.experts, o.topk);
+  std::vector<std::string> columns = {"shape", "tokens/rank", "operation", "time (us)", "GB/s", "memcpy GB/s", "ratio",
+                                      "floor (us)"};
+  if (mpi) columns.push_back("speed-up vs alltoallv");
+  Table table(columns);
   nlohmann::json json = {{"api", o.api}, {"ranks", o.ranks}, {"nodes", o.nodes}, {"hidden", o.hidden},
                          {"experts", o.experts}, {"topk", o.topk}, {"memcpy_threads", threads}, {"memcpy_gbs", ceiling}};
   for (const auto& r : results) {
     for (const auto& op : r.operations) {
       const double gbs = op.bytes / op.seconds / 1e9;
       const double floor_us = op.bytes / (ceiling * 1e9) * 1e6;  // one copy of the logical bytes at memcpy speed
-      table.row({r.shape, std::to_string(r.tokens), op.operation, fmt::format("{:.1f}", op.seconds * 1e6),
-                 fmt::format("{:.2f}", gbs), fmt::format("{:.2f}", ceiling), fmt::format("{:.2f}", gbs / ceiling),
-                 fmt::format("{:.1f}", floor_us)});
+      std::vector<std::string> row = {r.shape, std::to_string(r.tokens), op.operation,
+                                      fmt::format("{:.1f}", op.seconds * 1e6), fmt::format("{:.2f}", gbs),
+                                      fmt::format("{:.2f}", ceiling), fmt::format("{:.2f}", gbs / ceiling),
+                                      fmt::format("{:.1f}", floor_us)};
+      // Our operation beside the baseline that does the same exchange: baseline time / our time.
+      double speedup = 0;
+      for (const auto& base : r.operations)
+        if (base.baseline_of == op.operation) speedup = base.seconds / op.seconds;
+      if (mpi) row.push_back(speedup > 0 ? fmt::format("{:.2f}x", speedup) : op.baseline_of.empty() ? "-" : "1 (baseline)");
+      table.row(row);
       json["results"].push_back({{"shape", r.shape}, {"tokens_per_rank", r.tokens}, {"operation", op.operation},
                                  {"seconds", op.seconds}, {"bytes", op.bytes}, {"gbs", gbs}, {"ratio", gbs / ceiling},
-                                 {"floor_seconds", floor_us / 1e6}});
+                                 {"floor_seconds", floor_us / 1e6}, {"speedup_vs_alltoallv", speedup},
+                                 {"scaleout_bytes_per_rank", op.scaleout_bytes}});
     }
   }
   table.print();
@@ -245,6 +394,10 @@ int bench_command(const BenchOptions& o) {
                o.hidden + 4 * (o.hidden / 128) + 16, 2 * o.hidden);
   fmt::print("memcpy: {} threads each copying its own 64 MiB buffer, best of 5, measured in this run.\n", threads);
   fmt::print("ratio = GB/s / memcpy GB/s; floor = logical bytes / memcpy GB/s (one copy at the ceiling).\n");
+  if (mpi)
+    fmt::print("speed-up = time of the MPI_Alltoall + pack + MPI_Alltoallv + unpack baseline (bench/alltoallv_baseline) / "
+               "our time, same inputs, same run.\n");
+  print_scaleout(results, o, v1);
   if (!o.json_path.empty()) std::ofstream(o.json_path) << json.dump(2) << "\n";
   return 0;
 }

@@ -50,7 +50,7 @@ void add_layer_options(CLI::App& app, LayerConfig& layer);
 
 int run_command(const RunOptions& options, Launch& launch);
 int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run);
-int bench_command(const BenchOptions& options);
+int bench_command(const BenchOptions& options, Launch& launch);
 int env_command(bool markdown);
 
 }  // namespace moe_ep::tools

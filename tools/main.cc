@@ -110,7 +110,13 @@ int main(int argc, char** argv) {
       auto launch = make_launch(&argc, &argv, run.launch);
       return run_command(run, *launch);
     }
-    if (app.got_subcommand("bench")) return bench_command(bench);
+    if (app.got_subcommand("bench")) {
+      bench.launch.ranks = bench.ranks;
+      bench.launch.ranks_given = bench_cmd->count("--ranks") > 0;
+      bench.launch.nodes = bench.nodes;
+      auto launch = make_launch(&argc, &argv, bench.launch);
+      return bench_command(bench, *launch);
+    }
     if (app.got_subcommand("env")) return env_command(env_markdown);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe-ep: %s\n", e.what());

@@ -72,7 +72,8 @@ struct ChannelState {
 };
 
 struct WorldState {
-  WorldState(int size, Topology topology) : size(size), topology(topology), departures(size) {}
+  WorldState(int size, Topology topology)
+      : size(size), topology(topology), departures(size), scaleout_bytes(new PaddedCounter[size]) {}
 
   std::shared_ptr<ChannelState> channel(std::uint64_t parent, std::uint64_t index, std::uint64_t* id) {
     std::lock_guard lock(mutex);
@@ -85,6 +86,7 @@ struct WorldState {
   int size;
   Topology topology;
   Departures departures;
+  std::unique_ptr<PaddedCounter[]> scaleout_bytes;  // [rank]: bytes put to other ranks
   std::mutex mutex;
   std::map<std::pair<std::uint64_t, std::uint64_t>, std::pair<std::uint64_t, std::shared_ptr<ChannelState>>>
       channels;
@@ -203,6 +205,11 @@ class LocalTransport final : public Transport {
                                    rank(), bytes, offset, memory.bytes()));
     auto& local = static_cast<LocalSymmetricMemory&>(memory);
     std::memcpy(local.any_peer(peer) + offset, src, bytes);
+    world_->scaleout_bytes[rank()].value.fetch_add(bytes, std::memory_order_relaxed);
+  }
+
+  std::uint64_t scaleout_bytes_sent() const override {
+    return world_->scaleout_bytes[rank()].value.load(std::memory_order_relaxed);
   }
 
   void signal(int peer) override {

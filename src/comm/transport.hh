@@ -104,6 +104,9 @@ class Transport {
     return out;
   }
 
+  // Bytes this rank has put() to other ranks, over every channel of its group (monotonic).
+  virtual std::uint64_t scaleout_bytes_sent() const = 0;
+
   // Scale-out: at most this many transfers in flight to one peer (>= 1).
   virtual void set_inflight_limit(int per_peer) {}
 

@@ -16,6 +16,7 @@
 #include <mpi.h>
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -40,6 +41,7 @@ struct HostInfo {
   std::vector<pid_t> pids;       // [world]
   std::vector<int> host;         // [world] host id (lowest world rank on that host)
   int host_size = 1;             // ranks on this host
+  mutable std::atomic<std::uint64_t> scaleout_bytes{0};  // this rank's put() bytes, every channel
   bool same_host(int a, int b) const { return host[static_cast<size_t>(a)] == host[static_cast<size_t>(b)]; }
 };
 

@@ -218,7 +218,10 @@ class MpiTransport final : public Transport {
     if (peer < 0 || peer >= size())
       throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), peer, size()));
     messenger_.put(peer, static_cast<WindowMemory&>(memory).id(), offset, src, bytes);
+    hosts_->scaleout_bytes.fetch_add(bytes, std::memory_order_relaxed);
   }
+
+  std::uint64_t scaleout_bytes_sent() const override { return hosts_->scaleout_bytes.load(std::memory_order_relaxed); }
 
   void signal(int peer) override { messenger_.signal(peer); }
 

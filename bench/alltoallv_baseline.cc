@@ -1,0 +1,165 @@
+#include "alltoallv_baseline.hh"
+
+#include <fmt/format.h>
+
+#include <climits>
+#include <cstring>
+
+#include "core/reduce.hh"
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::bench {
+namespace {
+
+void check(int rc, const char* call) {
+  if (rc != MPI_SUCCESS) throw StateError(fmt::format("Alltoallv baseline: {} failed (error {})", call, rc));
+}
+
+int to_int(std::int64_t bytes, const char* what) {
+  if (bytes > INT_MAX) throw InvalidArgument(fmt::format("Alltoallv baseline: {} of {} bytes exceed MPI's int counts", what, bytes));
+  return static_cast<int>(bytes);
+}
+
+}  // namespace
+
+AlltoallvBaseline::AlltoallvBaseline(MPI_Comm comm) {
+  check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+  MPI_Comm_rank(comm_, &rank_);
+  MPI_Comm_size(comm_, &size_);
+}
+
+AlltoallvBaseline::~AlltoallvBaseline() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorView& scales, const TensorView& topk_idx,
+                                             const TensorView& topk_weights, int num_experts) {
+  const std::int64_t N = x.size(0), H = x.size(1), k = topk_idx.size(1);
+  const std::int64_t P = scales.defined() ? scales.size(1) : 0;
+  const std::int64_t row_bytes = H * static_cast<std::int64_t>(element_size(x.dtype()));
+  const std::int64_t record = row_bytes + 4 * P + 12 * k;
+  const int El = num_experts / size_;
+  const auto* ids = topk_idx.data_as<const std::int64_t>();
+  BaselineDispatch d;
+  d.num_tokens = N;
+  d.num_topk = k;
+
+  // Destinations of every token, in lane order; counts per destination.
+  std::vector<std::vector<std::int32_t>> tokens_to(static_cast<size_t>(size_));
+  d.return_rows.assign(static_cast<size_t>(N * k), -1);
+  std::vector<std::int32_t> position(static_cast<size_t>(N * k), -1);  // index within tokens_to[dest]
+  for (std::int64_t t = 0; t < N; ++t) {
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int64_t id = ids[t * k + j];
+      if (id < 0) continue;
+      const int dest = static_cast<int>(id / El);
+      bool first = true;
+      for (std::int64_t l = 0; l < j; ++l) first &= !(ids[t * k + l] >= 0 && ids[t * k + l] / El == dest);
+      if (!first) continue;
+      position[static_cast<size_t>(t * k + j)] = static_cast<std::int32_t>(tokens_to[static_cast<size_t>(dest)].size());
+      tokens_to[static_cast<size_t>(dest)].push_back(static_cast<std::int32_t>(t));
+    }
+  }
+  d.send_counts.resize(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) d.send_counts[static_cast<size_t>(r)] = static_cast<int>(tokens_to[static_cast<size_t>(r)].size());
+  d.recv_counts.resize(static_cast<size_t>(size_));
+  check(MPI_Alltoall(d.send_counts.data(), 1, MPI_INT, d.recv_counts.data(), 1, MPI_INT, comm_), "MPI_Alltoall");
+
+  // Where each token's rows come back in the combine (destination-major, as sent).
+  std::int64_t base = 0;
+  std::vector<std::int64_t> dest_base(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) {
+    dest_base[static_cast<size_t>(r)] = base;
+    base += d.send_counts[static_cast<size_t>(r)];
+  }
+  for (std::int64_t t = 0; t < N; ++t)
+    for (std::int64_t j = 0; j < k; ++j)
+      if (position[static_cast<size_t>(t * k + j)] >= 0)
+        d.return_rows[static_cast<size_t>(t * k + j)] = static_cast<std::int32_t>(
+            dest_base[static_cast<size_t>(ids[t * k + j] / El)] + position[static_cast<size_t>(t * k + j)]);
+
+  // Pack, grouped by destination.
+  const std::int64_t send_rows = base;
+  send_.resize(static_cast<size_t>(send_rows * record));
+  std::vector<int> send_bytes(static_cast<size_t>(size_)), send_displs(static_cast<size_t>(size_));
+  std::int64_t at = 0;
+  for (int r = 0; r < size_; ++r) {
+    send_displs[static_cast<size_t>(r)] = to_int(at * record, "send displacement");
+    send_bytes[static_cast<size_t>(r)] = to_int(std::int64_t{d.send_counts[static_cast<size_t>(r)]} * record, "send count");
+    for (std::int32_t t : tokens_to[static_cast<size_t>(r)]) {
+      std::byte* out = send_.data() + at * record;
+      std::memcpy(out, static_cast<const std::byte*>(x.data()) + t * x.stride(0) * element_size(x.dtype()), static_cast<size_t>(row_bytes));
+      if (P) std::memcpy(out + row_bytes, scales.data_as<const float>() + t * scales.stride(0), static_cast<size_t>(4 * P));
+      std::memcpy(out + row_bytes + 4 * P, ids + t * k, static_cast<size_t>(8 * k));
+      std::memcpy(out + row_bytes + 4 * P + 8 * k, topk_weights.data_as<const float>() + t * k, static_cast<size_t>(4 * k));
+      ++at;
+    }
+  }
+  std::int64_t recv_rows = 0;
+  std::vector<int> recv_bytes(static_cast<size_t>(size_)), recv_displs(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) {
+    recv_displs[static_cast<size_t>(r)] = to_int(recv_rows * record, "receive displacement");
+    recv_bytes[static_cast<size_t>(r)] = to_int(std::int64_t{d.recv_counts[static_cast<size_t>(r)]} * record, "receive count");
+    recv_rows += d.recv_counts[static_cast<size_t>(r)];
+  }
+  recv_.resize(static_cast<size_t>(recv_rows * record));
+  check(MPI_Alltoallv(send_.data(), send_bytes.data(), send_displs.data(), MPI_BYTE, recv_.data(), recv_bytes.data(),
+                      recv_displs.data(), MPI_BYTE, comm_),
+        "MPI_Alltoallv");
+
+  // Unpack into separate tensors.
+  d.recv_x = Tensor::empty({recv_rows, H}, x.dtype());
+  if (P) d.recv_x_scales = Tensor::empty({recv_rows, P}, DType::kFP32);
+  d.recv_topk_idx = Tensor::empty({recv_rows, k}, DType::kInt64);
+  d.recv_topk_weights = Tensor::empty({recv_rows, k}, DType::kFP32);
+  for (std::int64_t i = 0; i < recv_rows; ++i) {
+    const std::byte* in = recv_.data() + i * record;
+    std::memcpy(static_cast<std::byte*>(d.recv_x.data()) + i * row_bytes, in, static_cast<size_t>(row_bytes));
+    if (P) std::memcpy(d.recv_x_scales.data_as<float>() + i * P, in + row_bytes, static_cast<size_t>(4 * P));
+    std::memcpy(d.recv_topk_idx.data_as<std::int64_t>() + i * k, in + row_bytes + 4 * P, static_cast<size_t>(8 * k));
+    std::memcpy(d.recv_topk_weights.data_as<float>() + i * k, in + row_bytes + 4 * P + 8 * k, static_cast<size_t>(4 * k));
+  }
+  return d;
+}
+
+Tensor AlltoallvBaseline::combine(const BaselineDispatch& d, const TensorView& y) {
+  const std::int64_t H = y.size(1), row = 2 * H, N = d.num_tokens, k = d.num_topk;
+  // Rows go back to their sources straight from y (receive order is source-major).
+  std::vector<int> send_bytes(static_cast<size_t>(size_)), send_displs(static_cast<size_t>(size_));
+  std::vector<int> recv_bytes(static_cast<size_t>(size_)), recv_displs(static_cast<size_t>(size_));
+  std::int64_t sent = 0, received = 0;
+  for (int r = 0; r < size_; ++r) {
+    send_displs[static_cast<size_t>(r)] = to_int(sent * row, "send displacement");
+    send_bytes[static_cast<size_t>(r)] = to_int(std::int64_t{d.recv_counts[static_cast<size_t>(r)]} * row, "send count");
+    sent += d.recv_counts[static_cast<size_t>(r)];
+    recv_displs[static_cast<size_t>(r)] = to_int(received * row, "receive displacement");
+    recv_bytes[static_cast<size_t>(r)] = to_int(std::int64_t{d.send_counts[static_cast<size_t>(r)]} * row, "receive count");
+    received += d.send_counts[static_cast<size_t>(r)];
+  }
+  recv_.resize(static_cast<size_t>(received * row));
+  check(MPI_Alltoallv(y.data(), send_bytes.data(), send_displs.data(), MPI_BYTE, recv_.data(), recv_bytes.data(),
+                      recv_displs.data(), MPI_BYTE, comm_),
+        "MPI_Alltoallv");
+  // Reduce: per token, the rows of its ranks in first-lane order.
+  Tensor out = Tensor::empty({N, H}, DType::kBF16);
+  const auto* rows = reinterpret_cast<const std::uint16_t*>(recv_.data());
+  std::vector<const std::uint16_t*> inputs;
+  for (std::int64_t t = 0; t < N; ++t) {
+    inputs.clear();
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int32_t r = d.return_rows[static_cast<size_t>(t * k + j)];
+      if (r >= 0) inputs.push_back(rows + std::int64_t{r} * H);
+    }
+    std::uint16_t* dst = out.data_as<std::uint16_t>() + t * H;
+    if (inputs.empty()) {
+      std::memset(dst, 0, static_cast<size_t>(row));
+    } else {
+      core::sum_bf16_rows(inputs, dst, H);
+    }
+  }
+  return out;
+}
+
+}  // namespace moe_ep::bench
