@@ -103,6 +103,26 @@ TEST(MpiTransport, HybridAndDirectOnEveryLayout) {
   }
 }
 
+// Inputs larger than the shared arena's first size, then a larger combine input: node peers must
+// follow the arena as it grows between calls.
+TEST(MpiTransport, SharedArenaGrowsBetweenCalls) {
+  Group& g = *g_group;
+  for (int tokens : {8, 160}) {
+    reference::CaseSpec s;
+    s.ranks = g.size();
+    s.scaleout = g.num_scaleout();
+    s.num_experts = s.ranks * 2;
+    s.k = 4;
+    s.max_tokens = tokens;
+    s.hidden = 4096;
+    s.seed = 900 + static_cast<std::uint64_t>(tokens);
+    for (int r = 0; r < s.ranks; ++r) s.tokens.push_back(tokens - r % 3);
+    RunOptions o;
+    SCOPED_TRACE(describe(s, o));
+    for (const auto& f : run_elastic_case(g, s, o)) ADD_FAILURE() << f;
+  }
+}
+
 // Bad input across processes: the rank with other arguments is named on every rank.
 TEST(MpiTransport, DisagreeingHiddenNamesTheRank) {
   Group& g = *g_group;

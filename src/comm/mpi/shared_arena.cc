@@ -64,13 +64,14 @@ const std::byte* ArenaView::at(std::size_t offset, std::size_t bytes) {
   }
   bytes = std::max<std::size_t>(bytes, 1);
   if (offset > SIZE_MAX - bytes) throw StateError(fmt::format("shared arena of {}: bad range", owner_));
-  if (base_ == nullptr || offset + bytes > mapped_) {
-    struct stat st {};
-    if (fstat(fd_, &st) != 0) throw StateError(fmt::format("shared arena of {}: fstat failed: {}", owner_, errno_text()));
-    const auto size = static_cast<std::size_t>(st.st_size);
-    if (offset + bytes > size)
-      throw StateError(fmt::format("shared arena of {}: bytes [{}, {}) published beyond its {} bytes", owner_, offset,
-                                   offset + bytes, size));
+  // The owner grows the file before it publishes offsets into the new part: map all of it.
+  struct stat st {};
+  if (fstat(fd_, &st) != 0) throw StateError(fmt::format("shared arena of {}: fstat failed: {}", owner_, errno_text()));
+  const auto size = static_cast<std::size_t>(st.st_size);
+  if (offset + bytes > size)
+    throw StateError(fmt::format("shared arena of {}: bytes [{}, {}) published beyond its {} bytes", owner_, offset,
+                                 offset + bytes, size));
+  if (base_ == nullptr || size > mapped_) {
     if (base_) munmap(const_cast<std::byte*>(base_), mapped_);
     base_ = nullptr;
     mapped_ = 0;
