@@ -52,6 +52,14 @@ std::vector<std::uint16_t> expected_combine(const CaseSpec& s, const Expectation
 void check_combined(const std::vector<std::uint16_t>& expected, const Tensor& got, const std::string& what,
                     std::vector<std::string>& bad);
 
+// What the checks expect of a dispatcher's outputs, from its resolved options.
+Expectation expectation(const DispatcherOptions& o);
+
+// One batch through the dispatcher, checked end to end against the references (problems are
+// appended to `bad`, prefixed with `label`); returns the combined output.
+Tensor run_batch(Group& g, TokenDispatcher& d, const CaseSpec& s, BatchKind kind, std::vector<std::string>& bad,
+                 const std::string& label);
+
 // Runs fn on every rank of a LocalWorld and reports every rank's problems as test failures.
 void run_ranks(int ranks, Topology topology, const std::function<void(Group&, std::vector<std::string>&)>& fn);
 

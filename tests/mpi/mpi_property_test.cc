@@ -14,6 +14,7 @@
 #include <optional>
 
 #include "comm/transport.hh"
+#include "dispatcher/fixture.hh"
 #include "elastic/elastic_harness.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
@@ -120,6 +121,38 @@ TEST(MpiTransport, SharedArenaGrowsBetweenCalls) {
     RunOptions o;
     SCOPED_TRACE(describe(s, o));
     for (const auto& f : run_elastic_case(g, s, o)) ADD_FAILURE() << f;
+  }
+}
+
+// The token dispatcher over MPI: both generations, prefill (normal) and decode (low-latency)
+// batches in one sequence, checked end to end against the references.
+TEST(MpiTransport, DispatcherBothGenerationsAutoMode) {
+  Group& g = *g_group;
+  for (bool v2 : {false, true}) {
+    for (bool fp8 : {false, true}) {
+      DispatcherOptions o;
+      o.hidden = 256;
+      o.num_experts = g.size() * 4;
+      o.num_topk = 4;
+      o.use_v2 = v2;
+      o.mode = DispatchMode::kAuto;
+      o.num_max_dispatch_tokens_per_rank = 8;
+      o.num_max_prefill_tokens_per_rank = 24;
+      o.dispatch_dtype = fp8 ? WireDType::kFP8 : WireDType::kBF16;
+      o.timeout_secs = 60;
+      o.provider_path = "cpu";
+      BufferCache cache(g);
+      TokenDispatcher d(cache, o);
+      std::vector<std::string> bad;
+      int round = 0;
+      for (BatchKind kind : {BatchKind::kPrefill, BatchKind::kDecode, BatchKind::kPrefill}) {
+        const bool decode = kind == BatchKind::kDecode;
+        const CaseSpec spec = make_spec(g.size(), g.num_scaleout(), o.num_experts, o.num_topk, decode ? 8 : 24, o.hidden,
+                                        static_cast<std::uint64_t>(40 + round));
+        run_batch(g, d, spec, kind, bad, fmt::format("{} {} batch {}", v2 ? "V2" : "V1", fp8 ? "fp8" : "bf16", round++));
+      }
+      for (const auto& b : bad) ADD_FAILURE() << "[rank " << g.rank() << "] " << b;
+    }
   }
 }
 
