@@ -232,16 +232,6 @@ class LocalTransport final : public Transport {
     }
   }
 
-  void check_same_node(int peer) const {
-    if (peer < 0 || peer >= size())
-      throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), peer, size()));
-    if (!same_node(peer))
-      throw StateError(fmt::format(
-          "[rank {}] rank {} is on node {}, not on this rank's node {}: it is reachable only through the "
-          "scale-out interface",
-          rank(), peer, node_of(peer), node_of(rank())));
-  }
-
  private:
   ScopeSlots& slots(Scope scope) {
     return scope == Scope::kWorld ? channel_->world : channel_->nodes[static_cast<size_t>(node_of(rank()))];
@@ -302,6 +292,16 @@ void retire(std::unique_ptr<SymmetricMemory> memory) {
   static auto* retired = new std::vector<std::unique_ptr<SymmetricMemory>>();  // reachable until exit
   std::lock_guard lock(mutex);
   retired->push_back(std::move(memory));
+}
+
+void Transport::check_same_node(int peer) const {
+  if (peer < 0 || peer >= size())
+    throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), peer, size()));
+  if (!same_node(peer))
+    throw StateError(fmt::format(
+        "[rank {}] rank {} is on node {}, not on this rank's node {}: it is reachable only through the "
+        "scale-out interface",
+        rank(), peer, node_of(peer), node_of(rank())));
 }
 
 Topology resolve_topology(int num_ranks, Topology topology) {

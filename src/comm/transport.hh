@@ -76,6 +76,9 @@ class Transport {
   int node_size() const { return topology_.num_scaleup; }
   int node_first_rank() const { return node_of(rank_) * topology_.num_scaleup; }
 
+  // Throws StateError unless `peer` is a rank of this rank's node.
+  void check_same_node(int peer) const;
+
   // Ranks of the group running on this machine (they share its cores).
   virtual int ranks_on_host() const = 0;
 

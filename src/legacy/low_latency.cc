@@ -181,6 +181,7 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
   std::exception_ptr error = local_error;
   if (!error) {
     try {
+      e.limit_inflight(0);  // num_qps_per_rank
       if (!result.recv_x.defined()) allocate_outputs_early();
       mine.assign(static_cast<size_t>(E_) + 1, 0);
       mine[static_cast<size_t>(E_)] = n_;
@@ -468,6 +469,7 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
   std::exception_ptr error = local_error;
   if (!error) {
     try {
+      e.limit_inflight(0);  // num_qps_per_rank
       if (!result.combined_x.defined()) allocate_outputs_early();
       mine = {static_cast<const std::byte*>(args_.x.data()), args_.x.stride(0) * 2, args_.x.stride(1) * 2};
     } catch (...) {

@@ -191,6 +191,7 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
                                .use_fp8_dispatch = spec.fp8,
                                .allow_hybrid_mode = spec.allow_hybrid,
                                .allow_multiple_reduction = spec.multi,
+                               .num_allocated_qps = opt.num_allocated_qps,
                                .num_cpu_timeout_secs = 120});
   std::vector<RankInputs> all;
   for (int r = 0; r < spec.ranks; ++r) all.push_back(reference::make_inputs(spec, r));

@@ -20,6 +20,7 @@ struct RunOptions {
   bool zero_padding = false;
   bool col_major_scales = false;
   int num_sms = 0;
+  int num_allocated_qps = 0;  // 0: auto
   // When set, receives a digest of this rank's outputs (received rows, handle counts, combined
   // rows and weights): equal digests mean bit-identical outputs.
   std::uint64_t* digest = nullptr;

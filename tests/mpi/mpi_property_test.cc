@@ -17,6 +17,7 @@
 #include "dispatcher/fixture.hh"
 #include "elastic/elastic_harness.hh"
 #include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "moe_ep/mpi.hpp"
@@ -153,6 +154,29 @@ TEST(MpiTransport, DispatcherBothGenerationsAutoMode) {
       }
       for (const auto& b : bad) ADD_FAILURE() << "[rank " << g.rank() << "] " << b;
     }
+  }
+}
+
+// One scale-out message in flight per peer, and small messages: senders block on the bound and
+// must drive progress (their own receives included) until a message completes.
+TEST(MpiTransport, OneMessageInFlightPerPeer) {
+  Group& g = *g_group;
+  env::ScopedOverride chunk("MOE_EP_MPI_CHUNK_BYTES", "4096");
+  for (bool hybrid : {true, false}) {
+    reference::CaseSpec s;
+    s.ranks = g.size();
+    s.scaleout = g.num_scaleout();
+    s.allow_hybrid = hybrid;
+    s.num_experts = s.ranks * 4;
+    s.k = 6;
+    s.max_tokens = 48;
+    s.hidden = 1024;
+    s.seed = 77;
+    for (int r = 0; r < s.ranks; ++r) s.tokens.push_back(48 - r);
+    RunOptions o;
+    o.num_allocated_qps = 1;
+    SCOPED_TRACE(describe(s, o));
+    for (const auto& f : run_elastic_case(g, s, o)) ADD_FAILURE() << f;
   }
 }
 

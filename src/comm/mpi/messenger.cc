@@ -156,18 +156,11 @@ std::vector<std::vector<std::byte>> Messenger::gather(std::span<const int> membe
     bool all = true;
     for (std::size_t i = 0; i < members.size(); ++i) {
       if (have[i]) continue;
-      int flag = 0;
-      MPI_Message message;
-      MPI_Status status;
-      check_mpi(MPI_Improbe(members[i], tag, comm_, &flag, &message, &status), "MPI_Improbe", rank_);
-      if (!flag) {
+      std::vector<std::byte> data;
+      if (receive(members[i], tag, data) < 0) {
         all = false;
         continue;
       }
-      int count = 0;
-      MPI_Get_count(&status, MPI_BYTE, &count);
-      std::vector<std::byte> data(static_cast<size_t>(count));
-      check_mpi(MPI_Mrecv(data.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE), "MPI_Mrecv", rank_);
       std::uint64_t theirs = 0;
       if (data.size() >= sizeof theirs) std::memcpy(&theirs, data.data(), sizeof theirs);
       if (data.size() < sizeof theirs || theirs != epoch)
@@ -286,6 +279,19 @@ void Messenger::apply(int source, std::span<const std::byte> message) {
   ++sources_[static_cast<size_t>(source)].applied;
 }
 
+int Messenger::receive(int source, int tag, std::vector<std::byte>& buffer) {
+  int flag = 0;
+  MPI_Message message;
+  MPI_Status status;
+  check_mpi(MPI_Improbe(source, tag, comm_, &flag, &message, &status), "MPI_Improbe", rank_);
+  if (!flag) return -1;
+  int count = 0;
+  MPI_Get_count(&status, MPI_BYTE, &count);
+  buffer.resize(static_cast<size_t>(count));
+  check_mpi(MPI_Mrecv(buffer.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE), "MPI_Mrecv", rank_);
+  return status.MPI_SOURCE;
+}
+
 void Messenger::progress() {
   for (auto it = pending_.begin(); it != pending_.end();) {
     int done = 0;
@@ -297,27 +303,13 @@ void Messenger::progress() {
     if (it->record) --inflight_[static_cast<size_t>(it->peer)];
     it = pending_.erase(it);
   }
-  for (;;) {
-    int flag = 0;
-    MPI_Message message;
-    MPI_Status status;
-    check_mpi(MPI_Improbe(MPI_ANY_SOURCE, kTagData, comm_, &flag, &message, &status), "MPI_Improbe", rank_);
-    if (!flag) break;
-    int count = 0;
-    MPI_Get_count(&status, MPI_BYTE, &count);
-    receive_.resize(static_cast<size_t>(count));
-    check_mpi(MPI_Mrecv(receive_.data(), count, MPI_BYTE, &message, MPI_STATUS_IGNORE), "MPI_Mrecv", rank_);
-    apply(status.MPI_SOURCE, receive_);
-  }
-  for (;;) {
-    int flag = 0;
-    MPI_Message message;
-    MPI_Status status;
-    check_mpi(MPI_Improbe(MPI_ANY_SOURCE, kTagSignal, comm_, &flag, &message, &status), "MPI_Improbe", rank_);
-    if (!flag) break;
+  for (int source; (source = receive(MPI_ANY_SOURCE, kTagData, receive_)) >= 0;) apply(source, receive_);
+  for (int source; (source = receive(MPI_ANY_SOURCE, kTagSignal, receive_)) >= 0;) {
     std::uint64_t threshold = 0;
-    check_mpi(MPI_Mrecv(&threshold, sizeof threshold, MPI_BYTE, &message, MPI_STATUS_IGNORE), "MPI_Mrecv", rank_);
-    sources_[static_cast<size_t>(status.MPI_SOURCE)].thresholds.push_back(threshold);
+    if (receive_.size() != sizeof threshold)
+      throw StateError(fmt::format("[rank {}] malformed signal from rank {}", rank_, source));
+    std::memcpy(&threshold, receive_.data(), sizeof threshold);
+    sources_[static_cast<size_t>(source)].thresholds.push_back(threshold);
   }
   for (Source& s : sources_)
     while (!s.thresholds.empty() && s.thresholds.front() <= s.applied) {

@@ -84,6 +84,9 @@ class Messenger {
   };
 
   void progress();  // with mpi_mutex held
+  // Receives the next message from `source` (or MPI_ANY_SOURCE) with `tag` into `buffer` if one
+  // has arrived; returns its source, or -1. With mpi_mutex held.
+  int receive(int source, int tag, std::vector<std::byte>& buffer);
   void apply(int source, std::span<const std::byte> message);
   void send(int peer, int tag, std::vector<std::byte> buffer, bool record);
   void flush(int peer);  // with mpi_mutex held

@@ -230,16 +230,6 @@ class MpiTransport final : public Transport {
     messenger_.wait_signals(peers, targets, wait);
   }
 
-  void check_same_node(int peer) const {
-    if (peer < 0 || peer >= size())
-      throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), peer, size()));
-    if (!same_node(peer))
-      throw StateError(fmt::format(
-          "[rank {}] rank {} is on node {}, not on this rank's node {}: it is reachable only through the "
-          "scale-out interface",
-          rank(), peer, node_of(peer), node_of(rank())));
-  }
-
   // Frees a window: collective over the node, so it runs only once every member arrived.
   void release(std::uint32_t id, MPI_Win window, const Wait& wait) noexcept {
     messenger_.unregister_memory(id);
