@@ -328,27 +328,17 @@ int bench_command(const BenchOptions& options, Launch& launch) {
                             v1 ? v1_setup(o, o.prefill_tokens) : v2_setup(o, o.prefill_tokens)));
   results.push_back(measure(launch, o, "decode", o.decode_tokens, o.decode_iterations,
                             v1 ? low_latency_setup(o, o.decode_tokens) : v2_setup(o, o.decode_tokens)));
-  // The memcpy ceiling at the same thread count: one process with every thread, or every
-  // process at once with its own threads (summed).
+  // The memcpy ceiling at the same thread count: one process copies with as many threads as the
+  // ranks of its host use (the others wait), times the number of hosts (all alike).
   double ceiling = 0;
   int threads = 0;
   launch.run([&](Group& g) {
-    if (!mpi) {
-      if (g.rank() == 0) {
-        threads = o.ranks * results.front().workers;
-        ceiling = core::measure_copy_bandwidth(threads, std::size_t{64} << 20, 5);
-      }
-      return;
-    }
+    const int on_host = std::min(g.transport().ranks_on_host(), g.size());
+    threads = g.size() * results.front().workers;
+    if (g.rank() == 0)
+      ceiling = core::measure_copy_bandwidth(on_host * results.front().workers, std::size_t{64} << 20, 5) *
+                (g.size() / on_host);
     g.barrier();
-    const double mine = core::measure_copy_bandwidth(results.front().workers, std::size_t{64} << 20, 5);
-    const auto all = gather_blocks(g, std::as_bytes(std::span(&mine, 1)));
-    for (const auto& b : all) {
-      double v;
-      std::memcpy(&v, b.data(), sizeof v);
-      ceiling += v;
-    }
-    threads = o.ranks * results.front().workers;
   });
   if (!launch.reports()) return 0;
 
@@ -392,7 +382,8 @@ int bench_command(const BenchOptions& options, Launch& launch) {
     fmt::print("  low-latency: (token, expert) pairs x {} B dispatch (hidden x 1 B + scales + 16 B header), x {} B "
                "combine (hidden x 2 B)\n",
                o.hidden + 4 * (o.hidden / 128) + 16, 2 * o.hidden);
-  fmt::print("memcpy: {} threads each copying its own 64 MiB buffer, best of 5, measured in this run.\n", threads);
+  fmt::print("memcpy: {} threads each copying its own 64 MiB buffer, best of 5, measured in this run{}.\n", threads,
+             mpi ? " (by one process per host, with the threads of that host's ranks)" : "");
   fmt::print("ratio = GB/s / memcpy GB/s; floor = logical bytes / memcpy GB/s (one copy at the ceiling).\n");
   if (mpi)
     fmt::print("speed-up = time of the MPI_Alltoall + pack + MPI_Alltoallv + unpack baseline (bench/alltoallv_baseline) / "

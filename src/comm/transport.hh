@@ -110,6 +110,10 @@ class Transport {
   // Bytes this rank has put() to other ranks, over every channel of its group (monotonic).
   virtual std::uint64_t scaleout_bytes_sent() const = 0;
 
+  // Bytes share() had to copy (memory node peers could not map in place), over every channel of
+  // the group (monotonic).
+  virtual std::uint64_t shared_bytes_copied() const { return 0; }
+
   // Scale-out: at most this many transfers in flight to one peer (>= 1).
   virtual void set_inflight_limit(int per_peer) {}
 

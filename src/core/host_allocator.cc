@@ -1,7 +1,10 @@
 #include "core/host_allocator.hh"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <new>
@@ -31,11 +34,24 @@ class LargeBlockCache {
       }
     }
     const std::size_t rounded = (bytes + kLargeGranule - 1) / kLargeGranule * kLargeGranule;
-    void* p = mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::bad_alloc();
+    int fd = -1;
+    if (shareable_.load(std::memory_order_relaxed)) {
+      fd = memfd_create("moe-ep-tensor", MFD_CLOEXEC);
+      if (fd >= 0 && ftruncate(fd, static_cast<off_t>(rounded)) != 0) {
+        close(fd);
+        fd = -1;
+      }
+    }
+    void* p = fd >= 0 ? mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                      : mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+      if (fd >= 0) close(fd);
+      throw std::bad_alloc();
+    }
     // No MADV_HUGEPAGE: outputs such as the low-latency slab are sparse (rows at the start of
     // each expert's block); huge pages would zero 2 MiB for every touched row.
     std::lock_guard lock(mutex_);
+    if (fd >= 0) shared_[reinterpret_cast<std::uintptr_t>(p)] = {rounded, fd};
     stats_.mapped_bytes += rounded;
     ++stats_.num_maps;
     *block_bytes = rounded;
@@ -53,7 +69,7 @@ class LargeBlockCache {
       }
       stats_.mapped_bytes -= block_bytes;
     }
-    munmap(p, block_bytes);
+    unmap(p, block_bytes);
   }
 
   void trim() {
@@ -64,7 +80,20 @@ class LargeBlockCache {
       stats_.mapped_bytes -= stats_.cached_bytes;
       stats_.cached_bytes = 0;
     }
-    for (auto& [bytes, p] : victims) munmap(p, bytes);
+    for (auto& [bytes, p] : victims) unmap(p, bytes);
+  }
+
+  void share_new_blocks() { shareable_.store(true); }
+
+  bool find(const void* p, std::size_t bytes, SharedBlock* out) {
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    std::lock_guard lock(mutex_);
+    auto it = shared_.upper_bound(at);
+    if (it == shared_.begin()) return false;
+    --it;
+    if (at - it->first > it->second.bytes || bytes > it->second.bytes - (at - it->first)) return false;
+    *out = {it->second.fd, at - it->first};
+    return true;
   }
 
   HostAllocatorStats stats() {
@@ -73,8 +102,29 @@ class LargeBlockCache {
   }
 
  private:
+  struct Shared {
+    std::size_t bytes;
+    int fd;
+  };
+
+  void unmap(void* p, std::size_t bytes) {
+    int fd = -1;
+    {
+      std::lock_guard lock(mutex_);
+      auto it = shared_.find(reinterpret_cast<std::uintptr_t>(p));
+      if (it != shared_.end()) {
+        fd = it->second.fd;
+        shared_.erase(it);
+      }
+    }
+    munmap(p, bytes);
+    if (fd >= 0) close(fd);
+  }
+
   std::mutex mutex_;
   std::multimap<std::size_t, void*> free_;
+  std::map<std::uintptr_t, Shared> shared_;  // memfd-backed blocks by base address (live or cached)
+  std::atomic<bool> shareable_{false};
   HostAllocatorStats stats_;
 };
 
@@ -98,5 +148,9 @@ std::shared_ptr<void> allocate_host(std::size_t bytes) {
 HostAllocatorStats host_allocator_stats() { return cache().stats(); }
 
 void host_allocator_trim() { cache().trim(); }
+
+void share_new_blocks() { cache().share_new_blocks(); }
+
+bool find_shared_block(const void* p, std::size_t bytes, SharedBlock* out) { return cache().find(p, bytes, out); }
 
 }  // namespace moe_ep::core

@@ -6,6 +6,12 @@
 // pay page faults for its outputs. A block is reused for a request of at least half its size.
 // The cache is bounded (MOE_EP_ALLOCATOR_CACHE_BYTES, default 64 GiB of address space; only the
 // pages a block's users touched are resident); beyond it, blocks are unmapped on release. Small blocks use aligned operator new. Thread-safe.
+//
+// Shareable blocks: once share_new_blocks() was called (the MPI transport does, for processes
+// whose node peers read this process's tensors), new large blocks are memfd-backed shared
+// mappings, so a transport can let node peers map a tensor instead of copying it
+// (find_shared_block). If a memfd cannot be created (no file descriptors left), the block is an
+// ordinary private mapping and callers copy.
 #pragma once
 
 #include <cstddef>
@@ -24,5 +30,16 @@ std::shared_ptr<void> allocate_host(std::size_t bytes);
 HostAllocatorStats host_allocator_stats();
 // Unmaps every cached free block.
 void host_allocator_trim();
+
+// From now on, large blocks are memfd-backed (see above). Process-wide, cannot be undone.
+void share_new_blocks();
+
+// The memfd block holding [p, p + bytes), if any: its file descriptor (open while the block is
+// mapped, live or cached) and the offset of p in it.
+struct SharedBlock {
+  int fd = -1;
+  std::size_t offset = 0;
+};
+bool find_shared_block(const void* p, std::size_t bytes, SharedBlock* out);
 
 }  // namespace moe_ep::core

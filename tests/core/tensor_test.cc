@@ -1,6 +1,8 @@
 #include <dlpack/dlpack.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <numeric>
@@ -161,6 +163,33 @@ TEST(Env, TypedReadsOverridesAndErrors) {
   setenv("MOE_EP_TIMEOUT_SECS", "soon", 1);
   EXPECT_THROW(env::get_float("MOE_EP_TIMEOUT_SECS"), InvalidArgument);
   unsetenv("MOE_EP_TIMEOUT_SECS");
+}
+
+}  // namespace
+}  // namespace moe_ep
+
+namespace moe_ep {
+namespace {
+
+// Shareable large blocks (the MPI transport turns them on): memfd-backed, found by address.
+TEST(HostAllocator, SharedBlocksAreFoundByAddress) {
+  core::share_new_blocks();
+  auto block = core::allocate_host(3 << 20);
+  auto* p = static_cast<std::byte*>(block.get());
+  core::SharedBlock found;
+  ASSERT_TRUE(core::find_shared_block(p + 4096, 1 << 20, &found));
+  EXPECT_GE(found.fd, 0);
+  EXPECT_EQ(found.offset, 4096u);
+  EXPECT_FALSE(core::find_shared_block(p + (3 << 20), 8 << 20, &found)) << "a range beyond the block";
+  auto small = core::allocate_host(1024);
+  EXPECT_FALSE(core::find_shared_block(small.get(), 1024, &found)) << "small blocks are not shareable";
+  int local = 0;
+  EXPECT_FALSE(core::find_shared_block(&local, sizeof local, &found));
+  // The block is a shared mapping of its file: writes through either are seen by the other.
+  p[100] = std::byte{42};
+  std::byte seen{};
+  ASSERT_EQ(pread(found.fd, &seen, 1, 100), 1);
+  EXPECT_EQ(seen, std::byte{42});
 }
 
 }  // namespace

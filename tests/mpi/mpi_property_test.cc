@@ -12,6 +12,7 @@
 
 #include <cstring>
 #include <optional>
+#include <tuple>
 
 #include "comm/transport.hh"
 #include "dispatcher/fixture.hh"
@@ -177,6 +178,51 @@ TEST(MpiTransport, OneMessageInFlightPerPeer) {
     o.num_allocated_qps = 1;
     SCOPED_TRACE(describe(s, o));
     for (const auto& f : run_elastic_case(g, s, o)) ADD_FAILURE() << f;
+  }
+}
+
+// Tensors moe-ep allocated are mapped by node peers in place; other memory is copied once into
+// the shared arena. Both give the same results.
+TEST(MpiTransport, TensorsAllocatedByMoeEpAreSharedWithoutCopy) {
+  Group& g = *g_group;
+  if (g.num_scaleup() < 2) GTEST_SKIP() << "one rank per node: nothing is shared";
+  const int T = 160, H = 4096, k = 2, E = g.size() * 2;  // 160 rows of 8 KiB: x is a large block (>= 1 MiB)
+  ElasticBuffer buffer(g, {.num_max_tokens_per_rank = T, .hidden = H, .num_topk = k, .num_cpu_timeout_secs = 60});
+  Tensor x = Tensor::empty({T, H}, DType::kBF16);
+  std::vector<std::uint16_t> user_x(static_cast<size_t>(T) * H);
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < H; ++h)
+      user_x[static_cast<size_t>(t) * H + h] = x.data_as<std::uint16_t>()[t * H + h] =
+          float_to_bf16(static_cast<float>((g.rank() * 7 + t + h) % 13));
+  Tensor topk = Tensor::empty({T, k}, DType::kInt64);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) topk.data_as<std::int64_t>()[t * k + j] = (g.rank() + t + j * (E / 2)) % E;
+  comm::Transport& transport = g.transport();
+  auto run = [&](const TensorView& input) {
+    const std::uint64_t before = transport.shared_bytes_copied();
+    DispatchResult d = buffer.dispatch({.x = input, .topk_idx = topk, .num_experts = E});
+    const std::uint64_t after_dispatch = transport.shared_bytes_copied();
+    CombineResult c = buffer.combine({.x = d.recv_x, .handle = d.handle});  // recv_x: allocated by moe-ep
+    const std::uint64_t after_combine = transport.shared_bytes_copied();
+    return std::tuple{std::move(d), std::move(c), after_dispatch - before, after_combine - after_dispatch};
+  };
+  auto [d1, c1, x_copied, y_copied] = run(x);
+  const std::size_t x_bytes = static_cast<std::size_t>(T) * H * 2;
+  EXPECT_LT(x_copied, x_bytes) << "x was allocated by moe-ep: only the small tensors (top-k ids) are copied";
+  EXPECT_EQ(y_copied, 0u) << "the combine input recv_x was allocated by moe-ep";
+  auto [d2, c2, user_copied, y2_copied] = run(TensorView(user_x.data(), DType::kBF16, {T, H}));
+  EXPECT_GE(user_copied, x_bytes) << "memory moe-ep did not allocate is copied into the shared arena";
+  ASSERT_EQ(d1.recv_x.nbytes(), d2.recv_x.nbytes());
+  EXPECT_EQ(std::memcmp(d1.recv_x.data(), d2.recv_x.data(), d1.recv_x.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(c1.combined_x.data(), c2.combined_x.data(), c1.combined_x.nbytes()), 0);
+  // Each token's combined row is the sum of its distinct ranks' copies of x: count * x.
+  for (int t = 0; t < T; ++t) {
+    const int a = static_cast<int>(topk.data_as<std::int64_t>()[t * k] / 2), b = static_cast<int>(topk.data_as<std::int64_t>()[t * k + 1] / 2);
+    const float count = a == b ? 1.0f : 2.0f;
+    for (int h = 0; h < H; h += 97)
+      ASSERT_EQ(c1.combined_x.data_as<std::uint16_t>()[t * H + h],
+                float_to_bf16(count * bf16_to_float(user_x[static_cast<size_t>(t) * H + h])))
+          << "token " << t << " column " << h;
   }
 }
 

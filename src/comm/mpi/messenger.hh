@@ -41,7 +41,9 @@ struct HostInfo {
   std::vector<pid_t> pids;       // [world]
   std::vector<int> host;         // [world] host id (lowest world rank on that host)
   int host_size = 1;             // ranks on this host
-  mutable std::atomic<std::uint64_t> scaleout_bytes{0};  // this rank's put() bytes, every channel
+  // This rank's counters, over every channel of the group.
+  mutable std::atomic<std::uint64_t> scaleout_bytes{0};       // put() bytes
+  mutable std::atomic<std::uint64_t> shared_bytes_copied{0};  // share() bytes copied into arenas
   bool same_host(int a, int b) const { return host[static_cast<size_t>(a)] == host[static_cast<size_t>(b)]; }
 };
 

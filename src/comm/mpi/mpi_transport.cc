@@ -21,6 +21,7 @@
 #include "comm/mpi/shared_arena.hh"
 #include "comm/transport.hh"
 #include "comm/wait.hh"
+#include "core/host_allocator.hh"
 #include "core/log.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
@@ -104,6 +105,7 @@ class MpiTransport final : public Transport {
 
   ~MpiTransport() override {
     views_.clear();
+    block_views_.clear();
     messenger_.drain(1.0);
     if (g_abandoned.load()) return;
     std::lock_guard lock(mpi_mutex());
@@ -178,36 +180,63 @@ class MpiTransport final : public Transport {
     return memory;
   }
 
+  // Published values: a memfd tensor block (core::find_shared_block) is published as
+  // kBlock | fd << kFdShift | offset and mapped by peers in place; anything else is copied into
+  // the shared arena and published as its offset + 1 (0 stays null).
+  static constexpr std::uint64_t kBlock = std::uint64_t{1} << 63;
+  static constexpr int kFdShift = 44;
+  static constexpr std::uint64_t kOffsetMask = (std::uint64_t{1} << kFdShift) - 1;
+
   std::vector<const void*> share(std::span<const Span> spans) override {
     if (node_size() == 1) return std::vector<const void*>(spans.size(), nullptr);  // no node peers to read it
+    std::vector<const void*> published(spans.size(), nullptr);
+    std::vector<core::SharedBlock> blocks(spans.size());
     std::size_t total = 0;
-    for (const Span& s : spans) total += (s.bytes + 63) / 64 * 64;
-    std::byte* base = arena_.reserve(total);
-    std::vector<const void*> published;
-    std::size_t at = 0;
-    for (const Span& s : spans) {
-      if (s.bytes == 0) {
-        published.push_back(nullptr);
+    for (std::size_t i = 0; i < spans.size(); ++i) {
+      const Span& s = spans[i];
+      if (s.bytes == 0) continue;
+      core::SharedBlock& b = blocks[i];
+      if (core::find_shared_block(s.data, s.bytes, &b) && b.offset <= kOffsetMask &&
+          static_cast<std::uint64_t>(b.fd) < (std::uint64_t{1} << (63 - kFdShift))) {
+        published[i] = reinterpret_cast<const void*>(
+            static_cast<std::uintptr_t>(kBlock | static_cast<std::uint64_t>(b.fd) << kFdShift | b.offset));
         continue;
       }
-      std::memcpy(base + at, s.data, s.bytes);
-      published.push_back(reinterpret_cast<const void*>(static_cast<std::uintptr_t>(at + 1)));
-      at += (s.bytes + 63) / 64 * 64;
+      b.fd = -1;
+      total += (s.bytes + 63) / 64 * 64;
     }
+    if (total == 0) return published;
+    std::byte* base = arena_.reserve(total);
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < spans.size(); ++i) {
+      if (spans[i].bytes == 0 || blocks[i].fd >= 0) continue;
+      std::memcpy(base + at, spans[i].data, spans[i].bytes);
+      published[i] = reinterpret_cast<const void*>(static_cast<std::uintptr_t>(at + 1));
+      at += (spans[i].bytes + 63) / 64 * 64;
+    }
+    hosts_->shared_bytes_copied.fetch_add(at, std::memory_order_relaxed);
     return published;
+  }
+
+  std::uint64_t shared_bytes_copied() const override {
+    return hosts_->shared_bytes_copied.load(std::memory_order_relaxed);
   }
 
   const void* node_address(int peer, const void* published) const override {
     check_same_node(peer);
     if (published == nullptr) return nullptr;
-    const auto offset = static_cast<std::size_t>(reinterpret_cast<std::uintptr_t>(published) - 1);
+    const auto value = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(published));
     const int local = peer - node_first_rank();
+    const pid_t pid = hosts_->pids[static_cast<size_t>(peer)];
     std::lock_guard lock(views_mutex_);
+    if (value & kBlock) {
+      auto& blocks = block_views_[local];
+      if (!blocks) blocks = std::make_unique<BlockViews>(pid, fmt::format("rank {}", peer));
+      return blocks->at(static_cast<int>((value & ~kBlock) >> kFdShift), static_cast<std::size_t>(value & kOffsetMask));
+    }
     auto& view = views_[local];
-    if (!view)
-      view = std::make_unique<ArenaView>(hosts_->pids[static_cast<size_t>(peer)], arena_fds_[static_cast<size_t>(local)],
-                                         fmt::format("rank {}", peer));
-    return view->at(offset, 0);
+    if (!view) view = std::make_unique<ArenaView>(pid, arena_fds_[static_cast<size_t>(local)], fmt::format("rank {}", peer));
+    return view->at(static_cast<std::size_t>(value - 1), 0);
   }
 
   void set_inflight_limit(int per_peer) override { messenger_.set_inflight_limit(per_peer, {"scale-out send", timeout_}); }
@@ -256,6 +285,7 @@ class MpiTransport final : public Transport {
   std::vector<int> arena_fds_;  // by local index
   mutable std::mutex views_mutex_;
   mutable std::map<int, std::unique_ptr<ArenaView>> views_;
+  mutable std::map<int, std::unique_ptr<BlockViews>> block_views_;
 };
 
 WindowMemory::~WindowMemory() { owner_.release(id_, window_, wait_); }
@@ -303,6 +333,8 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
     throw InvalidArgument(fmt::format("[rank {}] ranks_per_node = {} is negative (0 = the ranks of each host)", rank, requested));
 
   MPI_Comm dup = duplicate_comm(comm, rank, wait);
+  // Tensors this process allocates from now on can be mapped by node peers instead of copied.
+  core::share_new_blocks();
   // Who is here, what each asks for, and which host each runs on.
   Messenger messenger(dup, rank, size);
   const Arrival mine{requested, static_cast<std::int32_t>(getpid())};

@@ -83,4 +83,40 @@ const std::byte* ArenaView::at(std::size_t offset, std::size_t bytes) {
   return base_ + offset;
 }
 
+BlockViews::~BlockViews() {
+  for (auto& [fd, v] : views_) munmap(const_cast<std::byte*>(v.base), v.bytes);
+}
+
+const std::byte* BlockViews::at(int fd, std::size_t offset) {
+  const std::string path = fmt::format("/proc/{}/fd/{}", pid_, fd);
+  const int mine = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (mine < 0)
+    throw StateError(fmt::format("shared tensor of {}: cannot open {}: {}", owner_, path, errno_text()));
+  struct stat st {};
+  if (fstat(mine, &st) != 0) {
+    close(mine);
+    throw StateError(fmt::format("shared tensor of {}: fstat failed: {}", owner_, errno_text()));
+  }
+  std::lock_guard lock(mutex_);
+  auto it = views_.find(fd);
+  if (it != views_.end() && (it->second.dev != st.st_dev || it->second.ino != st.st_ino)) {
+    munmap(const_cast<std::byte*>(it->second.base), it->second.bytes);  // the number names another block now
+    views_.erase(it);
+    it = views_.end();
+  }
+  if (it == views_.end()) {
+    const auto bytes = static_cast<std::size_t>(st.st_size);
+    void* p = bytes ? mmap(nullptr, bytes, PROT_READ, MAP_SHARED, mine, 0) : MAP_FAILED;
+    if (p == MAP_FAILED) {
+      close(mine);
+      throw StateError(fmt::format("shared tensor of {}: mapping {} bytes failed: {}", owner_, bytes, errno_text()));
+    }
+    it = views_.emplace(fd, View{st.st_dev, st.st_ino, static_cast<const std::byte*>(p), bytes}).first;
+  }
+  close(mine);
+  if (offset >= it->second.bytes)
+    throw StateError(fmt::format("shared tensor of {}: offset {} beyond its {}-byte block", owner_, offset, it->second.bytes));
+  return it->second.base + offset;
+}
+
 }  // namespace moe_ep::comm::mpi

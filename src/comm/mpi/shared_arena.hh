@@ -7,9 +7,11 @@
 // Offsets are stable across growth, addresses are not.
 #pragma once
 
+#include <sys/stat.h>
 #include <sys/types.h>
 
 #include <cstddef>
+#include <map>
 #include <mutex>
 #include <string>
 
@@ -51,6 +53,32 @@ class ArenaView {
   int fd_ = -1;
   const std::byte* base_ = nullptr;
   std::size_t mapped_ = 0;
+};
+
+// Memfd-backed tensor blocks of another process (core::find_shared_block), mapped here on
+// demand. A block is known by the owner's file descriptor number; since numbers are reused after
+// a block is unmapped, every lookup checks the file's identity (inode) and re-maps when it
+// changed. At most one mapping per descriptor number is kept. Thread-safe.
+class BlockViews {
+ public:
+  BlockViews(pid_t pid, std::string owner) : pid_(pid), owner_(std::move(owner)) {}
+  ~BlockViews();
+  BlockViews(const BlockViews&) = delete;
+  BlockViews& operator=(const BlockViews&) = delete;
+
+  const std::byte* at(int fd, std::size_t offset);
+
+ private:
+  struct View {
+    dev_t dev;
+    ino_t ino;
+    const std::byte* base;
+    std::size_t bytes;
+  };
+  pid_t pid_;
+  std::string owner_;
+  std::mutex mutex_;
+  std::map<int, View> views_;
 };
 
 }  // namespace moe_ep::comm::mpi
