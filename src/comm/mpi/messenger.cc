@@ -72,6 +72,9 @@ Messenger::~Messenger() { drain(1.0); }
 
 void Messenger::drain(double secs) {
   std::lock_guard lock(mpi_mutex());
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;  // nothing may be called any more
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(secs);
   while (!pending_.empty() && std::chrono::steady_clock::now() < deadline) {
     progress();

@@ -6,12 +6,14 @@
 // counted signals. Collectives are Messenger gathers (a timeout names the missing ranks); MPI's
 // own blocking collectives (communicator split, window creation and release) run only after a
 // gather showed that every member arrived.
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -375,6 +377,12 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
     hosts->host.push_back(f.host);
     host_members[f.host].push_back(r);
   }
+  // Liveness checks need the peers' pids in this pid namespace (processes of one host in
+  // different containers may not see each other): a peer whose pid is not visible is watched by
+  // the timeout alone.
+  for (int r = 0; r < size; ++r)
+    if (r != rank && hosts->same_host(r, rank) && kill(hosts->pids[static_cast<size_t>(r)], 0) != 0 && errno == ESRCH)
+      hosts->pids[static_cast<size_t>(r)] = 0;
   hosts->host_size = facts.host_size;
   messenger.drain(timeout);
 

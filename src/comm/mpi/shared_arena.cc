@@ -15,6 +15,21 @@
 namespace moe_ep::comm::mpi {
 namespace {
 
+// Opens the owner's descriptor through /proc, read-only.
+int open_peer_fd(pid_t pid, int fd, const std::string& owner) {
+  if (pid <= 0)
+    throw StateError(fmt::format("memory of {} cannot be mapped: its process is not visible from this one (another pid "
+                                 "namespace); the ranks of one node must run in one pid namespace",
+                                 owner));
+  const std::string path = fmt::format("/proc/{}/fd/{}", pid, fd);
+  const int mine = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (mine < 0)
+    throw StateError(fmt::format("memory of {}: cannot open {}: {} (processes of one node must be able to open each "
+                                 "other's /proc/<pid>/fd entries)",
+                                 owner, path, std::strerror(errno)));
+  return mine;
+}
+
 constexpr std::size_t kGrain = std::size_t{2} << 20;
 
 std::string errno_text() { return std::strerror(errno); }
@@ -54,14 +69,7 @@ ArenaView::~ArenaView() {
 
 const std::byte* ArenaView::at(std::size_t offset, std::size_t bytes) {
   std::lock_guard lock(mutex_);
-  if (fd_ < 0) {
-    const std::string path = fmt::format("/proc/{}/fd/{}", pid_, owner_fd_);
-    fd_ = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0)
-      throw StateError(fmt::format("shared arena of {}: cannot open {}: {} (processes of one node must be able to "
-                                   "open each other's /proc/<pid>/fd entries)",
-                                   owner_, path, errno_text()));
-  }
+  if (fd_ < 0) fd_ = open_peer_fd(pid_, owner_fd_, owner_);
   bytes = std::max<std::size_t>(bytes, 1);
   if (offset > SIZE_MAX - bytes) throw StateError(fmt::format("shared arena of {}: bad range", owner_));
   // The owner grows the file before it publishes offsets into the new part: map all of it.
@@ -88,10 +96,7 @@ BlockViews::~BlockViews() {
 }
 
 const std::byte* BlockViews::at(int fd, std::size_t offset) {
-  const std::string path = fmt::format("/proc/{}/fd/{}", pid_, fd);
-  const int mine = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (mine < 0)
-    throw StateError(fmt::format("shared tensor of {}: cannot open {}: {}", owner_, path, errno_text()));
+  const int mine = open_peer_fd(pid_, fd, owner_);
   struct stat st {};
   if (fstat(mine, &st) != 0) {
     close(mine);
