@@ -223,21 +223,7 @@ void Combine::run(const std::function<void()>& outputs_ready) {
       .field("do_expand (handle)", expand_)
       .field("topk_weights given", has_weights_)
       .field("hidden", H_);
-  std::vector<std::span<const std::byte>> payloads;
-  try {
-    payloads = agreement.exchange(engine_.transport(), comm::Scope::kWorld, engine_.wait("combine: agreement"),
-                                  std::as_bytes(std::span(&shared, 1)));
-  } catch (...) {
-    in_step_failure = agreement.gathered();
-    throw;
-  }
-  peers_.resize(payloads.size());
-  for (std::size_t r = 0; r < payloads.size(); ++r) {
-    if (payloads[r].size() != sizeof(PeerTensors))
-      throw StateError(fmt::format("{}: rank {} published {} bytes, expected {}", ctx_, r, payloads[r].size(),
-                                   sizeof(PeerTensors)));
-    std::memcpy(&peers_[r], payloads[r].data(), sizeof(PeerTensors));
-  }
+  peers_ = agree_on(*this, agreement, engine_, "combine: agreement", shared, ctx_);
   resolve_tensors(engine_, peers_, mine);
   outputs_ready();
   engine_.wait_for_event(req_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <memory>
@@ -29,6 +30,7 @@
 #include "core/executor.hh"
 #include "engine/sizing.hh"
 #include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/error.hpp"
 #include "routing/plan.hh"
 
 namespace moe_ep::engine {
@@ -192,6 +194,29 @@ struct PeerTensors {
   std::int64_t topk_row = 0;
   std::int32_t num_tokens = 0;
 };
+
+// The agreement of an operation whose payload is one T per rank: exchanges over the world,
+// records whether a failure left the ranks in step, and checks every rank's block size.
+template <class T>
+std::vector<T> agree_on(Operation& op, comm::Agreement& agreement, Engine& engine, const char* phase, const T& mine,
+                        const std::string& context) {
+  std::vector<std::span<const std::byte>> payloads;
+  try {
+    payloads = agreement.exchange(engine.transport(), comm::Scope::kWorld, engine.wait(phase),
+                                  std::as_bytes(std::span(&mine, 1)));
+  } catch (...) {
+    op.in_step_failure = agreement.gathered();
+    throw;
+  }
+  std::vector<T> all(payloads.size());
+  for (std::size_t r = 0; r < payloads.size(); ++r) {
+    if (payloads[r].size() != sizeof(T))
+      throw StateError(context + ": rank " + std::to_string(r) + " published " + std::to_string(payloads[r].size()) +
+                       " bytes, expected " + std::to_string(sizeof(T)));
+    std::memcpy(&all[r], payloads[r].data(), sizeof(T));
+  }
+  return all;
+}
 
 // Bytes from data() to one past the last element of a view (non-negative strides); 0 if empty.
 std::size_t view_extent(const TensorView& view);

@@ -493,19 +493,8 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
       .field("handle's dispatch", state_ ? static_cast<int64_t>(state_->dispatch_number) : 0)
       .field("zero_copy", args_.zero_copy)
       .field("return_recv_hook", args_.return_recv_hook);
-  std::vector<std::span<const std::byte>> payloads;
-  try {
-    payloads = agreement.exchange(e.transport(), comm::Scope::kWorld, e.wait("low_latency_combine: agreement"),
-                                  std::as_bytes(std::span(&shared, 1)));
-  } catch (...) {
-    in_step_failure = agreement.gathered();
-    throw;
-  }
-  peers_.resize(payloads.size());
-  for (std::size_t r = 0; r < payloads.size(); ++r) {
-    if (payloads[r].size() != sizeof(Slab))
-      throw StateError(fmt::format("{}: rank {} published {} bytes", ctx_, r, payloads[r].size()));
-    std::memcpy(&peers_[r], payloads[r].data(), sizeof(Slab));
+  peers_ = engine::agree_on(*this, agreement, e, "low_latency_combine: agreement", shared, ctx_);
+  for (std::size_t r = 0; r < peers_.size(); ++r) {
     if (static_cast<int>(r) == e.rank)
       peers_[r] = mine;
     else if (!staged_ && e.same_node(static_cast<int>(r)))

@@ -31,6 +31,7 @@ Inputs to_tensors(const CaseSpec& s, const RankInputs& in) {
   const std::int64_t n = in.num_tokens;
   Inputs t{Tensor::empty({n, s.hidden}, DType::kBF16), Tensor::empty({n, s.k}, DType::kInt64),
            Tensor::empty({n, s.k}, DType::kFP32)};
+  if (n == 0) return t;  // nothing to copy (and no source buffers)
   std::memcpy(t.x.data(), in.x.data(), in.x.size());
   std::memcpy(t.topk_idx.data(), in.topk.data(), in.topk.size() * sizeof(std::int64_t));
   std::memcpy(t.topk_weights.data(), in.weights.data(), in.weights.size() * sizeof(float));
