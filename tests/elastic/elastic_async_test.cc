@@ -107,6 +107,27 @@ TEST(ElasticAsync, DomainSizesAndWorkerModel) {
   });
 }
 
+// On EFA (FI_PROVIDER=efa) a peer's request ring has 128 slots: allocated QPs (in-flight
+// transfers per peer) are capped there, auto-sized or given.
+TEST(ElasticAsync, QpsCappedAt128OnEfa) {
+  const char* before = std::getenv("FI_PROVIDER");
+  const std::string saved = before ? before : "";
+  setenv("FI_PROVIDER", "efa", 1);
+  LocalWorld(4, {.num_scaleout = 2}).run([&](Group& g) {
+    ElasticBuffer hybrid(g, {.num_max_tokens_per_rank = 8, .hidden = 64});
+    EXPECT_EQ(hybrid.num_allocated_qps(), 128) << "auto-sized 129, capped";
+    ElasticBuffer given(g, {.num_max_tokens_per_rank = 8, .hidden = 64, .num_allocated_qps = 300});
+    EXPECT_EQ(given.num_allocated_qps(), 128);
+    ElasticBuffer direct(g, {.num_max_tokens_per_rank = 8, .hidden = 64, .allow_hybrid_mode = false});
+    EXPECT_EQ(direct.num_allocated_qps(), 17) << "below the cap: unchanged";
+  });
+  if (before) {
+    setenv("FI_PROVIDER", saved.c_str(), 1);
+  } else {
+    unsetenv("FI_PROVIDER");
+  }
+}
+
 TEST(ElasticSizing, TopkZeroSizesForThirtyTwoAndSaysSoWhenDebugging) {
   env::ScopedOverride debug("MOE_EP_DEBUG", "1");
   ::testing::internal::CaptureStderr();
