@@ -61,6 +61,26 @@ TEST(MpiTransport, GroupMatchesTheJob) {
   for (int r = 0; r < size; ++r) EXPECT_EQ(all[static_cast<size_t>(r)], 1000u + static_cast<std::uint64_t>(r));
 }
 
+// Any communicator, not only the world: two halves of the job run their own cases concurrently.
+TEST(MpiTransport, GroupFromASplitCommunicator) {
+  Group& g = *g_group;
+  if (g.size() < 4) GTEST_SKIP() << "needs 4 ranks to split";
+  const int half = g.rank() < g.size() / 2 ? 0 : 1;
+  MPI_Comm comm = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, half, g.rank(), &comm), MPI_SUCCESS);
+  {
+    auto sub = mpi::make_group(comm, {.ranks_per_node = 0, .timeout_secs = 60});
+    MPI_Comm_free(&comm);  // the group holds its own duplicate
+    EXPECT_EQ(sub->size(), g.size() / 2);
+    EXPECT_EQ(sub->rank(), g.rank() % (g.size() / 2));
+    RunOptions options;
+    const auto spec = random_case(static_cast<std::uint64_t>(8100 + half), sub->size(), sub->num_scaleout(), &options);
+    SCOPED_TRACE(describe(spec, options));
+    for (const auto& f : run_elastic_case(*sub, spec, options)) ADD_FAILURE() << f;
+  }
+  g.barrier(60);
+}
+
 TEST(MpiTransport, RandomCasesMatchReferenceAndInProcess) {
   Group& g = *g_group;
   const int cases = 10;
