@@ -188,25 +188,6 @@ void run_ranks(int ranks, Topology topology, const std::function<void(Group&, st
       ADD_FAILURE() << "rank " << r << ": " << failures[static_cast<size_t>(r)][i];
 }
 
-Caught catch_error(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const TimeoutError& e) {
-    return {"TimeoutError", e.what(), e.ranks()};
-  } catch (const PeerError& e) {
-    return {"PeerError", e.what(), e.ranks()};
-  } catch (const CapacityError& e) {
-    return {"CapacityError", e.what(), {}};
-  } catch (const InvalidArgument& e) {
-    return {"InvalidArgument", e.what(), {}};
-  } catch (const StateError& e) {
-    return {"StateError", e.what(), {}};
-  } catch (const std::exception& e) {
-    return {"other", e.what(), {}};
-  }
-  return {};
-}
-
 Expectation expectation(const DispatcherOptions& o) {
   return {.fp8 = *o.dispatch_dtype == WireDType::kFP8,
           .round_scale = o.round_scale,

@@ -12,6 +12,7 @@
 #include "moe_ep/dispatcher.hpp"
 #include "moe_ep/error.hpp"
 #include "reference/dense_reference.hh"
+#include "reference/errors.hh"
 
 namespace moe_ep::testing {
 
@@ -62,13 +63,5 @@ Tensor run_batch(Group& g, TokenDispatcher& d, const CaseSpec& s, BatchKind kind
 
 // Runs fn on every rank of a LocalWorld and reports every rank's problems as test failures.
 void run_ranks(int ranks, Topology topology, const std::function<void(Group&, std::vector<std::string>&)>& fn);
-
-// The error an expression throws: type name and message ("" when it does not throw).
-struct Caught {
-  std::string type;
-  std::string message;
-  std::vector<int> ranks;
-};
-Caught catch_error(const std::function<void()>& fn);
 
 }  // namespace moe_ep::testing

@@ -7,19 +7,12 @@
 
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
+#include "reference/errors.hh"
 
 namespace moe_ep {
 namespace {
 
-template <class Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(LegacyConfig, ValidationAndDefaults) {
   EXPECT_NE(error_of([] { Config::make(21, 6, 256, 6, 128); }).find("num_sms = 21 must be an even number in [2, 1024]"),

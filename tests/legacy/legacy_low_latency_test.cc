@@ -12,6 +12,7 @@
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
 #include "reference/low_latency_reference.hh"
+#include "reference/errors.hh"
 
 namespace moe_ep {
 namespace {
@@ -192,15 +193,7 @@ struct Small {
   std::vector<float> weights;
 };
 
-template <class Fn>
-std::string error_of(Fn fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using testing::error_of;
 
 TEST(LowLatencySlots, AtMostTwoLiveResultsAndHookRules) {
   LocalWorld(4).run([&](Group& g) {
