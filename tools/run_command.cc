@@ -105,7 +105,10 @@ int run_command(const RunOptions& options, Launch& launch) {
       out.workers = path->workers();
       out.combined_x = path->combined_x();
       out.combined_weights = path->combined_weights();
-      if (!options.dump_dir.empty()) path->dump(options.dump_dir);
+      if (!options.dump_dir.empty()) {
+        std::filesystem::create_directories(options.dump_dir);  // each host of an MPI job writes its ranks' files
+        path->dump(options.dump_dir);
+      }
     }
 
     // This rank's verification against the single-threaded reference.
