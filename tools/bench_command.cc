@@ -301,7 +301,7 @@ void print_scaleout(const std::vector<ShapeResult>& results, const BenchOptions&
       continue;
     }
     Table t({"shape", "rank", dispatch.operation + " bytes", hybrid ? "(token, node) pairs" : "(token, rank) pairs",
-             "bytes / pair", "combine bytes"});
+             "bytes / pair", "combine bytes", "per-rank sends (alltoallv)"});
     for (int rank = 0; rank < o.ranks; ++rank) {
       const std::int64_t pairs = hybrid ? r.node_pairs[static_cast<size_t>(rank)] : r.rank_pairs[static_cast<size_t>(rank)];
       const std::uint64_t bytes = dispatch.scaleout_bytes[static_cast<size_t>(rank)];
@@ -309,12 +309,18 @@ void print_scaleout(const std::vector<ShapeResult>& results, const BenchOptions&
       for (const auto& op : r.operations)
         if (op.operation.find("combine") != std::string::npos && op.baseline_of.empty())
           combine = op.scaleout_bytes[static_cast<size_t>(rank)];
+      // What a per-rank exchange (the Alltoallv baseline, or direct mode) sends to other nodes:
+      // one record per (token, remote rank).
+      const std::int64_t per_rank = r.rank_pairs[static_cast<size_t>(rank)] * compact_dispatch_row(o);
       t.row({r.shape, std::to_string(rank), std::to_string(bytes), std::to_string(pairs),
              pairs ? fmt::format("{:.1f}", static_cast<double>(bytes) / static_cast<double>(pairs)) : "-",
-             std::to_string(combine)});
+             std::to_string(combine), std::to_string(per_rank)});
     }
     t.print();
   }
+  fmt::print("per-rank sends = (token, remote rank) pairs x {} B: the dispatch bytes an exchange that sends each token "
+             "to each of its ranks puts on the network\n",
+             compact_dispatch_row(o));
 }
 
 int bench_command(const BenchOptions& options, Launch& launch) {
