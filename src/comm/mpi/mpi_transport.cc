@@ -171,7 +171,8 @@ class MpiTransport final : public Transport {
         bases.push_back(static_cast<std::byte*>(peer));
       }
     }
-    // First touch by the owner (prefault or not), and the zeroed start every transport guarantees.
+    // First touch by the owner, and the zeroed start every transport guarantees (MPI does not
+    // promise zeroed windows): every page becomes resident, whether or not `prefault` asked.
     (void)prefault;
     std::memset(base, 0, bytes);
     const std::uint32_t id = next_memory_++;
