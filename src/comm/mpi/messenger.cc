@@ -212,8 +212,8 @@ void Messenger::send(int peer, int tag, std::vector<std::byte> buffer, bool reco
 }
 
 void Messenger::flush(int peer) {
-  auto& chunk = chunks_[static_cast<size_t>(peer)];
-  if (chunk.empty()) return;
+  Chunk& chunk = chunks_[static_cast<size_t>(peer)];
+  if (chunk.bytes.empty()) return;
   if (inflight_[static_cast<size_t>(peer)] >= inflight_limit_) {
     mpi_mutex().unlock();
     try {
@@ -227,7 +227,9 @@ void Messenger::flush(int peer) {
     mpi_mutex().lock();
   }
   std::vector<std::byte> message;
-  message.swap(chunk);
+  message.swap(chunk.bytes);
+  chunk.last = SIZE_MAX;
+  chunk.end = 0;
   send(peer, kTagData, std::move(message), true);
   ++sent_records_[static_cast<size_t>(peer)];
 }
@@ -235,16 +237,33 @@ void Messenger::flush(int peer) {
 void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes) {
   std::lock_guard lock(mpi_mutex());
   const auto* from = static_cast<const std::byte*>(src);
-  auto& chunk = chunks_[static_cast<size_t>(peer)];
+  Chunk& chunk = chunks_[static_cast<size_t>(peer)];
+  constexpr std::size_t kMaxPiece = std::size_t{UINT32_MAX} / 2;
   while (bytes > 0) {
-    if (chunk.size() + sizeof(PieceHeader) + kAlign > chunk_bytes_) flush(peer);
-    const std::size_t room = chunk_bytes_ - chunk.size() - sizeof(PieceHeader);
-    const std::size_t n = std::min({bytes, room, std::size_t{UINT32_MAX} / 2});
-    const PieceHeader header{memory, static_cast<std::uint32_t>(n), offset};
-    const std::size_t at = chunk.size();
-    chunk.resize(at + sizeof header + padded(n));
-    std::memcpy(chunk.data() + at, &header, sizeof header);
-    std::memcpy(chunk.data() + at + sizeof header, from, n);
+    PieceHeader last{};
+    if (chunk.last != SIZE_MAX) std::memcpy(&last, chunk.bytes.data() + chunk.last, sizeof last);
+    std::size_t n = 0;
+    if (chunk.last != SIZE_MAX && last.memory == memory && last.offset + last.bytes == offset &&
+        chunk.end < chunk_bytes_ && last.bytes < kMaxPiece) {
+      // Continues the last piece: append to its data.
+      n = std::min({bytes, chunk_bytes_ - chunk.end, kMaxPiece - last.bytes});
+      last.bytes += static_cast<std::uint32_t>(n);
+      std::memcpy(chunk.bytes.data() + chunk.last, &last, sizeof last);
+    } else {
+      if (chunk.bytes.size() + sizeof(PieceHeader) + kAlign > chunk_bytes_) {
+        flush(peer);
+        continue;
+      }
+      n = std::min({bytes, chunk_bytes_ - chunk.bytes.size() - sizeof(PieceHeader), kMaxPiece});
+      const PieceHeader header{memory, static_cast<std::uint32_t>(n), offset};
+      chunk.last = chunk.bytes.size();
+      chunk.bytes.resize(chunk.last + sizeof header);
+      std::memcpy(chunk.bytes.data() + chunk.last, &header, sizeof header);
+      chunk.end = chunk.bytes.size();
+    }
+    chunk.bytes.resize(padded(chunk.end + n));
+    std::memcpy(chunk.bytes.data() + chunk.end, from, n);
+    chunk.end += n;
     from += n;
     offset += n;
     bytes -= n;

@@ -19,6 +19,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <climits>
 #include <deque>
 #include <list>
 #include <map>
@@ -107,7 +108,14 @@ class Messenger {
   int inflight_limit_ = 16;
   Wait send_wait_{"scale-out send", 300};
   std::size_t chunk_bytes_;
-  std::vector<std::vector<std::byte>> chunks_;  // [peer] message being filled
+  // The message being filled for a peer. Pieces are 8-byte aligned; a put that continues the last
+  // piece (same memory, next offset) extends it instead of adding a header.
+  struct Chunk {
+    std::vector<std::byte> bytes;
+    std::size_t last = SIZE_MAX;  // position of the last piece's header
+    std::size_t end = 0;          // end of the last piece's data (before padding)
+  };
+  std::vector<Chunk> chunks_;  // [peer]
   std::vector<std::uint64_t> sent_records_;     // [peer]
   std::vector<Source> sources_;                 // [peer]
   std::map<std::uint32_t, std::pair<std::byte*, std::size_t>> memories_;
