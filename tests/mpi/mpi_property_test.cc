@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "comm/transport.hh"
+#include "alltoallv_baseline.hh"
 #include "dispatcher/fixture.hh"
 #include "elastic/elastic_harness.hh"
 #include "moe_ep/elastic_buffer.hpp"
@@ -244,6 +245,46 @@ TEST(MpiTransport, TensorsAllocatedByMoeEpAreSharedWithoutCopy) {
                 float_to_bf16(count * bf16_to_float(user_x[static_cast<size_t>(t) * H + h])))
           << "token " << t << " column " << h;
   }
+}
+
+// The benchmark's baseline is a correct dispatch and combine: the same rows in the same order as
+// ElasticBuffer's compact layout, and (one node) the same combined rows, bit for bit.
+TEST(MpiTransport, AlltoallvBaselineMatchesElasticBuffer) {
+  Group& g = *g_group;
+  const int T = 24, H = 256, k = 4, E = g.size() * 4, P = H / 128;
+  ElasticBuffer buffer(g, {.num_max_tokens_per_rank = T, .hidden = H, .num_topk = k, .use_fp8_dispatch = true,
+                           .num_cpu_timeout_secs = 60});
+  bench::AlltoallvBaseline baseline(MPI_COMM_WORLD);
+  const int n = T - g.rank() % 3;
+  Tensor x = Tensor::empty({n, H}, DType::kFP8E4M3);
+  Tensor scales = Tensor::empty({n, P}, DType::kFP32);
+  Tensor topk = Tensor::empty({n, k}, DType::kInt64);
+  Tensor weights = Tensor::empty({n, k}, DType::kFP32);
+  for (int t = 0; t < n; ++t) {
+    for (int h = 0; h < H; ++h) x.data_as<std::uint8_t>()[t * H + h] = static_cast<std::uint8_t>((g.rank() * 31 + t * 7 + h) % 113);
+    for (int p = 0; p < P; ++p) scales.data_as<float>()[t * P + p] = 1.0f + static_cast<float>(t % 5) / 4;
+    for (int j = 0; j < k; ++j) {
+      topk.data_as<std::int64_t>()[t * k + j] = (j == 3 && t % 4 == 0) ? -1 : (g.rank() * 5 + t * 3 + j * 7) % E;
+      weights.data_as<float>()[t * k + j] = 0.25f * static_cast<float>(j + 1);
+    }
+  }
+  DispatchResult ours = buffer.dispatch({.x = x, .x_scales = scales, .topk_idx = topk, .topk_weights = weights, .num_experts = E});
+  bench::BaselineDispatch theirs = baseline.dispatch(x, scales, topk, weights, E);
+  ASSERT_EQ(theirs.recv_x.size(0), ours.recv_x.size(0));
+  EXPECT_EQ(std::memcmp(theirs.recv_x.data(), ours.recv_x.data(), ours.recv_x.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(theirs.recv_x_scales.data(), ours.recv_x_scales.data(), ours.recv_x_scales.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(theirs.recv_topk_weights.data(), ours.recv_topk_weights.data(), ours.recv_topk_weights.nbytes()), 0);
+  // Expert outputs: any BF16 rows, one per received row.
+  const std::int64_t rows = ours.recv_x.size(0);
+  Tensor y = Tensor::empty({rows, H}, DType::kBF16);
+  for (std::int64_t i = 0; i < rows; ++i)
+    for (int h = 0; h < H; ++h)
+      y.data_as<std::uint16_t>()[i * H + h] = float_to_bf16(static_cast<float>((i * 13 + h + g.rank()) % 17) / 8.0f);
+  const Tensor theirs_combined = baseline.combine(theirs, y);
+  CombineResult ours_combined = buffer.combine({.x = y, .handle = ours.handle});
+  ASSERT_EQ(theirs_combined.nbytes(), ours_combined.combined_x.nbytes());
+  if (g.num_scaleout() == 1)  // across nodes ours sums each node's rows first (one more BF16 rounding)
+    EXPECT_EQ(std::memcmp(theirs_combined.data(), ours_combined.combined_x.data(), theirs_combined.nbytes()), 0);
 }
 
 // Bad input across processes: the rank with other arguments is named on every rank.
