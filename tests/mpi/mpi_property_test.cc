@@ -57,6 +57,9 @@ TEST(MpiTransport, GroupMatchesTheJob) {
   EXPECT_EQ(g.rank(), rank);
   EXPECT_EQ(g.size(), size);
   EXPECT_EQ(g.num_scaleout() * g.num_scaleup(), size);
+  // The topology CTest asked for (MOE_EP_RANKS_PER_NODE), or one node per host (all ranks here).
+  const auto per_node = env::get_int("MOE_EP_RANKS_PER_NODE");
+  EXPECT_EQ(g.num_scaleup(), per_node > 0 ? per_node : size);
   // A world all-gather delivers every rank's block in rank order.
   const auto all = gather_u64(g, 1000 + static_cast<std::uint64_t>(rank));
   for (int r = 0; r < size; ++r) EXPECT_EQ(all[static_cast<size_t>(r)], 1000u + static_cast<std::uint64_t>(r));
