@@ -10,16 +10,40 @@
 namespace moe_ep::tools {
 namespace {
 
-class V2Path final : public LayerPath {
+// What every path holds: the layer, this rank's batch, one buffer and the last call's results.
+template <class BufferT, class Received, class Combined>
+class PathBase : public LayerPath {
+ public:
+  void barrier() override { buffer_.barrier(); }
+  Tensor combined_x() const override { return combined_.combined_x; }
+
+ protected:
+  template <class BufferConfigT>
+  PathBase(Group& g, const LayerConfig& c, const ExpertParams& p, const RankBatch& b, const PathOptions& o,
+           const BufferConfigT& config)
+      : c_(c), params_(p), batch_(b), options_(o), rank_(g.rank()), buffer_(g, config) {}
+
+  const LayerConfig& c_;
+  const ExpertParams& params_;
+  const RankBatch& batch_;
+  PathOptions options_;
+  int rank_;
+  BufferT buffer_;
+  Received received_;
+  Tensor expert_out_;
+  Combined combined_;
+};
+
+class V2Path final : public PathBase<ElasticBuffer, DispatchResult, CombineResult> {
  public:
   V2Path(Group& g, const LayerConfig& c, const ExpertParams& p, const RankBatch& b, const PathOptions& o)
-      : c_(c), params_(p), batch_(b), options_(o), rank_(g.rank()),
-        buffer_(g, {.num_max_tokens_per_rank = c.tokens,
-                    .hidden = c.hidden,
-                    .num_topk = c.topk,
-                    .use_fp8_dispatch = c.fp8,
-                    .allow_hybrid_mode = c.allow_hybrid,
-                    .allow_multiple_reduction = c.multi}) {
+      : PathBase(g, c, p, b, o,
+                 ElasticBufferConfig{.num_max_tokens_per_rank = c.tokens,
+                                     .hidden = c.hidden,
+                                     .num_topk = c.topk,
+                                     .use_fp8_dispatch = c.fp8,
+                                     .allow_hybrid_mode = c.allow_hybrid,
+                                     .allow_multiple_reduction = c.multi}) {
     args_ = {.x = c.fp8 ? b.x_fp8.view() : b.x.view(),
              .topk_idx = b.topk_idx,
              .topk_weights = b.topk_weights,
@@ -31,7 +55,6 @@ class V2Path final : public LayerPath {
              .do_zero_padding = c.expand};
     if (c.fp8) args_.x_scales = b.x_scales;
   }
-  void barrier() override { buffer_.barrier(); }
   void dispatch() override {
     received_ = buffer_.dispatch(args_);
     received_.event.wait();
@@ -45,7 +68,6 @@ class V2Path final : public LayerPath {
                                  .async_with_compute_stream = options_.async});
     combined_.event.wait();
   }
-  Tensor combined_x() const override { return combined_.combined_x; }
   Tensor combined_weights() const override { return combined_.combined_topk_weights; }
   std::int64_t received_rows() const override {
     const EPHandle& h = *received_.handle;
@@ -77,16 +99,7 @@ class V2Path final : public LayerPath {
   }
 
  private:
-  const LayerConfig& c_;
-  const ExpertParams& params_;
-  const RankBatch& batch_;
-  PathOptions options_;
-  int rank_;
-  ElasticBuffer buffer_;
   DispatchArgs args_;
-  DispatchResult received_;
-  Tensor expert_out_;
-  CombineResult combined_;
 };
 
 Config v1_config(Config config, int workers) {
@@ -94,18 +107,18 @@ Config v1_config(Config config, int workers) {
   return config;
 }
 
-class V1Path final : public LayerPath {
+class V1Path final : public PathBase<Buffer, LegacyDispatchResult, CombineResult> {
  public:
   V1Path(Group& g, const LayerConfig& c, const ExpertParams& p, const RankBatch& b, const PathOptions& o)
-      : c_(c), params_(p), batch_(b), options_(o), rank_(g.rank()),
-        // Across nodes, tokens travel through the scale-out pool: size it like V2's buffer.
-        buffer_(g, {.num_rdma_bytes = c.scaleout > 1 ? ElasticBuffer::get_buffer_size_hint(g, c.tokens, c.hidden, c.topk, c.fp8)
-                                                     : 0}),
+      // Across nodes, tokens travel through the scale-out pool: size it like V2's buffer.
+      : PathBase(g, c, p, b, o,
+                 BufferConfig{.num_rdma_bytes = c.scaleout > 1 ? ElasticBuffer::get_buffer_size_hint(
+                                                                     g, c.tokens, c.hidden, c.topk, c.fp8)
+                                                               : 0}),
         dispatch_config_(v1_config(Buffer::get_dispatch_config(c.ranks), o.workers)),
         combine_config_(v1_config(Buffer::get_combine_config(c.ranks), o.workers)) {
     if (c.expand) throw InvalidArgument("--api v1: normal mode has no expanded layout (drop --expand)");
   }
-  void barrier() override { buffer_.barrier(); }
   void dispatch() override {
     const DispatchLayout layout = buffer_.get_dispatch_layout(batch_.topk_idx, c_.experts);
     LegacyDispatchArgs args{.x = c_.fp8 ? batch_.x_fp8.view() : batch_.x.view(),
@@ -139,34 +152,23 @@ class V1Path final : public LayerPath {
                                  .async_finish = options_.async});
     combined_.event.wait();
   }
-  Tensor combined_x() const override { return combined_.combined_x; }
   Tensor combined_weights() const override { return combined_.combined_topk_weights; }
   std::int64_t received_rows() const override { return received_.recv_x.size(0); }
   int workers() const override { return received_.handle->routing->num_sms; }
   void dump(const std::string&) const override {}
 
  private:
-  const LayerConfig& c_;
-  const ExpertParams& params_;
-  const RankBatch& batch_;
-  PathOptions options_;
-  int rank_;
-  Buffer buffer_;
   Config dispatch_config_, combine_config_;
-  LegacyDispatchResult received_;
-  Tensor expert_out_;
-  CombineResult combined_;
 };
 
-class LowLatencyPath final : public LayerPath {
+class LowLatencyPath final : public PathBase<Buffer, LowLatencyDispatchResult, LowLatencyCombineResult> {
  public:
   LowLatencyPath(Group& g, const LayerConfig& c, const ExpertParams& p, const RankBatch& b, const PathOptions& o)
-      : c_(c), params_(p), batch_(b), options_(o), rank_(g.rank()),
-        buffer_(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(c.tokens, c.hidden, c.ranks, c.experts),
-                    .low_latency_mode = true}) {
+      : PathBase(g, c, p, b, o,
+                 BufferConfig{.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(c.tokens, c.hidden, c.ranks, c.experts),
+                              .low_latency_mode = true}) {
     if (c.expand) throw InvalidArgument("--low-latency: the slab is already per expert (drop --expand)");
   }
-  void barrier() override { buffer_.barrier(); }
   void dispatch() override {
     received_ = buffer_.low_latency_dispatch({.x = batch_.x,
                                               .topk_idx = batch_.topk_idx,
@@ -185,7 +187,6 @@ class LowLatencyPath final : public LayerPath {
                                              .async_finish = options_.async});
     combined_.event.wait();
   }
-  Tensor combined_x() const override { return combined_.combined_x; }
   Tensor combined_weights() const override { return Tensor(); }
   std::int64_t received_rows() const override {
     std::int64_t rows = 0;
@@ -194,17 +195,6 @@ class LowLatencyPath final : public LayerPath {
   }
   int workers() const override { return 1; }
   void dump(const std::string&) const override {}
-
- private:
-  const LayerConfig& c_;
-  const ExpertParams& params_;
-  const RankBatch& batch_;
-  PathOptions options_;
-  int rank_;
-  Buffer buffer_;
-  LowLatencyDispatchResult received_;
-  Tensor expert_out_;
-  LowLatencyCombineResult combined_;
 };
 
 }  // namespace
