@@ -12,14 +12,19 @@
 #include <fstream>
 
 #include "comm/wait.hh"
+#include "core/log.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::comm::mpi {
 namespace {
 
-constexpr int kTagData = 13;
-constexpr int kTagSignal = 14;
+constexpr int kTagData = 13;     // [number][pieces]: copied into place on arrival
+constexpr int kTagSignal = 14;   // [number of record messages sent before it]
+constexpr int kTagHeader = 15;   // [number][one piece header]: the payload follows
+constexpr int kTagPayload = 16;  // the bare bytes of that piece, received in place
+constexpr std::size_t kPrefix = 8;                      // the message number
+constexpr std::size_t kDirectBytes = std::size_t{16} << 10;  // single pieces at least this large go in place
 
 struct PieceHeader {
   std::uint32_t memory;
@@ -68,7 +73,12 @@ Messenger::Messenger(MPI_Comm comm, int rank, int size)
       sent_records_(static_cast<size_t>(size), 0),
       sources_(static_cast<size_t>(size)) {}
 
-Messenger::~Messenger() { drain(1.0); }
+Messenger::~Messenger() {
+  if (received_in_place_ + received_copied_ > 0)
+    core::debug("[rank {}] scale-out record messages received: {} in place, {} copied into place", rank_,
+                received_in_place_, received_copied_);
+  drain(1.0);
+}
 
 void Messenger::drain(double secs) {
   std::lock_guard lock(mpi_mutex());
@@ -201,12 +211,13 @@ void Messenger::set_inflight_limit(int per_peer, const Wait& wait) {
   send_wait_ = wait;
 }
 
-void Messenger::send(int peer, int tag, std::vector<std::byte> buffer, bool record) {
-  if (buffer.size() > static_cast<std::size_t>(INT_MAX))
-    throw StateError(fmt::format("[rank {}] message of {} bytes to rank {} is too large", rank_, buffer.size(), peer));
+void Messenger::send(int peer, int tag, std::vector<std::byte> buffer, bool record, std::size_t from, std::size_t bytes) {
+  if (bytes == SIZE_MAX) bytes = buffer.size() - from;
+  if (bytes > static_cast<std::size_t>(INT_MAX))
+    throw StateError(fmt::format("[rank {}] message of {} bytes to rank {} is too large", rank_, bytes, peer));
   pending_.push_back({MPI_REQUEST_NULL, std::move(buffer), peer, record});
   Pending& p = pending_.back();
-  check_mpi(MPI_Isend(p.buffer.data(), static_cast<int>(p.buffer.size()), MPI_BYTE, peer, tag, comm_, &p.request),
+  check_mpi(MPI_Isend(p.buffer.data() + from, static_cast<int>(bytes), MPI_BYTE, peer, tag, comm_, &p.request),
             "MPI_Isend", rank_);
   if (record) ++inflight_[static_cast<size_t>(peer)];
 }
@@ -228,10 +239,21 @@ void Messenger::flush(int peer) {
   }
   std::vector<std::byte> message;
   message.swap(chunk.bytes);
+  const bool direct = chunk.pieces == 1 && chunk.end - chunk.last - sizeof(PieceHeader) >= kDirectBytes;
+  const std::size_t payload_at = chunk.last + sizeof(PieceHeader), payload_bytes = chunk.end - payload_at;
   chunk.last = SIZE_MAX;
   chunk.end = 0;
-  send(peer, kTagData, std::move(message), true);
-  ++sent_records_[static_cast<size_t>(peer)];
+  chunk.pieces = 0;
+  const std::uint64_t number = sent_records_[static_cast<size_t>(peer)]++;
+  std::memcpy(message.data(), &number, sizeof number);
+  if (!direct) {
+    send(peer, kTagData, std::move(message), true);
+    return;
+  }
+  // Header (number and piece) now; the payload from the same buffer, received in place.
+  send(peer, kTagHeader, std::vector<std::byte>(message.begin(), message.begin() + static_cast<std::ptrdiff_t>(payload_at)),
+       false);
+  send(peer, kTagPayload, std::move(message), true, payload_at, payload_bytes);
 }
 
 void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes) {
@@ -250,12 +272,14 @@ void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const vo
       last.bytes += static_cast<std::uint32_t>(n);
       std::memcpy(chunk.bytes.data() + chunk.last, &last, sizeof last);
     } else {
-      if (chunk.bytes.size() + sizeof(PieceHeader) + kAlign > chunk_bytes_) {
+      if (std::max(chunk.bytes.size(), kPrefix) + sizeof(PieceHeader) + kAlign > chunk_bytes_) {
         flush(peer);
         continue;
       }
+      if (chunk.bytes.empty()) chunk.bytes.resize(kPrefix);  // the message number, set when sent
       n = std::min({bytes, chunk_bytes_ - chunk.bytes.size() - sizeof(PieceHeader), kMaxPiece});
       const PieceHeader header{memory, static_cast<std::uint32_t>(n), offset};
+      ++chunk.pieces;
       chunk.last = chunk.bytes.size();
       chunk.bytes.resize(chunk.last + sizeof header);
       std::memcpy(chunk.bytes.data() + chunk.last, &header, sizeof header);
@@ -279,26 +303,43 @@ void Messenger::signal(int peer) {
   progress();
 }
 
-void Messenger::apply(int source, std::span<const std::byte> message) {
+std::byte* Messenger::destination(int source, std::uint32_t memory, std::uint64_t offset, std::uint64_t bytes) {
+  const auto it = memories_.find(memory);
+  if (it == memories_.end())
+    throw StateError(fmt::format("[rank {}] rank {} put into symmetric memory #{} that this rank does not hold", rank_,
+                                 source, memory));
+  if (offset > it->second.second || bytes > it->second.second - offset)
+    throw StateError(fmt::format("[rank {}] rank {} put {} bytes at offset {} of a {}-byte region", rank_, source, bytes,
+                                 offset, it->second.second));
+  return it->second.first + offset;
+}
+
+void Messenger::apply(int source, std::span<const std::byte> pieces) {
   std::size_t at = 0;
-  while (at < message.size()) {
+  while (at < pieces.size()) {
     PieceHeader header;
-    if (message.size() - at < sizeof header)
+    if (pieces.size() - at < sizeof header)
       throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
-    std::memcpy(&header, message.data() + at, sizeof header);
+    std::memcpy(&header, pieces.data() + at, sizeof header);
     at += sizeof header;
-    const auto it = memories_.find(header.memory);
-    if (it == memories_.end())
-      throw StateError(fmt::format("[rank {}] rank {} put into symmetric memory #{} that this rank does not hold",
-                                   rank_, source, header.memory));
-    if (header.bytes > message.size() - at || header.offset > it->second.second ||
-        header.bytes > it->second.second - header.offset)
-      throw StateError(fmt::format("[rank {}] rank {} put {} bytes at offset {} of a {}-byte region", rank_, source,
-                                   header.bytes, header.offset, it->second.second));
-    std::memcpy(it->second.first + header.offset, message.data() + at, header.bytes);
+    if (header.bytes > pieces.size() - at)
+      throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
+    std::memcpy(destination(source, header.memory, header.offset, header.bytes), pieces.data() + at, header.bytes);
     at += padded(header.bytes);
   }
-  ++sources_[static_cast<size_t>(source)].applied;
+}
+
+void Messenger::complete(int source, std::uint64_t number) {
+  Source& s = sources_[static_cast<size_t>(source)];
+  if (number != s.applied) {
+    s.early.insert(number);
+    return;
+  }
+  ++s.applied;
+  while (!s.early.empty() && *s.early.begin() == s.applied) {
+    s.early.erase(s.early.begin());
+    ++s.applied;
+  }
 }
 
 int Messenger::receive(int source, int tag, std::vector<std::byte>& buffer) {
@@ -325,7 +366,42 @@ void Messenger::progress() {
     if (it->record) --inflight_[static_cast<size_t>(it->peer)];
     it = pending_.erase(it);
   }
-  for (int source; (source = receive(MPI_ANY_SOURCE, kTagData, receive_)) >= 0;) apply(source, receive_);
+  auto number_of = [&](int source, const std::vector<std::byte>& message) {
+    std::uint64_t number = 0;
+    if (message.size() < sizeof number)
+      throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
+    std::memcpy(&number, message.data(), sizeof number);
+    return number;
+  };
+  for (int source; (source = receive(MPI_ANY_SOURCE, kTagData, receive_)) >= 0;) {
+    const std::uint64_t number = number_of(source, receive_);
+    apply(source, std::span(receive_).subspan(kPrefix));
+    complete(source, number);
+    ++received_copied_;
+  }
+  for (int source; (source = receive(MPI_ANY_SOURCE, kTagHeader, receive_)) >= 0;) {
+    PieceHeader header;
+    if (receive_.size() != kPrefix + sizeof header)
+      throw StateError(fmt::format("[rank {}] malformed record header from rank {}", rank_, source));
+    std::memcpy(&header, receive_.data() + kPrefix, sizeof header);
+    // The payload is the next message with its tag from this source (MPI keeps their order).
+    std::byte* into = destination(source, header.memory, header.offset, header.bytes);
+    incoming_.push_back({MPI_REQUEST_NULL, source, number_of(source, receive_)});
+    check_mpi(MPI_Irecv(into, static_cast<int>(header.bytes), MPI_BYTE, source, kTagPayload, comm_,
+                        &incoming_.back().request),
+              "MPI_Irecv", rank_);
+  }
+  for (auto it = incoming_.begin(); it != incoming_.end();) {
+    int done = 0;
+    check_mpi(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE), "MPI_Test (receive)", rank_);
+    if (!done) {
+      ++it;
+      continue;
+    }
+    complete(it->source, it->number);
+    ++received_in_place_;
+    it = incoming_.erase(it);
+  }
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagSignal, receive_)) >= 0;) {
     std::uint64_t threshold = 0;
     if (receive_.size() != sizeof threshold)

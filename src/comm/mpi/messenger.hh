@@ -5,9 +5,12 @@
 //   not arrived, and a member on this host whose process is gone is reported at once.
 // - Scale-out records: put() appends (memory id, offset, bytes) pieces to the peer's current
 //   message (the wire needs one); a full message, or signal(), sends it. At most `inflight`
-//   messages per peer are in flight. A signal carries the number of record messages sent to that
-//   peer before it; the receiver counts the signal only once that many messages were applied to
-//   its memory: completion is counted, never inferred from arrival order.
+//   messages per peer are in flight. Every record message carries its number (per peer); a
+//   message of one large piece travels as a small header and the bare payload, which the
+//   receiver receives straight into its symmetric memory (no copy on arrival); other messages
+//   are copied into place on arrival. A signal carries the number of record messages sent to that
+//   peer before it; the receiver counts the signal only once every message numbered below it is
+//   in its memory: completion is counted, never inferred from arrival order.
 // - Progress is explicit: every wait (gather, signals, a full in-flight window) tests sends and
 //   receives and applies arriving records; nothing relies on MPI's asynchronous progress.
 // All MPI calls of the process go through one mutex (MPI_THREAD_SERIALIZED suffices).
@@ -23,6 +26,7 @@
 #include <deque>
 #include <list>
 #include <map>
+#include <set>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -81,17 +85,30 @@ class Messenger {
     bool record = false;
   };
   struct Source {
-    std::uint64_t applied = 0;             // record messages applied
+    std::uint64_t applied = 0;             // record messages 0 .. applied-1 are all in memory
+    std::set<std::uint64_t> early;         // record messages in memory above `applied`
     std::deque<std::uint64_t> thresholds;  // signals received, not yet counted
     std::uint64_t signals = 0;             // signals counted
+  };
+  // A payload being received straight into symmetric memory.
+  struct Incoming {
+    MPI_Request request = MPI_REQUEST_NULL;
+    int source = -1;
+    std::uint64_t number = 0;
   };
 
   void progress();  // with mpi_mutex held
   // Receives the next message from `source` (or MPI_ANY_SOURCE) with `tag` into `buffer` if one
   // has arrived; returns its source, or -1. With mpi_mutex held.
   int receive(int source, int tag, std::vector<std::byte>& buffer);
-  void apply(int source, std::span<const std::byte> message);
-  void send(int peer, int tag, std::vector<std::byte> buffer, bool record);
+  // Copies a record message's pieces into place.
+  void apply(int source, std::span<const std::byte> pieces);
+  // Validates a piece against the registered memory; returns where it goes.
+  std::byte* destination(int source, std::uint32_t memory, std::uint64_t offset, std::uint64_t bytes);
+  void complete(int source, std::uint64_t number);
+  // Sends buffer[from, from + bytes) (all of it by default); keeps the buffer until sent.
+  void send(int peer, int tag, std::vector<std::byte> buffer, bool record, std::size_t from = 0,
+            std::size_t bytes = SIZE_MAX);
   void flush(int peer);  // with mpi_mutex held
   // Waits (with progress) until done() holds; on timeout or a departed member, throws naming
   // the ranks missing() returns.
@@ -111,14 +128,17 @@ class Messenger {
   // The message being filled for a peer. Pieces are 8-byte aligned; a put that continues the last
   // piece (same memory, next offset) extends it instead of adding a header.
   struct Chunk {
-    std::vector<std::byte> bytes;
-    std::size_t last = SIZE_MAX;  // position of the last piece's header
-    std::size_t end = 0;          // end of the last piece's data (before padding)
+    std::vector<std::byte> bytes;  // [message number (8 B)] then the pieces
+    std::size_t last = SIZE_MAX;   // position of the last piece's header
+    std::size_t end = 0;           // end of the last piece's data (before padding)
+    int pieces = 0;
   };
   std::vector<Chunk> chunks_;  // [peer]
   std::vector<std::uint64_t> sent_records_;     // [peer]
   std::vector<Source> sources_;                 // [peer]
   std::map<std::uint32_t, std::pair<std::byte*, std::size_t>> memories_;
+  std::list<Incoming> incoming_;
+  std::uint64_t received_in_place_ = 0, received_copied_ = 0;  // record messages, for MOE_EP_DEBUG
   std::vector<std::byte> receive_;
 };
 
