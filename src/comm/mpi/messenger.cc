@@ -236,6 +236,7 @@ void Messenger::flush(int peer) {
       throw;
     }
     mpi_mutex().lock();
+    if (chunk.bytes.empty()) return;  // another thread sent it meanwhile
   }
   std::vector<std::byte> message;
   message.swap(chunk.bytes);
