@@ -238,19 +238,10 @@ class LocalTransport final : public Transport {
   }
 
   [[noreturn]] void fail_waiting(const Wait& wait, const std::vector<int>& missing, double elapsed) {
-    std::vector<int> departed;
-    for (int r : missing)
-      if (world_->departures.left(r)) departed.push_back(r);
-    if (!departed.empty()) {
-      std::string reasons;
-      for (int r : departed) reasons += fmt::format("; rank {} {}", r, world_->departures.reason(r));
-      throw PeerError(fmt::format("[rank {}] {}: ranks [{}] left the group instead of arriving{}", rank(),
-                                  wait.phase, fmt::join(departed, ", "), reasons),
-                      departed);
-    }
-    throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s waiting for ranks [{}]", rank(),
-                                   wait.phase, elapsed, fmt::join(missing, ", ")),
-                       missing);
+    fail_wait(rank(), wait, missing, elapsed, [&](int r) -> std::optional<std::string> {
+      if (!world_->departures.left(r)) return std::nullopt;
+      return world_->departures.reason(r);
+    });
   }
 
   std::shared_ptr<WorldState> world_;
@@ -292,6 +283,24 @@ void retire(std::unique_ptr<SymmetricMemory> memory) {
   static auto* retired = new std::vector<std::unique_ptr<SymmetricMemory>>();  // reachable until exit
   std::lock_guard lock(mutex);
   retired->push_back(std::move(memory));
+}
+
+void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
+               const std::function<std::optional<std::string>(int)>& departure) {
+  std::vector<int> departed;
+  std::string reasons;
+  for (int r : missing)
+    if (const auto why = departure(r)) {
+      departed.push_back(r);
+      reasons += fmt::format("; rank {} {}", r, *why);
+    }
+  if (!departed.empty())
+    throw PeerError(fmt::format("[rank {}] {}: ranks [{}] left the group instead of arriving{}", rank, wait.phase,
+                                fmt::join(departed, ", "), reasons),
+                    departed);
+  throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s waiting for ranks [{}]", rank, wait.phase,
+                                 elapsed_secs, fmt::join(missing, ", ")),
+                     missing);
 }
 
 void Transport::check_same_node(int peer) const {

@@ -22,7 +22,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -132,6 +134,12 @@ class Transport {
   int size_;
   Topology topology_;
 };
+
+// The error of a wait for `missing` that did not complete: PeerError naming those of them that left
+// the group (`departure(r)` says why, or nullopt while r is still there), else TimeoutError naming
+// them all. Both transports raise their wait failures through it.
+[[noreturn]] void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
+                            const std::function<std::optional<std::string>(int)>& departure);
 
 // Keeps symmetric memory mapped until the process exits: for memory peers may still read after a
 // failure left the ranks out of step.

@@ -104,20 +104,10 @@ bool Messenger::gone(int rank) const {
 }
 
 void Messenger::fail(const Wait& wait, const std::vector<int>& missing, double elapsed) {
-  std::vector<int> departed;
-  for (int r : missing)
-    if (gone(r)) departed.push_back(r);
-  if (!departed.empty()) {
-    std::string pids;
-    for (int r : departed) pids += fmt::format("; rank {} was process {} on this host", r, hosts_->pids[static_cast<size_t>(r)]);
-    throw PeerError(fmt::format("[rank {}] {}: ranks [{}] left the group instead of arriving (their processes are "
-                                "gone{})",
-                                rank_, wait.phase, fmt::join(departed, ", "), pids),
-                    departed);
-  }
-  throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s waiting for ranks [{}]", rank_, wait.phase,
-                                 elapsed, fmt::join(missing, ", ")),
-                     missing);
+  fail_wait(rank_, wait, missing, elapsed, [&](int r) -> std::optional<std::string> {
+    if (!gone(r)) return std::nullopt;
+    return fmt::format("was process {} on this host, which is gone", hosts_->pids[static_cast<size_t>(r)]);
+  });
 }
 
 template <class Done, class Missing>
