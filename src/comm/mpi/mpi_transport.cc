@@ -298,6 +298,17 @@ std::byte* WindowMemory::node_peer(int rank) {
   return node_bases_[static_cast<size_t>(rank - owner_.node_first_rank())];
 }
 
+// One rank's fixed-size block of a gather, checked.
+template <class T>
+T decode(const std::vector<std::byte>& block, int from, int rank) {
+  if (block.size() != sizeof(T))
+    throw StateError(fmt::format("[rank {}] mpi::make_group: rank {} sent {} bytes, expected {}", rank, from,
+                                 block.size(), sizeof(T)));
+  T value;
+  std::memcpy(&value, block.data(), sizeof value);
+  return value;
+}
+
 struct Arrival {
   std::int32_t ranks_per_node;  // requested; 0 = per host
   std::int32_t pid;
@@ -347,19 +358,15 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
   auto hosts = std::make_shared<HostInfo>();
   std::map<int, std::vector<int>> by_request;
   for (int r = 0; r < size; ++r) {
-    Arrival a;
-    std::memcpy(&a, arrivals[static_cast<size_t>(r)].data(), sizeof a);
+    const auto a = decode<Arrival>(arrivals[static_cast<size_t>(r)], r, rank);
     hosts->pids.push_back(a.pid);
     by_request[a.ranks_per_node].push_back(r);
-  }
-  MPI_Comm host_comm = MPI_COMM_NULL;
-  {
-    std::lock_guard lock(mpi_mutex());
-    check_mpi(MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host_comm), "MPI_Comm_split_type", rank);
   }
   HostFacts facts{};
   {
     std::lock_guard lock(mpi_mutex());
+    MPI_Comm host_comm = MPI_COMM_NULL;
+    check_mpi(MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host_comm), "MPI_Comm_split_type", rank);
     MPI_Comm_size(host_comm, &facts.host_size);
     MPI_Group host_group, dup_group;
     MPI_Comm_group(host_comm, &host_group);
@@ -373,8 +380,7 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
   const auto host_facts = messenger.gather(members, kTagWorld, 2, std::as_bytes(std::span(&facts, 1)), wait);
   std::map<int, std::vector<int>> host_members;
   for (int r = 0; r < size; ++r) {
-    HostFacts f;
-    std::memcpy(&f, host_facts[static_cast<size_t>(r)].data(), sizeof f);
+    const auto f = decode<HostFacts>(host_facts[static_cast<size_t>(r)], r, rank);
     hosts->host.push_back(f.host);
     host_members[f.host].push_back(r);
   }
