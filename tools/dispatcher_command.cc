@@ -137,7 +137,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
       combine_s = std::max(combine_s, rec.combine_s);
       const Tensor expected = info.format == OutputFormat::kLowLatency && info.generation == Generation::kV1
                                   ? reference_low_latency_output(configs[b], params, batches[b][static_cast<size_t>(r)])
-                                  : reference_output(ref, params, batches[b], r);
+                                  : reference_output(ref, params, batches[b][static_cast<size_t>(r)]);
       tokens += expected.size(0);
       for (std::int64_t t = 0; t < expected.size(0); ++t)
         bad += std::memcmp(rec.combined.data_as<std::uint16_t>() + t * c.hidden, expected.data_as<std::uint16_t>() + t * c.hidden,

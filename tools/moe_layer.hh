@@ -71,9 +71,8 @@ Tensor run_experts(const LayerConfig& config, const ExpertParams& params, int ra
 // expanded rows as the expanded layout, the low-latency slab unweighted (as below).
 Tensor run_experts(const LayerConfig& config, const ExpertParams& params, int rank, const DispatchOutput& received);
 
-// The expected combine output of every token of `rank`, [N, H] BF16.
-Tensor reference_output(const LayerConfig& config, const ExpertParams& params, const std::vector<RankBatch>& all,
-                        int rank);
+// The expected combine output of every token of a rank's batch, [N, H] BF16.
+Tensor reference_output(const LayerConfig& config, const ExpertParams& params, const RankBatch& batch);
 
 // Low-latency mode (V1): the experts return unweighted rows bf16(f_e(x)) into the slab
 // [El, R*N, H]; combine applies the weights: out[t] = bf16(sum over lanes j, ascending, of

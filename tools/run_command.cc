@@ -77,9 +77,7 @@ int run_command(const RunOptions& options, Launch& launch) {
   launch.run([&](Group& group) {
     const int me = group.rank();
     RankOutcome out;
-    std::vector<RankBatch> batches(static_cast<size_t>(c.ranks));  // the reference reads this rank's only
-    batches[static_cast<size_t>(me)] = make_batch(c, me);
-    const RankBatch& batch = batches[static_cast<size_t>(me)];
+    const RankBatch batch = make_batch(c, me);
     {
       auto path = make_path(options.api, group, c, params, batch, {.workers = options.workers, .async = options.async});
       for (int it = 0; it < options.iterations; ++it) {
@@ -114,7 +112,7 @@ int run_command(const RunOptions& options, Launch& launch) {
     // This rank's verification against the single-threaded reference.
     RankSummary sum;
     const Tensor expected = options.api == Api::kV1LowLatency ? reference_low_latency_output(c, params, batch)
-                                                              : reference_output(c, params, batches, me);
+                                                              : reference_output(c, params, batch);
     const std::int64_t n = expected.size(0);
     sum.tokens = n;
     for (std::int64_t t = 0; t < n; ++t) {
