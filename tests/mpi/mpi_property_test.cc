@@ -286,8 +286,9 @@ TEST(MpiTransport, AlltoallvBaselineMatchesElasticBuffer) {
   const Tensor theirs_combined = baseline.combine(theirs, y);
   CombineResult ours_combined = buffer.combine({.x = y, .handle = ours.handle});
   ASSERT_EQ(theirs_combined.nbytes(), ours_combined.combined_x.nbytes());
-  if (g.num_scaleout() == 1)  // across nodes ours sums each node's rows first (one more BF16 rounding)
+  if (g.num_scaleout() == 1) {  // across nodes ours sums each node's rows first (one more BF16 rounding)
     EXPECT_EQ(std::memcmp(theirs_combined.data(), ours_combined.combined_x.data(), theirs_combined.nbytes()), 0);
+  }
 }
 
 // Bad input across processes: the rank with other arguments is named on every rank.
