@@ -31,18 +31,10 @@ DispatcherOptions options(bool v2, DispatchMode mode = DispatchMode::kAuto) {
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-// A batch of `s` through `d`, verified; returns the problems.
+// A batch of `s` through `d`, verified (fixture's run_batch); problems go to `bad`.
 void round_trip(Group& g, TokenDispatcher& d, const CaseSpec& s, BatchKind kind, std::vector<std::string>& bad,
                 int micro_batch = 0) {
-  std::vector<RankInputs> all;
-  for (int r = 0; r < s.ranks; ++r) all.push_back(reference::make_inputs(s, r));
-  const Inputs in = to_tensors(s, all[static_cast<size_t>(g.rank())]);
-  const DispatcherOptions& o = d.options();
-  const Expectation e{.fp8 = *o.dispatch_dtype == WireDType::kFP8, .alignment = o.expert_alignment};
-  const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, kind, micro_batch);
-  check_dispatch(s, e, all, g.rank(), out, bad);
-  const Tensor y = d.combine(expert_outputs(s, e, all, g.rank(), out), micro_batch);
-  check_combined(expected_combine(s, e, all, g.rank(), out), y, "combined", bad);
+  run_batch(g, d, s, kind, bad, "round trip", micro_batch);
 }
 
 TEST(Lifecycle, EqualKeysShareOneBufferAndEveryKeyFieldRebuilds) {

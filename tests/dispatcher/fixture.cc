@@ -199,17 +199,17 @@ Expectation expectation(const DispatcherOptions& o) {
 
 // One batch through the dispatcher, checked end to end; returns the combined output.
 Tensor run_batch(Group& g, TokenDispatcher& d, const CaseSpec& s, BatchKind kind, std::vector<std::string>& bad,
-                 const std::string& label) {
+                 const std::string& label, int micro_batch) {
   std::vector<RankInputs> all;
   for (int r = 0; r < s.ranks; ++r) all.push_back(reference::make_inputs(s, r));
   const Inputs in = to_tensors(s, all[static_cast<size_t>(g.rank())]);
   const Expectation e = expectation(d.options());
-  const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, kind);
+  const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, kind, micro_batch);
   if (out.mode != d.resolve(kind)) bad.push_back(label + ": wrong mode");
   std::vector<std::string> problems;
   check_dispatch(s, e, all, g.rank(), out, problems);
   const Tensor y = expert_outputs(s, e, all, g.rank(), out);
-  const Tensor combined = d.combine(y);
+  const Tensor combined = d.combine(y, micro_batch);
   check_combined(expected_combine(s, e, all, g.rank(), out), combined, "combined", problems);
   for (auto& p : problems) bad.push_back(fmt::format("{} ({} {} {}): {}", label, generation_name(out.generation),
                                                      mode_name(out.mode), format_name(out.format), p));

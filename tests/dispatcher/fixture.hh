@@ -59,7 +59,7 @@ Expectation expectation(const DispatcherOptions& o);
 // One batch through the dispatcher, checked end to end against the references (problems are
 // appended to `bad`, prefixed with `label`); returns the combined output.
 Tensor run_batch(Group& g, TokenDispatcher& d, const CaseSpec& s, BatchKind kind, std::vector<std::string>& bad,
-                 const std::string& label);
+                 const std::string& label, int micro_batch = 0);
 
 // Runs fn on every rank of a LocalWorld and reports every rank's problems as test failures.
 void run_ranks(int ranks, Topology topology, const std::function<void(Group&, std::vector<std::string>&)>& fn);
