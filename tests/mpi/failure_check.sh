@@ -8,8 +8,14 @@ shift 4
 session=$(mktemp -d)
 trap 'rm -rf "$session"' EXIT
 before=$(ls -A /dev/shm 2>/dev/null | sort)
+# A rank that dies must not take the job down before the others have reported: Open MPI needs
+# --enable-recovery for that. The help text is read whole (grep -q on a pipe could end mpiexec
+# with SIGPIPE, which pipefail would turn into "not supported").
 recovery=()
-[ "$mode" != normal ] && "$mpiexec" --help all 2>/dev/null | grep -q -- --enable-recovery && recovery=(--enable-recovery)
+if [ "$mode" != normal ]; then
+  help=$("$mpiexec" --help all 2>/dev/null)
+  if [[ "$help" == *--enable-recovery* ]]; then recovery=(--enable-recovery); fi
+fi
 output=$(TMPDIR=$session MOE_EP_TIMEOUT_SECS=${MOE_EP_TIMEOUT_SECS:-10} \
          "$mpiexec" "${recovery[@]}" -np "$ranks" "$@" "$probe" "$mode" 2>&1)
 status=$?
