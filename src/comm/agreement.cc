@@ -104,7 +104,8 @@ std::vector<std::span<const std::byte>> Agreement::exchange(Transport& transport
     for (int i = 0; i < n; ++i) {
       std::int64_t v;
       std::memcpy(&v, gathered_[i].data() + sizeof(BlockHeader) + f * sizeof(std::int64_t), sizeof v);
-      values[std::to_string(v)].push_back(first + i);
+      values[fields_[f].is_dtype ? std::string(v < 0 ? "none" : dtype_name(static_cast<DType>(v))) : std::to_string(v)]
+          .push_back(first + i);
     }
     if (values.size() > 1) disagreement(fields_[f].name, values);
   }

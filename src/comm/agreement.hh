@@ -10,12 +10,14 @@
 
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "comm/transport.hh"
+#include "moe_ep/dtype.hpp"
 
 namespace moe_ep::comm {
 
@@ -24,7 +26,12 @@ class Agreement {
   Agreement(std::string_view context, std::string_view operation) : context_(context), operation_(operation) {}
 
   Agreement& field(const char* name, std::int64_t value) {
-    fields_.push_back({name, value});
+    fields_.push_back({name, value, false});
+    return *this;
+  }
+  // A dtype field: messages name the dtypes ("bfloat16"), not their codes; nullopt reads "none".
+  Agreement& field(const char* name, std::optional<DType> dtype) {
+    fields_.push_back({name, dtype ? static_cast<std::int64_t>(*dtype) : -1, true});
     return *this;
   }
   // The first error of this rank (its arguments were rejected); may be null.
@@ -44,6 +51,7 @@ class Agreement {
   struct Field {
     const char* name;
     std::int64_t value;
+    bool is_dtype;
   };
   std::string context_;
   std::string operation_;

@@ -363,9 +363,9 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
       .field("num_experts", E_)
       .field("num_topk", k_)
       .field("hidden", H_)
-      .field("x dtype", static_cast<std::int64_t>(x_dtype_))
+      .field("x dtype", x_dtype_)
       .field("x_scales columns", P_)
-      .field("x_scales dtype", fp8_ ? static_cast<std::int64_t>(scale_dtype_) : -1)
+      .field("x_scales dtype", fp8_ ? std::optional(scale_dtype_) : std::nullopt)
       .field("topk_weights given", has_weights_)
       .field("expert_alignment", A_)
       .field("do_expand", expand_);

@@ -291,6 +291,26 @@ TEST(ElasticErrors, RanksThatDisagreeAreNamed) {
     EXPECT_NE(o.message.find("ranks disagree on num_max_tokens_per_rank: 16 on ranks [2, 3], 8 on ranks [0, 1]"),
               std::string::npos)
         << o.message;
+  // Valid FP8 input on rank 1, BF16 elsewhere: the dtypes are named, not their codes.
+  outcomes = on_all_ranks([](ElasticBuffer& b, int rank) {
+    Inputs in(rank);
+    auto a = in.args();
+    std::vector<std::uint8_t> fp8(static_cast<size_t>(kTokens * kHidden), 0x38);
+    std::vector<float> scales(static_cast<size_t>(kTokens * kHidden / 128), 1.0f);
+    if (rank == 1) {
+      a.x = TensorView(fp8.data(), DType::kFP8E4M3, {kTokens, kHidden});
+      a.x_scales = TensorView(scales.data(), DType::kFP32, {kTokens, kHidden / 128});
+    }
+    b.dispatch(a);
+  });
+  for (int r = 0; r < kRanks; ++r) {
+    const Outcome& o = outcomes[static_cast<size_t>(r)];
+    EXPECT_EQ(o.type, "PeerError") << o.message;
+    EXPECT_NE(o.message.find("ranks disagree on x dtype: bfloat16 on ranks [0, 2, 3], float8_e4m3fn on rank [1]"),
+              std::string::npos)
+        << o.message;
+    EXPECT_EQ(o.ranks, r == 1 ? std::vector<int>({0, 2, 3}) : std::vector<int>({1}));
+  }
 }
 
 TEST(ElasticErrors, RanksThatDisagreeOnTopkAreNamed) {

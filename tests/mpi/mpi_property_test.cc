@@ -9,8 +9,10 @@
 #include <mpi.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cstring>
+#include <numeric>
 #include <optional>
 #include <tuple>
 
@@ -328,6 +330,44 @@ TEST(MpiTransport, DisagreeingTopkInDispatchNamesTheRank) {
     for (int j = 0; j < 2; ++j) good.data_as<std::int64_t>()[t * 2 + j] = (g.rank() + j) % (g.size() * 2);
   DispatchResult res = buffer.dispatch({.x = x, .topk_idx = good, .num_experts = g.size() * 2});
   EXPECT_TRUE(res.recv_x.defined());
+}
+
+// num_experts, num_max_tokens_per_rank and the dtype of x, each differing on the last rank: every
+// rank names the field, the values and the last rank; the next valid dispatch succeeds.
+TEST(MpiTransport, DisagreeingExpertsTokensAndDtypeNameTheRank) {
+  Group& g = *g_group;
+  const int odd = g.size() - 1, T = 4, H = 128, k = 2, E = g.size() * 2;
+  const bool is_odd = g.rank() == odd;
+  ElasticBuffer buffer(g, {.num_max_tokens_per_rank = 8, .hidden = H, .num_topk = k, .num_cpu_timeout_secs = 60});
+  Tensor x = Tensor::zeros({T, H}, DType::kBF16);
+  Tensor x_fp8 = Tensor::zeros({T, H}, DType::kFP8E4M3);
+  Tensor scales = Tensor::empty({T, H / 128}, DType::kFP32);
+  for (std::int64_t i = 0; i < scales.numel(); ++i) scales.data_as<float>()[i] = 1.0f;
+  Tensor topk = Tensor::empty({T, k}, DType::kInt64);
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < k; ++j) topk.data_as<std::int64_t>()[t * k + j] = (g.rank() + t + j) % E;
+  std::vector<int> others(static_cast<size_t>(odd));
+  std::iota(others.begin(), others.end(), 0);
+  auto expect_disagreement = [&](const DispatchArgs& args, std::initializer_list<std::string> fragments) {
+    try {
+      buffer.dispatch(args);
+      ADD_FAILURE() << "dispatch succeeded; expected: " << *fragments.begin();
+    } catch (const PeerError& e) {
+      for (const std::string& f : fragments) EXPECT_NE(std::string(e.what()).find(f), std::string::npos) << e.what();
+      EXPECT_EQ(e.ranks(), is_odd ? others : std::vector<int>{odd}) << e.what();
+    }
+  };
+  const std::string last = fmt::format("on rank [{}]", odd);
+  DispatchArgs a{.x = x, .topk_idx = topk, .num_experts = is_odd ? 2 * E : E};
+  expect_disagreement(a, {"ranks disagree on num_experts: ", fmt::format("{} {}", 2 * E, last)});
+  a = {.x = x, .topk_idx = topk, .num_experts = E, .num_max_tokens_per_rank = is_odd ? 4 : 8};
+  expect_disagreement(a, {fmt::format("ranks disagree on num_max_tokens_per_rank: 4 {}", last)});
+  a = {.x = is_odd ? TensorView(x_fp8) : TensorView(x), .x_scales = is_odd ? TensorView(scales) : TensorView(),
+       .topk_idx = topk, .num_experts = E};
+  expect_disagreement(a, {fmt::format("ranks disagree on x dtype: bfloat16 on {} [{}], float8_e4m3fn {}",
+                                      odd == 1 ? "rank" : "ranks", fmt::join(others, ", "), last)});
+  DispatchResult ok = buffer.dispatch({.x = x, .topk_idx = topk, .num_experts = E});
+  EXPECT_TRUE(ok.recv_x.defined());
 }
 
 TEST(MpiTransport, TopologyThatDoesNotFitIsRejected) {
