@@ -28,7 +28,8 @@ struct GroupOptions {
 };
 
 // Collective over `comm` (which it duplicates; `comm` may be freed afterwards). Throws
-// InvalidArgument for a topology that does not fit the communicator, PeerError naming the ranks
+// InvalidArgument for MPI_COMM_NULL, an intercommunicator or a topology that does not fit the
+// communicator, StateError when MPI is not initialized (or too few threads), PeerError naming the ranks
 // when ranks ask for different topologies, TimeoutError when a rank does not arrive.
 std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options = {});
 

@@ -67,6 +67,30 @@ TEST(MpiTransport, GroupMatchesTheJob) {
   for (int r = 0; r < size; ++r) EXPECT_EQ(all[static_cast<size_t>(r)], 1000u + static_cast<std::uint64_t>(r));
 }
 
+// Communicators that cannot be a group: MPI_COMM_NULL, and an intercommunicator (even ranks and
+// odd ranks as its two sides), each refused with InvalidArgument on every rank before any exchange.
+TEST(MpiTransport, NullAndIntercommunicatorsAreRejected) {
+  Group& g = *g_group;
+  try {
+    mpi::make_group(MPI_COMM_NULL);
+    ADD_FAILURE() << "MPI_COMM_NULL was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("MPI_COMM_NULL"), std::string::npos) << e.what();
+  }
+  MPI_Comm side = MPI_COMM_NULL, inter = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, g.rank() % 2, g.rank(), &side), MPI_SUCCESS);
+  ASSERT_EQ(MPI_Intercomm_create(side, 0, MPI_COMM_WORLD, g.rank() % 2 == 0 ? 1 : 0, 77, &inter), MPI_SUCCESS);
+  try {
+    mpi::make_group(inter, {.ranks_per_node = 0, .timeout_secs = 60});
+    ADD_FAILURE() << "an intercommunicator was accepted";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("intercommunicator"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(fmt::format("[rank {}]", g.rank() / 2)), std::string::npos) << e.what();
+  }
+  MPI_Comm_free(&inter);
+  MPI_Comm_free(&side);
+}
+
 // Any communicator, not only the world: two halves of the job run their own cases concurrently.
 TEST(MpiTransport, GroupFromASplitCommunicator) {
   Group& g = *g_group;

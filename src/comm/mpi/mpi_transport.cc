@@ -326,9 +326,11 @@ namespace mpi {
 
 std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
   using namespace comm::mpi;
-  int initialized = 0;
+  int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) throw StateError("mpi::make_group: MPI is not initialized (use moe_ep::mpi::Session or MPI_Init_thread)");
+  MPI_Finalized(&finalized);
+  if (finalized) throw StateError("mpi::make_group: MPI is already finalized");
   int level = 0;
   MPI_Query_thread(&level);
   if (level < MPI_THREAD_SERIALIZED)
@@ -336,8 +338,13 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
                                  "MPI_THREAD_SERIALIZED (initialize with MPI_Init_thread)",
                                  level));
   if (comm == MPI_COMM_NULL) throw InvalidArgument("mpi::make_group: comm is MPI_COMM_NULL");
-  int rank = 0, size = 0;
+  int rank = 0, size = 0, inter = 0;
   MPI_Comm_rank(comm, &rank);
+  MPI_Comm_test_inter(comm, &inter);
+  if (inter)
+    throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: comm is an intercommunicator; a group is the ranks of "
+                                      "one intracommunicator (merge it with MPI_Intercomm_merge first)",
+                                      rank));
   MPI_Comm_size(comm, &size);
   const double timeout = options.timeout_secs > 0 ? options.timeout_secs : env::get_float("MOE_EP_TIMEOUT_SECS");
   const comm::Wait wait{"group creation", timeout};
