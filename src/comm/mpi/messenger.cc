@@ -32,6 +32,7 @@ struct PieceHeader {
   std::uint64_t offset;
 };
 constexpr std::size_t kAlign = 8;
+constexpr std::size_t kSpareBuffers = 64;  // record message buffers kept for reuse
 std::size_t padded(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // A process that no longer exists, or that exited and waits to be reaped.
@@ -93,7 +94,7 @@ void Messenger::drain(double secs) {
   // Whatever is left goes to a peer that is gone: let MPI drop it, keep the buffers alive.
   for (Pending& p : pending_) {
     MPI_Request_free(&p.request);
-    new std::vector<std::byte>(std::move(p.buffer));  // NOLINT: kept until exit on purpose
+    new Bytes(std::move(p.buffer));  // NOLINT: kept until exit on purpose
   }
   pending_.clear();
 }
@@ -149,7 +150,7 @@ std::vector<std::vector<std::byte>> Messenger::gather(std::span<const int> membe
         have[i] = true;
         continue;
       }
-      std::vector<std::byte> message(sizeof epoch + mine.size());
+      Bytes message(sizeof epoch + mine.size());
       std::memcpy(message.data(), &epoch, sizeof epoch);
       if (!mine.empty()) std::memcpy(message.data() + sizeof epoch, mine.data(), mine.size());
       send(members[i], tag, std::move(message), false);
@@ -159,7 +160,7 @@ std::vector<std::vector<std::byte>> Messenger::gather(std::span<const int> membe
     bool all = true;
     for (std::size_t i = 0; i < members.size(); ++i) {
       if (have[i]) continue;
-      std::vector<std::byte> data;
+      Bytes data;
       if (receive(members[i], tag, data) < 0) {
         all = false;
         continue;
@@ -201,7 +202,24 @@ void Messenger::set_inflight_limit(int per_peer, const Wait& wait) {
   send_wait_ = wait;
 }
 
-void Messenger::send(int peer, int tag, std::vector<std::byte> buffer, bool record, std::size_t from, std::size_t bytes) {
+Bytes Messenger::take_buffer() {
+  if (spare_.empty()) {
+    Bytes buffer;
+    buffer.reserve(chunk_bytes_ + kAlign);
+    return buffer;
+  }
+  Bytes buffer = std::move(spare_.back());
+  spare_.pop_back();
+  return buffer;
+}
+
+void Messenger::recycle(Bytes buffer) {
+  if (spare_.size() >= kSpareBuffers || buffer.capacity() < chunk_bytes_ + kAlign) return;
+  buffer.clear();
+  spare_.push_back(std::move(buffer));
+}
+
+void Messenger::send(int peer, int tag, Bytes buffer, bool record, std::size_t from, std::size_t bytes) {
   if (bytes == SIZE_MAX) bytes = buffer.size() - from;
   if (bytes > static_cast<std::size_t>(INT_MAX))
     throw StateError(fmt::format("[rank {}] message of {} bytes to rank {} is too large", rank_, bytes, peer));
@@ -228,7 +246,7 @@ void Messenger::flush(int peer) {
     mpi_mutex().lock();
     if (chunk.bytes.empty()) return;  // another thread sent it meanwhile
   }
-  std::vector<std::byte> message;
+  Bytes message;
   message.swap(chunk.bytes);
   const bool direct = chunk.pieces == 1 && chunk.end - chunk.last - sizeof(PieceHeader) >= kDirectBytes;
   const std::size_t payload_at = chunk.last + sizeof(PieceHeader), payload_bytes = chunk.end - payload_at;
@@ -242,8 +260,7 @@ void Messenger::flush(int peer) {
     return;
   }
   // Header (number and piece) now; the payload from the same buffer, received in place.
-  send(peer, kTagHeader, std::vector<std::byte>(message.begin(), message.begin() + static_cast<std::ptrdiff_t>(payload_at)),
-       false);
+  send(peer, kTagHeader, Bytes(message.begin(), message.begin() + static_cast<std::ptrdiff_t>(payload_at)), false);
   send(peer, kTagPayload, std::move(message), true, payload_at, payload_bytes);
 }
 
@@ -267,7 +284,10 @@ void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const vo
         flush(peer);
         continue;
       }
-      if (chunk.bytes.empty()) chunk.bytes.resize(kPrefix);  // the message number, set when sent
+      if (chunk.bytes.empty()) {
+        if (chunk.bytes.capacity() < chunk_bytes_ + kAlign) chunk.bytes = take_buffer();
+        chunk.bytes.resize(kPrefix);  // the message number, set when sent
+      }
       n = std::min({bytes, chunk_bytes_ - chunk.bytes.size() - sizeof(PieceHeader), kMaxPiece});
       const PieceHeader header{memory, static_cast<std::uint32_t>(n), offset};
       ++chunk.pieces;
@@ -288,7 +308,7 @@ void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const vo
 void Messenger::signal(int peer) {
   std::lock_guard lock(mpi_mutex());
   flush(peer);
-  std::vector<std::byte> message(sizeof(std::uint64_t));
+  Bytes message(sizeof(std::uint64_t));
   std::memcpy(message.data(), &sent_records_[static_cast<size_t>(peer)], sizeof(std::uint64_t));
   send(peer, kTagSignal, std::move(message), false);
   progress();
@@ -333,7 +353,7 @@ void Messenger::complete(int source, std::uint64_t number) {
   }
 }
 
-int Messenger::receive(int source, int tag, std::vector<std::byte>& buffer) {
+int Messenger::receive(int source, int tag, Bytes& buffer) {
   int flag = 0;
   MPI_Message message;
   MPI_Status status;
@@ -354,10 +374,13 @@ void Messenger::progress() {
       ++it;
       continue;
     }
-    if (it->record) --inflight_[static_cast<size_t>(it->peer)];
+    if (it->record) {
+      --inflight_[static_cast<size_t>(it->peer)];
+      recycle(std::move(it->buffer));
+    }
     it = pending_.erase(it);
   }
-  auto number_of = [&](int source, const std::vector<std::byte>& message) {
+  auto number_of = [&](int source, const Bytes& message) {
     std::uint64_t number = 0;
     if (message.size() < sizeof number)
       throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));

@@ -37,6 +37,27 @@
 
 namespace moe_ep::comm::mpi {
 
+// Message bytes: growing a buffer leaves the new bytes uninitialized (they are written at once).
+template <class T>
+struct UninitializedAllocator : std::allocator<T> {
+  template <class U>
+  struct rebind {
+    using other = UninitializedAllocator<U>;
+  };
+  UninitializedAllocator() = default;
+  template <class U>
+  UninitializedAllocator(const UninitializedAllocator<U>&) noexcept {}
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    std::construct_at(p, std::forward<Args>(args)...);
+  }
+};
+using Bytes = std::vector<std::byte, UninitializedAllocator<std::byte>>;
+
 std::mutex& mpi_mutex();
 // Throws StateError naming the call and MPI's error text unless rc is MPI_SUCCESS.
 void check_mpi(int rc, const char* call, int rank);
@@ -80,7 +101,7 @@ class Messenger {
  private:
   struct Pending {
     MPI_Request request = MPI_REQUEST_NULL;
-    std::vector<std::byte> buffer;
+    Bytes buffer;
     int peer = -1;
     bool record = false;
   };
@@ -100,15 +121,17 @@ class Messenger {
   void progress();  // with mpi_mutex held
   // Receives the next message from `source` (or MPI_ANY_SOURCE) with `tag` into `buffer` if one
   // has arrived; returns its source, or -1. With mpi_mutex held.
-  int receive(int source, int tag, std::vector<std::byte>& buffer);
+  int receive(int source, int tag, Bytes& buffer);
   // Copies a record message's pieces into place.
   void apply(int source, std::span<const std::byte> pieces);
   // Validates a piece against the registered memory; returns where it goes.
   std::byte* destination(int source, std::uint32_t memory, std::uint64_t offset, std::uint64_t bytes);
   void complete(int source, std::uint64_t number);
   // Sends buffer[from, from + bytes) (all of it by default); keeps the buffer until sent.
-  void send(int peer, int tag, std::vector<std::byte> buffer, bool record, std::size_t from = 0,
-            std::size_t bytes = SIZE_MAX);
+  void send(int peer, int tag, Bytes buffer, bool record, std::size_t from = 0, std::size_t bytes = SIZE_MAX);
+  // Record message buffers are reused: a sent one is kept (up to kSpareBuffers) for the next.
+  Bytes take_buffer();
+  void recycle(Bytes buffer);
   void flush(int peer);  // with mpi_mutex held
   // Waits (with progress) until done() holds; on timeout or a departed member, throws naming
   // the ranks missing() returns.
@@ -128,7 +151,7 @@ class Messenger {
   // The message being filled for a peer. Pieces are 8-byte aligned; a put that continues the last
   // piece (same memory, next offset) extends it instead of adding a header.
   struct Chunk {
-    std::vector<std::byte> bytes;  // [message number (8 B)] then the pieces
+    Bytes bytes;                   // [message number (8 B)] then the pieces
     std::size_t last = SIZE_MAX;   // position of the last piece's header
     std::size_t end = 0;           // end of the last piece's data (before padding)
     int pieces = 0;
@@ -139,7 +162,8 @@ class Messenger {
   std::map<std::uint32_t, std::pair<std::byte*, std::size_t>> memories_;
   std::list<Incoming> incoming_;
   std::uint64_t received_in_place_ = 0, received_copied_ = 0;  // record messages, for MOE_EP_DEBUG
-  std::vector<std::byte> receive_;
+  Bytes receive_;
+  std::vector<Bytes> spare_;
 };
 
 }  // namespace moe_ep::comm::mpi
