@@ -299,6 +299,7 @@ void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const vo
     chunk.bytes.resize(padded(chunk.end + n));
     std::memcpy(chunk.bytes.data() + chunk.end, from, n);
     chunk.end += n;
+    std::fill(chunk.bytes.begin() + static_cast<std::ptrdiff_t>(chunk.end), chunk.bytes.end(), std::byte{0});  // padding
     from += n;
     offset += n;
     bytes -= n;
