@@ -329,23 +329,29 @@ int bench_command(const BenchOptions& options, Launch& launch) {
   o.nodes = launch.topology().num_scaleout;
   const bool v1 = o.api == "v1";
   const bool mpi = o.launch.transport == "mpi";
+  // The memcpy ceiling at the same thread count: one process copies with as many threads as the
+  // ranks of its host use (the others wait), times the number of hosts (all alike). Measured
+  // after each shape, the higher kept: a ceiling that other load on the machine pulled down in
+  // one measurement would make the ratios look better than they are.
+  double ceiling = 0;
+  int threads = 0;
+  auto measure_ceiling = [&](int workers) {
+    launch.run([&](Group& g) {
+      const int on_host = std::min(g.transport().ranks_on_host(), g.size());
+      threads = g.size() * workers;
+      if (g.rank() == 0)
+        ceiling = std::max(ceiling, core::measure_copy_bandwidth(on_host * workers, std::size_t{64} << 20, 5) *
+                                        (g.size() / on_host));
+      g.barrier();
+    });
+  };
   std::vector<ShapeResult> results;
   results.push_back(measure(launch, o, "prefill", o.prefill_tokens, o.prefill_iterations,
                             v1 ? v1_setup(o, o.prefill_tokens) : v2_setup(o, o.prefill_tokens)));
+  measure_ceiling(results.front().workers);
   results.push_back(measure(launch, o, "decode", o.decode_tokens, o.decode_iterations,
                             v1 ? low_latency_setup(o, o.decode_tokens) : v2_setup(o, o.decode_tokens)));
-  // The memcpy ceiling at the same thread count: one process copies with as many threads as the
-  // ranks of its host use (the others wait), times the number of hosts (all alike).
-  double ceiling = 0;
-  int threads = 0;
-  launch.run([&](Group& g) {
-    const int on_host = std::min(g.transport().ranks_on_host(), g.size());
-    threads = g.size() * results.front().workers;
-    if (g.rank() == 0)
-      ceiling = core::measure_copy_bandwidth(on_host * results.front().workers, std::size_t{64} << 20, 5) *
-                (g.size() / on_host);
-    g.barrier();
-  });
+  measure_ceiling(results.front().workers);
   if (!launch.reports()) return 0;
 
   fmt::print("moe-ep bench ({}): {}, topology {}x{}, {} worker thread(s) per rank; hidden {}, {} experts, "
@@ -388,7 +394,9 @@ int bench_command(const BenchOptions& options, Launch& launch) {
     fmt::print("  low-latency: (token, expert) pairs x {} B dispatch (hidden x 1 B + scales + 16 B header), x {} B "
                "combine (hidden x 2 B)\n",
                o.hidden + 4 * (o.hidden / 128) + 16, 2 * o.hidden);
-  fmt::print("memcpy: {} threads each copying its own 64 MiB buffer, best of 5, measured in this run{}.\n", threads,
+  fmt::print("memcpy: {} threads each copying its own 64 MiB buffer, best of 5, measured after each shape of this run "
+             "(the higher kept){}.\n",
+             threads,
              mpi ? " (by one process per host, with the threads of that host's ranks)" : "");
   fmt::print("ratio = GB/s / memcpy GB/s; floor = logical bytes / memcpy GB/s (one copy at the ceiling).\n");
   if (mpi)
