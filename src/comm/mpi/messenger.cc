@@ -19,21 +19,14 @@
 namespace moe_ep::comm::mpi {
 namespace {
 
-constexpr int kTagData = 13;     // [number][pieces]: copied into place on arrival
+constexpr int kTagData = 13;     // [number][count][pieces][data]: copied into place on arrival
 constexpr int kTagSignal = 14;   // [number of record messages sent before it]
-constexpr int kTagHeader = 15;   // [number][one piece header]: the payload follows
-constexpr int kTagPayload = 16;  // the bare bytes of that piece, received in place
-constexpr std::size_t kPrefix = 8;                      // the message number
-constexpr std::size_t kDirectBytes = std::size_t{16} << 10;  // single pieces at least this large go in place
-
-struct PieceHeader {
-  std::uint32_t memory;
-  std::uint32_t bytes;
-  std::uint64_t offset;
-};
-constexpr std::size_t kAlign = 8;
-constexpr std::size_t kSpareBuffers = 64;  // record message buffers kept for reuse
-std::size_t padded(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+constexpr int kTagHeader = 15;   // [number][count][pieces]: the data follows
+constexpr int kTagPayload = 16;  // the pieces' bytes back to back, received in place
+constexpr std::size_t kPrefix = 16;                          // the message number and the piece count
+constexpr std::size_t kDirectBytes = std::size_t{16} << 10;  // messages with this much data go in place
+constexpr std::size_t kMaxPieces = 1024;                     // per message
+constexpr std::size_t kSpareBuffers = 64;                    // record message buffers kept for reuse
 
 // A process that no longer exists, or that exited and waits to be reaped.
 bool process_gone(pid_t pid) {
@@ -205,7 +198,7 @@ void Messenger::set_inflight_limit(int per_peer, const Wait& wait) {
 Bytes Messenger::take_buffer() {
   if (spare_.empty()) {
     Bytes buffer;
-    buffer.reserve(chunk_bytes_ + kAlign);
+    buffer.reserve(chunk_bytes_);
     return buffer;
   }
   Bytes buffer = std::move(spare_.back());
@@ -214,7 +207,7 @@ Bytes Messenger::take_buffer() {
 }
 
 void Messenger::recycle(Bytes buffer) {
-  if (spare_.size() >= kSpareBuffers || buffer.capacity() < chunk_bytes_ + kAlign) return;
+  if (spare_.size() >= kSpareBuffers || buffer.capacity() < chunk_bytes_) return;
   buffer.clear();
   spare_.push_back(std::move(buffer));
 }
@@ -232,7 +225,7 @@ void Messenger::send(int peer, int tag, Bytes buffer, bool record, std::size_t f
 
 void Messenger::flush(int peer) {
   Chunk& chunk = chunks_[static_cast<size_t>(peer)];
-  if (chunk.bytes.empty()) return;
+  if (chunk.data.empty()) return;
   if (inflight_[static_cast<size_t>(peer)] >= inflight_limit_) {
     mpi_mutex().unlock();
     try {
@@ -244,24 +237,26 @@ void Messenger::flush(int peer) {
       throw;
     }
     mpi_mutex().lock();
-    if (chunk.bytes.empty()) return;  // another thread sent it meanwhile
+    if (chunk.data.empty()) return;  // another thread sent it meanwhile
   }
-  Bytes message;
-  message.swap(chunk.bytes);
-  const bool direct = chunk.pieces == 1 && chunk.end - chunk.last - sizeof(PieceHeader) >= kDirectBytes;
-  const std::size_t payload_at = chunk.last + sizeof(PieceHeader), payload_bytes = chunk.end - payload_at;
-  chunk.last = SIZE_MAX;
-  chunk.end = 0;
-  chunk.pieces = 0;
   const std::uint64_t number = sent_records_[static_cast<size_t>(peer)]++;
+  const std::uint64_t count = chunk.pieces.size();
+  Bytes message(kPrefix + count * sizeof(Piece));
   std::memcpy(message.data(), &number, sizeof number);
-  if (!direct) {
+  std::memcpy(message.data() + sizeof number, &count, sizeof count);
+  std::memcpy(message.data() + kPrefix, chunk.pieces.data(), count * sizeof(Piece));
+  chunk.pieces.clear();
+  Bytes data;
+  data.swap(chunk.data);
+  if (data.size() < kDirectBytes) {
+    message.insert(message.end(), data.begin(), data.end());
+    recycle(std::move(data));
     send(peer, kTagData, std::move(message), true);
     return;
   }
-  // Header (number and piece) now; the payload from the same buffer, received in place.
-  send(peer, kTagHeader, Bytes(message.begin(), message.begin() + static_cast<std::ptrdiff_t>(payload_at)), false);
-  send(peer, kTagPayload, std::move(message), true, payload_at, payload_bytes);
+  // The piece list now; the data from its own buffer, received straight into place.
+  send(peer, kTagHeader, std::move(message), false);
+  send(peer, kTagPayload, std::move(data), true);
 }
 
 void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes) {
@@ -270,36 +265,22 @@ void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const vo
   Chunk& chunk = chunks_[static_cast<size_t>(peer)];
   constexpr std::size_t kMaxPiece = std::size_t{UINT32_MAX} / 2;
   while (bytes > 0) {
-    PieceHeader last{};
-    if (chunk.last != SIZE_MAX) std::memcpy(&last, chunk.bytes.data() + chunk.last, sizeof last);
-    std::size_t n = 0;
-    if (chunk.last != SIZE_MAX && last.memory == memory && last.offset + last.bytes == offset &&
-        chunk.end < chunk_bytes_ && last.bytes < kMaxPiece) {
-      // Continues the last piece: append to its data.
-      n = std::min({bytes, chunk_bytes_ - chunk.end, kMaxPiece - last.bytes});
-      last.bytes += static_cast<std::uint32_t>(n);
-      std::memcpy(chunk.bytes.data() + chunk.last, &last, sizeof last);
-    } else {
-      if (std::max(chunk.bytes.size(), kPrefix) + sizeof(PieceHeader) + kAlign > chunk_bytes_) {
-        flush(peer);
-        continue;
-      }
-      if (chunk.bytes.empty()) {
-        if (chunk.bytes.capacity() < chunk_bytes_ + kAlign) chunk.bytes = take_buffer();
-        chunk.bytes.resize(kPrefix);  // the message number, set when sent
-      }
-      n = std::min({bytes, chunk_bytes_ - chunk.bytes.size() - sizeof(PieceHeader), kMaxPiece});
-      const PieceHeader header{memory, static_cast<std::uint32_t>(n), offset};
-      ++chunk.pieces;
-      chunk.last = chunk.bytes.size();
-      chunk.bytes.resize(chunk.last + sizeof header);
-      std::memcpy(chunk.bytes.data() + chunk.last, &header, sizeof header);
-      chunk.end = chunk.bytes.size();
+    if (chunk.data.size() >= chunk_bytes_ || chunk.pieces.size() >= kMaxPieces) {
+      flush(peer);
+      continue;
     }
-    chunk.bytes.resize(padded(chunk.end + n));
-    std::memcpy(chunk.bytes.data() + chunk.end, from, n);
-    chunk.end += n;
-    std::fill(chunk.bytes.begin() + static_cast<std::ptrdiff_t>(chunk.end), chunk.bytes.end(), std::byte{0});  // padding
+    if (chunk.data.empty() && chunk.data.capacity() < chunk_bytes_) chunk.data = take_buffer();
+    std::size_t n = std::min({bytes, chunk_bytes_ - chunk.data.size(), kMaxPiece});
+    Piece* last = chunk.pieces.empty() ? nullptr : &chunk.pieces.back();
+    if (last != nullptr && last->memory == memory && last->offset + last->bytes == offset && last->bytes < kMaxPiece) {
+      n = std::min<std::size_t>(n, kMaxPiece - last->bytes);  // continues the last piece
+      last->bytes += static_cast<std::uint32_t>(n);
+    } else {
+      chunk.pieces.push_back({memory, static_cast<std::uint32_t>(n), offset});
+    }
+    const std::size_t at = chunk.data.size();
+    chunk.data.resize(at + n);
+    std::memcpy(chunk.data.data() + at, from, n);
     from += n;
     offset += n;
     bytes -= n;
@@ -326,19 +307,61 @@ std::byte* Messenger::destination(int source, std::uint32_t memory, std::uint64_
   return it->second.first + offset;
 }
 
-void Messenger::apply(int source, std::span<const std::byte> pieces) {
-  std::size_t at = 0;
-  while (at < pieces.size()) {
-    PieceHeader header;
-    if (pieces.size() - at < sizeof header)
-      throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
-    std::memcpy(&header, pieces.data() + at, sizeof header);
-    at += sizeof header;
-    if (header.bytes > pieces.size() - at)
-      throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
-    std::memcpy(destination(source, header.memory, header.offset, header.bytes), pieces.data() + at, header.bytes);
-    at += padded(header.bytes);
+std::uint64_t Messenger::read_pieces(int source, std::span<const std::byte> message) {
+  std::uint64_t number = 0, count = 0;
+  if (message.size() >= kPrefix) {
+    std::memcpy(&number, message.data(), sizeof number);
+    std::memcpy(&count, message.data() + sizeof number, sizeof count);
   }
+  if (message.size() < kPrefix || count > kMaxPieces || message.size() - kPrefix < count * sizeof(Piece))
+    throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
+  pieces_in_.resize(count);
+  std::memcpy(pieces_in_.data(), message.data() + kPrefix, count * sizeof(Piece));
+  return number;
+}
+
+void Messenger::apply(int source, std::span<const std::byte> data) {
+  std::size_t at = 0;
+  for (const Piece& piece : pieces_in_) {
+    if (piece.bytes > data.size() - at)
+      throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
+    std::memcpy(destination(source, piece.memory, piece.offset, piece.bytes), data.data() + at, piece.bytes);
+    at += piece.bytes;
+  }
+  if (at != data.size()) throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
+}
+
+void Messenger::receive_in_place(int source, std::uint64_t number) {
+  incoming_.push_back({MPI_REQUEST_NULL, source, number});
+  MPI_Request* request = &incoming_.back().request;
+  std::size_t total = 0;
+  for (const Piece& piece : pieces_in_) total += piece.bytes;
+  if (total > static_cast<std::size_t>(INT_MAX))
+    throw StateError(fmt::format("[rank {}] record message of {} bytes from rank {} is too large", rank_, total, source));
+  if (pieces_in_.size() == 1) {
+    const Piece& piece = pieces_in_.front();
+    check_mpi(MPI_Irecv(destination(source, piece.memory, piece.offset, piece.bytes), static_cast<int>(piece.bytes),
+                        MPI_BYTE, source, kTagPayload, comm_, request),
+              "MPI_Irecv", rank_);
+    return;
+  }
+  // Several pieces: one receive into all of them, through an indexed datatype of absolute addresses.
+  std::vector<int> lengths(pieces_in_.size());
+  std::vector<MPI_Aint> addresses(pieces_in_.size());
+  for (std::size_t i = 0; i < pieces_in_.size(); ++i) {
+    const Piece& piece = pieces_in_[i];
+    lengths[i] = static_cast<int>(piece.bytes);
+    check_mpi(MPI_Get_address(destination(source, piece.memory, piece.offset, piece.bytes), &addresses[i]),
+              "MPI_Get_address", rank_);
+  }
+  MPI_Datatype scattered = MPI_DATATYPE_NULL;
+  check_mpi(MPI_Type_create_hindexed(static_cast<int>(pieces_in_.size()), lengths.data(), addresses.data(), MPI_BYTE,
+                                     &scattered),
+            "MPI_Type_create_hindexed", rank_);
+  check_mpi(MPI_Type_commit(&scattered), "MPI_Type_commit", rank_);
+  const int rc = MPI_Irecv(MPI_BOTTOM, 1, scattered, source, kTagPayload, comm_, request);
+  MPI_Type_free(&scattered);  // released by MPI once the receive is done
+  check_mpi(rc, "MPI_Irecv", rank_);
 }
 
 void Messenger::complete(int source, std::uint64_t number) {
@@ -381,30 +404,18 @@ void Messenger::progress() {
     }
     it = pending_.erase(it);
   }
-  auto number_of = [&](int source, const Bytes& message) {
-    std::uint64_t number = 0;
-    if (message.size() < sizeof number)
-      throw StateError(fmt::format("[rank {}] malformed record message from rank {}", rank_, source));
-    std::memcpy(&number, message.data(), sizeof number);
-    return number;
-  };
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagData, receive_)) >= 0;) {
-    const std::uint64_t number = number_of(source, receive_);
-    apply(source, std::span(receive_).subspan(kPrefix));
+    const std::uint64_t number = read_pieces(source, receive_);
+    apply(source, std::span<const std::byte>(receive_).subspan(kPrefix + pieces_in_.size() * sizeof(Piece)));
     complete(source, number);
     ++received_copied_;
   }
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagHeader, receive_)) >= 0;) {
-    PieceHeader header;
-    if (receive_.size() != kPrefix + sizeof header)
+    const std::uint64_t number = read_pieces(source, receive_);
+    if (receive_.size() != kPrefix + pieces_in_.size() * sizeof(Piece) || pieces_in_.empty())
       throw StateError(fmt::format("[rank {}] malformed record header from rank {}", rank_, source));
-    std::memcpy(&header, receive_.data() + kPrefix, sizeof header);
-    // The payload is the next message with its tag from this source (MPI keeps their order).
-    std::byte* into = destination(source, header.memory, header.offset, header.bytes);
-    incoming_.push_back({MPI_REQUEST_NULL, source, number_of(source, receive_)});
-    check_mpi(MPI_Irecv(into, static_cast<int>(header.bytes), MPI_BYTE, source, kTagPayload, comm_,
-                        &incoming_.back().request),
-              "MPI_Irecv", rank_);
+    // The data is the next message with its tag from this source (MPI keeps their order).
+    receive_in_place(source, number);
   }
   for (auto it = incoming_.begin(); it != incoming_.end();) {
     int done = 0;

@@ -122,8 +122,18 @@ class Messenger {
   // Receives the next message from `source` (or MPI_ANY_SOURCE) with `tag` into `buffer` if one
   // has arrived; returns its source, or -1. With mpi_mutex held.
   int receive(int source, int tag, Bytes& buffer);
-  // Copies a record message's pieces into place.
-  void apply(int source, std::span<const std::byte> pieces);
+  // Where a record message's data goes: (memory id, bytes, offset) per piece, in data order.
+  struct Piece {
+    std::uint32_t memory;
+    std::uint32_t bytes;
+    std::uint64_t offset;
+  };
+  // Reads a record message's number and piece list (into pieces_in_).
+  std::uint64_t read_pieces(int source, std::span<const std::byte> message);
+  // Copies the data of the pieces in pieces_in_ into place.
+  void apply(int source, std::span<const std::byte> data);
+  // Posts the receive of the data of the pieces in pieces_in_ straight into place.
+  void receive_in_place(int source, std::uint64_t number);
   // Validates a piece against the registered memory; returns where it goes.
   std::byte* destination(int source, std::uint32_t memory, std::uint64_t offset, std::uint64_t bytes);
   void complete(int source, std::uint64_t number);
@@ -148,13 +158,11 @@ class Messenger {
   int inflight_limit_ = 16;
   Wait send_wait_{"scale-out send", 300};
   std::size_t chunk_bytes_;
-  // The message being filled for a peer. Pieces are 8-byte aligned; a put that continues the last
-  // piece (same memory, next offset) extends it instead of adding a header.
+  // The message being filled for a peer: the pieces' bytes back to back, and where each goes. A
+  // put that continues the last piece (same memory, next offset) extends it.
   struct Chunk {
-    Bytes bytes;                   // [message number (8 B)] then the pieces
-    std::size_t last = SIZE_MAX;   // position of the last piece's header
-    std::size_t end = 0;           // end of the last piece's data (before padding)
-    int pieces = 0;
+    Bytes data;
+    std::vector<Piece> pieces;
   };
   std::vector<Chunk> chunks_;  // [peer]
   std::vector<std::uint64_t> sent_records_;     // [peer]
@@ -163,6 +171,7 @@ class Messenger {
   std::list<Incoming> incoming_;
   std::uint64_t received_in_place_ = 0, received_copied_ = 0;  // record messages, for MOE_EP_DEBUG
   Bytes receive_;
+  std::vector<Piece> pieces_in_;
   std::vector<Bytes> spare_;
 };
 
