@@ -5,10 +5,11 @@
 //   not arrived, and a member on this host whose process is gone is reported at once.
 // - Scale-out records: put() appends (memory id, offset, bytes) pieces to the peer's current
 //   message (the wire needs one); a full message, or signal(), sends it. At most `inflight`
-//   messages per peer are in flight. Every record message carries its number (per peer); a
-//   message of one large piece travels as a small header and the bare payload, which the
-//   receiver receives straight into its symmetric memory (no copy on arrival); other messages
-//   are copied into place on arrival. A signal carries the number of record messages sent to that
+//   messages per peer are in flight. Every record message carries its number (per peer) and its
+//   piece list; a message with 16 KiB of data or more travels as the list and then the bare
+//   data, which the receiver receives straight into its symmetric memory, one receive for all
+//   pieces (no copy on arrival); smaller messages are copied into place on arrival. Message
+//   buffers are reused. A signal carries the number of record messages sent to that
 //   peer before it; the receiver counts the signal only once every message numbered below it is
 //   in its memory: completion is counted, never inferred from arrival order.
 // - Progress is explicit: every wait (gather, signals, a full in-flight window) tests sends and
