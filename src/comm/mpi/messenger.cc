@@ -332,36 +332,38 @@ void Messenger::apply(int source, std::span<const std::byte> data) {
 }
 
 void Messenger::receive_in_place(int source, std::uint64_t number) {
-  incoming_.push_back({MPI_REQUEST_NULL, source, number});
-  MPI_Request* request = &incoming_.back().request;
+  // Every piece is checked before anything is posted.
   std::size_t total = 0;
-  for (const Piece& piece : pieces_in_) total += piece.bytes;
-  if (total > static_cast<std::size_t>(INT_MAX))
-    throw StateError(fmt::format("[rank {}] record message of {} bytes from rank {} is too large", rank_, total, source));
-  if (pieces_in_.size() == 1) {
-    const Piece& piece = pieces_in_.front();
-    check_mpi(MPI_Irecv(destination(source, piece.memory, piece.offset, piece.bytes), static_cast<int>(piece.bytes),
-                        MPI_BYTE, source, kTagPayload, comm_, request),
-              "MPI_Irecv", rank_);
-    return;
-  }
-  // Several pieces: one receive into all of them, through an indexed datatype of absolute addresses.
-  std::vector<int> lengths(pieces_in_.size());
-  std::vector<MPI_Aint> addresses(pieces_in_.size());
+  std::vector<std::byte*> into(pieces_in_.size());
   for (std::size_t i = 0; i < pieces_in_.size(); ++i) {
     const Piece& piece = pieces_in_[i];
-    lengths[i] = static_cast<int>(piece.bytes);
-    check_mpi(MPI_Get_address(destination(source, piece.memory, piece.offset, piece.bytes), &addresses[i]),
-              "MPI_Get_address", rank_);
+    into[i] = destination(source, piece.memory, piece.offset, piece.bytes);
+    total += piece.bytes;
   }
-  MPI_Datatype scattered = MPI_DATATYPE_NULL;
-  check_mpi(MPI_Type_create_hindexed(static_cast<int>(pieces_in_.size()), lengths.data(), addresses.data(), MPI_BYTE,
-                                     &scattered),
-            "MPI_Type_create_hindexed", rank_);
-  check_mpi(MPI_Type_commit(&scattered), "MPI_Type_commit", rank_);
-  const int rc = MPI_Irecv(MPI_BOTTOM, 1, scattered, source, kTagPayload, comm_, request);
-  MPI_Type_free(&scattered);  // released by MPI once the receive is done
-  check_mpi(rc, "MPI_Irecv", rank_);
+  if (total > static_cast<std::size_t>(INT_MAX))
+    throw StateError(fmt::format("[rank {}] record message of {} bytes from rank {} is too large", rank_, total, source));
+  MPI_Request request = MPI_REQUEST_NULL;
+  if (pieces_in_.size() == 1) {
+    check_mpi(MPI_Irecv(into.front(), static_cast<int>(total), MPI_BYTE, source, kTagPayload, comm_, &request),
+              "MPI_Irecv", rank_);
+  } else {
+    // Several pieces: one receive into all of them, through an indexed datatype of absolute addresses.
+    std::vector<int> lengths(pieces_in_.size());
+    std::vector<MPI_Aint> addresses(pieces_in_.size());
+    for (std::size_t i = 0; i < pieces_in_.size(); ++i) {
+      lengths[i] = static_cast<int>(pieces_in_[i].bytes);
+      check_mpi(MPI_Get_address(into[i], &addresses[i]), "MPI_Get_address", rank_);
+    }
+    MPI_Datatype scattered = MPI_DATATYPE_NULL;
+    check_mpi(MPI_Type_create_hindexed(static_cast<int>(pieces_in_.size()), lengths.data(), addresses.data(), MPI_BYTE,
+                                       &scattered),
+              "MPI_Type_create_hindexed", rank_);
+    int rc = MPI_Type_commit(&scattered);
+    if (rc == MPI_SUCCESS) rc = MPI_Irecv(MPI_BOTTOM, 1, scattered, source, kTagPayload, comm_, &request);
+    MPI_Type_free(&scattered);  // released by MPI once the receive is done
+    check_mpi(rc, "MPI_Irecv", rank_);
+  }
+  incoming_.push_back({request, source, number});
 }
 
 void Messenger::complete(int source, std::uint64_t number) {
