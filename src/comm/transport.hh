@@ -15,7 +15,9 @@
 //    that observes the counter value (wait_signals) sees all data put before it. Completion is
 //    counted, never inferred from the order in which writes land. put() has read `src` when it
 //    returns (the in-process transport wrote the peer's memory; the MPI transport copied the
-//    bytes into a message that leaves by the next signal() to that peer at the latest).
+//    bytes into a message that leaves by the next signal() to that peer at the latest). Puts to
+//    one peer between two signals write disjoint bytes (the order of writes to one byte within
+//    that span is not defined; the MPI transport refuses such a message).
 //  - share(): this rank's own memory (user tensors) that node peers read through node_address()
 //    stays readable until this rank's next share() on the same transport.
 #pragma once

@@ -10,6 +10,7 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
+#include <numeric>
 
 #include "comm/wait.hh"
 #include "core/log.hh"
@@ -348,6 +349,14 @@ void Messenger::receive_in_place(int source, std::uint64_t number) {
               "MPI_Irecv", rank_);
   } else {
     // Several pieces: one receive into all of them, through an indexed datatype of absolute addresses.
+    // MPI does not allow a receive into overlapping bytes (puts between two signals are disjoint).
+    std::vector<std::size_t> order(pieces_in_.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    auto at = [&](std::size_t i) { return reinterpret_cast<std::uintptr_t>(into[i]); };
+    std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return at(a) < at(b); });
+    for (std::size_t i = 1; i < order.size(); ++i)
+      if (at(order[i - 1]) + pieces_in_[order[i - 1]].bytes > at(order[i]))
+        throw StateError(fmt::format("[rank {}] record message from rank {} puts overlapping pieces", rank_, source));
     std::vector<int> lengths(pieces_in_.size());
     std::vector<MPI_Aint> addresses(pieces_in_.size());
     for (std::size_t i = 0; i < pieces_in_.size(); ++i) {
