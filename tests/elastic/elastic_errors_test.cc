@@ -12,6 +12,7 @@
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
 #include "reference/dense_reference.hh"
+#include "reference/errors.hh"
 
 namespace moe_ep {
 namespace {
@@ -42,29 +43,9 @@ ElasticBufferConfig config() {
   return {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk, .num_cpu_timeout_secs = 30};
 }
 
-struct Outcome {
-  std::string type;  // "ok", "InvalidArgument", "CapacityError", "PeerError", "TimeoutError", "StateError"
-  std::string message;
-  std::vector<int> ranks;
-};
-
-template <class Fn>
-Outcome capture(Fn fn) {
-  try {
-    fn();
-    return {"ok", "", {}};
-  } catch (const CapacityError& e) {
-    return {"CapacityError", e.what(), {}};
-  } catch (const InvalidArgument& e) {
-    return {"InvalidArgument", e.what(), {}};
-  } catch (const TimeoutError& e) {
-    return {"TimeoutError", e.what(), e.ranks()};
-  } catch (const PeerError& e) {
-    return {"PeerError", e.what(), e.ranks()};
-  } catch (const StateError& e) {
-    return {"StateError", e.what(), {}};
-  }
-}
+// What a call threw: type ("" when nothing), message and the ranks it names.
+using Outcome = testing::Caught;
+constexpr auto capture = testing::catch_error;
 
 // Runs `call` on every rank of a fresh world with one buffer; returns each rank's outcome.
 // Afterwards every rank dispatches valid input once more, which must succeed.
