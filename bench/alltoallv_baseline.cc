@@ -4,6 +4,7 @@
 
 #include <climits>
 #include <cstring>
+#include <string_view>
 
 #include "core/reduce.hh"
 #include "moe_ep/error.hpp"
@@ -15,9 +16,26 @@ void check(int rc, const char* call) {
   if (rc != MPI_SUCCESS) throw StateError(fmt::format("Alltoallv baseline: {} failed (error {})", call, rc));
 }
 
-int to_int(std::int64_t bytes, const char* what) {
-  if (bytes > INT_MAX) throw InvalidArgument(fmt::format("Alltoallv baseline: {} of {} bytes exceed MPI's int counts", what, bytes));
+int to_int(std::int64_t bytes, std::string_view side, std::string_view what) {
+  if (bytes > INT_MAX)
+    throw InvalidArgument(fmt::format("Alltoallv baseline: {} {} of {} bytes exceed MPI's int counts", side, what, bytes));
   return static_cast<int>(bytes);
+}
+
+// MPI_Alltoallv's byte counts and displacements for counts[r] rows of `unit` bytes per rank r,
+// in rank order; `rows` is their sum. `side` ("send" or "receive") names them in errors.
+struct ByteLayout {
+  std::vector<int> bytes, displs;
+  std::int64_t rows = 0;
+};
+ByteLayout byte_layout(const std::vector<int>& counts, std::int64_t unit, std::string_view side) {
+  ByteLayout l;
+  for (const int count : counts) {
+    l.displs.push_back(to_int(l.rows * unit, side, "displacement"));
+    l.bytes.push_back(to_int(std::int64_t{count} * unit, side, "count"));
+    l.rows += count;
+  }
+  return l;
 }
 
 }  // namespace
@@ -83,11 +101,9 @@ BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorVi
   // Pack, grouped by destination.
   const std::int64_t send_rows = base;
   send_.resize(static_cast<size_t>(send_rows * record));
-  std::vector<int> send_bytes(static_cast<size_t>(size_)), send_displs(static_cast<size_t>(size_));
+  const ByteLayout sends = byte_layout(d.send_counts, record, "send");
   std::int64_t at = 0;
   for (int r = 0; r < size_; ++r) {
-    send_displs[static_cast<size_t>(r)] = to_int(at * record, "send displacement");
-    send_bytes[static_cast<size_t>(r)] = to_int(std::int64_t{d.send_counts[static_cast<size_t>(r)]} * record, "send count");
     for (std::int32_t t : tokens_to[static_cast<size_t>(r)]) {
       std::byte* out = send_.data() + at * record;
       std::memcpy(out, static_cast<const std::byte*>(x.data()) + t * x.stride(0) * element_size(x.dtype()), static_cast<size_t>(row_bytes));
@@ -97,16 +113,11 @@ BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorVi
       ++at;
     }
   }
-  std::int64_t recv_rows = 0;
-  std::vector<int> recv_bytes(static_cast<size_t>(size_)), recv_displs(static_cast<size_t>(size_));
-  for (int r = 0; r < size_; ++r) {
-    recv_displs[static_cast<size_t>(r)] = to_int(recv_rows * record, "receive displacement");
-    recv_bytes[static_cast<size_t>(r)] = to_int(std::int64_t{d.recv_counts[static_cast<size_t>(r)]} * record, "receive count");
-    recv_rows += d.recv_counts[static_cast<size_t>(r)];
-  }
+  const ByteLayout receives = byte_layout(d.recv_counts, record, "receive");
+  const std::int64_t recv_rows = receives.rows;
   recv_.resize(static_cast<size_t>(recv_rows * record));
-  check(MPI_Alltoallv(send_.data(), send_bytes.data(), send_displs.data(), MPI_BYTE, recv_.data(), recv_bytes.data(),
-                      recv_displs.data(), MPI_BYTE, comm_),
+  check(MPI_Alltoallv(send_.data(), sends.bytes.data(), sends.displs.data(), MPI_BYTE, recv_.data(),
+                      receives.bytes.data(), receives.displs.data(), MPI_BYTE, comm_),
         "MPI_Alltoallv");
 
   // Unpack into separate tensors.
@@ -127,20 +138,11 @@ BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorVi
 Tensor AlltoallvBaseline::combine(const BaselineDispatch& d, const TensorView& y) {
   const std::int64_t H = y.size(1), row = 2 * H, N = d.num_tokens, k = d.num_topk;
   // Rows go back to their sources straight from y (receive order is source-major).
-  std::vector<int> send_bytes(static_cast<size_t>(size_)), send_displs(static_cast<size_t>(size_));
-  std::vector<int> recv_bytes(static_cast<size_t>(size_)), recv_displs(static_cast<size_t>(size_));
-  std::int64_t sent = 0, received = 0;
-  for (int r = 0; r < size_; ++r) {
-    send_displs[static_cast<size_t>(r)] = to_int(sent * row, "send displacement");
-    send_bytes[static_cast<size_t>(r)] = to_int(std::int64_t{d.recv_counts[static_cast<size_t>(r)]} * row, "send count");
-    sent += d.recv_counts[static_cast<size_t>(r)];
-    recv_displs[static_cast<size_t>(r)] = to_int(received * row, "receive displacement");
-    recv_bytes[static_cast<size_t>(r)] = to_int(std::int64_t{d.send_counts[static_cast<size_t>(r)]} * row, "receive count");
-    received += d.send_counts[static_cast<size_t>(r)];
-  }
-  recv_.resize(static_cast<size_t>(received * row));
-  check(MPI_Alltoallv(y.data(), send_bytes.data(), send_displs.data(), MPI_BYTE, recv_.data(), recv_bytes.data(),
-                      recv_displs.data(), MPI_BYTE, comm_),
+  const ByteLayout sends = byte_layout(d.recv_counts, row, "send");
+  const ByteLayout receives = byte_layout(d.send_counts, row, "receive");
+  recv_.resize(static_cast<size_t>(receives.rows * row));
+  check(MPI_Alltoallv(y.data(), sends.bytes.data(), sends.displs.data(), MPI_BYTE, recv_.data(), receives.bytes.data(),
+                      receives.displs.data(), MPI_BYTE, comm_),
         "MPI_Alltoallv");
   // Reduce: per token, the rows of its ranks in first-lane order.
   Tensor out = Tensor::empty({N, H}, DType::kBF16);
