@@ -401,20 +401,26 @@ int Messenger::receive(int source, int tag, Bytes& buffer) {
   return status.MPI_SOURCE;
 }
 
-void Messenger::progress() {
-  for (auto it = pending_.begin(); it != pending_.end();) {
+template <class Transfers, class Finish>
+void Messenger::finish_completed(Transfers& transfers, const char* test, Finish finish) {
+  for (auto it = transfers.begin(); it != transfers.end();) {
     int done = 0;
-    check_mpi(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE), "MPI_Test (send)", rank_);
+    check_mpi(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE), test, rank_);
     if (!done) {
       ++it;
       continue;
     }
-    if (it->record) {
-      --inflight_[static_cast<size_t>(it->peer)];
-      recycle(std::move(it->buffer));
-    }
-    it = pending_.erase(it);
+    finish(*it);
+    it = transfers.erase(it);
   }
+}
+
+void Messenger::progress() {
+  finish_completed(pending_, "MPI_Test (send)", [&](Pending& sent) {
+    if (!sent.record) return;
+    --inflight_[static_cast<size_t>(sent.peer)];
+    recycle(std::move(sent.buffer));
+  });
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagData, receive_)) >= 0;) {
     const std::uint64_t number = read_pieces(source, receive_);
     apply(source, std::span<const std::byte>(receive_).subspan(kPrefix + pieces_in_.size() * sizeof(Piece)));
@@ -428,17 +434,10 @@ void Messenger::progress() {
     // The data is the next message with its tag from this source (MPI keeps their order).
     receive_in_place(source, number);
   }
-  for (auto it = incoming_.begin(); it != incoming_.end();) {
-    int done = 0;
-    check_mpi(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE), "MPI_Test (receive)", rank_);
-    if (!done) {
-      ++it;
-      continue;
-    }
-    complete(it->source, it->number);
+  finish_completed(incoming_, "MPI_Test (receive)", [&](const Incoming& received) {
+    complete(received.source, received.number);
     ++received_in_place_;
-    it = incoming_.erase(it);
-  }
+  });
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagSignal, receive_)) >= 0;) {
     std::uint64_t threshold = 0;
     if (receive_.size() != sizeof threshold)

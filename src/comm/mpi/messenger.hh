@@ -120,6 +120,9 @@ class Messenger {
   };
 
   void progress();  // with mpi_mutex held
+  // Tests each transfer's request; calls finish() on those done and drops them.
+  template <class Transfers, class Finish>
+  void finish_completed(Transfers& transfers, const char* test, Finish finish);
   // Receives the next message from `source` (or MPI_ANY_SOURCE) with `tag` into `buffer` if one
   // has arrived; returns its source, or -1. With mpi_mutex held.
   int receive(int source, int tag, Bytes& buffer);
