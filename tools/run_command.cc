@@ -80,22 +80,17 @@ int run_command(const RunOptions& options, Launch& launch) {
     const RankBatch batch = make_batch(c, me);
     {
       auto path = make_path(options.api, group, c, params, batch, {.workers = options.workers, .async = options.async});
+      // Each step starts after a barrier; its time is this rank's.
+      auto timed = [&](auto step) {
+        path->barrier();
+        const auto start = Clock::now();
+        step();
+        return seconds(start, Clock::now());
+      };
       for (int it = 0; it < options.iterations; ++it) {
-        path->barrier();
-        const auto t0 = Clock::now();
-        path->dispatch();
-        const auto t1 = Clock::now();
-        path->barrier();
-        const auto t2 = Clock::now();
-        path->experts();
-        const auto t3 = Clock::now();
-        path->barrier();
-        const auto t4 = Clock::now();
-        path->combine();
-        const auto t5 = Clock::now();
-        out.dispatch_s.push_back(seconds(t0, t1));
-        out.experts_s.push_back(seconds(t2, t3));
-        out.combine_s.push_back(seconds(t4, t5));
+        out.dispatch_s.push_back(timed([&] { path->dispatch(); }));
+        out.experts_s.push_back(timed([&] { path->experts(); }));
+        out.combine_s.push_back(timed([&] { path->combine(); }));
         const Tensor combined = path->combined_x();
         out.output_hashes.push_back(hash_bytes(combined.data(), combined.nbytes()));
       }
