@@ -194,6 +194,7 @@ class MpiTransport final : public Transport {
     if (node_size() == 1) return std::vector<const void*>(spans.size(), nullptr);  // no node peers to read it
     std::vector<const void*> published(spans.size(), nullptr);
     std::vector<core::SharedBlock> blocks(spans.size());
+    auto slot_bytes = [](std::size_t bytes) { return (bytes + 63) / 64 * 64; };  // copies start 64-byte aligned
     std::size_t total = 0;
     for (std::size_t i = 0; i < spans.size(); ++i) {
       const Span& s = spans[i];
@@ -206,7 +207,7 @@ class MpiTransport final : public Transport {
         continue;
       }
       b.fd = -1;
-      total += (s.bytes + 63) / 64 * 64;
+      total += slot_bytes(s.bytes);
     }
     if (total == 0) return published;
     std::byte* base = arena_.reserve(total);
@@ -215,7 +216,7 @@ class MpiTransport final : public Transport {
       if (spans[i].bytes == 0 || blocks[i].fd >= 0) continue;
       std::memcpy(base + at, spans[i].data, spans[i].bytes);
       published[i] = reinterpret_cast<const void*>(static_cast<std::uintptr_t>(at + 1));
-      at += (spans[i].bytes + 63) / 64 * 64;
+      at += slot_bytes(spans[i].bytes);
     }
     hosts_->shared_bytes_copied.fetch_add(at, std::memory_order_relaxed);
     return published;
