@@ -44,7 +44,15 @@ class StateError : public Error {
   using Error::Error;
 };
 
-// Other ranks of the group failed, disagreed, or left: ranks() lists them.
+// The system refused a resource the call needed (host memory, threads). The message names the
+// rank, the call, what could not be had and how much.
+class ResourceError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Other ranks of the group failed, disagreed, or left: ranks() lists them (the root cause where
+// it is known: a rank that gave up because a third one died names that one).
 class PeerError : public Error {
  public:
   PeerError(const std::string& what, std::vector<int> ranks) : Error(what), ranks_(std::move(ranks)) {}

@@ -22,16 +22,6 @@ struct BlockHeader {
   char message[kMessageBytes];
 };
 
-std::string message_of(const std::exception_ptr& e) {
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-
 std::string rank_list(const std::vector<int>& ranks) {
   return fmt::format("{} [{}]", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "));
 }

@@ -10,8 +10,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <cstdlib>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -30,28 +32,33 @@ struct alignas(64) PaddedCounter {
   std::atomic<std::uint64_t> value{0};
 };
 
-// Who left the world (returned from or threw out of its rank function), and why.
+// Ranks that are gone (from the world: returned from or threw out of their rank function; from a
+// channel: abandoned it after a failure), and why. A flag is set once, after its reason.
 class Departures {
  public:
   explicit Departures(int size) : flags_(new PaddedCounter[size]), reasons_(static_cast<size_t>(size)) {}
 
-  void leave(int rank, std::string reason) {
+  // Returns false if the rank had already left.
+  bool leave(int rank, Departure why) {
     {
       std::lock_guard lock(mutex_);
-      reasons_[static_cast<size_t>(rank)] = std::move(reason);
+      if (flags_[rank].value.load(std::memory_order_relaxed) != 0) return false;
+      reasons_[static_cast<size_t>(rank)] = std::move(why);
     }
-    flags_[rank].value.store(1, std::memory_order_release);
+    flags_[rank].value.store(1, std::memory_order_seq_cst);
+    return true;
   }
-  bool left(int rank) const { return flags_[rank].value.load(std::memory_order_acquire) != 0; }
-  std::string reason(int rank) {
+  bool left(int rank) const { return flags_[rank].value.load(std::memory_order_seq_cst) != 0; }
+  std::optional<Departure> why(int rank) const {
+    if (!left(rank)) return std::nullopt;
     std::lock_guard lock(mutex_);
     return reasons_[static_cast<size_t>(rank)];
   }
 
  private:
   std::unique_ptr<PaddedCounter[]> flags_;
-  std::mutex mutex_;
-  std::vector<std::string> reasons_;
+  mutable std::mutex mutex_;
+  std::vector<Departure> reasons_;
 };
 
 // Publication slots of the members of one scope (the world, or one node).
@@ -63,12 +70,15 @@ struct ScopeSlots {
 };
 
 struct ChannelState {
-  ChannelState(int size, const Topology& topology) : world(size), signals(new PaddedCounter[size * size]) {
+  ChannelState(int size, const Topology& topology)
+      : world(size), signals(new PaddedCounter[size * size]), abandoned(size), reading(new PaddedCounter[size]) {
     for (int n = 0; n < topology.num_scaleout; ++n) nodes.emplace_back(topology.num_scaleup);
   }
   ScopeSlots world;
   std::vector<ScopeSlots> nodes;
   std::unique_ptr<PaddedCounter[]> signals;  // [destination * size + source], monotonic
+  Departures abandoned;                      // ranks that abandoned this channel
+  std::unique_ptr<PaddedCounter[]> reading;  // [rank]: its open peer-read sections
 };
 
 struct WorldState {
@@ -136,6 +146,7 @@ class LocalTransport final : public Transport {
   void barrier(Scope scope, const Wait& wait) override { all_gather({}, scope, wait); }
 
   Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) override {
+    check_in_step(wait);
     ScopeSlots& s = slots(scope);
     const int members = scope == Scope::kWorld ? size() : node_size();
     const int me = scope == Scope::kWorld ? rank() : rank() - node_first_rank();
@@ -148,14 +159,21 @@ class LocalTransport final : public Transport {
     Backoff backoff(wait.timeout_secs);
     for (int m = 0; m < members; ++m) {
       while (s.epochs[m].value.load(std::memory_order_acquire) < epoch) {
-        if (world_->departures.left(first + m) || !backoff.pause()) {
+        if (gone(first + m) || !backoff.pause()) {
           std::vector<int> missing;
           for (int q = 0; q < members; ++q)
             if (s.epochs[q].value.load(std::memory_order_acquire) < epoch) missing.push_back(first + q);
+          if (missing.empty()) break;  // everyone arrived after all
           fail_waiting(wait, missing, backoff.elapsed_secs());
         }
       }
     }
+    // A member that took part and then gave up on the channel (it timed out waiting for another
+    // rank, or failed) may no longer hold what it published: the collective is void.
+    std::vector<std::pair<int, Departure>> departed;
+    for (int m = 0; m < members; ++m)
+      if (auto why = abandonment(first + m)) departed.emplace_back(first + m, std::move(*why));
+    if (!departed.empty()) leave_and_raise([&] { fail_abandoned(rank(), wait, departed); });
     std::vector<std::span<const std::byte>> blocks(static_cast<size_t>(members));
     for (int m = 0; m < members; ++m) {
       const auto& slot = s.slots[static_cast<size_t>(m)][static_cast<size_t>(parity)];
@@ -217,31 +235,99 @@ class LocalTransport final : public Transport {
   }
 
   void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait) override {
+    check_in_step(wait);
     Backoff backoff(wait.timeout_secs);
     for (std::size_t i = 0; i < peers.size(); ++i) {
       auto& counter = channel_->signals[rank() * size() + peers[i]].value;
       while (counter.load(std::memory_order_acquire) < targets[i]) {
-        if (world_->departures.left(peers[i]) || !backoff.pause()) {
+        if (gone(peers[i]) || !backoff.pause()) {
           std::vector<int> missing;
           for (std::size_t j = 0; j < peers.size(); ++j)
             if (channel_->signals[rank() * size() + peers[j]].value.load(std::memory_order_acquire) < targets[j])
               missing.push_back(peers[j]);
+          if (missing.empty()) break;  // every signal arrived after all
           fail_waiting(wait, missing, backoff.elapsed_secs());
         }
       }
     }
   }
 
+  void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
+    try {
+      if (!channel_->abandoned.leave(rank(), {reason, culprits})) return;
+    } catch (...) {
+      return;  // no memory left even for the reason: the peers will time out instead
+    }
+    // seq_cst: either a node peer opening a section sees the flag set above, or this loop sees its
+    // section open (and waits for it to close).
+    const int first = node_first_rank();
+    for (int r = first; r < first + node_size(); ++r) {
+      if (r == rank()) continue;
+      while (channel_->reading[r].value.load(std::memory_order_seq_cst) != 0) cpu_relax_or_yield();
+    }
+  }
+
+  bool abandoned() const override { return channel_->abandoned.left(rank()); }
+
+  std::optional<Departure> departure(int peer) const override {
+    if (auto why = abandonment(peer)) return why;
+    return world_->departures.why(peer);
+  }
+
+  void begin_peer_reads(const char* phase) override {
+    auto& mine = channel_->reading[rank()].value;
+    mine.fetch_add(1, std::memory_order_seq_cst);
+    const int first = node_first_rank();
+    std::vector<std::pair<int, Departure>> departed;
+    for (int r = first; r < first + node_size(); ++r)
+      if (r != rank())
+        if (auto why = abandonment(r)) departed.emplace_back(r, std::move(*why));
+    if (departed.empty()) return;
+    mine.fetch_sub(1, std::memory_order_release);
+    fail_abandoned(rank(), {phase, 0}, departed);
+  }
+
+  void end_peer_reads() noexcept override { channel_->reading[rank()].value.fetch_sub(1, std::memory_order_release); }
+
  private:
+  static void cpu_relax_or_yield() { std::this_thread::yield(); }
+
+  bool gone(int peer) const { return channel_->abandoned.left(peer) || world_->departures.left(peer); }
+
+  // Collectives after this rank abandoned the channel are refused: the ranks are out of step.
+  void check_in_step(const Wait& wait) const {
+    if (auto why = channel_->abandoned.why(rank()))
+      throw StateError(fmt::format("[rank {}] {}: this rank left the channel after a failure ({}); create a new "
+                                   "group or buffer",
+                                   rank(), wait.phase, why->reason));
+  }
+
+  std::optional<Departure> abandonment(int peer) const {
+    auto why = channel_->abandoned.why(peer);
+    if (why) why->reason = "gave up on this channel: " + why->reason;
+    return why;
+  }
+
+  // A failed wait leaves the ranks out of step: this rank abandons the channel, then raises what
+  // `raise` throws.
+  template <class Raise>
+  [[noreturn]] void leave_and_raise(Raise raise) {
+    try {
+      raise();
+    } catch (...) {
+      const std::exception_ptr error = std::current_exception();
+      abandon(message_of(error), culprits_of(error));
+      throw;
+    }
+    std::abort();  // raise() always throws
+  }
+
   ScopeSlots& slots(Scope scope) {
     return scope == Scope::kWorld ? channel_->world : channel_->nodes[static_cast<size_t>(node_of(rank()))];
   }
 
   [[noreturn]] void fail_waiting(const Wait& wait, const std::vector<int>& missing, double elapsed) {
-    fail_wait(rank(), wait, missing, elapsed, [&](int r) -> std::optional<std::string> {
-      if (!world_->departures.left(r)) return std::nullopt;
-      return world_->departures.reason(r);
-    });
+    leave_and_raise([&] { fail_wait(rank(), wait, missing, elapsed, [&](int r) { return departure(r); }); });
   }
 
   std::shared_ptr<WorldState> world_;
@@ -285,22 +371,83 @@ void retire(std::unique_ptr<SymmetricMemory> memory) {
   retired->push_back(std::move(memory));
 }
 
-void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
-               const std::function<std::optional<std::string>(int)>& departure) {
-  std::vector<int> departed;
+namespace {
+
+// The ranks to name for departures: the culprits their failures named (other than this rank), or
+// the departed ranks themselves when they failed on their own account (or blamed only this rank).
+std::vector<int> root_cause(int rank, const std::vector<std::pair<int, Departure>>& departed) {
+  std::vector<int> culprits, ranks;
+  for (const auto& [r, why] : departed) {
+    ranks.push_back(r);
+    for (int c : why.culprits)
+      if (c != rank && std::find(culprits.begin(), culprits.end(), c) == culprits.end()) culprits.push_back(c);
+  }
+  std::sort(culprits.begin(), culprits.end());
+  return culprits.empty() ? ranks : culprits;
+}
+
+std::string reasons_of(const std::vector<std::pair<int, Departure>>& departed) {
   std::string reasons;
+  for (const auto& [r, why] : departed) reasons += fmt::format("; rank {} {}", r, why.reason);
+  return reasons;
+}
+
+}  // namespace
+
+void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
+               const std::function<std::optional<Departure>(int)>& departure) {
+  std::vector<std::pair<int, Departure>> departed;
+  std::vector<int> ranks;
   for (int r : missing)
-    if (const auto why = departure(r)) {
-      departed.push_back(r);
-      reasons += fmt::format("; rank {} {}", r, *why);
+    if (auto why = departure(r)) {
+      ranks.push_back(r);
+      departed.emplace_back(r, std::move(*why));
     }
   if (!departed.empty())
     throw PeerError(fmt::format("[rank {}] {}: ranks [{}] left the group instead of arriving{}", rank, wait.phase,
-                                fmt::join(departed, ", "), reasons),
-                    departed);
+                                fmt::join(ranks, ", "), reasons_of(departed)),
+                    root_cause(rank, departed));
   throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s waiting for ranks [{}]", rank, wait.phase,
                                  elapsed_secs, fmt::join(missing, ", ")),
                      missing);
+}
+
+void fail_abandoned(int rank, const Wait& wait, const std::vector<std::pair<int, Departure>>& departed) {
+  std::vector<int> ranks;
+  for (const auto& [r, why] : departed) ranks.push_back(r);
+  throw PeerError(fmt::format("[rank {}] {}: ranks [{}] took part and then left (what they published is gone){}",
+                              rank, wait.phase, fmt::join(ranks, ", "), reasons_of(departed)),
+                  root_cause(rank, departed));
+}
+
+std::vector<int> culprits_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const PeerError& e) {
+    return e.ranks();
+  } catch (...) {
+    return {};
+  }
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "a non-standard exception";
+  }
+}
+
+void Transport::check_peer(int peer, const char* phase) const {
+  auto why = departure(peer);
+  if (!why) return;
+  std::vector<std::pair<int, Departure>> departed;
+  departed.emplace_back(peer, std::move(*why));
+  throw PeerError(fmt::format("[rank {}] {}: rank {} left instead of arriving{}", rank(), phase, peer,
+                              reasons_of(departed)),
+                  root_cause(rank(), departed));
 }
 
 void Transport::check_same_node(int peer) const {
@@ -360,10 +507,11 @@ void LocalWorld::run(const std::function<void(Group&)>& fn) {
       try {
         Group group(std::make_shared<comm::LocalTransport>(r, world, root_id, root));
         fn(group);
-        world->departures.leave(r, "returned from its rank function");
+        world->departures.leave(r, {"returned from its rank function", {}});
       } catch (...) {
         errors[static_cast<size_t>(r)] = std::current_exception();
-        world->departures.leave(r, comm::describe(errors[static_cast<size_t>(r)]));
+        world->departures.leave(r, {comm::describe(errors[static_cast<size_t>(r)]),
+                                    comm::culprits_of(errors[static_cast<size_t>(r)])});
       }
     });
   }

@@ -20,15 +20,28 @@
 //    that span is not defined; the MPI transport refuses such a message).
 //  - share(): this rank's own memory (user tensors) that node peers read through node_address()
 //    stays readable until this rank's next share() on the same transport.
+//
+// Leaving after a failure: a failure that leaves the ranks of a channel out of step (a wait that
+// expired or found a peer gone, an operation that failed after its agreement) ends this rank's part
+// in the channel: abandon(). From then on every peer's wait on this rank fails at once with
+// PeerError naming the root cause, a peer that completes a collective this rank took part in
+// learns it as that collective returns (PeerError), and this rank's own collectives raise
+// StateError. Reads of what node peers published (their shared tensors and the addresses in their
+// gathered blocks) happen inside peer-read sections (PeerReads): opening one fails with PeerError
+// once a node peer abandoned the channel, and abandon() returns only when no node peer has a
+// section open, so after it no peer reads this rank's published memory and it may be freed.
+// Sections contain no waits, so abandon() waits only for bounded work.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe_ep/group.hpp"
@@ -39,7 +52,15 @@ enum class Scope { kWorld, kNode };
 
 struct Wait {
   const char* phase;    // names the step in error messages, e.g. "dispatch: count exchange"
-  double timeout_secs;  // > 0
+  double timeout_secs;  // > 0; kNeverSecs and above never expire
+};
+
+// Why a rank is no longer taking part: it left the group (returned or threw out of its rank
+// function, its process is gone) or abandoned the channel. `culprits` are the ranks its own
+// failure named (the root cause, as far as it knew); empty when it failed on its own account.
+struct Departure {
+  std::string reason;
+  std::vector<int> culprits;
 };
 
 // One block per rank of the scope, indexed by rank (world) or by local index (node).
@@ -128,6 +149,20 @@ class Transport {
   virtual void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets,
                             const Wait& wait) = 0;
 
+  // Leaves the channel after a failure (see the top of this file). `culprits`: the ranks the
+  // failure names. Idempotent; never throws.
+  virtual void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept = 0;
+  virtual bool abandoned() const = 0;
+  // Why `peer` no longer takes part in this channel, or nullopt while it does.
+  virtual std::optional<Departure> departure(int peer) const = 0;
+  // Throws PeerError if `peer` left the group or abandoned the channel (for waits written outside
+  // the transport, e.g. on a flag in symmetric memory).
+  void check_peer(int peer, const char* phase) const;
+
+  // A peer-read section (see the top of this file); opened by PeerReads.
+  virtual void begin_peer_reads(const char* phase) = 0;
+  virtual void end_peer_reads() noexcept = 0;
+
  protected:
   Transport(int rank, int size, Topology topology) : rank_(rank), size_(size), topology_(topology) {}
 
@@ -137,11 +172,35 @@ class Transport {
   Topology topology_;
 };
 
-// The error of a wait for `missing` that did not complete: PeerError naming those of them that left
-// the group (`departure(r)` says why, or nullopt while r is still there), else TimeoutError naming
-// them all. Both transports raise their wait failures through it.
+// While open, this rank reads what node peers published; see the top of this file.
+class PeerReads {
+ public:
+  PeerReads(Transport& transport, const char* phase) : transport_(transport) { transport_.begin_peer_reads(phase); }
+  ~PeerReads() { transport_.end_peer_reads(); }
+  PeerReads(const PeerReads&) = delete;
+  PeerReads& operator=(const PeerReads&) = delete;
+
+ private:
+  Transport& transport_;
+};
+
+// Timeouts at or above this many seconds never expire (they are "no deadline", not an overflow).
+inline constexpr double kNeverSecs = 1e9;
+
+// The error of a wait for `missing` (not empty) that did not complete: PeerError if some of them
+// departed (`departure(r)`, nullopt while r is still there), naming the root cause (the culprits
+// their own failures named, other than this rank; else the departed ranks), else TimeoutError
+// naming them all. Both transports raise their wait failures through it.
 [[noreturn]] void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
-                            const std::function<std::optional<std::string>(int)>& departure);
+                            const std::function<std::optional<Departure>(int)>& departure);
+
+// The PeerError of a collective that completed although some of its members had abandoned the
+// channel (`departed`, with their departures).
+[[noreturn]] void fail_abandoned(int rank, const Wait& wait, const std::vector<std::pair<int, Departure>>& departed);
+
+// The ranks an error names (PeerError::ranks()), for abandon(); empty for other errors.
+std::vector<int> culprits_of(const std::exception_ptr& error);
+std::string message_of(const std::exception_ptr& error);
 
 // Keeps symmetric memory mapped until the process exits: for memory peers may still read after a
 // failure left the ranks out of step.

@@ -5,6 +5,7 @@
 // The clock is read only every few iterations.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -24,10 +25,9 @@ inline void cpu_relax() {
 
 class Backoff {
  public:
-  explicit Backoff(double timeout_secs)
-      : start_(std::chrono::steady_clock::now()),
-        deadline_(start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                               std::chrono::duration<double>(timeout_secs))) {}
+  // Timeouts of 1e9 s and more (and anything not a number) never expire: the deadline saturates
+  // instead of overflowing the clock.
+  explicit Backoff(double timeout_secs) : start_(std::chrono::steady_clock::now()), deadline_(deadline(timeout_secs)) {}
 
   // Waits a little. Returns false once the deadline has passed.
   bool pause() {
@@ -48,8 +48,15 @@ class Backoff {
   double elapsed_secs() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   }
+  bool expired() const { return std::chrono::steady_clock::now() >= deadline_; }
 
  private:
+  std::chrono::steady_clock::time_point deadline(double timeout_secs) const {
+    if (!(timeout_secs < 1e9)) return std::chrono::steady_clock::time_point::max();
+    return start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                        std::chrono::duration<double>(std::max(timeout_secs, 0.0)));
+  }
+
   std::chrono::steady_clock::time_point start_;
   std::chrono::steady_clock::time_point deadline_;
   long iterations_ = 0;

@@ -9,6 +9,8 @@
 #include <mutex>
 #include <new>
 
+#include <fmt/format.h>
+
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 
@@ -136,13 +138,18 @@ LargeBlockCache& cache() {
 }  // namespace
 
 std::shared_ptr<void> allocate_host(std::size_t bytes) {
-  if (bytes < kLargeThreshold) {
-    void* p = ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{kSmallAlignment});
-    return std::shared_ptr<void>(p, [](void* q) { ::operator delete(q, std::align_val_t{kSmallAlignment}); });
+  try {
+    if (bytes > (std::size_t{1} << 62)) throw std::bad_alloc();  // no machine has it; rounding would overflow
+    if (bytes < kLargeThreshold) {
+      void* p = ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{kSmallAlignment});
+      return std::shared_ptr<void>(p, [](void* q) { ::operator delete(q, std::align_val_t{kSmallAlignment}); });
+    }
+    std::size_t block_bytes = 0;
+    void* p = cache().take(bytes, &block_bytes);
+    return std::shared_ptr<void>(p, [block_bytes](void* q) { cache().give_back(q, block_bytes); });
+  } catch (const std::bad_alloc&) {
+    throw ResourceError(fmt::format("allocating {} bytes of host memory failed", bytes));
   }
-  std::size_t block_bytes = 0;
-  void* p = cache().take(bytes, &block_bytes);
-  return std::shared_ptr<void>(p, [block_bytes](void* q) { cache().give_back(q, block_bytes); });
 }
 
 HostAllocatorStats host_allocator_stats() { return cache().stats(); }

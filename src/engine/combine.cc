@@ -17,6 +17,7 @@
 
 #include "comm/agreement.hh"
 #include "core/checks.hh"
+#include "core/failure.hh"
 #include "core/reduce.hh"
 #include "engine/engine.hh"
 #include "moe_ep/error.hpp"
@@ -63,12 +64,9 @@ class Combine final : public CombineOperation {
  public:
   Combine(Engine& engine, CombineRequest request, std::uint64_t sequence)
       : engine_(engine), req_(std::move(request)), sequence_(sequence), ctx_(engine.context(req_.operation)) {
+    error_context = ctx_;
     previous_event = req_.previous_event;
-    try {
-      validate();
-    } catch (...) {
-      local_error = std::current_exception();
-    }
+    local_error = core::attempt(ctx_, [&] { validate(); });
   }
 
   bool outputs_known_early() const override { return true; }
@@ -135,11 +133,8 @@ class Combine final : public CombineOperation {
 void Combine::validate() {
   const auto& a = req_;
   if (!a.handle) core::fail(ctx_, "handle is missing");
-  const EPHandle& h = *a.handle;
-  if (!h.state || h.state->engine_id != engine_.id)
-    core::fail(ctx_, "handle was created by another buffer (buffer id {}, this buffer {})",
-               h.state ? h.state->engine_id : 0, engine_.id);
-  plan_ = h.state.get();
+  plan_ = &checked_handle(engine_, ctx_, *a.handle);
+  const HandleFacts& h = plan_->facts;
   expand_ = h.do_expand;
   multi_ = engine_.config.allow_multiple_reduction;
   N_ = h.num_tokens;
@@ -191,7 +186,7 @@ void Combine::run(const std::function<void()>& outputs_ready) {
   std::exception_ptr error = local_error;
   PeerTensors mine;
   if (!error) {
-    try {
+    error = core::attempt(ctx_, [&] {
       engine_.wait_for_event(previous_event, ctx_, "previous_event");
       if (!result.combined_x.defined()) allocate_outputs_early();
       engine_.set_workers(req_.workers(geo_.num_experts, k_));
@@ -203,18 +198,14 @@ void Combine::run(const std::function<void()>& outputs_ready) {
         mine.weights_row = expand_ ? 1 : req_.topk_weights.stride(0);
       }
       mine.num_tokens = N_;
-    } catch (...) {
-      error = std::current_exception();
-    }
+    });
   }
   PeerTensors shared;
   if (!error) {
-    try {
+    error = core::attempt(ctx_, [&] {
       shared = share_tensors(engine_, mine,
                              {.x = view_extent(req_.x), .weights = has_weights_ ? view_extent(req_.topk_weights) : 0});
-    } catch (...) {
-      error = std::current_exception();
-    }
+    });
   }
   comm::Agreement agreement(ctx_, req_.operation);
   agreement.local_error(error)
@@ -227,9 +218,16 @@ void Combine::run(const std::function<void()>& outputs_ready) {
   resolve_tensors(engine_, peers_, mine);
   outputs_ready();
   engine_.wait_for_event(req_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
-  put_contributions();
+  {
+    // The forwarder of a hybrid combine sums its node peers' rows (and may wait for room to send).
+    comm::PeerReads reads(engine_.transport(), "combine: forwarding");
+    put_contributions();
+  }
   wait_contributions();
-  reduce_tokens();
+  {
+    comm::PeerReads reads(engine_.transport(), "combine: reduction");  // node peers' rows and weights
+    reduce_tokens();
+  }
   engine_.transport().barrier(comm::Scope::kNode, engine_.wait("combine: exit"));
 }
 

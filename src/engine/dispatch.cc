@@ -7,6 +7,7 @@
 
 #include "comm/agreement.hh"
 #include "core/checks.hh"
+#include "core/failure.hh"
 #include "core/reduce.hh"
 #include "engine/engine.hh"
 #include "moe_ep/error.hpp"
@@ -20,13 +21,12 @@ class Dispatch final : public DispatchOperation {
  public:
   Dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequence)
       : engine_(engine), req_(std::move(request)), sequence_(sequence), ctx_(engine.context(req_.operation)) {
+    error_context = ctx_;
     previous_event = req_.previous_event;
-    try {
+    local_error = core::attempt(ctx_, [&] {
       validate();
       if (!cached_) start_handle();
-    } catch (...) {
-      local_error = std::current_exception();
-    }
+    });
   }
 
   bool outputs_known_early() const override { return cached_ || !cpu_sync_; }
@@ -41,6 +41,7 @@ class Dispatch final : public DispatchOperation {
   std::int64_t worst_rows() const;
   std::int64_t worst_expanded_rows() const;
   void allocate_outputs(std::int64_t rows, std::int64_t expanded_rows);
+  void allocate_outputs_unnamed(std::int64_t rows, std::int64_t expanded_rows);
   PeerTensors my_tensors() const;
   void plan_sources();
   void plan_receive_local(const std::vector<PeerTensors>& peers);
@@ -84,11 +85,8 @@ void Dispatch::validate() {
   cached_ = a.handle != nullptr;
   if (a.max_tokens < 0) core::fail(ctx_, "num_max_tokens_per_rank = {} is negative", a.max_tokens);
   if (cached_) {
-    const EPHandle& h = *a.handle;
-    if (!h.state || h.state->engine_id != engine_.id)
-      core::fail(ctx_, "handle was created by another buffer (buffer id {}, this buffer {})",
-                 h.state ? h.state->engine_id : 0, engine_.id);
-    cached_state_ = h.state.get();
+    cached_state_ = &checked_handle(engine_, ctx_, *a.handle);
+    const HandleFacts& h = cached_state_->facts;
     if (a.topk_idx.defined()) core::fail(ctx_, "topk_idx must not be given with a cached handle");
     if (a.cpu_sync) core::fail(ctx_, "do_cpu_sync = true is not allowed with a cached handle");
     if (a.cumulative_local_expert_recv_stats.defined())
@@ -104,7 +102,7 @@ void Dispatch::validate() {
     E_ = h.num_experts;
     k_ = h.num_topk;
     A_ = h.expert_alignment;
-    T_ = cached_state_->max_tokens;
+    T_ = h.num_max_tokens_per_rank;
     cpu_sync_ = false;
   } else {
     E_ = a.num_experts;
@@ -129,7 +127,8 @@ void Dispatch::validate() {
     core::fail(ctx_, "x has {} tokens, more than num_max_tokens_per_rank = {}", x.size(0), T_);
   if (engine_.config.fixed_hidden > 0 && H_ != engine_.config.fixed_hidden)
     core::fail(ctx_, "x has hidden size {}, the buffer was built for hidden = {}", H_, engine_.config.fixed_hidden);
-  if (H_ <= 0) core::fail(ctx_, "x has hidden size {}, expected a positive size", H_);
+  if (x.size(1) <= 0 || x.size(1) > kMaxHidden)
+    core::fail(ctx_, "x has hidden size {}, expected 1 to {}", x.size(1), kMaxHidden);
   if (fp8_) {
     if (H_ % 128 != 0) core::fail(ctx_, "FP8 hidden size {} is not a multiple of 128", H_);
     if (!a.x_scales.defined()) core::fail(ctx_, "x is float8_e4m3fn but x_scales is missing");
@@ -146,9 +145,9 @@ void Dispatch::validate() {
 
   // Routing.
   if (cached_) {
-    if (N_ != a.handle->num_tokens)
-      core::fail(ctx_, "x has {} tokens, the handle was made for {}", N_, a.handle->num_tokens);
-    if (H_ != a.handle->hidden) core::fail(ctx_, "x has hidden size {}, the handle was made for {}", H_, a.handle->hidden);
+    const HandleFacts& h = cached_state_->facts;
+    if (N_ != h.num_tokens) core::fail(ctx_, "x has {} tokens, the handle was made for {}", N_, h.num_tokens);
+    if (H_ != h.hidden) core::fail(ctx_, "x has hidden size {}, the handle was made for {}", H_, h.hidden);
   } else {
     if (!a.topk_idx.defined()) core::fail(ctx_, "topk_idx is missing (required without a handle)");
     core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {N_, -1});
@@ -221,18 +220,27 @@ void Dispatch::check_gathered(const std::vector<PeerTensors>& peers) {
 }
 
 std::int64_t Dispatch::worst_rows() const {
-  if (cached_) return req_.handle->num_recv_tokens;
+  if (cached_) return cached_state_->facts.num_recv_tokens;
   if (req_.worst_rows > 0) return req_.worst_rows;
   return static_cast<std::int64_t>(T_) * engine_.num_ranks;
 }
 
 std::int64_t Dispatch::worst_expanded_rows() const {
-  if (cached_) return req_.handle->num_expanded_tokens;
+  if (cached_) return cached_state_->facts.num_expanded_tokens;
   return routing::align_up(static_cast<std::int64_t>(engine_.num_ranks) * T_ * std::min(k_, El_) +
                                static_cast<std::int64_t>(A_ - 1) * El_, A_);
 }
 
 void Dispatch::allocate_outputs(std::int64_t rows, std::int64_t expanded_rows) {
+  try {
+    allocate_outputs_unnamed(rows, expanded_rows);
+  } catch (const ResourceError& e) {
+    throw ResourceError(fmt::format("{}: allocating the outputs ({} rows of hidden {}, {}) failed: {}", ctx_,
+                                    expand_ ? expanded_rows : rows, H_, dtype_name(x_dtype_), e.what()));
+  }
+}
+
+void Dispatch::allocate_outputs_unnamed(std::int64_t rows, std::int64_t expanded_rows) {
   const std::int64_t out_rows = expand_ ? expanded_rows : rows;
   result.recv_x = Tensor::empty({out_rows, H_}, x_dtype_);
   if (fp8_) {
@@ -276,6 +284,9 @@ void Dispatch::start_handle() {
     h.num_recv_tokens = worst_rows();
     h.num_expanded_tokens = worst_expanded_rows();
   }
+  s.facts = {.do_expand = expand_, .num_experts = E_, .expert_alignment = A_, .num_max_tokens_per_rank = T_,
+             .num_tokens = N_, .num_topk = k_, .hidden = H_, .num_recv_tokens = h.num_recv_tokens,
+             .num_expanded_tokens = h.num_expanded_tokens};
   h.state = state_;
 }
 
@@ -304,7 +315,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
   // waiting for a rank that threw.
   std::exception_ptr error = local_error;
   if (!error) {
-    try {
+    error = core::attempt(ctx_, [&] {
       engine_.wait_for_event(previous_event, ctx_, "previous_event");
       workers_ = req_.workers(E_, k_);
       engine_.set_workers(workers_);
@@ -324,16 +335,14 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
                              counts_);
         if (!req_.expert_counts.empty()) counts_.per_expert = req_.expert_counts;
       }
-    } catch (...) {
-      error = std::current_exception();
-    }
+    });
   }
 
   // Agreement: arguments, signature, published tensors and (new dispatch) counts.
   std::vector<std::byte> payload(sizeof(PeerTensors));
   PeerTensors mine;
   if (!error) {
-    try {
+    error = core::attempt(ctx_, [&] {
       mine = my_tensors();
       const PeerTensors shared =
           share_tensors(engine_, mine,
@@ -342,17 +351,13 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
                          .weights = has_weights_ ? view_extent(req_.topk_weights) : 0,
                          .topk = view_extent(plan_->topk)});
       std::memcpy(payload.data(), &shared, sizeof shared);
-    } catch (...) {
-      error = std::current_exception();
-    }
-  }
-  if (!error) {
-    if (!cached_) {
-      for (const auto* v : {&counts_.per_rank, &counts_.per_expert, &counts_.per_node}) {
-        const auto* b = reinterpret_cast<const std::byte*>(v->data());
-        payload.insert(payload.end(), b, b + v->size() * sizeof(std::int32_t));
+      if (!cached_) {
+        for (const auto* v : {&counts_.per_rank, &counts_.per_expert, &counts_.per_node}) {
+          const auto* b = reinterpret_cast<const std::byte*>(v->data());
+          payload.insert(payload.end(), b, b + v->size() * sizeof(std::int32_t));
+        }
       }
-    }
+    });
   }
   comm::Agreement agreement(ctx_, req_.operation);
   agreement.local_error(error)
@@ -403,6 +408,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
   check_gathered(peers);
   if (!cached_) {
     plan_sources();
+    comm::PeerReads reads(engine_.transport(), "dispatch: receive plan");  // node peers' top-k ids
     plan_receive_local(peers);
   }
   if (!result.recv_x.defined()) {  // not allocated early by an asynchronous submission
@@ -421,7 +427,10 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
   if (!cached_ && engine_.paths.hybrid()) plan_forwarding();
   if (engine_.paths.hybrid()) engine_.transport().barrier(comm::Scope::kNode, engine_.wait("dispatch: forwarded records ready"));
   if (!cached_ && (engine_.paths.hybrid() || engine_.paths.direct_remote())) plan_receive_remote();
-  copy_rows(peers);
+  {
+    comm::PeerReads reads(engine_.transport(), "dispatch: copy");  // node peers' x, scales and weights
+    copy_rows(peers);
+  }
   if (req_.zero_padding) zero_padding();
   if (req_.cumulative_local_expert_recv_stats.defined()) {
     auto* stats = req_.cumulative_local_expert_recv_stats.data_as<std::int32_t>();
@@ -523,12 +532,14 @@ void Dispatch::fill_handle() {
   const auto& layout = s.layout;
   const int me = engine_.rank, SU = engine_.logical_scaleup;
   h.num_sms = workers_;
-  h.num_max_tokens_per_rank = T_;
+  // Fields known at the start (start_handle) are not written again: a combine queued behind an
+  // asynchronous dispatch reads them meanwhile.
+  if (s.facts.num_max_tokens_per_rank != T_) h.num_max_tokens_per_rank = s.facts.num_max_tokens_per_rank = T_;
   s.max_tokens = T_;
   h.topk_idx = s.topk;
   if (cpu_sync_) {
-    h.num_recv_tokens = layout.rows_at(me);
-    h.num_expanded_tokens = layout.expanded_rows_at(me);
+    h.num_recv_tokens = s.facts.num_recv_tokens = layout.rows_at(me);
+    h.num_expanded_tokens = s.facts.num_expanded_tokens = layout.expanded_rows_at(me);
   }
   h.psum_num_recv_tokens_per_scaleup_rank = Tensor::zeros({SU}, DType::kInt32);
   auto* region = h.psum_num_recv_tokens_per_scaleup_rank.data_as<std::int32_t>();

@@ -8,6 +8,8 @@
 #include <future>
 
 #include "core/bandwidth.hh"
+#include "core/checks.hh"
+#include "core/failure.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::engine {
@@ -80,13 +82,21 @@ void Engine::check_usable(const char* operation) const {
                                  "new one", context(operation), config.name, broken_));
 }
 
+// A failure that leaves the ranks out of step breaks the engine and makes this rank abandon its
+// channel before the operation (and what it published) goes away: peers waiting for this rank fail
+// at once, and none still reads this rank's memory once abandon() returned.
 void Engine::run_guarded(Operation& op, const std::function<void()>& outputs_ready) {
-  try {
-    op.run(outputs_ready);
-  } catch (const std::exception& e) {
-    if (!op.in_step_failure) mark_broken(e.what());
-    throw;
-  }
+  const std::exception_ptr error = core::attempt(op.error_context, [&] { op.run(outputs_ready); });
+  if (!error) return;
+  if (!op.in_step_failure) leave(error);
+  std::rethrow_exception(error);
+}
+
+void Engine::leave(const std::exception_ptr& error) {
+  const std::string why = comm::message_of(error);
+  mark_broken(why);
+  transport_->abandon(why, comm::culprits_of(error));
+  std::rethrow_exception(error);
 }
 
 Event Engine::submit(const std::shared_ptr<Operation>& op, bool async) {
@@ -146,12 +156,12 @@ void Engine::simple_collective(const char* operation) {
   comm_worker_.drain();
   comm::Agreement agreement(context(operation), operation);
   agreement.field("operation number", static_cast<std::int64_t>(next_sequence()));
-  try {
+  const std::exception_ptr error = core::attempt(context(operation), [&] {
     agreement.exchange(*transport_, comm::Scope::kWorld, wait(operation), {});
-  } catch (const std::exception& e) {
-    if (!agreement.gathered()) mark_broken(e.what());
-    throw;
-  }
+  });
+  if (!error) return;
+  if (!agreement.gathered()) leave(error);
+  std::rethrow_exception(error);
 }
 
 void Engine::destroy() {
@@ -232,6 +242,28 @@ int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk,
       static_cast<int>(align_to(std::max<std::int64_t>(4, static_cast<std::int64_t>(std::ceil(1.25 * sms))), 2));
   if (!engine.config.prefer_overlap_with_compute) result = std::max(result, 64);
   return std::min(result, cap);
+}
+
+const HandleState& checked_handle(const Engine& engine, const std::string& ctx, const EPHandle& h) {
+  if (!h.state || h.state->engine_id != engine.id)
+    core::fail(ctx, "handle was created by another buffer (buffer id {}, this buffer {})", h.state ? h.state->engine_id : 0,
+               engine.id);
+  const HandleFacts& f = h.state->facts;
+  auto same = [&](const char* field, auto value, auto dispatched) {
+    if (value != dispatched)
+      core::fail(ctx, "handle.{} = {} differs from the {} its dispatch produced (handles are read-only)", field, value,
+                 dispatched);
+  };
+  same("do_expand", h.do_expand, f.do_expand);
+  same("num_experts", h.num_experts, f.num_experts);
+  same("expert_alignment", h.expert_alignment, f.expert_alignment);
+  same("num_max_tokens_per_rank", h.num_max_tokens_per_rank, f.num_max_tokens_per_rank);
+  same("num_tokens", h.num_tokens, f.num_tokens);
+  same("num_topk", h.num_topk, f.num_topk);
+  same("hidden", h.hidden, f.hidden);
+  same("num_recv_tokens", h.num_recv_tokens, f.num_recv_tokens);
+  same("num_expanded_tokens", h.num_expanded_tokens, f.num_expanded_tokens);
+  return *h.state;
 }
 
 std::size_t view_extent(const TensorView& view) {

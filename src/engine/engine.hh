@@ -47,6 +47,7 @@ class Operation {
   // Calls outputs_ready() once the outputs exist (at most once; not on failure).
   virtual void run(const std::function<void()>& outputs_ready) = 0;
 
+  std::string error_context;       // "[rank 2] dispatch": prefixes translated errors
   std::exception_ptr local_error;  // this rank's arguments were rejected
   std::optional<Event> previous_event;
   // A failure leaves the ranks out of step (and the engine unusable) unless it is one every rank
@@ -123,6 +124,9 @@ class Engine {
   void limit_inflight(int num_qps);
   void wait_for_event(const std::optional<Event>& event, const std::string& context, const char* argument) const;
   void mark_broken(const std::string& reason);
+  // After a failure that left the ranks out of step: marks the engine broken, abandons its channel
+  // (comm/transport.hh), then rethrows.
+  [[noreturn]] void leave(const std::exception_ptr& error);
 
  private:
   Event submit(const std::shared_ptr<Operation>& op, bool async);
@@ -160,10 +164,19 @@ struct ForwardPlan {
   std::vector<std::int32_t> expanded;  // [count * k] expanded row of the lane, or -1
 };
 
+// EPHandle's scalar fields as the dispatch produced them. EPHandle's public fields are copies
+// that callers can change; cached dispatch and combine check them against these.
+struct HandleFacts {
+  bool do_expand = false;
+  int num_experts = 0, expert_alignment = 1, num_max_tokens_per_rank = 0, num_tokens = 0, num_topk = 0, hidden = 0;
+  std::int64_t num_recv_tokens = 0, num_expanded_tokens = 0;
+};
+
 // Routing state of a dispatch: everything cached dispatch and combine need.
 struct HandleState {
   std::uint64_t engine_id = 0;
   std::uint64_t dispatch_sequence = 0;  // the creating dispatch's operation number (same on all ranks)
+  HandleFacts facts;
   int max_tokens = 0;                   // T of the call
   routing::GlobalLayout layout;
   std::vector<std::int32_t> source_tokens;  // [R]: token count of every rank in the call
@@ -181,6 +194,10 @@ struct HandleState {
   // As forwarder (hybrid): one plan per source node (index = node; own node unused).
   std::vector<ForwardPlan> forward;
 };
+
+// The state of a handle given to this engine: made by it (not another buffer), its public fields
+// unchanged since its dispatch. Throws InvalidArgument naming the field otherwise.
+const HandleState& checked_handle(const Engine& engine, const std::string& context, const EPHandle& handle);
 
 // What each rank publishes in a dispatch or combine agreement.
 struct PeerTensors {

@@ -13,9 +13,11 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <optional>
 
 #include "comm/wait.hh"
 #include "core/checks.hh"
+#include "core/failure.hh"
 #include "core/fp8_rows.hh"
 #include "core/reduce.hh"
 #include "legacy/buffer_core.hh"
@@ -34,18 +36,26 @@ std::int64_t align(std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a;
 
 std::atomic<std::uint64_t>* header(std::byte* slot) { return reinterpret_cast<std::atomic<std::uint64_t>*>(slot); }
 
-// Waits until `rank`'s slot header shows call `number`; returns the nanoseconds waited.
+// Waits until `rank`'s slot header shows call `number`; returns the nanoseconds waited. A rank
+// that left or gave up is reported at once; a failed wait leaves the ranks out of step (also in a
+// receive hook, outside any operation), so the buffer leaves its channel.
 std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t number, const char* phase) {
   auto* h = header(core.slot_base(rank, slot));
   if (h->load(std::memory_order_acquire) >= number) return 0;
   comm::Backoff backoff(core.engine.config.timeout_secs);
   const auto start = std::chrono::steady_clock::now();
-  while (h->load(std::memory_order_acquire) < number) {
-    if (!backoff.pause())
-      throw TimeoutError(fmt::format("{}: {}: timed out after {:.1f} s waiting for rank {} to publish its data",
-                                     core.engine.context("low-latency"), phase, backoff.elapsed_secs(), rank),
-                         {rank});
-  }
+  const std::string context = core.engine.context("low-latency");
+  long polls = 0;
+  const std::exception_ptr error = core::attempt(context, [&] {
+    while (h->load(std::memory_order_acquire) < number) {
+      if (++polls % 256 == 0) core.engine.transport().check_peer(rank, phase);
+      if (!backoff.pause())
+        throw TimeoutError(fmt::format("{}: {}: timed out after {:.1f} s waiting for rank {} to publish its data",
+                                       context, phase, backoff.elapsed_secs(), rank),
+                           {rank});
+    }
+  });
+  if (error) core.engine.leave(error);
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
@@ -58,22 +68,15 @@ template <class Op>
 void take_slot(BufferCore& core, Op& op, int max_tokens, int hidden, int num_experts, bool hook) {
   op.use = core.take_slot(max_tokens, hidden, num_experts, hook, op.local_error == nullptr);
   if (op.local_error || op.use.problem.empty()) return;
-  try {
-    core::fail(op.context(), "{}", op.use.problem);
-  } catch (...) {
-    op.local_error = std::current_exception();
-  }
+  op.local_error = core::attempt(op.context(), [&] { core::fail(op.context(), "{}", op.use.problem); });
 }
 
 class LowLatencyDispatch final : public engine::Operation {
  public:
   LowLatencyDispatch(BufferCore& core, const LowLatencyDispatchArgs& args, std::uint64_t sequence)
       : core_(core), args_(args), sequence_(sequence), ctx_(core.engine.context("low_latency_dispatch")) {
-    try {
-      validate();
-    } catch (...) {
-      local_error = std::current_exception();
-    }
+    error_context = ctx_;
+    local_error = core::attempt(ctx_, [&] { validate(); });
   }
   const std::string& context() const { return ctx_; }
 
@@ -180,7 +183,7 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
   std::vector<int32_t> mine;
   std::exception_ptr error = local_error;
   if (!error) {
-    try {
+    error = core::attempt(ctx_, [&] {
       e.limit_inflight(0);  // num_qps_per_rank
       if (!result.recv_x.defined()) allocate_outputs_early();
       mine.assign(static_cast<size_t>(E_) + 1, 0);
@@ -189,9 +192,7 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
       for (int t = 0; t < n_; ++t)
         for (int j = 0; j < k_; ++j)
           if (topk[t * args_.topk_idx.stride(0) + j] >= 0) ++mine[static_cast<size_t>(topk[t * args_.topk_idx.stride(0) + j])];
-    } catch (...) {
-      error = std::current_exception();
-    }
+    });
   }
   comm::Agreement agreement(ctx_, "low_latency_dispatch");
   agreement.local_error(error)
@@ -373,11 +374,8 @@ class LowLatencyCombine final : public engine::Operation {
  public:
   LowLatencyCombine(BufferCore& core, const LowLatencyCombineArgs& args, std::uint64_t sequence)
       : core_(core), args_(args), sequence_(sequence), ctx_(core.engine.context("low_latency_combine")) {
-    try {
-      validate();
-    } catch (...) {
-      local_error = std::current_exception();
-    }
+    error_context = ctx_;
+    local_error = core::attempt(ctx_, [&] { validate(); });
   }
   const std::string& context() const { return ctx_; }
   // Checks that need the slot: a zero-copy slab must be the buffer of this call's slot.
@@ -468,23 +466,19 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
   Slab mine;
   std::exception_ptr error = local_error;
   if (!error) {
-    try {
+    error = core::attempt(ctx_, [&] {
       e.limit_inflight(0);  // num_qps_per_rank
       if (!result.combined_x.defined()) allocate_outputs_early();
       mine = {static_cast<const std::byte*>(args_.x.data()), args_.x.stride(0) * 2, args_.x.stride(1) * 2};
-    } catch (...) {
-      error = std::current_exception();
-    }
+    });
   }
   // Without staging, node peers read x itself: share it (Transport::share).
   Slab shared = mine;
   if (!error && !staged_) {
-    try {
+    error = core::attempt(ctx_, [&] {
       const comm::Transport::Span span{mine.data, engine::view_extent(args_.x)};
       shared.data = static_cast<const std::byte*>(e.transport().share({&span, 1})[0]);
-    } catch (...) {
-      error = std::current_exception();
-    }
+    });
   }
   comm::Agreement agreement(ctx_, "low_latency_combine");
   agreement.local_error(error)
@@ -552,7 +546,12 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
   }
   outputs_ready();
   if (args_.return_recv_hook) return;
-  receive(true);
+  {
+    // Without staging, the rows of node peers are read straight from their x.
+    std::optional<comm::PeerReads> reads;
+    if (!staged_) reads.emplace(e.transport(), "low_latency_combine: reduction");
+    receive(true);
+  }
   // Without staging, peers read this rank's x directly: keep it until they are done.
   if (!staged_) e.transport().barrier(comm::Scope::kNode, e.wait("low_latency_combine: exit"));
 }
@@ -614,7 +613,8 @@ class CleanLowLatency final : public engine::Operation {
  public:
   CleanLowLatency(BufferCore& core, int N, int H, int E, std::uint64_t sequence)
       : core_(core), N_(N), H_(H), E_(E), sequence_(sequence), ctx_(core.engine.context("clean_low_latency_buffer")) {
-    try {
+    error_context = ctx_;
+    local_error = core::attempt(ctx_, [&] {
       if (!core.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
       if (N <= 0 || H <= 0 || E <= 0 || E % core.engine.num_ranks != 0)
         core::fail(ctx_, "needs N > 0 (got {}), hidden > 0 (got {}) and num_experts a positive multiple of {} (got {})", N,
@@ -624,9 +624,7 @@ class CleanLowLatency final : public engine::Operation {
         throw CapacityError(fmt::format("{}: low-latency calls with N = {}, hidden = {}, {} experts need num_rdma_bytes "
                                         ">= {} (the buffer has {})", ctx_, N, H, E, need, core.config.num_rdma_bytes),
                             need, core.config.num_rdma_bytes);
-    } catch (...) {
-      local_error = std::current_exception();
-    }
+    });
   }
   bool outputs_known_early() const override { return true; }
   void allocate_outputs_early() override {}

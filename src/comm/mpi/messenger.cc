@@ -24,6 +24,7 @@ constexpr int kTagData = 13;     // [number][count][pieces][data]: copied into p
 constexpr int kTagSignal = 14;   // [number of record messages sent before it]
 constexpr int kTagHeader = 15;   // [number][count][pieces]: the data follows
 constexpr int kTagPayload = 16;  // the pieces' bytes back to back, received in place
+constexpr int kTagAbandon = 17;  // [culprit count][culprits][reason]: the sender gave up on the channel
 constexpr std::size_t kPrefix = 16;                          // the message number and the piece count
 constexpr std::size_t kDirectBytes = std::size_t{16} << 10;  // messages with this much data go in place
 constexpr std::size_t kMaxPieces = 1024;                     // per message
@@ -98,11 +99,76 @@ bool Messenger::gone(int rank) const {
   return process_gone(hosts_->pids[static_cast<size_t>(rank)]);
 }
 
+std::optional<Departure> Messenger::departure_locked(int rank) {
+  if (const auto it = abandoned_.find(rank); it != abandoned_.end()) return it->second;
+  if (!gone(rank)) return std::nullopt;
+  return Departure{fmt::format("was process {} on this host, which is gone", hosts_->pids[static_cast<size_t>(rank)]),
+                   {}};
+}
+
+std::optional<Departure> Messenger::departure(int rank, bool probe) {
+  std::lock_guard lock(mpi_mutex());
+  if (probe) {
+    try {
+      progress();
+    } catch (const std::exception&) {
+      // A broken channel: what arrived so far has to do.
+    }
+  }
+  return departure_locked(rank);
+}
+
 void Messenger::fail(const Wait& wait, const std::vector<int>& missing, double elapsed) {
-  fail_wait(rank_, wait, missing, elapsed, [&](int r) -> std::optional<std::string> {
-    if (!gone(r)) return std::nullopt;
-    return fmt::format("was process {} on this host, which is gone", hosts_->pids[static_cast<size_t>(r)]);
-  });
+  std::lock_guard lock(mpi_mutex());
+  // A process that gave up usually said why before it went: take what arrived.
+  try {
+    progress();
+  } catch (const std::exception&) {
+  }
+  fail_wait(rank_, wait, missing, elapsed, [&](int r) { return departure_locked(r); });
+}
+
+void Messenger::abandon(const Departure& why, double secs) noexcept {
+  try {
+    std::lock_guard lock(mpi_mutex());
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (told_ || finalized) return;
+    told_ = true;
+    const auto count = static_cast<std::uint32_t>(why.culprits.size());
+    Bytes message(sizeof count + count * sizeof(std::int32_t) + why.reason.size());
+    std::memcpy(message.data(), &count, sizeof count);
+    for (std::uint32_t i = 0; i < count; ++i) {
+      const auto c = static_cast<std::int32_t>(why.culprits[i]);
+      std::memcpy(message.data() + sizeof count + i * sizeof c, &c, sizeof c);
+    }
+    std::memcpy(message.data() + sizeof count + count * sizeof(std::int32_t), why.reason.data(), why.reason.size());
+    std::vector<MPI_Request> requests;
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_ || gone(r)) continue;
+      MPI_Request request = MPI_REQUEST_NULL;
+      if (MPI_Isend(message.data(), static_cast<int>(message.size()), MPI_BYTE, r, kTagAbandon, comm_, &request) ==
+          MPI_SUCCESS)
+        requests.push_back(request);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(secs);
+    for (;;) {
+      int done = 0;
+      if (MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS ||
+          done || std::chrono::steady_clock::now() >= deadline)
+        break;
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    bool pending = false;
+    for (MPI_Request& request : requests)
+      if (request != MPI_REQUEST_NULL) {
+        MPI_Request_free(&request);
+        pending = true;
+      }
+    if (pending) new Bytes(std::move(message));  // NOLINT: MPI may still read it; kept until exit
+  } catch (...) {
+    // No memory for the message: the peers will time out instead.
+  }
 }
 
 template <class Done, class Missing>
@@ -117,17 +183,23 @@ void Messenger::wait_until(const Wait& wait, Done done, Missing missing) {
     }
     bool expired = !backoff.pause();
     const auto now = std::chrono::steady_clock::now();
-    if (expired || now - last_check > std::chrono::milliseconds(50)) {
-      last_check = now;
-      std::vector<int> waiting;
-      {
-        std::lock_guard lock(mpi_mutex());
-        if (done()) return;
+    std::vector<int> waiting;
+    bool any_gone = false;
+    {
+      std::lock_guard lock(mpi_mutex());
+      if (done()) return;
+      if (!abandoned_.empty() || expired || now - last_check > std::chrono::milliseconds(50)) {
         waiting = missing();
+        for (int r : waiting) any_gone = any_gone || abandoned_.count(r) != 0;
       }
-      bool any_gone = false;
+    }
+    if (!any_gone && (expired || now - last_check > std::chrono::milliseconds(50))) {
+      last_check = now;
       for (int r : waiting) any_gone = any_gone || gone(r);
-      if (expired || any_gone) fail(wait, waiting, backoff.elapsed_secs());
+    }
+    if (expired || any_gone) {
+      if (waiting.empty()) return;  // everything arrived after all
+      fail(wait, waiting, backoff.elapsed_secs());
     }
   }
 }
@@ -444,6 +516,24 @@ void Messenger::progress() {
       throw StateError(fmt::format("[rank {}] malformed signal from rank {}", rank_, source));
     std::memcpy(&threshold, receive_.data(), sizeof threshold);
     sources_[static_cast<size_t>(source)].thresholds.push_back(threshold);
+  }
+  for (int source; (source = receive(MPI_ANY_SOURCE, kTagAbandon, receive_)) >= 0;) {
+    Departure why;
+    std::uint32_t count = 0;
+    if (receive_.size() >= sizeof count) std::memcpy(&count, receive_.data(), sizeof count);
+    const std::size_t list = sizeof count + std::size_t{count} * sizeof(std::int32_t);
+    if (receive_.size() < sizeof count || count > static_cast<std::uint32_t>(size_) || receive_.size() < list) {
+      why.reason = "gave up on this channel (its message was malformed)";
+    } else {
+      for (std::uint32_t i = 0; i < count; ++i) {
+        std::int32_t c = 0;
+        std::memcpy(&c, receive_.data() + sizeof count + i * sizeof c, sizeof c);
+        if (c >= 0 && c < size_) why.culprits.push_back(c);
+      }
+      why.reason = "gave up on this channel: " +
+                   std::string(reinterpret_cast<const char*>(receive_.data()) + list, receive_.size() - list);
+    }
+    abandoned_.emplace(source, std::move(why));
   }
   for (Source& s : sources_)
     while (!s.thresholds.empty() && s.thresholds.front() <= s.applied) {

@@ -14,6 +14,9 @@
 //   in its memory: completion is counted, never inferred from arrival order.
 // - Progress is explicit: every wait (gather, signals, a full in-flight window) tests sends and
 //   receives and applies arriving records; nothing relies on MPI's asynchronous progress.
+// - Departures: abandon() tells every other member that this rank gave up on the channel (why,
+//   and which ranks its failure named); a wait on a member that did so, or whose process on this
+//   host is gone, fails at once naming the root cause.
 // All MPI calls of the process go through one mutex (MPI_THREAD_SERIALIZED suffices).
 #pragma once
 
@@ -30,6 +33,7 @@
 #include <set>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -99,6 +103,13 @@ class Messenger {
   // Waits up to `secs` for sends in flight, then abandons the rest.
   void drain(double secs);
 
+  // Tells every other member that this rank gave up on the channel; waits (at most `secs`) for
+  // those messages to leave. Never throws.
+  void abandon(const Departure& why, double secs) noexcept;
+  // Why `rank` no longer takes part (it abandoned the channel, or its process on this host is
+  // gone), or nullopt. `probe`: look for messages that arrived first.
+  std::optional<Departure> departure(int rank, bool probe = true);
+
  private:
   struct Pending {
     MPI_Request request = MPI_REQUEST_NULL;
@@ -152,7 +163,9 @@ class Messenger {
   template <class Done, class Missing>
   void wait_until(const Wait& wait, Done done, Missing missing);
   [[noreturn]] void fail(const Wait& wait, const std::vector<int>& missing, double elapsed);
-  bool gone(int rank) const;
+  bool gone(int rank) const;  // its process on this host is gone
+  // With mpi_mutex held.
+  std::optional<Departure> departure_locked(int rank);
 
   MPI_Comm comm_;
   int rank_, size_;
@@ -177,6 +190,8 @@ class Messenger {
   Bytes receive_;
   std::vector<Piece> pieces_in_;
   std::vector<Bytes> spare_;
+  std::map<int, Departure> abandoned_;  // members that said they gave up on the channel
+  bool told_ = false;                   // this rank's abandon() sent its messages
 };
 
 }  // namespace moe_ep::comm::mpi

@@ -6,6 +6,7 @@
 // counted signals. Collectives are Messenger gathers (a timeout names the missing ranks); MPI's
 // own blocking collectives (communicator split, window creation and release) run only after a
 // gather showed that every member arrived.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -13,6 +14,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -65,6 +68,71 @@ MPI_Comm duplicate_comm(MPI_Comm comm, int rank, const Wait& wait) {
   return dup;
 }
 
+// One page per rank and channel that its node peers map read-only: whether the rank abandoned the
+// channel (with why), and how many peer-read sections it has open (Transport::PeerReads). Each
+// rank writes only its own page.
+struct ControlPage {
+  static constexpr std::size_t kBytes = 4096;
+  static constexpr std::size_t kMaxCulprits = 64;
+  alignas(64) std::atomic<std::uint64_t> abandoned;
+  alignas(64) std::atomic<std::uint64_t> reading;
+  alignas(64) std::uint32_t num_culprits;
+  std::int32_t culprits[kMaxCulprits];
+  std::uint32_t reason_bytes;
+  char reason[kBytes - 64 * 3 - 4 * (kMaxCulprits + 2)];
+};
+static_assert(sizeof(ControlPage) <= ControlPage::kBytes);
+static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
+
+// This rank's control page (a memfd its node peers open through /proc).
+class OwnControl {
+ public:
+  OwnControl() {
+    fd_ = memfd_create("moe-ep-control", MFD_CLOEXEC);
+    if (fd_ < 0 || ftruncate(fd_, ControlPage::kBytes) != 0)
+      throw StateError(fmt::format("control page: memfd_create failed: {}", std::strerror(errno)));
+    void* p = mmap(nullptr, ControlPage::kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+    if (p == MAP_FAILED) throw StateError(fmt::format("control page: mmap failed: {}", std::strerror(errno)));
+    page_ = new (p) ControlPage{};
+  }
+  ~OwnControl() {
+    if (page_) munmap(page_, ControlPage::kBytes);
+    if (fd_ >= 0) close(fd_);
+  }
+  OwnControl(const OwnControl&) = delete;
+  OwnControl& operator=(const OwnControl&) = delete;
+  int fd() const { return fd_; }
+  ControlPage& page() const { return *page_; }
+
+ private:
+  int fd_ = -1;
+  ControlPage* page_ = nullptr;
+};
+
+// A node peer's control page mapped here (read-only), or null when its process cannot be opened.
+const ControlPage* map_peer_control(pid_t pid, int fd, int peer, int rank) {
+  if (pid <= 0) return nullptr;
+  const int mine = open(fmt::format("/proc/{}/fd/{}", pid, fd).c_str(), O_RDONLY | O_CLOEXEC);
+  if (mine < 0) {
+    core::debug("[rank {}] the control page of rank {} cannot be opened ({}): reads of its memory are unguarded",
+                rank, peer, std::strerror(errno));
+    return nullptr;
+  }
+  void* p = mmap(nullptr, ControlPage::kBytes, PROT_READ, MAP_SHARED, mine, 0);
+  close(mine);
+  if (p == MAP_FAILED) return nullptr;
+  return static_cast<const ControlPage*>(p);
+}
+
+Departure read_departure(const ControlPage& page) {
+  Departure why;
+  const std::uint32_t n = std::min<std::uint32_t>(page.num_culprits, ControlPage::kMaxCulprits);
+  why.culprits.assign(page.culprits, page.culprits + n);
+  why.reason = "gave up on this channel: " +
+               std::string(page.reason, std::min<std::size_t>(page.reason_bytes, sizeof page.reason));
+  return why;
+}
+
 class MpiTransport;
 
 class WindowMemory final : public SymmetricMemory {
@@ -99,13 +167,27 @@ class MpiTransport final : public Transport {
     messenger_.set_host_info(hosts_);
     for (int m = 0; m < node_size(); ++m) node_members_.push_back(node_first_rank() + m);
     for (int r = 0; r < size; ++r) world_members_.push_back(r);
-    // Node peers learn where this rank's shared arena is.
-    const int fd = arena_.fd();
-    const Gathered fds = all_gather(std::as_bytes(std::span(&fd, 1)), Scope::kNode, wait);
-    for (int m = 0; m < node_size(); ++m) arena_fds_.push_back(fds.as<int>(m));
+    // Node peers learn where this rank's shared arena and control page are.
+    const int fds_mine[2] = {arena_.fd(), control_.fd()};
+    const Gathered fds = all_gather(std::as_bytes(std::span(fds_mine)), Scope::kNode, wait);
+    for (int m = 0; m < node_size(); ++m) {
+      if (fds[m].size() != sizeof fds_mine)
+        throw StateError(fmt::format("[rank {}] channel setup: rank {} sent {} bytes", rank, node_first_rank() + m,
+                                     fds[m].size()));
+      int theirs[2];
+      std::memcpy(theirs, fds[m].data(), sizeof theirs);
+      arena_fds_.push_back(theirs[0]);
+      const int peer = node_first_rank() + m;
+      peer_control_.push_back(peer == rank ? &control_.page()
+                                           : map_peer_control(hosts_->pids[static_cast<size_t>(peer)], theirs[1],
+                                                              peer, rank));
+    }
   }
 
   ~MpiTransport() override {
+    for (int m = 0; m < static_cast<int>(peer_control_.size()); ++m)
+      if (node_first_rank() + m != rank() && peer_control_[static_cast<size_t>(m)])
+        munmap(const_cast<ControlPage*>(peer_control_[static_cast<size_t>(m)]), ControlPage::kBytes);
     views_.clear();
     block_views_.clear();
     messenger_.drain(1.0);
@@ -123,23 +205,33 @@ class MpiTransport final : public Transport {
 
   std::unique_ptr<Transport> duplicate(const Wait& wait) override {
     barrier(Scope::kWorld, wait);  // every rank is here: the MPI call below cannot wait for a missing one
-    MPI_Comm dup = duplicate_comm(messenger_.comm(), rank(), wait);
+    MPI_Comm dup = leave_on_failure([&] { return duplicate_comm(messenger_.comm(), rank(), wait); });
     return std::make_unique<MpiTransport>(dup, rank(), size(), topology(), hosts_, wait);
   }
 
   void barrier(Scope scope, const Wait& wait) override { all_gather({}, scope, wait); }
 
   Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) override {
+    check_in_step(wait);
     const bool world = scope == Scope::kWorld;
     auto& store = world ? world_blocks_ : node_blocks_;
-    store = messenger_.gather(world ? world_members_ : node_members_, world ? kTagWorld : kTagNode,
-                              ++epochs_[world ? 0 : 1], mine, wait);
+    const auto& members = world ? world_members_ : node_members_;
+    leave_on_failure([&] {
+      store = messenger_.gather(members, world ? kTagWorld : kTagNode, ++epochs_[world ? 0 : 1], mine, wait);
+      // A member that took part and then gave up may no longer hold what it published.
+      std::vector<std::pair<int, Departure>> departed;
+      for (int r : members)
+        if (r != rank())
+          if (auto why = abandonment(r)) departed.emplace_back(r, std::move(*why));
+      if (!departed.empty()) fail_abandoned(rank(), wait, departed);
+    });
     std::vector<std::span<const std::byte>> blocks;
     for (const auto& b : store) blocks.emplace_back(b.data(), b.size());
     return Gathered(std::move(blocks));
   }
 
   std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait, bool prefault) override {
+    check_in_step(wait);
     const std::uint64_t mine = bytes;
     const Gathered sizes = all_gather(std::as_bytes(std::span(&mine, 1)), Scope::kWorld, wait);
     std::vector<int> mismatched;
@@ -260,8 +352,61 @@ class MpiTransport final : public Transport {
   void signal(int peer) override { messenger_.signal(peer); }
 
   void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait) override {
-    messenger_.wait_signals(peers, targets, wait);
+    check_in_step(wait);
+    leave_on_failure([&] { messenger_.wait_signals(peers, targets, wait); });
   }
+
+  void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
+    ControlPage& page = control_.page();
+    if (page.abandoned.load(std::memory_order_relaxed) != 0) return;
+    page.num_culprits = static_cast<std::uint32_t>(std::min(culprits.size(), ControlPage::kMaxCulprits));
+    for (std::uint32_t i = 0; i < page.num_culprits; ++i) page.culprits[i] = culprits[i];
+    page.reason_bytes = static_cast<std::uint32_t>(std::min(reason.size(), sizeof page.reason));
+    std::memcpy(page.reason, reason.data(), page.reason_bytes);
+    // seq_cst: either a node peer opening a section sees this flag, or the loop below sees its
+    // section open and waits for it to close.
+    page.abandoned.store(1, std::memory_order_seq_cst);
+    try {
+      messenger_.abandon({reason, culprits}, 1.0);
+    } catch (...) {
+    }
+    // Sections are bounded work; a peer whose process is gone reads nothing any more.
+    Backoff backoff(std::max(timeout_, 1.0));
+    for (int m = 0; m < static_cast<int>(peer_control_.size()); ++m) {
+      const ControlPage* peer = peer_control_[static_cast<size_t>(m)];
+      const int r = node_first_rank() + m;
+      if (r == rank() || peer == nullptr) continue;
+      while (peer->reading.load(std::memory_order_seq_cst) != 0) {
+        if (!backoff.pause() || process_gone(r)) {
+          core::debug("[rank {}] rank {} still reads this rank's memory while it leaves the channel", rank(), r);
+          break;
+        }
+      }
+    }
+  }
+
+  bool abandoned() const override { return control_.page().abandoned.load(std::memory_order_acquire) != 0; }
+
+  std::optional<Departure> departure(int peer) const override {
+    if (auto why = abandonment(peer)) return why;
+    return messenger_.departure(peer);
+  }
+
+  void begin_peer_reads(const char* phase) override {
+    auto& mine = control_.page().reading;
+    mine.fetch_add(1, std::memory_order_seq_cst);
+    std::vector<std::pair<int, Departure>> departed;
+    for (int m = 0; m < static_cast<int>(peer_control_.size()); ++m) {
+      const ControlPage* peer = peer_control_[static_cast<size_t>(m)];
+      if (node_first_rank() + m == rank() || peer == nullptr) continue;
+      if (peer->abandoned.load(std::memory_order_seq_cst) != 0) departed.emplace_back(node_first_rank() + m, read_departure(*peer));
+    }
+    if (departed.empty()) return;
+    mine.fetch_sub(1, std::memory_order_release);
+    fail_abandoned(rank(), {phase, 0}, departed);
+  }
+
+  void end_peer_reads() noexcept override { control_.page().reading.fetch_sub(1, std::memory_order_release); }
 
   // Frees a window: collective over the node, so it runs only once every member arrived.
   void release(std::uint32_t id, MPI_Win window, const Wait& wait) noexcept {
@@ -277,7 +422,41 @@ class MpiTransport final : public Transport {
   }
 
  private:
-  Messenger messenger_;
+  // A node peer's abandonment as its control page shows it; other ranks' through their messages.
+  std::optional<Departure> abandonment(int peer) const {
+    if (same_node(peer) && peer_control_.size() == static_cast<size_t>(node_size())) {  // mapped (not while set up)
+      const ControlPage* page = peer_control_[static_cast<size_t>(peer - node_first_rank())];
+      if (page != nullptr && peer != rank() && page->abandoned.load(std::memory_order_acquire) != 0)
+        return read_departure(*page);
+    }
+    return std::nullopt;
+  }
+
+  bool process_gone(int peer) const { return messenger_.departure(peer, false).has_value(); }
+
+  void check_in_step(const Wait& wait) const {
+    const ControlPage& page = control_.page();
+    if (page.abandoned.load(std::memory_order_acquire) == 0) return;
+    throw StateError(fmt::format("[rank {}] {}: this rank left the channel after a failure ({}); create a new group "
+                                 "or buffer",
+                                 rank(), wait.phase, std::string(page.reason, page.reason_bytes)));
+  }
+
+  // A failed wait leaves the ranks out of step: this rank abandons the channel, then rethrows.
+  template <class Fn>
+  auto leave_on_failure(Fn fn) -> decltype(fn()) {
+    try {
+      return fn();
+    } catch (...) {
+      const std::exception_ptr error = std::current_exception();
+      abandon(message_of(error), culprits_of(error));
+      throw;
+    }
+  }
+
+  OwnControl control_;
+  std::vector<const ControlPage*> peer_control_;  // by local index; this rank's own page at its index
+  mutable Messenger messenger_;
   std::shared_ptr<const HostInfo> hosts_;
   std::vector<int> world_members_, node_members_;
   std::vector<std::vector<std::byte>> world_blocks_, node_blocks_;
