@@ -6,7 +6,9 @@
 #include <cstring>
 #include <string_view>
 
+#include "comm/wait.hh"
 #include "core/reduce.hh"
+#include "core/timeout.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::bench {
@@ -14,6 +16,23 @@ namespace {
 
 void check(int rc, const char* call) {
   if (rc != MPI_SUCCESS) throw StateError(fmt::format("Alltoallv baseline: {} failed (error {})", call, rc));
+}
+
+// Completes a nonblocking collective within MOE_EP_TIMEOUT_SECS: a rank that never takes part
+// (stopped, hung) is a TimeoutError, not a hang. Blocking MPI collectives would wait forever.
+void complete(int rc, MPI_Request& request, const char* call, int rank) {
+  check(rc, call);
+  comm::Backoff backoff(core::timeout_from_env());
+  for (;;) {
+    int done = 0;
+    check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), call);
+    if (done) return;
+    if (!backoff.pause())
+      throw TimeoutError(fmt::format("[rank {}] Alltoallv baseline: {} did not complete within {:.1f} s: some rank did "
+                                     "not take part",
+                                     rank, call, backoff.elapsed_secs()),
+                         {});
+  }
 }
 
 int to_int(std::int64_t bytes, std::string_view side, std::string_view what) {
@@ -41,7 +60,9 @@ ByteLayout byte_layout(const std::vector<int>& counts, std::int64_t unit, std::s
 }  // namespace
 
 AlltoallvBaseline::AlltoallvBaseline(MPI_Comm comm) {
-  check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+  MPI_Comm_rank(comm, &rank_);
+  MPI_Request request = MPI_REQUEST_NULL;
+  complete(MPI_Comm_idup(comm, &comm_, &request), request, "MPI_Comm_idup", rank_);
   MPI_Comm_rank(comm_, &rank_);
   MPI_Comm_size(comm_, &size_);
 }
@@ -83,7 +104,9 @@ BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorVi
   d.send_counts.resize(static_cast<size_t>(size_));
   for (int r = 0; r < size_; ++r) d.send_counts[static_cast<size_t>(r)] = static_cast<int>(tokens_to[static_cast<size_t>(r)].size());
   d.recv_counts.resize(static_cast<size_t>(size_));
-  check(MPI_Alltoall(d.send_counts.data(), 1, MPI_INT, d.recv_counts.data(), 1, MPI_INT, comm_), "MPI_Alltoall");
+  MPI_Request request = MPI_REQUEST_NULL;
+  complete(MPI_Ialltoall(d.send_counts.data(), 1, MPI_INT, d.recv_counts.data(), 1, MPI_INT, comm_, &request), request,
+           "MPI_Ialltoall", rank_);
 
   // Where each token's rows come back in the combine (destination-major, as sent).
   std::int64_t base = 0;
@@ -116,9 +139,9 @@ BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorVi
   const ByteLayout receives = byte_layout(d.recv_counts, record, "receive");
   const std::int64_t recv_rows = receives.rows;
   recv_.resize(static_cast<size_t>(recv_rows * record));
-  check(MPI_Alltoallv(send_.data(), sends.bytes.data(), sends.displs.data(), MPI_BYTE, recv_.data(),
-                      receives.bytes.data(), receives.displs.data(), MPI_BYTE, comm_),
-        "MPI_Alltoallv");
+  complete(MPI_Ialltoallv(send_.data(), sends.bytes.data(), sends.displs.data(), MPI_BYTE, recv_.data(),
+                          receives.bytes.data(), receives.displs.data(), MPI_BYTE, comm_, &request),
+           request, "MPI_Ialltoallv", rank_);
 
   // Unpack into separate tensors.
   d.recv_x = Tensor::empty({recv_rows, H}, x.dtype());
@@ -141,9 +164,10 @@ Tensor AlltoallvBaseline::combine(const BaselineDispatch& d, const TensorView& y
   const ByteLayout sends = byte_layout(d.recv_counts, row, "send");
   const ByteLayout receives = byte_layout(d.send_counts, row, "receive");
   recv_.resize(static_cast<size_t>(receives.rows * row));
-  check(MPI_Alltoallv(y.data(), sends.bytes.data(), sends.displs.data(), MPI_BYTE, recv_.data(), receives.bytes.data(),
-                      receives.displs.data(), MPI_BYTE, comm_),
-        "MPI_Alltoallv");
+  MPI_Request request = MPI_REQUEST_NULL;
+  complete(MPI_Ialltoallv(y.data(), sends.bytes.data(), sends.displs.data(), MPI_BYTE, recv_.data(),
+                          receives.bytes.data(), receives.displs.data(), MPI_BYTE, comm_, &request),
+           request, "MPI_Ialltoallv", rank_);
   // Reduce: per token, the rows of its ranks in first-lane order.
   Tensor out = Tensor::empty({N, H}, DType::kBF16);
   const auto* rows = reinterpret_cast<const std::uint16_t*>(recv_.data());

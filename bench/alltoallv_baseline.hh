@@ -10,7 +10,8 @@
 // are summed in FP32 in the order of the lanes that first name each rank, then rounded to BF16
 // once (the one-node result of ElasticBuffer::combine).
 // Buffers are kept between calls (as a caching allocator would). Counts beyond INT_MAX bytes per
-// peer are rejected (MPI's int counts).
+// peer are rejected (MPI's int counts). The collectives are MPI's nonblocking ones completed by
+// polling, so that a rank that never takes part is a TimeoutError after MOE_EP_TIMEOUT_SECS.
 #pragma once
 
 #include <mpi.h>

@@ -15,6 +15,7 @@
 #include "commands.hh"
 #include "comm/transport.hh"
 #include "core/bandwidth.hh"
+#include "core/timeout.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/group.hpp"
 #include "moe_ep/legacy_buffer.hpp"
@@ -198,7 +199,8 @@ Setup v2_setup(const BenchOptions& o, int tokens) {
     pairs = remote_pairs(c, in->topk, g.rank(), o.nodes);
     auto buffer = std::make_shared<ElasticBuffer>(
         g, ElasticBufferConfig{.num_max_tokens_per_rank = tokens, .hidden = o.hidden, .num_topk = o.topk,
-                               .use_fp8_dispatch = true, .allow_hybrid_mode = o.allow_hybrid});
+                               .use_fp8_dispatch = true, .allow_hybrid_mode = o.allow_hybrid,
+                               .num_cpu_timeout_secs = core::timeout_from_env()});
     DispatchArgs args{.x = in->x, .x_scales = in->scales, .topk_idx = in->topk, .topk_weights = in->weights,
                       .num_experts = o.experts, .num_sms = o.workers};
     auto first = std::make_shared<DispatchResult>(buffer->dispatch(args));
@@ -224,7 +226,8 @@ Setup v1_setup(const BenchOptions& o, int tokens) {
     auto in = std::make_shared<BenchInputs>(c, g.rank());
     pairs = remote_pairs(c, in->topk, g.rank(), o.nodes);
     const std::int64_t pool = o.nodes > 1 ? ElasticBuffer::get_buffer_size_hint(g, tokens, o.hidden, o.topk, true) : 0;
-    auto buffer = std::make_shared<Buffer>(g, BufferConfig{.num_rdma_bytes = pool});
+    auto buffer =
+        std::make_shared<Buffer>(g, BufferConfig{.num_rdma_bytes = pool, .num_cpu_timeout_secs = core::timeout_from_env()});
     Config dispatch_config = Buffer::get_dispatch_config(o.ranks), combine_config = Buffer::get_combine_config(o.ranks);
     if (o.workers > 0) dispatch_config.num_sms = combine_config.num_sms = 2 * o.workers;
     auto normal = [=] {
@@ -258,7 +261,8 @@ Setup low_latency_setup(const BenchOptions& o, int tokens) {
     pairs = remote_pairs(c, in->topk, g.rank(), o.nodes);
     auto buffer = std::make_shared<Buffer>(
         g, BufferConfig{.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(tokens, o.hidden, o.ranks, o.experts),
-                        .low_latency_mode = true});
+                        .low_latency_mode = true,
+                        .num_cpu_timeout_secs = core::timeout_from_env()});
     LowLatencyDispatchArgs args{.x = in->x_bf16, .topk_idx = in->topk, .num_max_dispatch_tokens_per_rank = tokens,
                                 .num_experts = o.experts, .use_fp8 = true};
     auto first = std::make_shared<LowLatencyDispatchResult>(buffer->low_latency_dispatch(args));

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "comm/transport.hh"
+#include "core/timeout.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 #ifdef MOE_EP_WITH_MPI
@@ -93,7 +94,7 @@ std::unique_ptr<Launch> make_launch(int* argc, char*** argv, const LaunchOptions
 
 std::vector<std::vector<std::byte>> gather_blocks(Group& group, std::span<const std::byte> mine) {
   const comm::Gathered all = group.transport().all_gather(
-      mine, comm::Scope::kWorld, {"report: result exchange", env::get_float("MOE_EP_TIMEOUT_SECS")});
+      mine, comm::Scope::kWorld, {"report: result exchange", core::timeout_from_env()});
   std::vector<std::vector<std::byte>> out;
   for (int r = 0; r < all.size(); ++r) out.emplace_back(all[r].begin(), all[r].end());
   return out;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "core/npy.hh"
+#include "core/timeout.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
@@ -43,7 +44,8 @@ class V2Path final : public PathBase<ElasticBuffer, DispatchResult, CombineResul
                                      .num_topk = c.topk,
                                      .use_fp8_dispatch = c.fp8,
                                      .allow_hybrid_mode = c.allow_hybrid,
-                                     .allow_multiple_reduction = c.multi}) {
+                                     .allow_multiple_reduction = c.multi,
+                                     .num_cpu_timeout_secs = core::timeout_from_env()}) {
     args_ = {.x = c.fp8 ? b.x_fp8.view() : b.x.view(),
              .topk_idx = b.topk_idx,
              .topk_weights = b.topk_weights,
@@ -114,7 +116,8 @@ class V1Path final : public PathBase<Buffer, LegacyDispatchResult, CombineResult
       : PathBase(g, c, p, b, o,
                  BufferConfig{.num_rdma_bytes = c.scaleout > 1 ? ElasticBuffer::get_buffer_size_hint(
                                                                      g, c.tokens, c.hidden, c.topk, c.fp8)
-                                                               : 0}),
+                                                               : 0,
+                              .num_cpu_timeout_secs = core::timeout_from_env()}),
         dispatch_config_(v1_config(Buffer::get_dispatch_config(c.ranks), o.workers)),
         combine_config_(v1_config(Buffer::get_combine_config(c.ranks), o.workers)) {
     if (c.expand) throw InvalidArgument("--api v1: normal mode has no expanded layout (drop --expand)");
@@ -166,7 +169,8 @@ class LowLatencyPath final : public PathBase<Buffer, LowLatencyDispatchResult, L
   LowLatencyPath(Group& g, const LayerConfig& c, const ExpertParams& p, const RankBatch& b, const PathOptions& o)
       : PathBase(g, c, p, b, o,
                  BufferConfig{.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(c.tokens, c.hidden, c.ranks, c.experts),
-                              .low_latency_mode = true}) {
+                              .low_latency_mode = true,
+                              .num_cpu_timeout_secs = core::timeout_from_env()}) {
     if (c.expand) throw InvalidArgument("--low-latency: the slab is already per expert (drop --expand)");
   }
   void dispatch() override {

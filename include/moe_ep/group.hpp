@@ -40,7 +40,7 @@ class Group {
   int scaleout_rank() const { return rank() / num_scaleup(); }
   int scaleup_rank() const { return rank() % num_scaleup(); }
 
-  // Collective; timeout_secs <= 0 means MOE_EP_TIMEOUT_SECS.
+  // Collective; timeout_secs = 0 means MOE_EP_TIMEOUT_SECS (timeouts: docs/semantics.md).
   void barrier(double timeout_secs = 0);
 
   comm::Transport& transport() const { return *transport_; }

@@ -24,7 +24,7 @@ namespace moe_ep::mpi {
 
 struct GroupOptions {
   std::optional<int> ranks_per_node;  // unset: MOE_EP_RANKS_PER_NODE (0 = the ranks of each host)
-  double timeout_secs = 0;            // group creation; <= 0: MOE_EP_TIMEOUT_SECS
+  double timeout_secs = 0;            // group creation; 0: MOE_EP_TIMEOUT_SECS
 };
 
 // Collective over `comm` (which it duplicates; `comm` may be freed afterwards). Throws

@@ -21,6 +21,7 @@
 
 #include "comm/transport.hh"
 #include "comm/wait.hh"
+#include "core/timeout.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 
@@ -486,7 +487,9 @@ int Group::num_scaleout() const { return transport_->topology().num_scaleout; }
 int Group::num_scaleup() const { return transport_->topology().num_scaleup; }
 
 void Group::barrier(double timeout_secs) {
-  if (timeout_secs <= 0) timeout_secs = env::get_float("MOE_EP_TIMEOUT_SECS");
+  timeout_secs = timeout_secs == 0 ? core::timeout_from_env()
+                                   : core::checked_timeout(fmt::format("[rank {}] Group::barrier", rank()),
+                                                           "timeout_secs", timeout_secs);
   transport_->barrier(comm::Scope::kWorld, {"Group::barrier", timeout_secs});
 }
 

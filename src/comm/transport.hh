@@ -52,7 +52,7 @@ enum class Scope { kWorld, kNode };
 
 struct Wait {
   const char* phase;    // names the step in error messages, e.g. "dispatch: count exchange"
-  double timeout_secs;  // > 0; kNeverSecs and above never expire
+  double timeout_secs;  // > 0; core::kNeverSecs and more never expire (core/timeout.hh)
 };
 
 // Why a rank is no longer taking part: it left the group (returned or threw out of its rank
@@ -183,9 +183,6 @@ class PeerReads {
  private:
   Transport& transport_;
 };
-
-// Timeouts at or above this many seconds never expire (they are "no deadline", not an overflow).
-inline constexpr double kNeverSecs = 1e9;
 
 // The error of a wait for `missing` (not empty) that did not complete: PeerError if some of them
 // departed (`departure(r)`, nullopt while r is still there), naming the root cause (the culprits

@@ -9,6 +9,8 @@
 #include <chrono>
 #include <thread>
 
+#include "core/timeout.hh"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -25,8 +27,8 @@ inline void cpu_relax() {
 
 class Backoff {
  public:
-  // Timeouts of 1e9 s and more (and anything not a number) never expire: the deadline saturates
-  // instead of overflowing the clock.
+  // Timeouts of core::kNeverSecs and more (and anything not a number) never expire: the deadline
+  // saturates instead of overflowing the clock.
   explicit Backoff(double timeout_secs) : start_(std::chrono::steady_clock::now()), deadline_(deadline(timeout_secs)) {}
 
   // Waits a little. Returns false once the deadline has passed.
@@ -52,7 +54,7 @@ class Backoff {
 
  private:
   std::chrono::steady_clock::time_point deadline(double timeout_secs) const {
-    if (!(timeout_secs < 1e9)) return std::chrono::steady_clock::time_point::max();
+    if (!(timeout_secs < core::kNeverSecs)) return std::chrono::steady_clock::time_point::max();
     return start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                         std::chrono::duration<double>(std::max(timeout_secs, 0.0)));
   }

@@ -1,8 +1,11 @@
 #include "moe_ep/event.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+
+#include "core/timeout.hh"
 
 namespace moe_ep {
 
@@ -34,8 +37,12 @@ void Event::wait() const {
 
 bool Event::wait_for(double seconds) const {
   std::unique_lock lock(state_->mutex);
-  if (!state_->done_cv.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return state_->done; }))
+  if (!(seconds < core::kNeverSecs)) {
+    state_->done_cv.wait(lock, [&] { return state_->done; });  // a deadline that far would overflow the clock
+  } else if (!state_->done_cv.wait_for(lock, std::chrono::duration<double>(std::max(seconds, 0.0)),
+                                       [&] { return state_->done; })) {
     return false;
+  }
   if (state_->error) std::rethrow_exception(state_->error);
   return true;
 }

@@ -11,6 +11,7 @@
 
 #include "comm/agreement.hh"
 #include "core/log.hh"
+#include "core/timeout.hh"
 #include "dispatcher/state.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/env.hpp"
@@ -31,7 +32,7 @@ struct Published {
   char provider[kProviderBytes];
 };
 
-double default_timeout() { return env::get_float("MOE_EP_TIMEOUT_SECS"); }
+double default_timeout() { return core::timeout_from_env(); }
 
 std::string ranks_text(const std::vector<int>& ranks) {
   return fmt::format("{} [{}]", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "));

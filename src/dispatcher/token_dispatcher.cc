@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/checks.hh"
+#include "core/timeout.hh"
 #include "dispatcher/provider_registry.hh"
 #include "dispatcher/state.hh"
 #include "dispatcher/v2_slab.hh"
@@ -134,7 +135,7 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
   o.allow_hybrid_mode = pick(in.allow_hybrid_mode, env::get_bool("MOE_EP_V2_ALLOW_HYBRID_MODE"));
   o.allow_multiple_reduction = pick(in.allow_multiple_reduction, env::get_bool("MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION"));
   o.v2_expanded_normal_layout = pick(in.v2_expanded_normal_layout, env::get_string("MOE_EP_V2_NORMAL_LAYOUT") == "expanded");
-  o.timeout_secs = pick(in.timeout_secs, env::get_float("MOE_EP_TIMEOUT_SECS"));
+  o.timeout_secs = in.timeout_secs ? *in.timeout_secs : core::timeout_from_env();
   o.provider_path = pick(in.provider_path, env::get_string("MOE_EP_PROVIDER_PATH"));
 
   const int R = group.size();
@@ -152,10 +153,7 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
               *o.num_max_prefill_tokens_per_rank, 1, 1 << 24);
   check_range(origin(in.num_workers.has_value(), "num_workers", "MOE_EP_NUM_WORKERS"), *o.num_workers, 0, 512);
   check_range("DispatcherOptions.expert_alignment", o.expert_alignment, 1, 1 << 20);
-  if (!(*o.timeout_secs > 0))
-    throw InvalidArgument(fmt::format("dispatcher: {} = {} must be positive",
-                                      origin(in.timeout_secs.has_value(), "timeout_secs", "MOE_EP_TIMEOUT_SECS"),
-                                      *o.timeout_secs));
+  core::checked_timeout("dispatcher", "DispatcherOptions.timeout_secs", *o.timeout_secs);
   if (*o.dispatch_dtype == WireDType::kFP8 && o.hidden % kFp8BlockSize != 0)
     throw InvalidArgument(fmt::format("dispatcher: FP8 dispatch ({}) needs hidden to be a multiple of {}, got {}",
                                       origin(in.dispatch_dtype.has_value(), "dispatch_dtype", "MOE_EP_DISPATCH_DTYPE"),

@@ -6,6 +6,7 @@
 
 #include "core/checks.hh"
 #include "core/log.hh"
+#include "core/timeout.hh"
 #include "core/fabric.hh"
 #include "engine/engine.hh"
 #include "moe_ep/env.hpp"
@@ -39,8 +40,7 @@ std::exception_ptr check_config(const std::string& context, const ElasticBufferC
       fail(fmt::format("num_bytes = {} is not a multiple of {} (2 MiB)", c.num_bytes, kBufferAlignment));
     if (c.use_fp8_dispatch && c.hidden % 128 != 0)
       fail(fmt::format("hidden = {} must be a multiple of 128 with use_fp8_dispatch", c.hidden));
-    if (!(c.num_cpu_timeout_secs > 0))
-      fail(fmt::format("num_cpu_timeout_secs = {} must be positive", c.num_cpu_timeout_secs));
+    core::checked_timeout(context, "num_cpu_timeout_secs", c.num_cpu_timeout_secs);
     if (c.num_allocated_qps < 0) fail(fmt::format("num_allocated_qps = {} is negative", c.num_allocated_qps));
   } catch (...) {
     return std::current_exception();
@@ -64,7 +64,7 @@ engine::EngineConfig engine_config(const Group& group, const ElasticBufferConfig
   e.prefer_overlap_with_compute = c.prefer_overlap_with_compute;
   // 0 = auto-size; capped where the fabric's per-peer request ring is smaller (core/fabric.hh).
   e.num_allocated_qps = core::cap_inflight(c.num_allocated_qps != 0 ? c.num_allocated_qps : c.allow_hybrid_mode ? 129 : 17);
-  e.timeout_secs = c.num_cpu_timeout_secs > 0 ? c.num_cpu_timeout_secs : 1;
+  e.timeout_secs = valid ? c.num_cpu_timeout_secs : 1;  // a rejected configuration still takes part in the agreement
   e.explicitly_destroy = c.explicitly_destroy;
   return e;
 }

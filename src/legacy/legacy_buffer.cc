@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 
 #include "core/checks.hh"
 #include "core/fabric.hh"
+#include "core/timeout.hh"
 #include "legacy/buffer_core.hh"
 #include "moe_ep/error.hpp"
 #include "routing/plan.hh"
@@ -33,8 +35,7 @@ std::exception_ptr check_config(const std::string& context, const BufferConfig& 
     check_pool(context, "num_nvl_bytes", c.num_nvl_bytes);
     check_pool(context, "num_rdma_bytes", c.num_rdma_bytes);
     if (c.num_qps_per_rank < 1) core::fail(context, "num_qps_per_rank = {} must be at least 1", c.num_qps_per_rank);
-    if (!(c.num_cpu_timeout_secs > 0))
-      core::fail(context, "num_cpu_timeout_secs = {} must be positive", c.num_cpu_timeout_secs);
+    core::checked_timeout(context, "num_cpu_timeout_secs", c.num_cpu_timeout_secs);
   } catch (...) {
     return std::current_exception();
   }
@@ -49,7 +50,8 @@ engine::EngineConfig engine_config(const BufferConfig& c) {
   e.allow_hybrid_mode = true;  // across nodes V1 always sends each token once per node
   e.allow_multiple_reduction = true;
   e.num_allocated_qps = core::cap_inflight(std::max(c.num_qps_per_rank, 1));
-  e.timeout_secs = c.num_cpu_timeout_secs > 0 ? c.num_cpu_timeout_secs : 1;
+  // A rejected configuration still takes part in the construction agreement, with a sane wait.
+  e.timeout_secs = std::isfinite(c.num_cpu_timeout_secs) && c.num_cpu_timeout_secs > 0 ? c.num_cpu_timeout_secs : 1;
   e.explicitly_destroy = c.explicitly_destroy;
   return e;
 }

@@ -17,6 +17,8 @@ Caught catch_error(const std::function<void()>& fn) {
     return {"InvalidArgument", e.what(), {}};
   } catch (const StateError& e) {
     return {"StateError", e.what(), {}};
+  } catch (const ResourceError& e) {
+    return {"ResourceError", e.what(), {}};
   } catch (const std::exception& e) {
     return {"other", e.what(), {}};
   }

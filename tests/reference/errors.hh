@@ -10,7 +10,7 @@ namespace moe_ep::testing {
 
 // The error an expression throws: type name and message ("" when it does not throw).
 struct Caught {
-  std::string type;  // TimeoutError, PeerError, CapacityError, InvalidArgument, StateError or other
+  std::string type;  // TimeoutError, PeerError, CapacityError, InvalidArgument, StateError, ResourceError or other
   std::string message;
   std::vector<int> ranks;  // PeerError and TimeoutError
 };

@@ -28,6 +28,7 @@
 #include "comm/wait.hh"
 #include "core/host_allocator.hh"
 #include "core/log.hh"
+#include "core/timeout.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/mpi.hpp"
@@ -526,7 +527,11 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
                                       "one intracommunicator (merge it with MPI_Intercomm_merge first)",
                                       rank));
   MPI_Comm_size(comm, &size);
-  const double timeout = options.timeout_secs > 0 ? options.timeout_secs : env::get_float("MOE_EP_TIMEOUT_SECS");
+  // 0 (the default) = MOE_EP_TIMEOUT_SECS.
+  const double timeout = options.timeout_secs == 0
+                             ? core::timeout_from_env()
+                             : core::checked_timeout(fmt::format("[rank {}] mpi::make_group", rank), "timeout_secs",
+                                                     options.timeout_secs);
   const comm::Wait wait{"group creation", timeout};
   const int requested = options.ranks_per_node ? *options.ranks_per_node
                                                : static_cast<int>(env::get_int("MOE_EP_RANKS_PER_NODE"));
