@@ -1,5 +1,6 @@
 #include "core/bandwidth.hh"
 
+#include <sched.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -65,13 +66,28 @@ double measure_copy_bandwidth(int threads, std::size_t bytes_per_thread, int rep
   return static_cast<double>(bytes_per_thread) * threads / best_seconds / 1e9;
 }
 
+namespace {
+std::atomic<bool> g_measured{false};
+}  // namespace
+
 const MachineBandwidth& machine_bandwidth() {
   static const MachineBandwidth measured = [] {
-    const int cores = std::max(1u, std::thread::hardware_concurrency());
+    const int cores = available_cores();
     const std::size_t bytes = std::size_t{64} << 20;
-    return MachineBandwidth{measure_copy_bandwidth(1, bytes, 2), measure_copy_bandwidth(cores, bytes, 2), cores};
+    MachineBandwidth m{measure_copy_bandwidth(1, bytes, 2), measure_copy_bandwidth(cores, bytes, 2), cores};
+    g_measured = true;
+    return m;
   }();
   return measured;
+}
+
+bool machine_bandwidth_measured() { return g_measured.load(); }
+
+int available_cores() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
 }
 
 }  // namespace moe_ep::core

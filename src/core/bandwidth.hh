@@ -14,12 +14,18 @@ namespace moe_ep::core {
 
 double measure_copy_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions = 3);
 
-// Measured once per process (single-thread and all-core copy bandwidth, 64 MiB per thread).
+// Measured once per process (single-thread and all-core copy bandwidth, 64 MiB per thread, about
+// a second), on first use. Every buffer's construction makes that first use, so the measurement
+// never falls into a dispatch or combine (docs/semantics.md, worker counts).
 struct MachineBandwidth {
   double single_thread_gbs;
   double all_cores_gbs;
   int cores;
 };
 const MachineBandwidth& machine_bandwidth();
+bool machine_bandwidth_measured();
+
+// Cores this process may run on (its CPU affinity), without measuring anything.
+int available_cores();
 
 }  // namespace moe_ep::core

@@ -28,6 +28,8 @@ Engine::Engine(Group& group, EngineConfig cfg, std::exception_ptr config_error,
   id = next_engine_id++;
   const std::string ctx = context(config.name);
   transport_ = group.transport().duplicate(wait("construction: channel setup"));
+  // The worker-count model's inputs, measured once per process: here, not in the first dispatch.
+  core::machine_bandwidth();
   limit_inflight(0);
   comm::Agreement agreement(ctx, config.name);
   agreement.local_error(config_error);
@@ -173,7 +175,7 @@ void Engine::destroy() {
 
 int Engine::ranks_on_host() const { return std::max(1, transport_->ranks_on_host()); }
 
-int Engine::cores_per_rank() const { return std::max(1, core::machine_bandwidth().cores / ranks_on_host()); }
+int Engine::cores_per_rank() const { return std::max(1, core::available_cores() / ranks_on_host()); }
 
 void Engine::limit_inflight(int num_qps) {
   transport_->set_inflight_limit(num_qps > 0 ? num_qps : std::max(config.num_allocated_qps, 1));

@@ -50,6 +50,10 @@ struct LowLatencyState {
   Tensor topk;                       // [num_tokens, k] int64, a copy
   std::vector<std::int32_t> rows;    // [num_tokens * k]: row of (token, lane) in its expert's slab, or -1
   std::vector<std::int32_t> counts;  // [R * E]: tokens of each source selecting each expert
+  // The receive layout, as the dispatch computed it. The handle's packed_recv_* tensors are the
+  // caller's (they can be written); combine reads these copies instead.
+  std::vector<std::int64_t> layout_range;  // [El * R]
+  std::vector<std::int32_t> src_info;      // [El * R*N]; empty until the dispatch received
 };
 
 class BufferCore {

@@ -266,6 +266,7 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
   });
   publish(core_, use.slot, use.number);
   state_->counts = counts_;
+  state_->layout_range.assign(range, range + static_cast<std::ptrdiff_t>(El_) * R_);
 
   // Ranks of other nodes: one put per (token, expert) into the expert's rank's receive area
   // [local expert][source][ordinal], then one signal per destination.
@@ -360,6 +361,7 @@ void LowLatencyDispatch::receive(bool parallel) {
       args_.cumulative_local_expert_recv_stats.data_as<int32_t>()[i] += result.packed_recv_count.data_as<int32_t>()[i];
   if (args_.dispatch_wait_recv_cost_stats.defined())
     for (int s = 0; s < R_; ++s) args_.dispatch_wait_recv_cost_stats.data_as<int64_t>()[s] += waited[static_cast<size_t>(s)];
+  state_->src_info.assign(src_info, src_info + El_ * slab_rows);
   core_.hook_done(use.slot, use.generation);
 }
 
@@ -418,6 +420,8 @@ void LowLatencyCombine::validate() {
   state_ = a.handle->state.get();
   const std::string stale = core_.slot_problem(state_->slot, state_->slot_generation, "handle");
   if (!stale.empty()) core::fail(ctx_, "{}", stale);
+  if (state_->src_info.empty())
+    core::fail(ctx_, "the handle's dispatch has not received its tokens yet: call its receive hook first");
   if (a.use_logfmt) core::fail(ctx_, "use_logfmt = true is not supported (BF16 combine only)");
   if (a.async_finish && a.return_recv_hook) core::fail(ctx_, "async_finish and return_recv_hook cannot both be true");
   N_ = state_->max_tokens;
@@ -498,7 +502,7 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
   if (staged_ && !args_.zero_copy) {
     // Stage the valid rows of every local expert into this rank's slot, in the zero-copy layout.
     std::byte* area = core_.slot_base(e.rank, use.slot) + SlotLayout::kHeaderBytes;
-    const auto* ranges = args_.handle->packed_recv_layout_range.data_as<const int64_t>();
+    const auto* ranges = state_->layout_range.data();
     const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
     e.pool().parallel_for(El_, [&](int64_t i) {
       int64_t valid = 0;
@@ -524,8 +528,8 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
       remote_targets_.push_back(e.expect_signal(d));
     }
   }
-  const auto* ranges = args_.handle->packed_recv_layout_range.data_as<const int64_t>();
-  const auto* src_info = args_.handle->packed_recv_src_info.data_as<const int32_t>();
+  const auto* ranges = state_->layout_range.data();
+  const auto* src_info = state_->src_info.data();
   const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
   for (int src = 0; src < R_; ++src) {
     if (e.same_node(src)) continue;

@@ -5,7 +5,12 @@
 #include <cstring>
 #include <thread>
 
+#include <fmt/format.h>
+
+#include <limits>
+
 #include "comm/transport.hh"
+#include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/group.hpp"
 
@@ -51,29 +56,179 @@ TEST(LocalWorld, NodeScopeGathersOnlyTheNode) {
   });
 }
 
-TEST(LocalWorld, TimeoutNamesTheRankThatDidNotArrive) {
+// Timeout tests are independent of the machine's load: the rank that does not arrive stays away
+// until the others have reported (it waits for them, not for a clock), and the ranks that are
+// there do not depend on each other arriving in time: only one waits, or all of them wait only
+// for absent ranks.
+TEST(LocalWorld, TimeoutNamesTheRanksThatDidNotArrive) {
   LocalWorld world(4);
-  std::atomic<int> timeouts{0};
-  try {
-    world.run([&](Group& g) {
-      if (g.rank() == 2) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(600));
-        return;
+  std::atomic<bool> reported{false};
+  world.run([&](Group& g) {
+    if (g.rank() != 0) {  // present in the group, absent from the barrier
+      while (!reported.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      return;
+    }
+    try {
+      g.transport().barrier(Scope::kWorld, {"unit barrier", 0.2});
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const TimeoutError& e) {
+      EXPECT_EQ(e.ranks(), (std::vector<int>{1, 2, 3}));
+      EXPECT_NE(std::string(e.what()).find("[rank 0] unit barrier: timed out after"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("waiting for ranks [1, 2, 3]"), std::string::npos) << e.what();
+    }
+    // The timed-out rank left the channel: the ranks are out of step.
+    try {
+      g.transport().barrier(Scope::kWorld, {"next barrier", 0.2});
+      ADD_FAILURE() << "expected a refusal";
+    } catch (const StateError& e) {
+      EXPECT_NE(std::string(e.what()).find("this rank left the channel after a failure"), std::string::npos) << e.what();
+    }
+    reported = true;
+  });
+}
+
+TEST(LocalWorld, ANodeScopeTimeoutOnTheSecondNodeNamesGlobalRanks) {
+  LocalWorld world(4, {.num_scaleout = 2});
+  std::atomic<bool> reported{false};
+  world.run([&](Group& g) {
+    if (g.rank() != 2) {
+      while (!reported.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      return;
+    }
+    try {
+      g.transport().barrier(Scope::kNode, {"node barrier", 0.2});
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const TimeoutError& e) {
+      EXPECT_EQ(e.ranks(), std::vector<int>{3});  // rank 3, not its index 1 on node 1
+      EXPECT_NE(std::string(e.what()).find("[rank 2] node barrier: timed out after"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("waiting for ranks [3]"), std::string::npos) << e.what();
+    }
+    reported = true;
+  });
+}
+
+TEST(LocalWorld, AScaleOutSignalTimeoutNamesThePeers) {
+  LocalWorld world(4, {.num_scaleout = 2});
+  std::atomic<bool> reported{false};
+  world.run([&](Group& g) {
+    Transport& t = g.transport();
+    auto mem = t.allocate_symmetric(4096, kWait);
+    if (g.rank() != 1) {
+      while (!reported.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      return;
+    }
+    // Rank 1 (node 0) expects signals from ranks 2 and 3 (node 1); only rank 3's arrives... never:
+    // neither signals. Then one that did arrive is not named.
+    const int from[] = {2, 3};
+    const std::uint64_t target[] = {1, 1};
+    try {
+      t.wait_signals(from, target, {"records of other nodes", 0.2});
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const TimeoutError& e) {
+      EXPECT_EQ(e.ranks(), (std::vector<int>{2, 3}));
+      EXPECT_NE(std::string(e.what()).find("[rank 1] records of other nodes: timed out after"), std::string::npos)
+          << e.what();
+    }
+    reported = true;
+  });
+  // A signal that arrived is not named; the missing one is.
+  std::atomic<bool> signalled{false}, done{false};
+  LocalWorld(4, {.num_scaleout = 2}).run([&](Group& g) {
+    Transport& t = g.transport();
+    auto mem = t.allocate_symmetric(4096, kWait);
+    if (g.rank() == 3) {
+      t.signal(1);
+      signalled = true;
+    }
+    if (g.rank() != 1) {
+      while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      return;
+    }
+    while (!signalled.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    const int from[] = {2, 3};
+    const std::uint64_t target[] = {1, 1};
+    try {
+      t.wait_signals(from, target, {"records of other nodes", 0.2});
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const TimeoutError& e) {
+      EXPECT_EQ(e.ranks(), std::vector<int>{2}) << e.what();
+    }
+    done = true;
+  });
+}
+
+// A rank that gives up because another one left names that one: the root cause travels.
+TEST(LocalWorld, ARankThatGaveUpBecauseOfAnotherNamesTheRootCause) {
+  LocalWorld world(4, {.num_scaleout = 2});
+  std::atomic<bool> done{false};
+  std::vector<std::string> messages(4);
+  std::vector<std::vector<int>> named(4);
+  world.run([&](Group& g) {
+    Transport& t = g.transport();
+    auto ch = t.duplicate(kWait);
+    const int r = g.rank();
+    try {
+      if (r == 1) {
+        ch->abandon("[rank 1] its work failed", {});
+      } else if (r == 0) {
+        ch->barrier(Scope::kNode, {"node barrier", 30});  // waits for rank 1, which gave up
+      } else {
+        const int from[] = {0};  // node 1 waits for records of rank 0, which never come
+        const std::uint64_t target[] = {1};
+        ch->wait_signals(from, target, {"records of node 0", 30});
       }
-      try {
-        g.transport().barrier(Scope::kWorld, {"unit barrier", 0.2});
-      } catch (const TimeoutError& e) {
-        EXPECT_EQ(e.ranks(), std::vector<int>{2});
-        EXPECT_NE(std::string(e.what()).find("unit barrier"), std::string::npos);
-        EXPECT_NE(std::string(e.what()).find("ranks [2]"), std::string::npos);
-        ++timeouts;
-        throw;
-      }
-    });
-    FAIL() << "expected a timeout";
-  } catch (const TimeoutError&) {
+    } catch (const PeerError& e) {
+      messages[static_cast<size_t>(r)] = e.what();
+      named[static_cast<size_t>(r)] = e.ranks();
+    }
+    if (r == 0) done = true;
+    while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  });
+  for (int r : {0, 2, 3}) {
+    EXPECT_EQ(named[static_cast<size_t>(r)], std::vector<int>{1}) << messages[static_cast<size_t>(r)];
+    EXPECT_NE(messages[static_cast<size_t>(r)].find("[rank 1] its work failed"), std::string::npos)
+        << messages[static_cast<size_t>(r)];
   }
-  EXPECT_EQ(timeouts, 3);
+  EXPECT_NE(messages[2].find("rank 0 gave up on this channel"), std::string::npos) << messages[2];
+}
+
+TEST(LocalWorld, TimeoutsTooLargeForTheClockNeverExpire) {
+  for (double timeout : {1e10, 1e300}) {
+    LocalWorld world(2);
+    world.run([&](Group& g) {
+      if (g.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      g.transport().barrier(Scope::kWorld, {"patient barrier", timeout});  // arrives late: no timeout
+      g.barrier(timeout);
+    });
+  }
+}
+
+TEST(LocalWorld, InfiniteAndNonPositiveTimeoutsAreRefused) {
+  LocalWorld(1).run([&](Group& g) {
+    for (double bad : {std::numeric_limits<double>::infinity(), -1.0, std::numeric_limits<double>::quiet_NaN()}) {
+      try {
+        g.barrier(bad);
+        ADD_FAILURE() << bad;
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find("[rank 0] Group::barrier: timeout_secs = "), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("expected a positive, finite number of seconds"), std::string::npos)
+            << e.what();
+      }
+    }
+    for (const char* bad : {"inf", "0"}) {  // (a value that is no number at all is refused by the registry)
+      env::ScopedOverride timeout("MOE_EP_TIMEOUT_SECS", bad);
+      try {
+        g.barrier();
+        ADD_FAILURE() << bad;
+      } catch (const InvalidArgument& e) {
+        EXPECT_NE(std::string(e.what()).find(fmt::format("MOE_EP_TIMEOUT_SECS=\"{}\" is not a valid timeout", bad)),
+                  std::string::npos)
+            << e.what();
+      }
+    }
+    env::ScopedOverride huge("MOE_EP_TIMEOUT_SECS", "1e300");
+    g.barrier();  // saturated: never expires, and a present group passes at once
+  });
 }
 
 TEST(LocalWorld, DepartedRankIsNamedAtOnceAndRootCauseWins) {

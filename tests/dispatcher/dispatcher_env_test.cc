@@ -101,7 +101,8 @@ TEST(DispatcherEnv, BadValuesNameTheVariableAndTheAcceptedValues) {
         {"MOE_EP_DISPATCH_DTYPE", "fp16", "accepted values are bf16 | fp8"},
         {"MOE_EP_V2_NORMAL_LAYOUT", "dense", "accepted values are compact | expanded"},
         {"MOE_EP_TIMEOUT_SECS", "soon", "MOE_EP_TIMEOUT_SECS=\"soon\" is invalid: accepted values are a non-negative number"},
-        {"MOE_EP_TIMEOUT_SECS", "0", "MOE_EP_TIMEOUT_SECS = 0 must be positive"},
+        {"MOE_EP_TIMEOUT_SECS", "0", "MOE_EP_TIMEOUT_SECS=\"0\" is not a valid timeout: expected a positive, finite number"},
+        {"MOE_EP_TIMEOUT_SECS", "inf", "MOE_EP_TIMEOUT_SECS=\"inf\" is not a valid timeout"},
         {"MOE_EP_NUM_WORKERS", "4096", "MOE_EP_NUM_WORKERS = 4096 is out of range: expected 0 to 512"},
     };
     for (const Case& c : cases) {

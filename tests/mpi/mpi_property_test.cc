@@ -495,6 +495,38 @@ TEST(MpiTransport, LegacyNormalAndLowLatencyAcrossNodes) {
     }
 }
 
+// Rank 1 gives up on a channel; its node peers wait for it at a node barrier and name it; the
+// ranks of other nodes wait for records of rank 0, which gives up because of rank 1: they learn
+// that from rank 0's message and name rank 1, the root cause, not rank 0.
+TEST(MpiTransport, ARankThatGaveUpBecauseOfAnotherNamesTheRootCause) {
+  Group& g = *g_group;
+  auto channel = g.transport().duplicate({"test: channel", 120});
+  std::string message;
+  std::vector<int> named;
+  try {
+    if (g.rank() == 1) {
+      channel->abandon("[rank 1] its work failed", {});
+    } else if (g.scaleout_rank() == 0) {
+      channel->barrier(comm::Scope::kNode, {"node barrier", 120});
+      ADD_FAILURE() << "the node barrier passed without rank 1";
+    } else {
+      const int from[] = {0};
+      const std::uint64_t target[] = {1};
+      channel->wait_signals(from, target, {"records of node 0", 120});
+      ADD_FAILURE() << "signals arrived from rank 0";
+    }
+  } catch (const PeerError& e) {
+    message = e.what();
+    named = e.ranks();
+  }
+  if (g.rank() != 1) {
+    EXPECT_EQ(named, std::vector<int>{1}) << message;
+    EXPECT_NE(message.find("[rank 1] its work failed"), std::string::npos) << message;
+    if (g.scaleout_rank() != 0) EXPECT_NE(message.find("rank 0 gave up on this channel"), std::string::npos) << message;
+  }
+  g.barrier(120);  // the group's own channel is unaffected
+}
+
 // On ranks other than 0: only failed assertions, prefixed with the rank.
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  public:
