@@ -72,7 +72,11 @@ struct ScopeSlots {
 
 struct ChannelState {
   ChannelState(int size, const Topology& topology)
-      : world(size), signals(new PaddedCounter[size * size]), abandoned(size), reading(new PaddedCounter[size]) {
+      : world(size),
+        signals(new PaddedCounter[size * size]),
+        abandoned(size),
+        reading(new PaddedCounter[size]),
+        completed(new PaddedCounter[2 * size]) {
     for (int n = 0; n < topology.num_scaleout; ++n) nodes.emplace_back(topology.num_scaleup);
   }
   ScopeSlots world;
@@ -80,6 +84,9 @@ struct ChannelState {
   std::unique_ptr<PaddedCounter[]> signals;  // [destination * size + source], monotonic
   Departures abandoned;                      // ranks that abandoned this channel
   std::unique_ptr<PaddedCounter[]> reading;  // [rank]: its open peer-read sections
+  // [rank * 2 + scope]: collectives the rank completed in each scope (world, node); a rank that
+  // abandoned the channel before completing collective e voids e for everyone.
+  std::unique_ptr<PaddedCounter[]> completed;
 };
 
 struct WorldState {
@@ -152,7 +159,8 @@ class LocalTransport final : public Transport {
     const int members = scope == Scope::kWorld ? size() : node_size();
     const int me = scope == Scope::kWorld ? rank() : rank() - node_first_rank();
     const int first = scope == Scope::kWorld ? 0 : node_first_rank();
-    const std::uint64_t epoch = ++epochs_[scope == Scope::kWorld ? 0 : 1];
+    const int scope_index = scope == Scope::kWorld ? 0 : 1;
+    const std::uint64_t epoch = ++epochs_[scope_index];
     const int parity = static_cast<int>(epoch & 1);
     s.slots[static_cast<size_t>(me)][static_cast<size_t>(parity)].assign(mine.begin(), mine.end());
     s.epochs[me].value.store(epoch, std::memory_order_release);
@@ -169,12 +177,16 @@ class LocalTransport final : public Transport {
         }
       }
     }
-    // A member that took part and then gave up on the channel (it timed out waiting for another
-    // rank, or failed) may no longer hold what it published: the collective is void.
+    // A member that published and then gave up on the channel before completing this collective
+    // (it timed out waiting for another rank) is gone: the collective is void. (One that gave up
+    // later completed it; reads of what it published are guarded by PeerReads.)
     std::vector<std::pair<int, Departure>> departed;
     for (int m = 0; m < members; ++m)
-      if (auto why = abandonment(first + m)) departed.emplace_back(first + m, std::move(*why));
+      if (auto why = abandonment(first + m);
+          why && channel_->completed[2 * (first + m) + scope_index].value.load(std::memory_order_acquire) < epoch)
+        departed.emplace_back(first + m, std::move(*why));
     if (!departed.empty()) leave_and_raise([&] { fail_abandoned(rank(), wait, departed); });
+    channel_->completed[2 * rank() + scope_index].value.store(epoch, std::memory_order_release);
     std::vector<std::span<const std::byte>> blocks(static_cast<size_t>(members));
     for (int m = 0; m < members; ++m) {
       const auto& slot = s.slots[static_cast<size_t>(m)][static_cast<size_t>(parity)];
@@ -408,8 +420,8 @@ void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, doub
     throw PeerError(fmt::format("[rank {}] {}: ranks [{}] left the group instead of arriving{}", rank, wait.phase,
                                 fmt::join(ranks, ", "), reasons_of(departed)),
                     root_cause(rank, departed));
-  throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s waiting for ranks [{}]", rank, wait.phase,
-                                 elapsed_secs, fmt::join(missing, ", ")),
+  throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s (timeout {:g} s) waiting for ranks [{}]", rank,
+                                 wait.phase, elapsed_secs, wait.timeout_secs, fmt::join(missing, ", ")),
                      missing);
 }
 

@@ -50,8 +50,9 @@ std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t 
     while (h->load(std::memory_order_acquire) < number) {
       if (++polls % 256 == 0) core.engine.transport().check_peer(rank, phase);
       if (!backoff.pause())
-        throw TimeoutError(fmt::format("{}: {}: timed out after {:.1f} s waiting for rank {} to publish its data",
-                                       context, phase, backoff.elapsed_secs(), rank),
+        throw TimeoutError(fmt::format("{}: {}: timed out after {:.1f} s (timeout {:g} s) waiting for rank {} to "
+                                       "publish its data",
+                                       context, phase, backoff.elapsed_secs(), core.engine.config.timeout_secs, rank),
                            {rank});
     }
   });

@@ -59,9 +59,9 @@ MPI_Comm duplicate_comm(MPI_Comm comm, int rank, const Wait& wait) {
     }
     if (done) break;
     if (!backoff.pause())
-      throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s duplicating the communicator: some rank "
-                                     "of it did not make the call",
-                                     rank, wait.phase, backoff.elapsed_secs()),
+      throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s (timeout {:g} s) duplicating the "
+                                     "communicator: some rank of it did not make the call",
+                                     rank, wait.phase, backoff.elapsed_secs(), wait.timeout_secs),
                          {});
   }
   std::lock_guard lock(mpi_mutex());
@@ -77,10 +77,11 @@ struct ControlPage {
   static constexpr std::size_t kMaxCulprits = 64;
   alignas(64) std::atomic<std::uint64_t> abandoned;
   alignas(64) std::atomic<std::uint64_t> reading;
+  alignas(64) std::atomic<std::uint64_t> completed[2];  // collectives completed per scope (world, node)
   alignas(64) std::uint32_t num_culprits;
   std::int32_t culprits[kMaxCulprits];
   std::uint32_t reason_bytes;
-  char reason[kBytes - 64 * 3 - 4 * (kMaxCulprits + 2)];
+  char reason[kBytes - 64 * 4 - 4 * (kMaxCulprits + 2)];
 };
 static_assert(sizeof(ControlPage) <= ControlPage::kBytes);
 static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
@@ -217,15 +218,19 @@ class MpiTransport final : public Transport {
     const bool world = scope == Scope::kWorld;
     auto& store = world ? world_blocks_ : node_blocks_;
     const auto& members = world ? world_members_ : node_members_;
+    const int scope_index = world ? 0 : 1;
+    const std::uint64_t epoch = ++epochs_[scope_index];
     leave_on_failure([&] {
-      store = messenger_.gather(members, world ? kTagWorld : kTagNode, ++epochs_[world ? 0 : 1], mine, wait);
-      // A member that took part and then gave up may no longer hold what it published.
+      store = messenger_.gather(members, world ? kTagWorld : kTagNode, epoch, mine, wait);
+      // A node member that published and then gave up before completing this collective is gone:
+      // the collective is void (one that gave up later completed it; reads are guarded).
       std::vector<std::pair<int, Departure>> departed;
       for (int r : members)
         if (r != rank())
-          if (auto why = abandonment(r)) departed.emplace_back(r, std::move(*why));
+          if (auto why = abandonment(r, scope_index, epoch)) departed.emplace_back(r, std::move(*why));
       if (!departed.empty()) fail_abandoned(rank(), wait, departed);
     });
+    control_.page().completed[scope_index].store(epoch, std::memory_order_release);
     std::vector<std::span<const std::byte>> blocks;
     for (const auto& b : store) blocks.emplace_back(b.data(), b.size());
     return Gathered(std::move(blocks));
@@ -423,11 +428,13 @@ class MpiTransport final : public Transport {
   }
 
  private:
-  // A node peer's abandonment as its control page shows it; other ranks' through their messages.
-  std::optional<Departure> abandonment(int peer) const {
+  // A node peer's abandonment as its control page shows it (other ranks' come as messages);
+  // with `scope`: only if it abandoned before completing collective `epoch` of that scope.
+  std::optional<Departure> abandonment(int peer, int scope = -1, std::uint64_t epoch = 0) const {
     if (same_node(peer) && peer_control_.size() == static_cast<size_t>(node_size())) {  // mapped (not while set up)
       const ControlPage* page = peer_control_[static_cast<size_t>(peer - node_first_rank())];
-      if (page != nullptr && peer != rank() && page->abandoned.load(std::memory_order_acquire) != 0)
+      if (page != nullptr && peer != rank() && page->abandoned.load(std::memory_order_seq_cst) != 0 &&
+          (scope < 0 || page->completed[scope].load(std::memory_order_acquire) < epoch))
         return read_departure(*page);
     }
     return std::nullopt;
