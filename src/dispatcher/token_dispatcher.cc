@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/checks.hh"
+#include "core/failure.hh"
 #include "core/timeout.hh"
 #include "dispatcher/provider_registry.hh"
 #include "dispatcher/state.hh"
@@ -462,9 +463,9 @@ void TokenDispatcher::dispatch_a(const Tensor& x, const Tensor& topk_idx, const 
   const DispatchMode mode = st.resolve(kind);
   const Generation generation = st.generation();
   const dispatcher::BufferKey key = st.key();
-  std::exception_ptr local_error;
   const provider::Table* table = nullptr;
-  try {
+  const std::string context = fmt::format("[rank {}] dispatcher: dispatch_a", st.shared.group.rank());
+  const std::exception_ptr local_error = core::attempt(context, [&] {
     table = dispatcher::provider_for(*st.options.provider_path, generation);
     if (table == nullptr) {
       const ProbeReport& probe = probe_providers(*st.options.provider_path);
@@ -476,9 +477,7 @@ void TokenDispatcher::dispatch_a(const Tensor& x, const Tensor& topk_idx, const 
                                         probe.path_list, probe[generation].reason));
     }
     st.validate_dispatch(x, topk_idx, topk_weights, mode);
-  } catch (...) {
-    local_error = std::current_exception();
-  }
+  });
   const OutputFormat format = mode == DispatchMode::kLowLatency ? OutputFormat::kLowLatency
                               : (generation == Generation::kV2 && *st.options.v2_expanded_normal_layout)
                                   ? OutputFormat::kV2Expanded
@@ -535,12 +534,9 @@ void TokenDispatcher::combine_a(const Tensor& expert_output, int micro_batch) {
     if (s.buffer_id != st.shared.buffer_id() || !st.shared.key)
       throw StateError(fmt::format("dispatcher: combine_a: the buffer of micro-batch {}'s dispatch was destroyed",
                                    micro_batch));
-    std::exception_ptr local_error;
-    try {
-      st.validate_combine(s, expert_output);
-    } catch (...) {
-      local_error = std::current_exception();
-    }
+    const std::exception_ptr local_error =
+        core::attempt(fmt::format("[rank {}] dispatcher: combine_a", st.shared.group.rank()),
+                      [&] { st.validate_combine(s, expert_output); });
     st.shared.agree("combine", {{"micro_batch", micro_batch}, {"format", static_cast<std::int64_t>(s.format)}}, nullptr,
                     local_error);
     s.stage = dispatcher::Stage::kCombining;
