@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages moe-ep needs (only those missing), then configures and builds.
-# Usage: scripts/bootstrap.sh [build-dir]   (default: build). Env: BUILD_TYPE (default Release), JOBS.
+# Usage: scripts/bootstrap.sh [build-dir]   (default: build). Env: BUILD_TYPE (default Release), JOBS,
+# CMAKE_ARGS (more configure arguments), TARGETS (build only these), CC/CXX (the compiler).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
@@ -22,5 +23,11 @@ if ((${#missing[@]})); then
 fi
 
 jobs=${JOBS:-$(nproc)}
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" >/dev/null
-cmake --build "$build" -j "$jobs"
+# shellcheck disable=SC2086  # CMAKE_ARGS and TARGETS are lists of words
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" ${CMAKE_ARGS:-} >/dev/null
+if [ -n "${TARGETS:-}" ]; then
+  # shellcheck disable=SC2086
+  cmake --build "$build" -j "$jobs" --target ${TARGETS}
+else
+  cmake --build "$build" -j "$jobs"
+fi

@@ -44,6 +44,15 @@ bool process_gone(pid_t pid) {
   return state == 'Z' || state == 'X';
 }
 
+// Keeps a message buffer that MPI may still read (a send to a peer that is gone) alive, and
+// reachable, until the process exits.
+void keep_until_exit(Bytes buffer) {
+  static std::mutex mutex;
+  static auto* kept = new std::vector<Bytes>();  // reachable until exit
+  std::lock_guard lock(mutex);
+  kept->push_back(std::move(buffer));
+}
+
 }  // namespace
 
 std::mutex& mpi_mutex() {
@@ -89,7 +98,7 @@ void Messenger::drain(double secs) {
   // Whatever is left goes to a peer that is gone: let MPI drop it, keep the buffers alive.
   for (Pending& p : pending_) {
     MPI_Request_free(&p.request);
-    new Bytes(std::move(p.buffer));  // NOLINT: kept until exit on purpose
+    keep_until_exit(std::move(p.buffer));
   }
   pending_.clear();
 }
@@ -165,7 +174,7 @@ void Messenger::abandon(const Departure& why, double secs) noexcept {
         MPI_Request_free(&request);
         pending = true;
       }
-    if (pending) new Bytes(std::move(message));  // NOLINT: MPI may still read it; kept until exit
+    if (pending) keep_until_exit(std::move(message));
   } catch (...) {
     // No memory for the message: the peers will time out instead.
   }
