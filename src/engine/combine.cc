@@ -134,6 +134,7 @@ class Combine final : public CombineOperation {
 
 void Combine::validate() {
   const auto& a = req_;
+  if (a.validate_more) a.validate_more(ctx_);
   if (!a.handle) core::fail(ctx_, "handle is missing");
   const EPHandle& h = *a.handle;
   if (!h.state || h.state->engine_id != engine_.id)

@@ -269,6 +269,8 @@ struct CombineRequest {
   // combined_topk_weights: false = the weight each lane's rank returned for that lane (V2);
   // true = the sum, over the token's ranks in unit order, of their whole weight rows (V1).
   bool sum_weights_over_ranks = false;
+  // Generation-specific checks, run first (they see unvalidated arguments).
+  std::function<void(const std::string& context)> validate_more;
 };
 
 class DispatchOperation : public Operation {

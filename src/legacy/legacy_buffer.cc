@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "core/checks.hh"
+#include "core/executor.hh"
 #include "core/fabric.hh"
 #include "legacy/buffer_core.hh"
 #include "moe_ep/error.hpp"
@@ -20,8 +21,8 @@ namespace {
 std::atomic<int> g_num_sms{20};
 
 void check_num_sms_value(const std::string& context, int num_sms) {
-  if (num_sms < 2 || num_sms > 1024 || num_sms % 2 != 0)
-    core::fail(context, "num_sms = {} must be an even number in [2, 1024]", num_sms);
+  if (num_sms < 2 || num_sms > core::kMaxWorkers || num_sms % 2 != 0)
+    core::fail(context, "num_sms = {} must be an even number in [2, {}]", num_sms, core::kMaxWorkers);
 }
 
 void check_pool(const std::string& context, const char* name, std::int64_t bytes) {
