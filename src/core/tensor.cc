@@ -63,12 +63,17 @@ TensorView::TensorView(void* data, DType dtype, std::span<const std::int64_t> sh
     : data_(data), dtype_(dtype), ndim_(static_cast<int>(shape.size())) {
   check_ndim(shape.size());
   std::int64_t stride = 1;
+  bool overflow = false;  // the stride of the next (outer) dimension does not fit
   for (int d = ndim_ - 1; d >= 0; --d) {
     if (shape[d] < 0) throw InvalidArgument(fmt::format("tensor size {} of dim {} is negative", shape[d], d));
+    if (overflow)
+      throw InvalidArgument(fmt::format("tensor {}[{}]: its row-major strides do not fit in 64 bits", dtype_name(dtype),
+                                        fmt::join(shape, ", ")));
     shape_[d] = shape[d];
     strides_[d] = stride;
-    stride *= shape[d] == 0 ? 1 : shape[d];
+    overflow = __builtin_mul_overflow(stride, shape[d] == 0 ? 1 : shape[d], &stride);
   }
+  check_layout();
 }
 
 TensorView::TensorView(void* data, DType dtype, std::span<const std::int64_t> shape,
@@ -82,17 +87,91 @@ TensorView::TensorView(void* data, DType dtype, std::span<const std::int64_t> sh
     shape_[d] = shape[d];
     strides_[d] = strides[d];
   }
+  check_layout();
+}
+
+namespace {
+
+// Element count and byte range of a layout, each computed with overflow checks; the reason when
+// one does not fit in int64.
+struct Measured {
+  std::int64_t numel = 0;
+  TensorView::ByteRange bytes;
+  const char* overflow = nullptr;
+};
+
+Measured measure(std::span<const std::int64_t> shape, std::span<const std::int64_t> strides, std::int64_t element) {
+  Measured m;
+  for (std::int64_t size : shape)
+    if (size == 0) return m;  // no elements: no bytes, whatever the other sizes
+  m.numel = 1;
+  for (std::int64_t size : shape)
+    if (__builtin_mul_overflow(m.numel, size, &m.numel)) {
+      m.overflow = "its element count does not fit in 64 bits";
+      return m;
+    }
+  std::int64_t bytes = 0;
+  if (__builtin_mul_overflow(m.numel, element, &bytes)) {
+    m.overflow = "its byte count does not fit in 64 bits";
+    return m;
+  }
+  // Lowest and highest element, in bytes from the first.
+  std::int64_t low = 0, high = 0;
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 1) continue;  // its stride is never applied
+    std::int64_t span = 0;
+    if (__builtin_mul_overflow(shape[d] - 1, strides[d], &span) || __builtin_mul_overflow(span, element, &span) ||
+        __builtin_add_overflow(span < 0 ? low : high, span, span < 0 ? &low : &high)) {
+      m.overflow = "its byte range does not fit in 64 bits";
+      return m;
+    }
+  }
+  if (__builtin_add_overflow(high, element, &high)) {
+    m.overflow = "its byte range does not fit in 64 bits";
+    return m;
+  }
+  m.bytes = {low, high};
+  return m;
+}
+
+}  // namespace
+
+void TensorView::check_layout() const {
+  const auto element = static_cast<std::int64_t>(element_size(dtype_));
+  const Measured m = measure(shape(), strides(), element);
+  const char* problem = m.overflow;
+  if (problem == nullptr && data_ != nullptr && m.numel > 0) {
+    // The addresses of the first and last byte exist: data + begin >= 0, data + end <= max.
+    const auto address = reinterpret_cast<std::uintptr_t>(data_);
+    const auto below = static_cast<std::uintptr_t>(-(m.bytes.begin + 1)) + 1;  // -begin, without overflow
+    std::uintptr_t last = 0;
+    if ((m.bytes.begin < 0 && address < below) ||
+        __builtin_add_overflow(address, static_cast<std::uintptr_t>(m.bytes.end), &last))
+      problem = "its bytes wrap around the address space";
+  }
+  if (problem != nullptr)
+    throw InvalidArgument(fmt::format("tensor {}[{}] strides ({}) at {}: {}", dtype_name(dtype_), fmt::join(shape(), ", "),
+                                      fmt::join(strides(), ", "), data_, problem));
 }
 
 std::int64_t TensorView::numel() const {
   if (ndim_ == 0) return 0;
+  for (int d = 0; d < ndim_; ++d)
+    if (shape_[d] == 0) return 0;
   std::int64_t n = 1;
-  for (int d = 0; d < ndim_; ++d) n *= shape_[d];
+  for (int d = 0; d < ndim_; ++d)
+    if (__builtin_mul_overflow(n, shape_[d], &n))  // refused at construction
+      throw StateError(fmt::format("tensor {}[{}]: element count overflow", dtype_name(dtype_), fmt::join(shape(), ", ")));
   return n;
 }
 
+TensorView::ByteRange TensorView::byte_range() const {
+  return measure(shape(), strides(), static_cast<std::int64_t>(element_size(dtype_))).bytes;
+}
+
 bool TensorView::is_contiguous() const {
-  std::int64_t expected = 1;
+  if (numel() == 0) return true;
+  std::int64_t expected = 1;  // partial products of a count that fits: no overflow
   for (int d = ndim_ - 1; d >= 0; --d) {
     if (shape_[d] != 1 && strides_[d] != expected) return false;
     expected *= shape_[d];

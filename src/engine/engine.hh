@@ -218,7 +218,8 @@ std::vector<T> agree_on(Operation& op, comm::Agreement& agreement, Engine& engin
   return all;
 }
 
-// Bytes from data() to one past the last element of a view (non-negative strides); 0 if empty.
+// Bytes from data() to one past the last element of a view (validated views have non-negative
+// strides); 0 if empty.
 std::size_t view_extent(const TensorView& view);
 
 // Makes this rank's tensors readable by its node peers (Transport::share); returns what to

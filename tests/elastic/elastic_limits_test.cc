@@ -1,6 +1,7 @@
-// Worker counts at their limits: MOE_EP_NUM_WORKERS and num_sms beyond the one worker limit are
-// InvalidArgument naming the value as given (never wrapped or clamped), reported through the
-// agreement like every argument error; the buffer stays usable.
+// Worker counts and sizes at their limits: MOE_EP_NUM_WORKERS and num_sms beyond the one worker
+// limit, and tensor sizes beyond int32, are InvalidArgument naming the value as given (never
+// wrapped, clamped or truncated), reported through the agreement like every argument error; the
+// buffer stays usable.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -121,6 +122,34 @@ TEST(ElasticLimits, CombineChecksNumSms) {
     ASSERT_EQ(outcomes[1].type, "InvalidArgument") << "num_sms = " << bad << ": " << outcomes[1].message;
     expect_rejected_by(outcomes, 1, fmt::format("num_sms = {} is outside [0, 1024]", bad));
   }
+}
+
+TEST(ElasticLimits, SizesBeyondInt32AreNamedNotTruncated) {
+  // Only the shape is looked at: the views are refused before any element is read.
+  std::vector<std::uint16_t> small(static_cast<size_t>(kTokens * kHidden), 0x3f80);
+  for (const std::int64_t hidden : {(std::int64_t{1} << 31) + kHidden, (std::int64_t{1} << 32) + kHidden}) {
+    auto outcomes = on_all_ranks([&](ElasticBuffer& b, int rank) {
+      Inputs in(rank);
+      DispatchArgs args = in.args();
+      if (rank == 0) args.x = TensorView(small.data(), DType::kBF16, {kTokens, hidden});
+      b.dispatch(args);
+    });
+    const auto& o = outcomes[0];
+    ASSERT_EQ(o.type, "InvalidArgument") << o.message;
+    ASSERT_TRUE(contains(o.message, std::to_string(hidden))) << o.message;
+    EXPECT_TRUE(contains(o.message, "x has size")) << o.message;
+    EXPECT_EQ(outcomes[1].type, "PeerError") << outcomes[1].message;
+  }
+  // A cached dispatch with 2^32 + kTokens rows is not the handle's kTokens.
+  auto outcomes = on_all_ranks([&](ElasticBuffer& b, int rank) {
+    Inputs in(rank);
+    auto first = b.dispatch(in.args());
+    DispatchArgs again{.x = in.x_view(), .handle = first.handle};
+    if (rank == 1) again.x = TensorView(small.data(), DType::kBF16, {(std::int64_t{1} << 32) + kTokens, kHidden});
+    b.dispatch(again);
+  });
+  EXPECT_EQ(outcomes[1].type, "InvalidArgument") << outcomes[1].message;
+  EXPECT_TRUE(contains(outcomes[1].message, "4294967300")) << outcomes[1].message;
 }
 
 }  // namespace
