@@ -88,7 +88,13 @@ class Tensor : public TensorView {
   static Tensor zeros(std::initializer_list<std::int64_t> shape, DType dtype) {
     return zeros(std::span<const std::int64_t>(shape.begin(), shape.size()), dtype);
   }
-  // A tensor sharing this one's storage, described by `view` (which must lie inside it).
+  // A tensor sharing this one's storage, described by `view`: every byte of the view's elements
+  // must lie inside the storage, and a view without elements must point into it or just past
+  // its end (InvalidArgument otherwise). The storage is the block of empty()/zeros() or the
+  // bytes an imported DLPack tensor describes, and stays the whole block for views of views.
+  // A tensor without storage (default-constructed, or made from one) has no bytes to check
+  // against: with_view then wraps `view` as is and keeps nothing alive (the caller owns that
+  // memory, as with a TensorView).
   Tensor with_view(const TensorView& view) const;
   const TensorView& view() const { return *this; }
   // Number of Tensors (and DLPack exports) sharing the storage; 0 for an undefined tensor.
@@ -101,6 +107,9 @@ class Tensor : public TensorView {
 
  private:
   std::shared_ptr<void> storage_;
+  // The bytes of the storage (meaningful when storage_ holds a reference).
+  std::uintptr_t storage_begin_ = 0;
+  std::size_t storage_bytes_ = 0;
 };
 
 // A non-owning view of a DLPack tensor (CPU memory; no lanes; dtypes listed in docs/).

@@ -200,6 +200,8 @@ Tensor Tensor::empty(std::span<const std::int64_t> shape, DType dtype) {
   static_cast<TensorView&>(t) = TensorView(nullptr, dtype, shape);
   t.storage_ = core::allocate_host(t.nbytes());
   t.data_ = t.storage_.get();
+  t.storage_begin_ = reinterpret_cast<std::uintptr_t>(t.data_);
+  t.storage_bytes_ = t.nbytes();
   return t;
 }
 
@@ -210,9 +212,25 @@ Tensor Tensor::zeros(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 Tensor Tensor::with_view(const TensorView& view) const {
+  if (use_count() > 0) {
+    // Addresses of the view's first and last byte exist (checked when the view was made).
+    const auto address = reinterpret_cast<std::uintptr_t>(view.data());
+    const TensorView::ByteRange r = view.byte_range();
+    const std::uintptr_t first = address + static_cast<std::uintptr_t>(r.begin), last = address + static_cast<std::uintptr_t>(r.end);
+    const std::uintptr_t end = storage_begin_ + storage_bytes_;
+    const bool inside = view.numel() == 0 ? address >= storage_begin_ && address <= end
+                                          : first >= storage_begin_ && last <= end;
+    if (!inside)
+      throw InvalidArgument(fmt::format(
+          "Tensor::with_view: the view {} covers bytes [{}, {}) of a storage of {} bytes (offsets from its start)",
+          view.describe(), static_cast<std::int64_t>(first - storage_begin_),
+          static_cast<std::int64_t>(last - storage_begin_), storage_bytes_));
+  }
   Tensor t;
   static_cast<TensorView&>(t) = view;
   t.storage_ = storage_;
+  t.storage_begin_ = storage_begin_;
+  t.storage_bytes_ = storage_bytes_;
   return t;
 }
 
@@ -262,6 +280,10 @@ Tensor Tensor::from_dlpack(DLManagedTensor* managed) {
     auto* m = static_cast<DLManagedTensor*>(p);
     if (m->deleter) m->deleter(m);
   });
+  // All that is known of the producer's memory: the bytes the tensor describes.
+  const TensorView::ByteRange r = v.byte_range();
+  t.storage_begin_ = reinterpret_cast<std::uintptr_t>(v.data()) + static_cast<std::uintptr_t>(r.begin);
+  t.storage_bytes_ = static_cast<std::size_t>(r.end - r.begin);
   return t;
 }
 

@@ -1,5 +1,7 @@
 // Sizes, strides and byte counts of views: a view whose element count, byte count or byte
-// extent does not fit in 64 bits is refused when it is made (InvalidArgument naming the shape).
+// extent does not fit in 64 bits is refused when it is made (InvalidArgument naming the shape);
+// Tensor::with_view refuses views outside the tensor's storage.
+#include <dlpack/dlpack.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -83,6 +85,78 @@ TEST(TensorSize, TheOverlapCheckHandlesStridesNearTheLimit) {
   const std::int64_t overlapping[] = {1, 1};
   EXPECT_THROW(core::expect_non_overlapping("test", "v", TensorView(memory, DType::kUInt8, shape, overlapping)),
                InvalidArgument);
+}
+
+DLTensor dl_tensor(void* data, DLDataType dtype, int ndim, std::int64_t* shape, std::int64_t* strides = nullptr,
+                   std::uint64_t byte_offset = 0) {
+  DLTensor t{};
+  t.data = data;
+  t.device = {kDLCPU, 0};
+  t.ndim = ndim;
+  t.dtype = dtype;
+  t.shape = shape;
+  t.strides = strides;
+  t.byte_offset = byte_offset;
+  return t;
+}
+
+constexpr DLDataType kDLF32{kDLFloat, 32, 1};
+
+TEST(WithView, ViewsOutsideTheStorageAreRefused) {
+  Tensor t = Tensor::empty({4, 8}, DType::kFP32);
+  float* base = t.data_as<float>();
+  const std::int64_t one[] = {1}, two[] = {2}, four[] = {4};
+  const std::int64_t backwards[] = {-1}, huge[] = {kTwo62};
+  std::string e = error_of([&] { t.with_view(TensorView(base + 32, DType::kFP32, one)); });
+  ASSERT_FALSE(e.empty()) << "a view past the end was accepted";
+  EXPECT_FALSE(error_of([&] { t.with_view(TensorView(base + 30, DType::kFP32, four)); }).empty());
+  EXPECT_FALSE(error_of([&] { t.with_view(TensorView(base - 1, DType::kFP32, two)); }).empty());
+  EXPECT_FALSE(error_of([&] { t.with_view(TensorView(base, DType::kFP32, two, backwards)); }).empty());
+  EXPECT_FALSE(error_of([&] { t.with_view(TensorView(base, DType::kFP32, {4, 9})); }).empty());
+  Tensor bytes = Tensor::empty({64}, DType::kUInt8);
+  EXPECT_FALSE(error_of([&] { bytes.with_view(TensorView(bytes.data(), DType::kUInt8, two, huge)); }).empty());
+  // A wider dtype over the same bytes: 32 floats are 128 bytes, 17 int64 are 136.
+  EXPECT_FALSE(error_of([&] { t.with_view(TensorView(base, DType::kInt64, {17})); }).empty());
+}
+
+TEST(WithView, ViewsInsideTheStorageShareIt) {
+  Tensor t = Tensor::empty({4, 8}, DType::kFP32);
+  std::iota(t.data_as<float>(), t.data_as<float>() + 32, 0.0f);
+  float* base = t.data_as<float>();
+  Tensor tr = t.with_view(t.transposed(0, 1));
+  EXPECT_EQ(t.use_count(), 2);
+  EXPECT_EQ(tr.data_as<float>()[tr.stride(0) * 3 + tr.stride(1) * 2], 2 * 8 + 3);
+  // The last element backwards to the first.
+  const std::int64_t all[] = {32}, backwards[] = {-1};
+  Tensor rev = t.with_view(TensorView(base + 31, DType::kFP32, all, backwards));
+  EXPECT_EQ(rev.data_as<float>()[-31], 0.0f);
+  // A block of rows 1..2, columns 2..5.
+  const std::int64_t block[] = {2, 4}, strides[] = {8, 1};
+  Tensor b = t.with_view(TensorView(base + 10, DType::kFP32, block, strides));
+  EXPECT_EQ(b.data_as<float>()[8 + 3], 21.0f);
+  // Empty views at either end, and the same bytes as another dtype.
+  EXPECT_NO_THROW(t.with_view(TensorView(base + 32, DType::kFP32, {0})));
+  EXPECT_NO_THROW(t.with_view(TensorView(base, DType::kInt64, {16})));
+  // A tensor without storage wraps a caller's view as is and keeps nothing alive.
+  float mine[6] = {};
+  Tensor wrapped = Tensor().with_view(TensorView(mine, DType::kFP32, {2, 3}));
+  EXPECT_EQ(wrapped.data(), mine);
+  EXPECT_EQ(wrapped.use_count(), 0);
+  // Views of views: the storage is still the whole block.
+  Tensor row = t.with_view(TensorView(base + 8, DType::kFP32, {8}));
+  EXPECT_NO_THROW(row.with_view(TensorView(base, DType::kFP32, {32})));
+  EXPECT_THROW(row.with_view(TensorView(base, DType::kFP32, {33})), InvalidArgument);
+}
+
+TEST(WithView, ImportedTensorsRefuseViewsOutsideTheImportedBytes) {
+  float data[12] = {};
+  std::int64_t shape[] = {3, 4};
+  auto* managed = new DLManagedTensor{};
+  managed->dl_tensor = dl_tensor(data, kDLF32, 2, shape);
+  managed->deleter = [](DLManagedTensor* self) { delete self; };
+  Tensor t = Tensor::from_dlpack(managed);
+  EXPECT_NO_THROW(t.with_view(TensorView(data + 4, DType::kFP32, {2, 4})));
+  EXPECT_THROW(t.with_view(TensorView(data + 4, DType::kFP32, {3, 4})), InvalidArgument);
 }
 
 }  // namespace
