@@ -291,12 +291,36 @@ TensorView view_from_dlpack(const DLTensor& tensor) {
   if (tensor.device.device_type != kDLCPU && tensor.device.device_type != kDLCUDAHost)
     throw InvalidArgument(fmt::format("DLPack tensor lives on device type {}; moe-ep needs CPU memory",
                                       static_cast<int>(tensor.device.device_type)));
-  check_ndim(static_cast<std::size_t>(tensor.ndim));
+  if (tensor.ndim < 1 || tensor.ndim > TensorView::kMaxDims)
+    throw InvalidArgument(fmt::format("DLPack tensor rank {} is outside [1, {}]", tensor.ndim, TensorView::kMaxDims));
   const DType dtype = from_dl(tensor.dtype);
-  void* data = static_cast<char*>(tensor.data) + tensor.byte_offset;
-  std::span<const std::int64_t> shape(tensor.shape, static_cast<std::size_t>(tensor.ndim));
-  if (tensor.strides == nullptr) return TensorView(data, dtype, shape);
-  return TensorView(data, dtype, shape, std::span<const std::int64_t>(tensor.strides, shape.size()));
+  if (tensor.shape == nullptr)
+    throw InvalidArgument(fmt::format("DLPack tensor of rank {} has no shape array (shape is null)", tensor.ndim));
+  const std::span<const std::int64_t> shape(tensor.shape, static_cast<std::size_t>(tensor.ndim));
+  for (std::size_t d = 0; d < shape.size(); ++d)
+    if (shape[d] < 0)
+      throw InvalidArgument(fmt::format("DLPack tensor shape [{}] has a negative size in dimension {}",
+                                        fmt::join(shape, ", "), d));
+  // Null strides: row-major. The layout is checked (sizes, strides, byte range) before any
+  // address is formed from the data pointer.
+  auto make = [&](void* data) {
+    return tensor.strides == nullptr
+               ? TensorView(data, dtype, shape)
+               : TensorView(data, dtype, shape, std::span<const std::int64_t>(tensor.strides, shape.size()));
+  };
+  const TensorView layout = make(nullptr);
+  if (tensor.data == nullptr) {
+    if (layout.numel() > 0 || tensor.byte_offset != 0)
+      throw InvalidArgument(fmt::format("DLPack tensor {} has a null data pointer (byte_offset {}): only a tensor "
+                                        "without elements may, with byte_offset 0",
+                                        layout.describe(), tensor.byte_offset));
+    return layout;
+  }
+  std::uintptr_t address = 0;
+  if (__builtin_add_overflow(reinterpret_cast<std::uintptr_t>(tensor.data), tensor.byte_offset, &address))
+    throw InvalidArgument(fmt::format("DLPack tensor {}: byte_offset {} from data {} wraps around the address space",
+                                      layout.describe(), tensor.byte_offset, tensor.data));
+  return make(reinterpret_cast<void*>(address));  // also checks that its bytes do not wrap
 }
 
 }  // namespace moe_ep

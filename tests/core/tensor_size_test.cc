@@ -1,6 +1,7 @@
 // Sizes, strides and byte counts of views: a view whose element count, byte count or byte
 // extent does not fit in 64 bits is refused when it is made (InvalidArgument naming the shape);
-// Tensor::with_view refuses views outside the tensor's storage.
+// Tensor::with_view refuses views outside the tensor's storage; DLPack import refuses null data
+// with elements, and descriptors it cannot read.
 #include <dlpack/dlpack.h>
 #include <gtest/gtest.h>
 
@@ -157,6 +158,56 @@ TEST(WithView, ImportedTensorsRefuseViewsOutsideTheImportedBytes) {
   Tensor t = Tensor::from_dlpack(managed);
   EXPECT_NO_THROW(t.with_view(TensorView(data + 4, DType::kFP32, {2, 4})));
   EXPECT_THROW(t.with_view(TensorView(data + 4, DType::kFP32, {3, 4})), InvalidArgument);
+}
+
+TEST(DLPackImport, NullDataAndUnreadableDescriptorsAreRefused) {
+  std::int64_t four[] = {4};
+  // byte_offset on a null pointer.
+  std::string e = error_of([&] { view_from_dlpack(dl_tensor(nullptr, kDLF32, 1, four, nullptr, 64)); });
+  ASSERT_FALSE(e.empty()) << "null data with a byte offset was accepted";
+  EXPECT_TRUE(contains(e, "null")) << e;
+  e = error_of([&] { view_from_dlpack(dl_tensor(nullptr, kDLF32, 1, four)); });
+  EXPECT_TRUE(contains(e, "null")) << e;
+  // No elements: null data is fine (and stays null).
+  std::int64_t zero[] = {0};
+  const TensorView none = view_from_dlpack(dl_tensor(nullptr, kDLF32, 1, zero));
+  EXPECT_EQ(none.data(), nullptr);
+  EXPECT_EQ(none.numel(), 0);
+  // No shape array.
+  float data[16] = {};
+  e = error_of([&] { view_from_dlpack(dl_tensor(data, kDLF32, 2, nullptr)); });
+  EXPECT_TRUE(contains(e, "shape")) << e;
+  // Negative sizes, ranks outside [1, 4].
+  std::int64_t negative[] = {2, -3};
+  EXPECT_FALSE(error_of([&] { view_from_dlpack(dl_tensor(data, kDLF32, 2, negative)); }).empty());
+  std::int64_t five[] = {1, 1, 1, 1, 1};
+  EXPECT_FALSE(error_of([&] { view_from_dlpack(dl_tensor(data, kDLF32, 5, five)); }).empty());
+  EXPECT_FALSE(error_of([&] { view_from_dlpack(dl_tensor(data, kDLF32, -1, five)); }).empty());
+  // A byte offset that wraps the address space, shapes and strides that overflow.
+  EXPECT_FALSE(error_of([&] { view_from_dlpack(dl_tensor(data, kDLF32, 1, four, nullptr, ~std::uint64_t{0} - 7)); }).empty());
+  std::int64_t wide[] = {kTwo62, 8};
+  EXPECT_FALSE(error_of([&] { view_from_dlpack(dl_tensor(data, kDLF32, 2, wide)); }).empty());
+  std::int64_t two[] = {2}, far[] = {kMax};
+  EXPECT_FALSE(error_of([&] { view_from_dlpack(dl_tensor(data, kDLF32, 1, two, far)); }).empty());
+  // A good one: offset applied, strides kept.
+  std::int64_t shape[] = {2, 3}, strides[] = {1, 2};
+  const TensorView v = view_from_dlpack(dl_tensor(data, kDLF32, 2, shape, strides, 8));
+  EXPECT_EQ(v.data(), data + 2);
+  EXPECT_EQ(v.stride(1), 2);
+}
+
+TEST(DLPackImport, RefusedImportsRunTheDeleter) {
+  static int deleted = 0;
+  deleted = 0;
+  std::int64_t four[] = {4};
+  auto* managed = new DLManagedTensor{};
+  managed->dl_tensor = dl_tensor(nullptr, kDLF32, 1, four);
+  managed->deleter = [](DLManagedTensor* self) {
+    ++deleted;
+    delete self;
+  };
+  EXPECT_THROW(Tensor::from_dlpack(managed), InvalidArgument);
+  EXPECT_EQ(deleted, 1);
 }
 
 }  // namespace
