@@ -218,8 +218,9 @@ Tensor Tensor::with_view(const TensorView& view) const {
     const TensorView::ByteRange r = view.byte_range();
     const std::uintptr_t first = address + static_cast<std::uintptr_t>(r.begin), last = address + static_cast<std::uintptr_t>(r.end);
     const std::uintptr_t end = storage_begin_ + storage_bytes_;
+    // A view with elements needs a data pointer (a null one would make first wrap around).
     const bool inside = view.numel() == 0 ? address >= storage_begin_ && address <= end
-                                          : first >= storage_begin_ && last <= end;
+                                          : view.data() != nullptr && first >= storage_begin_ && last <= end;
     if (!inside)
       throw InvalidArgument(fmt::format(
           "Tensor::with_view: the view {} covers bytes [{}, {}) of a storage of {} bytes (offsets from its start)",

@@ -149,6 +149,17 @@ TEST(WithView, ViewsInsideTheStorageShareIt) {
   EXPECT_THROW(row.with_view(TensorView(base, DType::kFP32, {33})), InvalidArgument);
 }
 
+// A view with elements but no data pointer is nowhere in the storage, even when its negative
+// strides would make its first byte's address wrap around to a high one.
+TEST(WithView, ViewsWithElementsAndNoDataAreRefused) {
+  Tensor t = Tensor::empty({4}, DType::kFP32);
+  const std::int64_t three[] = {3}, backwards[] = {-1};
+  EXPECT_THROW(t.with_view(TensorView(nullptr, DType::kFP32, three, backwards)), InvalidArgument);
+  EXPECT_THROW(t.with_view(TensorView(nullptr, DType::kFP32, {2})), InvalidArgument);
+  Tensor none = Tensor::empty({0}, DType::kFP32);
+  EXPECT_THROW(none.with_view(TensorView(nullptr, DType::kFP32, three, backwards)), InvalidArgument);
+}
+
 TEST(WithView, ImportedTensorsRefuseViewsOutsideTheImportedBytes) {
   float data[12] = {};
   std::int64_t shape[] = {3, 4};

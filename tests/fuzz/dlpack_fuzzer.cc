@@ -5,8 +5,13 @@
 // touched when they lie inside the buffer this fuzzer owns (ASan checks the claim). Imports
 // always run the deleter exactly once, and an imported tensor refuses views beyond its bytes.
 //
+// With from_dlpack, a second view of the imported tensor (with_view) is accepted exactly when
+// an independent computation puts its bytes inside the imported ones.
+//
 // Input layout (missing bytes read as 0): ndim (int8), dtype code, bits, lanes (uint8),
-// flags, buffer size (uint16 LE), byte_offset (uint64 LE), 4 sizes and 4 strides (int64 LE).
+// flags, buffer size (uint16 LE), byte_offset (uint64 LE), 4 sizes and 4 strides (int64 LE);
+// then the second view: dtype index, rank - 1 (mod 4), flags (1: null data), its data's
+// offset in bytes from the imported bytes' first (int16 LE), 4 sizes (uint8), 4 strides (int8).
 // flags: 1 strides given, 2 data null, 4 shape null, 8 device not CPU, 16 also from_dlpack.
 #include <dlpack/dlpack.h>
 #include <fmt/format.h>
@@ -14,6 +19,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <span>
 #include <vector>
 
 #include "moe_ep/error.hpp"
@@ -153,6 +160,65 @@ void check_accepted(const DLTensor& t, const TensorView& v, const std::byte* buf
   }
 }
 
+constexpr DType kTypes[] = {DType::kBool, DType::kUInt8, DType::kInt32, DType::kInt64,
+                            DType::kBF16, DType::kFP32,  DType::kFP8E4M3};
+
+// A view of `imported` described by the input: with_view must accept it exactly when its bytes
+// lie inside the imported bytes (or, without elements, it points into them or just past them).
+void check_subview(const Tensor& imported, Reader& in, const std::byte* buffer, std::size_t buffer_bytes) {
+  const DType dtype = kTypes[in.take<std::uint8_t>() % std::size(kTypes)];
+  const int ndim = 1 + in.take<std::uint8_t>() % 4;
+  const bool null_data = (in.take<std::uint8_t>() & 1) != 0;
+  const auto offset = in.take<std::int16_t>();
+  std::int64_t shape[4], strides[4];
+  for (auto& x : shape) x = in.take<std::uint8_t>();
+  for (auto& x : strides) x = in.take<std::int8_t>();
+  const TensorView::ByteRange imported_range = imported.byte_range();
+  const i128 first = static_cast<i128>(reinterpret_cast<std::uintptr_t>(imported.data())) + imported_range.begin;
+  const i128 last = static_cast<i128>(reinterpret_cast<std::uintptr_t>(imported.data())) + imported_range.end;
+  const i128 address = null_data ? 0 : first + offset;
+  if (address < 0) return;
+  const std::span<const std::int64_t> s(shape, static_cast<std::size_t>(ndim)), st(strides, static_cast<std::size_t>(ndim));
+  TensorView view;
+  try {
+    view = TensorView(reinterpret_cast<void*>(static_cast<std::uintptr_t>(address)), dtype, s, st);
+  } catch (const InvalidArgument&) {
+    return;  // a layout no view may have (its bytes would wrap around the address space)
+  }
+  const i128 element = static_cast<i128>(moe_ep::element_size(dtype));
+  i128 numel = 1, low = 0, high = element;
+  for (int d = 0; d < ndim; ++d) {
+    numel *= shape[d];
+    if (shape[d] > 1) (strides[d] < 0 ? low : high) += static_cast<i128>(shape[d] - 1) * strides[d] * element;
+  }
+  const bool inside = numel == 0 ? address >= first && address <= last
+                                 : !null_data && address + low >= first && address + high <= last;
+  bool accepted = false;
+  try {
+    (void)imported.with_view(view);
+    accepted = true;
+  } catch (const InvalidArgument&) {
+  }
+  if (accepted != inside) violated(inside ? "a view inside the storage was refused" : "a view outside the storage was accepted");
+  // Inside our own buffer: touch its elements.
+  const i128 mine = static_cast<i128>(reinterpret_cast<std::uintptr_t>(buffer));
+  if (accepted && numel > 0 && first >= mine && last <= mine + static_cast<i128>(buffer_bytes)) {
+    auto* base = static_cast<std::byte*>(view.data());
+    auto touch = [&](i128 offset_bytes) {
+      std::byte* p = base + static_cast<std::ptrdiff_t>(offset_bytes);
+      std::byte tmp[8];
+      std::memcpy(tmp, p, static_cast<std::size_t>(element));
+      std::memcpy(p, tmp, static_cast<std::size_t>(element));
+    };
+    if (numel <= 4096) {
+      for_each_offset(view, [&](i128 index) { touch(index * element); });
+    } else {
+      touch(low);
+      touch(high - element);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -203,6 +269,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         }
         if (!refused) violated("a view beyond the imported bytes was accepted");
       }
+      check_subview(imported, in, buffer, buffer_bytes);
       if (deletions != 0) violated("deleted while in use");
     } catch (const InvalidArgument&) {
       if (accepted) violated("from_dlpack refused what view_from_dlpack accepted");
