@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/checks.hh"
+#include "moe_ep/convert.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/tensor.hpp"
 
@@ -75,6 +76,14 @@ TEST(TensorSize, StridedViewsWhoseExtentOverflowsAreRefused) {
   EXPECT_FALSE(make(DType::kUInt8, {kMax, 2}, {1, 1}).empty());
   // Element count overflows although each stride is small.
   EXPECT_FALSE(make(DType::kUInt8, {kTwo33, kTwo33}, {0, 0}).empty());
+}
+
+// A view without elements may have no data pointer: conversions copy nothing from it (memcpy
+// from a null pointer is undefined even for 0 bytes; UBSan reports it).
+TEST(TensorSize, EmptyViewsWithoutDataConvert) {
+  EXPECT_EQ(to_fp32(TensorView(nullptr, DType::kFP32, {0, 4})).numel(), 0);
+  EXPECT_EQ(to_bf16(TensorView(nullptr, DType::kBF16, {3, 0})).numel(), 0);
+  EXPECT_EQ(to_fp32(TensorView(nullptr, DType::kBF16, {0})).size(0), 0);
 }
 
 TEST(TensorSize, TheOverlapCheckHandlesStridesNearTheLimit) {
