@@ -39,6 +39,11 @@ def dlpack():
         strides = list(strides) + [0] * (4 - len(strides))
         return struct.pack("<bBBBBHQ4q4q", ndim, code, bits, lanes, flags, buffer, offset, *shape, *strides)
 
+    def subview(dtype_index, ndim, flags, offset, shape, strides):
+        shape = list(shape) + [0] * (4 - len(shape))
+        strides = list(strides) + [0] * (4 - len(strides))
+        return struct.pack("<BBBh4B4b", dtype_index, ndim - 1, flags, offset, *shape, *strides)
+
     FLOAT, UINT, INT, BFLOAT, BOOL, FP8 = 2, 1, 0, 4, 6, 10
     STRIDES, NULL_DATA, NULL_SHAPE, DEVICE, IMPORT = 1, 2, 4, 8, 16
     seeds = {
@@ -61,6 +66,11 @@ def dlpack():
         "device_cuda": seed(1, FLOAT, 32, 1, DEVICE, 64, 0, (4,)),
         "two_lanes": seed(1, FLOAT, 32, 2, 0, 64, 0, (4,)),
         "outside_buffer": seed(1, FLOAT, 32, 1, IMPORT, 16, 8, (4,)),
+        # With a second view of the imported tensor (see the target's header).
+        "subview_inside": seed(2, FLOAT, 32, 1, IMPORT, 128, 0, (4, 8)) + subview(5, 2, 0, 16, (2, 4), (8, 1)),
+        "subview_past_end": seed(2, FLOAT, 32, 1, IMPORT, 128, 0, (4, 8)) + subview(5, 2, 0, 120, (2, 4), (8, 1)),
+        "subview_backwards": seed(1, FLOAT, 32, 1, IMPORT, 64, 0, (16,)) + subview(1, 1, 0, 63, (64,), (-1,)),
+        "subview_null_data": seed(1, FLOAT, 32, 1, IMPORT, 64, 0, (16,)) + subview(5, 1, 1, 0, (3,), (-1,)),
     }
     for name, data in seeds.items():
         write("dlpack_fuzzer", name, data)

@@ -1,15 +1,14 @@
 // Fuzzes the .npy reader: the first byte picks the dtype to read as (and, with its high bit,
-// whether to also read the bytes through a file); the rest is the file. Refusals are moe_ep
+// whether to also read the bytes through a file, an in-memory one); the rest is the file. Refusals are moe_ep
 // errors naming the input; an accepted tensor is exactly the bytes after the header, its shape
 // has 1 to 4 sizes, and the file and in-memory readers agree.
 #include <fmt/format.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <optional>
 #include <span>
 #include <string>
@@ -31,11 +30,18 @@ using moe_ep::Tensor;
 constexpr DType kTypes[] = {DType::kBool, DType::kUInt8, DType::kInt32, DType::kInt64,
                             DType::kBF16, DType::kFP32,  DType::kFP8E4M3};
 
-// A file of this process for the path reader, removed at exit.
-struct TempFile {
-  TempFile()
-      : path((std::filesystem::temp_directory_path() / fmt::format("moe_ep_npy_fuzz_{}.npy", getpid())).string()) {}
-  ~TempFile() { std::remove(path.c_str()); }
+// An in-memory file (memfd) for the path reader, so that inputs read through a file cost no
+// disk I/O: its path, /proc/self/fd/N, opens it anew at offset 0.
+struct MemoryFile {
+  MemoryFile() : fd(memfd_create("moe-ep-npy-fuzz", MFD_CLOEXEC)), path(fmt::format("/proc/self/fd/{}", fd)) {
+    if (fd < 0) violated("memfd_create failed");
+  }
+  ~MemoryFile() { close(fd); }
+  void write(std::span<const std::byte> bytes) const {
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, bytes.data(), bytes.size(), 0) != static_cast<ssize_t>(bytes.size()))
+      violated("cannot write the in-memory file");
+  }
+  int fd;
   std::string path;
 };
 
@@ -75,13 +81,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const Outcome memory = attempt("input", [&] { return moe_ep::core::read_npy(file, as, "input"); });
   if (memory.tensor) check_accepted(*memory.tensor, file, as);
   if (data[0] & 0x80) {
-    static TempFile temp;
-    if (std::FILE* f = std::fopen(temp.path.c_str(), "wb")) {
-      const bool written = std::fwrite(file.data(), 1, file.size(), f) == file.size();
-      if (std::fclose(f) != 0 || !written) violated("cannot write the temporary file");
-    } else {
-      violated("cannot create the temporary file");
-    }
+    static const MemoryFile temp;
+    temp.write(file);
     const Outcome disk = attempt(temp.path, [&] { return moe_ep::core::read_npy(temp.path, as); });
     if (disk.tensor.has_value() != memory.tensor.has_value() || disk.error != memory.error)
       violated(fmt::format("file and memory readers disagree: '{}' / '{}'", disk.error, memory.error));
