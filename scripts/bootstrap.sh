@@ -7,7 +7,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
 
 packages=(g++ cmake ninja-build pkg-config libgtest-dev libgmock-dev libbenchmark-dev libdlpack-dev
-          libcli11-dev nlohmann-json3-dev libfmt-dev libopenmpi-dev openmpi-bin python3 python3-numpy)
+          libcli11-dev nlohmann-json3-dev libfmt-dev libopenmpi-dev openmpi-bin python3 python3-numpy
+          clang-14 libclang-rt-14-dev)
 missing=()
 for p in "${packages[@]}"; do
   status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)

@@ -2,11 +2,28 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cmath>
+#include <limits>
+
 #include "commands.hh"
 #include "moe_ep/env.hpp"
 #include "report.hh"
 
 namespace moe_ep::tools {
+
+namespace {
+
+// "0 to 1024", "0 or more": the accepted range of a number variable.
+std::string range(const env::Variable& v) {
+  if (v.type == env::Type::kInt)
+    return v.int_range.max == std::numeric_limits<std::int64_t>::max()
+               ? fmt::format("{} or more", v.int_range.min)
+               : fmt::format("{} to {}", v.int_range.min, v.int_range.max);
+  return std::isinf(v.float_range.max) ? fmt::format("{} or more", v.float_range.min)
+                                       : fmt::format("{} to {}", v.float_range.min, v.float_range.max);
+}
+
+}  // namespace
 
 int env_command(bool markdown) {
   if (markdown) {
@@ -17,6 +34,7 @@ int env_command(bool markdown) {
     for (const auto& v : env::registry()) {
       std::string type(env::type_name(v.type));
       if (!v.choices.empty()) type += fmt::format(" ({})", fmt::join(v.choices, " \\| "));
+      if (v.type == env::Type::kInt || v.type == env::Type::kFloat) type += fmt::format(" ({})", range(v));
       const std::string shown = v.default_value.empty() ? std::string("(empty)") : fmt::format("`{}`", v.default_value);
       fmt::print("| `{}` | {} | {} | {} |\n", v.name, type, shown, v.doc);
     }
@@ -33,7 +51,9 @@ int env_command(bool markdown) {
       value = "(invalid)";
       source = e.what();
     }
-    table.row({std::string(v.name), std::string(env::type_name(v.type)), std::string(v.default_value), value, source});
+    std::string type(env::type_name(v.type));
+    if (v.type == env::Type::kInt || v.type == env::Type::kFloat) type += fmt::format(" ({})", range(v));
+    table.row({std::string(v.name), type, std::string(v.default_value), value, source});
   }
   table.print();
   fmt::print("\n");

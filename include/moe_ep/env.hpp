@@ -1,14 +1,18 @@
 // Typed environment configuration.
 //
 // Every environment variable moe-ep reads is declared once in a registry (name, type, default,
-// accepted values, one-line doc). Reads go through the typed getters below, which parse and
-// validate the current value; a bad value raises InvalidArgument naming the variable and the
-// accepted values. ScopedOverride replaces a value for the lifetime of the object (process-wide,
-// restored on destruction) so tests can change configuration without touching the process
-// environment. Reading an undeclared name is a programming error (StateError).
+// accepted values, one-line doc). Integer and float variables declare the range they accept;
+// it is the one limit of the quantity (a call argument that sets the same quantity is checked
+// against it too). Reads go through the typed getters below, which parse and validate the
+// current value on every read; a bad value raises InvalidArgument naming the variable, the value
+// exactly as given and the accepted values (the range for numbers). ScopedOverride replaces a
+// value for the lifetime of the object (process-wide, restored on destruction) so tests can
+// change configuration without touching the process environment; it validates the value when it
+// is made, as the reads do. Reading an undeclared name is a programming error (StateError).
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -17,12 +21,25 @@ namespace moe_ep::env {
 
 enum class Type { kBool, kInt, kFloat, kChoice, kString };
 
+// Accepted values of a kInt variable, inclusive.
+struct IntRange {
+  std::int64_t min = 0;
+  std::int64_t max = std::numeric_limits<std::int64_t>::max();
+};
+// Accepted values of a kFloat variable, inclusive (NaN is never accepted).
+struct FloatRange {
+  double min = 0;
+  double max = std::numeric_limits<double>::infinity();
+};
+
 struct Variable {
   std::string_view name;
   Type type;
   std::string_view default_value;
   std::vector<std::string_view> choices;  // accepted values for kChoice
   std::string_view doc;
+  IntRange int_range{};      // kInt
+  FloatRange float_range{};  // kFloat
 };
 
 enum class Source { kDefault, kEnvironment, kOverride };
@@ -43,6 +60,9 @@ double get_float(std::string_view name);
 std::string get_string(std::string_view name);  // kChoice and kString
 
 std::string_view type_name(Type t);
+// What a variable accepts, in words: "integers from 0 to 1024", "a non-negative number",
+// "normal | low_latency | auto"...
+std::string accepted_values(const Variable& v);
 std::string_view source_name(Source s);
 
 class ScopedOverride {

@@ -3,7 +3,10 @@
 //
 // A TensorView describes memory it does not own: a data pointer, a dtype, up to four sizes and
 // element strides. Library calls read input views and never keep them past the call (or past
-// the returned Event, for asynchronous calls). A Tensor is a view that also holds a reference on
+// the returned Event, for asynchronous calls). Constructors refuse (InvalidArgument naming the
+// shape) a view whose element count, byte count or byte range does not fit in int64, or whose
+// bytes would wrap around the address space, so numel(), nbytes() and byte_range() of any view
+// are exact. A Tensor is a view that also holds a reference on
 // its storage; copying a Tensor shares the storage (as framework tensors do). Storage from
 // Tensor::empty is 64-byte aligned, comes from a caching host allocator (memory is recycled, not
 // returned to the kernel, so steady-state loops do not page-fault) and is uninitialised.
@@ -50,6 +53,14 @@ class TensorView {
   }
   std::int64_t numel() const;
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * element_size(dtype_); }
+  // The bytes the elements occupy, as offsets from data(): [begin, end). begin < 0 only with
+  // negative strides; {0, 0} when there are no elements.
+  struct ByteRange {
+    std::int64_t begin = 0, end = 0;
+  };
+  ByteRange byte_range() const;
+  // Row-major with no gaps (size-1 dimensions may have any stride); views without elements are
+  // contiguous.
   bool is_contiguous() const;
   // Swaps two dimensions without moving data.
   TensorView transposed(int a, int b) const;
@@ -57,6 +68,8 @@ class TensorView {
   std::string describe() const;
 
  protected:
+  void check_layout() const;  // the constructors' checks (see above)
+
   void* data_ = nullptr;
   DType dtype_ = DType::kUInt8;
   int ndim_ = 0;
@@ -75,7 +88,13 @@ class Tensor : public TensorView {
   static Tensor zeros(std::initializer_list<std::int64_t> shape, DType dtype) {
     return zeros(std::span<const std::int64_t>(shape.begin(), shape.size()), dtype);
   }
-  // A tensor sharing this one's storage, described by `view` (which must lie inside it).
+  // A tensor sharing this one's storage, described by `view`: every byte of the view's elements
+  // must lie inside the storage, and a view without elements must point into it or just past
+  // its end (InvalidArgument otherwise). The storage is the block of empty()/zeros() or the
+  // bytes an imported DLPack tensor describes, and stays the whole block for views of views.
+  // A tensor without storage (default-constructed, or made from one) has no bytes to check
+  // against: with_view then wraps `view` as is and keeps nothing alive (the caller owns that
+  // memory, as with a TensorView).
   Tensor with_view(const TensorView& view) const;
   const TensorView& view() const { return *this; }
   // Number of Tensors (and DLPack exports) sharing the storage; 0 for an undefined tensor.
@@ -88,6 +107,9 @@ class Tensor : public TensorView {
 
  private:
   std::shared_ptr<void> storage_;
+  // The bytes of the storage (meaningful when storage_ holds a reference).
+  std::uintptr_t storage_begin_ = 0;
+  std::size_t storage_bytes_ = 0;
 };
 
 // A non-owning view of a DLPack tensor (CPU memory; no lanes; dtypes listed in docs/).

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
+#include <limits>
 #include <numeric>
 
 namespace moe_ep::core {
@@ -28,6 +30,14 @@ void expect_tensor(std::string_view context, std::string_view name, const Tensor
   expect_non_overlapping(context, name, t);
 }
 
+int int_size(std::string_view context, std::string_view name, const TensorView& t, int d) {
+  constexpr std::int64_t kMax = std::numeric_limits<std::int32_t>::max();
+  if (t.size(d) > kMax)
+    fail(context, "{} has size {} in dimension {}, more than {} ({} is {})", name, t.size(d), d, kMax, name,
+         t.describe());
+  return static_cast<int>(t.size(d));
+}
+
 void expect_non_overlapping(std::string_view context, std::string_view name, const TensorView& t) {
   if (t.numel() <= 1) return;
   // Visit dimensions from the smallest stride up (insertion sort: at most four entries).
@@ -36,12 +46,13 @@ void expect_non_overlapping(std::string_view context, std::string_view name, con
   for (int i = 1; i < n; ++i)
     for (int j = i; j > 0 && t.stride(order[j]) < t.stride(order[j - 1]); --j) std::swap(order[j], order[j - 1]);
   std::int64_t reach = 1;  // elements spanned by the inner dimensions
+  bool beyond = false;     // reach exceeds int64: no further dimension of size > 1 fits
   for (int i = 0; i < n; ++i) {
     const int d = order[i];
     if (t.size(d) == 1) continue;
-    if (t.stride(d) < reach)
+    if (beyond || t.stride(d) < reach)
       fail(context, "{} has overlapping or negative strides ({})", name, t.describe());
-    reach = t.stride(d) * t.size(d);
+    beyond = __builtin_mul_overflow(t.stride(d), t.size(d), &reach);
   }
 }
 

@@ -18,6 +18,9 @@ template <class... Args>
   throw InvalidArgument(fmt::format("{}: {}", context, fmt::format(format, std::forward<Args>(args)...)));
 }
 
+// Size d of t as an int (the engine indexes rows, columns and experts with int32): a size above
+// INT32_MAX is refused, never truncated.
+int int_size(std::string_view context, std::string_view name, const TensorView& t, int d);
 // Size -1 in `shape` accepts any size in that dimension.
 void expect_tensor(std::string_view context, std::string_view name, const TensorView& t, DType dtype,
                    std::initializer_list<std::int64_t> shape);

@@ -99,7 +99,7 @@ Tensor to_bf16(const TensorView& x) {
   const std::int64_t n = x.numel();
   auto* o = out.data_as<std::uint16_t>();
   if (x.dtype() == DType::kBF16) {
-    std::memcpy(o, x.data(), x.nbytes());
+    if (n > 0) std::memcpy(o, x.data(), x.nbytes());  // an empty view may have no data pointer
   } else {
     const float* in = x.data_as<const float>();
     for (std::int64_t i = 0; i < n; ++i) o[i] = float_to_bf16(in[i]);
@@ -121,7 +121,7 @@ Tensor to_fp32(const TensorView& x) {
       for (std::int64_t i = 0; i < n; ++i) o[i] = fp8_e4m3_to_float(x.data_as<const std::uint8_t>()[i]);
       break;
     case DType::kFP32:
-      std::memcpy(o, x.data(), x.nbytes());
+      if (n > 0) std::memcpy(o, x.data(), x.nbytes());  // an empty view may have no data pointer
       break;
     default:
       core::fail(kContext, "x has dtype {}, expected bfloat16, float32 or float8_e4m3fn", dtype_name(x.dtype()));

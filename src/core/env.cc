@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 
+#include "core/executor.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::env {
@@ -15,22 +17,26 @@ namespace {
 
 // The one place where moe-ep's environment variables are declared.
 const std::vector<Variable>& variables() {
+  constexpr std::int64_t kKiB = 1024, kGiB = kKiB * kKiB * kKiB;
   static const std::vector<Variable> vars = {
       {"MOE_EP_DEBUG", Type::kBool, "0", {},
        "Print debug information to stderr (buffer sizes, worker counts, sizing decisions)."},
       {"MOE_EP_TIMEOUT_SECS", Type::kFloat, "300", {},
-       "Timeout of Group::barrier when none is given, and of every wait of the buffers the dispatcher builds "
-       "(buffers built directly use their num_cpu_timeout_secs)."},
+       "Timeout in seconds of every wait: Group::barrier when none is given, MPI group creation, the buffers the "
+       "dispatcher and the moe-ep tool build (buffers built directly use their num_cpu_timeout_secs). Positive and "
+       "finite; 1e9 and more never expire.", {}, {}},
       {"MOE_EP_NUM_WORKERS", Type::kInt, "0", {},
-       "Worker threads per rank for dispatch/combine copies; 0 = the theoretical model."},
+       "Worker threads per rank for dispatch/combine copies; 0 = the theoretical model. The limit is that of num_sms.",
+       {0, core::kMaxWorkers}},
       {"MOE_EP_USE_V2", Type::kBool, "0", {},
        "Dispatcher: use the V2 ElasticBuffer instead of the V1 Buffer (opt-in)."},
       {"MOE_EP_MODE", Type::kChoice, "auto", {"normal", "low_latency", "auto"},
        "Dispatcher mode: normal, low_latency, or auto (prefill batches normal, decode batches low_latency)."},
       {"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", Type::kInt, "128", {},
-       "Dispatcher: token cap per rank of low-latency batches (the slab height per source rank)."},
+       "Dispatcher: token cap per rank of low-latency batches (the slab height per source rank).",
+       {1, std::int64_t{1} << 20}},
       {"MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK", Type::kInt, "4096", {},
-       "Dispatcher: largest normal-mode batch per rank that its buffers are sized for."},
+       "Dispatcher: largest normal-mode batch per rank that its buffers are sized for.", {1, std::int64_t{1} << 24}},
       {"MOE_EP_DISPATCH_DTYPE", Type::kChoice, "bf16", {"bf16", "fp8"},
        "Dispatcher: wire format of dispatched tokens (fp8 = E4M3 with per-128 scales, cast before sending)."},
       {"MOE_EP_V2_ALLOW_HYBRID_MODE", Type::kBool, "1", {},
@@ -43,11 +49,15 @@ const std::vector<Variable>& variables() {
        "Dispatcher: provider libraries to probe, colon-separated; 'cpu' is the built-in provider; empty = cpu."},
       {"MOE_EP_RANKS_PER_NODE", Type::kInt, "0", {},
        "MPI groups: ranks per logical node (scale-up domain over shared memory); 0 = the ranks of each host. "
-       "Smaller values make processes of one host talk through MPI as if on different nodes."},
+       "Smaller values make processes of one host talk through MPI as if on different nodes.",
+       {0, std::int64_t{1} << 16}},
       {"MOE_EP_MPI_CHUNK_BYTES", Type::kInt, "262144", {},
-       "MPI transport: bytes of scale-out records aggregated into one message per peer."},
+       "MPI transport: bytes of scale-out records aggregated into one message per peer (values below 4096 count "
+       "as 4096).",
+       {0, kGiB}},
       {"MOE_EP_ALLOCATOR_CACHE_BYTES", Type::kInt, "68719476736", {},
-       "Bytes of freed tensor storage (address space) kept mapped for reuse by the caching host allocator."},
+       "Bytes of freed tensor storage (address space) kept mapped for reuse by the caching host allocator.",
+       {0, std::int64_t{1} << 47}},
   };
   return vars;
 }
@@ -67,33 +77,41 @@ std::string lower(std::string_view s) {
   return out;
 }
 
-[[noreturn]] void bad_value(const Variable& v, std::string_view value, std::string_view accepted) {
-  throw InvalidArgument(fmt::format("environment variable {}={:?} is invalid: accepted values are {}",
-                                    v.name, value, accepted));
+[[noreturn]] void bad_value(const Variable& v, std::string_view value) {
+  throw InvalidArgument(fmt::format("environment variable {}={:?} is invalid: accepted values are {}", v.name, value,
+                                    accepted_values(v)));
 }
+
+// The environment cannot hold a NUL byte; an override that holds one is refused, not cut short.
+bool has_nul(std::string_view value) { return value.find('\0') != std::string_view::npos; }
 
 bool parse_bool(const Variable& v, std::string_view value) {
   const std::string s = lower(value);
   if (s == "1" || s == "true" || s == "on" || s == "yes") return true;
   if (s == "0" || s == "false" || s == "off" || s == "no" || s.empty()) return false;
-  bad_value(v, value, "1/true/on/yes or 0/false/off/no");
+  bad_value(v, value);
 }
 
+// Decimal, optionally after leading white space and a sign (strtoll's syntax); a value that
+// does not fit in 64 bits is out of range like any other.
 std::int64_t parse_int(const Variable& v, std::string_view value) {
-  std::string s(value);
+  const std::string s(value);
+  if (s.empty() || has_nul(value)) bad_value(v, value);
   errno = 0;
   char* end = nullptr;
   const long long x = std::strtoll(s.c_str(), &end, 10);
-  if (s.empty() || errno != 0 || *end != '\0' || x < 0) bad_value(v, value, "a non-negative integer");
+  if (end != s.c_str() + s.size() || errno != 0 || x < v.int_range.min || x > v.int_range.max) bad_value(v, value);
   return x;
 }
 
 double parse_float(const Variable& v, std::string_view value) {
-  std::string s(value);
+  const std::string s(value);
+  if (s.empty() || has_nul(value)) bad_value(v, value);
   errno = 0;
   char* end = nullptr;
   const double x = std::strtod(s.c_str(), &end);
-  if (s.empty() || errno != 0 || *end != '\0' || !(x >= 0)) bad_value(v, value, "a non-negative number");
+  if (end != s.c_str() + s.size() || errno != 0 || !(x >= v.float_range.min && x <= v.float_range.max))
+    bad_value(v, value);
   return x;
 }
 
@@ -109,10 +127,10 @@ void validate(const Variable& v, std::string_view value) {
       parse_float(v, value);
       break;
     case Type::kChoice:
-      if (std::find(v.choices.begin(), v.choices.end(), lower(value)) == v.choices.end())
-        bad_value(v, value, fmt::format("{}", fmt::join(v.choices, " | ")));
+      if (std::find(v.choices.begin(), v.choices.end(), lower(value)) == v.choices.end()) bad_value(v, value);
       break;
     case Type::kString:
+      if (has_nul(value)) bad_value(v, value);
       break;
   }
 }
@@ -161,6 +179,28 @@ std::string_view type_name(Type t) {
       return "choice";
     case Type::kString:
       return "string";
+  }
+  return "?";
+}
+
+std::string accepted_values(const Variable& v) {
+  switch (v.type) {
+    case Type::kBool:
+      return "1/true/on/yes or 0/false/off/no";
+    case Type::kInt:
+      if (v.int_range.max == std::numeric_limits<std::int64_t>::max())
+        return v.int_range.min == 0 ? std::string("a non-negative integer")
+                                    : fmt::format("integers from {} up", v.int_range.min);
+      return fmt::format("integers from {} to {}", v.int_range.min, v.int_range.max);
+    case Type::kFloat:
+      if (std::isinf(v.float_range.max))
+        return v.float_range.min == 0 ? std::string("a non-negative number")
+                                      : fmt::format("numbers from {} up", v.float_range.min);
+      return fmt::format("numbers from {} to {}", v.float_range.min, v.float_range.max);
+    case Type::kChoice:
+      return fmt::format("{}", fmt::join(v.choices, " | "));
+    case Type::kString:
+      return "any text without NUL bytes";
   }
   return "?";
 }

@@ -1,5 +1,9 @@
 #include "core/executor.hh"
 
+#include <fmt/format.h>
+
+#include "moe_ep/error.hpp"
+
 namespace moe_ep::core {
 
 SerialWorker::~SerialWorker() {
@@ -58,6 +62,8 @@ void WorkerPool::stop_helpers() {
 
 void WorkerPool::resize(int size) {
   if (size < 1) size = 1;
+  if (size > kMaxWorkers)
+    throw InvalidArgument(fmt::format("worker pool: {} workers requested, the limit is {}", size, kMaxWorkers));
   if (size == size_ && static_cast<int>(helpers_.size()) == size - 1) return;
   stop_helpers();
   size_ = size;

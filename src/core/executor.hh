@@ -19,6 +19,10 @@
 
 namespace moe_ep::core {
 
+// The most worker threads one rank uses for one call: the one limit of num_sms (ElasticBuffer
+// dispatch and combine, V1 Config), MOE_EP_NUM_WORKERS and DispatcherOptions::num_workers.
+inline constexpr int kMaxWorkers = 1024;
+
 class SerialWorker {
  public:
   SerialWorker() = default;
@@ -49,7 +53,9 @@ class WorkerPool {
   WorkerPool& operator=(const WorkerPool&) = delete;
 
   int size() const { return size_; }
-  void resize(int size);  // not while parallel_for runs
+  // Not while parallel_for runs. Sizes below 1 count as 1; above kMaxWorkers is an
+  // InvalidArgument (callers check their arguments against the limit first).
+  void resize(int size);
   void parallel_for(std::int64_t n, const std::function<void(std::int64_t)>& fn);
 
  private:

@@ -21,6 +21,9 @@ constexpr std::size_t kLargeThreshold = std::size_t{1} << 20;
 constexpr std::size_t kLargeGranule = std::size_t{2} << 20;
 constexpr std::size_t kSmallAlignment = 64;
 
+// MOE_EP_ALLOCATOR_CACHE_BYTES (its range keeps it within the address space).
+std::size_t cache_limit() { return static_cast<std::size_t>(env::get_int("MOE_EP_ALLOCATOR_CACHE_BYTES")); }
+
 class LargeBlockCache {
  public:
   void* take(std::size_t bytes, std::size_t* block_bytes) {
@@ -60,8 +63,14 @@ class LargeBlockCache {
     return p;
   }
 
+  // Runs in a deleter, which must not throw: a limit that became invalid since the allocation
+  // (allocate_host reports it) keeps nothing.
   void give_back(void* p, std::size_t block_bytes) {
-    const auto limit = static_cast<std::size_t>(env::get_int("MOE_EP_ALLOCATOR_CACHE_BYTES"));
+    std::size_t limit = 0;
+    try {
+      limit = cache_limit();
+    } catch (const Error&) {
+    }
     {
       std::lock_guard lock(mutex_);
       if (stats_.cached_bytes + block_bytes <= limit) {
@@ -144,6 +153,7 @@ std::shared_ptr<void> allocate_host(std::size_t bytes) {
       void* p = ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{kSmallAlignment});
       return std::shared_ptr<void>(p, [](void* q) { ::operator delete(q, std::align_val_t{kSmallAlignment}); });
     }
+    cache_limit();  // a bad value is reported here, to the caller, rather than when the block comes back
     std::size_t block_bytes = 0;
     void* p = cache().take(bytes, &block_bytes);
     return std::shared_ptr<void>(p, [block_bytes](void* q) { cache().give_back(q, block_bytes); });

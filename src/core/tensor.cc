@@ -63,12 +63,17 @@ TensorView::TensorView(void* data, DType dtype, std::span<const std::int64_t> sh
     : data_(data), dtype_(dtype), ndim_(static_cast<int>(shape.size())) {
   check_ndim(shape.size());
   std::int64_t stride = 1;
+  bool overflow = false;  // the stride of the next (outer) dimension does not fit
   for (int d = ndim_ - 1; d >= 0; --d) {
     if (shape[d] < 0) throw InvalidArgument(fmt::format("tensor size {} of dim {} is negative", shape[d], d));
+    if (overflow)
+      throw InvalidArgument(fmt::format("tensor {}[{}]: its row-major strides do not fit in 64 bits", dtype_name(dtype),
+                                        fmt::join(shape, ", ")));
     shape_[d] = shape[d];
     strides_[d] = stride;
-    stride *= shape[d] == 0 ? 1 : shape[d];
+    overflow = __builtin_mul_overflow(stride, shape[d] == 0 ? 1 : shape[d], &stride);
   }
+  check_layout();
 }
 
 TensorView::TensorView(void* data, DType dtype, std::span<const std::int64_t> shape,
@@ -82,17 +87,91 @@ TensorView::TensorView(void* data, DType dtype, std::span<const std::int64_t> sh
     shape_[d] = shape[d];
     strides_[d] = strides[d];
   }
+  check_layout();
+}
+
+namespace {
+
+// Element count and byte range of a layout, each computed with overflow checks; the reason when
+// one does not fit in int64.
+struct Measured {
+  std::int64_t numel = 0;
+  TensorView::ByteRange bytes;
+  const char* overflow = nullptr;
+};
+
+Measured measure(std::span<const std::int64_t> shape, std::span<const std::int64_t> strides, std::int64_t element) {
+  Measured m;
+  for (std::int64_t size : shape)
+    if (size == 0) return m;  // no elements: no bytes, whatever the other sizes
+  m.numel = 1;
+  for (std::int64_t size : shape)
+    if (__builtin_mul_overflow(m.numel, size, &m.numel)) {
+      m.overflow = "its element count does not fit in 64 bits";
+      return m;
+    }
+  std::int64_t bytes = 0;
+  if (__builtin_mul_overflow(m.numel, element, &bytes)) {
+    m.overflow = "its byte count does not fit in 64 bits";
+    return m;
+  }
+  // Lowest and highest element, in bytes from the first.
+  std::int64_t low = 0, high = 0;
+  for (std::size_t d = 0; d < shape.size(); ++d) {
+    if (shape[d] == 1) continue;  // its stride is never applied
+    std::int64_t span = 0;
+    if (__builtin_mul_overflow(shape[d] - 1, strides[d], &span) || __builtin_mul_overflow(span, element, &span) ||
+        __builtin_add_overflow(span < 0 ? low : high, span, span < 0 ? &low : &high)) {
+      m.overflow = "its byte range does not fit in 64 bits";
+      return m;
+    }
+  }
+  if (__builtin_add_overflow(high, element, &high)) {
+    m.overflow = "its byte range does not fit in 64 bits";
+    return m;
+  }
+  m.bytes = {low, high};
+  return m;
+}
+
+}  // namespace
+
+void TensorView::check_layout() const {
+  const auto element = static_cast<std::int64_t>(element_size(dtype_));
+  const Measured m = measure(shape(), strides(), element);
+  const char* problem = m.overflow;
+  if (problem == nullptr && data_ != nullptr && m.numel > 0) {
+    // The addresses of the first and last byte exist: data + begin >= 0, data + end <= max.
+    const auto address = reinterpret_cast<std::uintptr_t>(data_);
+    const auto below = static_cast<std::uintptr_t>(-(m.bytes.begin + 1)) + 1;  // -begin, without overflow
+    std::uintptr_t last = 0;
+    if ((m.bytes.begin < 0 && address < below) ||
+        __builtin_add_overflow(address, static_cast<std::uintptr_t>(m.bytes.end), &last))
+      problem = "its bytes wrap around the address space";
+  }
+  if (problem != nullptr)
+    throw InvalidArgument(fmt::format("tensor {}[{}] strides ({}) at {}: {}", dtype_name(dtype_), fmt::join(shape(), ", "),
+                                      fmt::join(strides(), ", "), data_, problem));
 }
 
 std::int64_t TensorView::numel() const {
   if (ndim_ == 0) return 0;
+  for (int d = 0; d < ndim_; ++d)
+    if (shape_[d] == 0) return 0;
   std::int64_t n = 1;
-  for (int d = 0; d < ndim_; ++d) n *= shape_[d];
+  for (int d = 0; d < ndim_; ++d)
+    if (__builtin_mul_overflow(n, shape_[d], &n))  // refused at construction
+      throw StateError(fmt::format("tensor {}[{}]: element count overflow", dtype_name(dtype_), fmt::join(shape(), ", ")));
   return n;
 }
 
+TensorView::ByteRange TensorView::byte_range() const {
+  return measure(shape(), strides(), static_cast<std::int64_t>(element_size(dtype_))).bytes;
+}
+
 bool TensorView::is_contiguous() const {
-  std::int64_t expected = 1;
+  if (numel() == 0) return true;
+  std::int64_t expected = 1;  // partial products of a count that fits: no overflow
   for (int d = ndim_ - 1; d >= 0; --d) {
     if (shape_[d] != 1 && strides_[d] != expected) return false;
     expected *= shape_[d];
@@ -121,6 +200,8 @@ Tensor Tensor::empty(std::span<const std::int64_t> shape, DType dtype) {
   static_cast<TensorView&>(t) = TensorView(nullptr, dtype, shape);
   t.storage_ = core::allocate_host(t.nbytes());
   t.data_ = t.storage_.get();
+  t.storage_begin_ = reinterpret_cast<std::uintptr_t>(t.data_);
+  t.storage_bytes_ = t.nbytes();
   return t;
 }
 
@@ -131,9 +212,26 @@ Tensor Tensor::zeros(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 Tensor Tensor::with_view(const TensorView& view) const {
+  if (use_count() > 0) {
+    // Addresses of the view's first and last byte exist (checked when the view was made).
+    const auto address = reinterpret_cast<std::uintptr_t>(view.data());
+    const TensorView::ByteRange r = view.byte_range();
+    const std::uintptr_t first = address + static_cast<std::uintptr_t>(r.begin), last = address + static_cast<std::uintptr_t>(r.end);
+    const std::uintptr_t end = storage_begin_ + storage_bytes_;
+    // A view with elements needs a data pointer (a null one would make first wrap around).
+    const bool inside = view.numel() == 0 ? address >= storage_begin_ && address <= end
+                                          : view.data() != nullptr && first >= storage_begin_ && last <= end;
+    if (!inside)
+      throw InvalidArgument(fmt::format(
+          "Tensor::with_view: the view {} covers bytes [{}, {}) of a storage of {} bytes (offsets from its start)",
+          view.describe(), static_cast<std::int64_t>(first - storage_begin_),
+          static_cast<std::int64_t>(last - storage_begin_), storage_bytes_));
+  }
   Tensor t;
   static_cast<TensorView&>(t) = view;
   t.storage_ = storage_;
+  t.storage_begin_ = storage_begin_;
+  t.storage_bytes_ = storage_bytes_;
   return t;
 }
 
@@ -183,6 +281,10 @@ Tensor Tensor::from_dlpack(DLManagedTensor* managed) {
     auto* m = static_cast<DLManagedTensor*>(p);
     if (m->deleter) m->deleter(m);
   });
+  // All that is known of the producer's memory: the bytes the tensor describes.
+  const TensorView::ByteRange r = v.byte_range();
+  t.storage_begin_ = reinterpret_cast<std::uintptr_t>(v.data()) + static_cast<std::uintptr_t>(r.begin);
+  t.storage_bytes_ = static_cast<std::size_t>(r.end - r.begin);
   return t;
 }
 
@@ -190,12 +292,36 @@ TensorView view_from_dlpack(const DLTensor& tensor) {
   if (tensor.device.device_type != kDLCPU && tensor.device.device_type != kDLCUDAHost)
     throw InvalidArgument(fmt::format("DLPack tensor lives on device type {}; moe-ep needs CPU memory",
                                       static_cast<int>(tensor.device.device_type)));
-  check_ndim(static_cast<std::size_t>(tensor.ndim));
+  if (tensor.ndim < 1 || tensor.ndim > TensorView::kMaxDims)
+    throw InvalidArgument(fmt::format("DLPack tensor rank {} is outside [1, {}]", tensor.ndim, TensorView::kMaxDims));
   const DType dtype = from_dl(tensor.dtype);
-  void* data = static_cast<char*>(tensor.data) + tensor.byte_offset;
-  std::span<const std::int64_t> shape(tensor.shape, static_cast<std::size_t>(tensor.ndim));
-  if (tensor.strides == nullptr) return TensorView(data, dtype, shape);
-  return TensorView(data, dtype, shape, std::span<const std::int64_t>(tensor.strides, shape.size()));
+  if (tensor.shape == nullptr)
+    throw InvalidArgument(fmt::format("DLPack tensor of rank {} has no shape array (shape is null)", tensor.ndim));
+  const std::span<const std::int64_t> shape(tensor.shape, static_cast<std::size_t>(tensor.ndim));
+  for (std::size_t d = 0; d < shape.size(); ++d)
+    if (shape[d] < 0)
+      throw InvalidArgument(fmt::format("DLPack tensor shape [{}] has a negative size in dimension {}",
+                                        fmt::join(shape, ", "), d));
+  // Null strides: row-major. The layout is checked (sizes, strides, byte range) before any
+  // address is formed from the data pointer.
+  auto make = [&](void* data) {
+    return tensor.strides == nullptr
+               ? TensorView(data, dtype, shape)
+               : TensorView(data, dtype, shape, std::span<const std::int64_t>(tensor.strides, shape.size()));
+  };
+  const TensorView layout = make(nullptr);
+  if (tensor.data == nullptr) {
+    if (layout.numel() > 0 || tensor.byte_offset != 0)
+      throw InvalidArgument(fmt::format("DLPack tensor {} has a null data pointer (byte_offset {}): only a tensor "
+                                        "without elements may, with byte_offset 0",
+                                        layout.describe(), tensor.byte_offset));
+    return layout;
+  }
+  std::uintptr_t address = 0;
+  if (__builtin_add_overflow(reinterpret_cast<std::uintptr_t>(tensor.data), tensor.byte_offset, &address))
+    throw InvalidArgument(fmt::format("DLPack tensor {}: byte_offset {} from data {} wraps around the address space",
+                                      layout.describe(), tensor.byte_offset, tensor.data));
+  return make(reinterpret_cast<void*>(address));  // also checks that its bytes do not wrap
 }
 
 }  // namespace moe_ep

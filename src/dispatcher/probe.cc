@@ -3,9 +3,12 @@
 #include <dlfcn.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string_view>
 
 #include "dispatcher/provider_registry.hh"
 #include "moe_ep/dispatcher.hpp"
@@ -62,38 +65,8 @@ const provider::Table* load(const std::string& entry, ProviderProbe& probe) {
       return nullptr;  // the library stays loaded: unloading foreign code is not always safe
     }
     table = symbol();
-    if (table == nullptr) {
-      probe.error = fmt::format("{}: {} returned no provider table", entry, provider::kEntrySymbol);
-      return nullptr;
-    }
   }
-  if (table->abi_version != provider::kAbiVersion || table->table_bytes != sizeof(provider::Table)) {
-    probe.error = fmt::format("{}: provider ABI mismatch: library built for ABI {} (table of {} bytes), this moe-ep "
-                              "speaks ABI {} ({} bytes)",
-                              entry, table->abi_version, table->table_bytes, provider::kAbiVersion,
-                              sizeof(provider::Table));
-    return nullptr;
-  }
-  probe.name = table->name != nullptr ? table->name : "";
-  if (table->init != nullptr) {
-    const char* failure = nullptr;
-    try {
-      failure = table->init();
-    } catch (const std::exception& e) {
-      probe.error = fmt::format("{} (provider '{}'): init failed: {}", entry, probe.name, e.what());
-      return nullptr;
-    } catch (...) {
-      probe.error = fmt::format("{} (provider '{}'): init failed", entry, probe.name);
-      return nullptr;
-    }
-    if (failure != nullptr) {
-      probe.error = fmt::format("{} (provider '{}'): init failed: {}", entry, probe.name, failure);
-      return nullptr;
-    }
-  }
-  probe.offers_v1 = table->create_legacy != nullptr;
-  probe.offers_v2 = table->create_elastic != nullptr;
-  return table;
+  return accept_table(entry, table, probe) ? table : nullptr;
 }
 
 struct Probed {
@@ -161,6 +134,59 @@ const Probed& probed(const std::string& path_list) {
 }
 
 }  // namespace
+
+bool accept_table(const std::string& entry, const provider::Table* table, ProviderProbe& probe) {
+  probe.entry = entry;
+  probe.name.clear();
+  probe.offers_v1 = probe.offers_v2 = false;
+  probe.error.clear();
+  if (table == nullptr) {
+    probe.error = fmt::format("{}: {} returned no provider table", entry, provider::kEntrySymbol);
+    return false;
+  }
+  // Only the first two fields are read before the version and size are known to match.
+  if (table->abi_version != provider::kAbiVersion || table->table_bytes != sizeof(provider::Table)) {
+    probe.error = fmt::format("{}: provider ABI mismatch: library built for ABI {} (table of {} bytes), this moe-ep "
+                              "speaks ABI {} ({} bytes)",
+                              entry, table->abi_version, table->table_bytes, provider::kAbiVersion,
+                              sizeof(provider::Table));
+    return false;
+  }
+  // The name is shown in every report and message: printable text of bounded length (read no
+  // further than the bound).
+  const std::size_t length = table->name != nullptr ? strnlen(table->name, kMaxProviderName + 1) : 0;
+  const bool printable = std::all_of(table->name, table->name + length, [](char c) { return c >= 0x20 && c < 0x7f; });
+  if (table->name == nullptr || length == 0 || length > kMaxProviderName || !printable) {
+    probe.error = fmt::format("{}: the provider table's name is {}: expected 1 to {} printable ASCII characters", entry,
+                              table->name == nullptr ? std::string("null")
+                              : length > kMaxProviderName
+                                  ? fmt::format("longer than {} characters", kMaxProviderName)
+                                  : fmt::format("{:?}", std::string_view(table->name, length)),
+                              kMaxProviderName);
+    return false;
+  }
+  probe.name.assign(table->name, length);
+  if (table->init != nullptr) {
+    const char* failure = nullptr;
+    try {
+      failure = table->init();
+    } catch (const std::exception& e) {
+      probe.error = fmt::format("{} (provider '{}'): init failed: {}", entry, probe.name, e.what());
+      return false;
+    } catch (...) {
+      probe.error = fmt::format("{} (provider '{}'): init failed", entry, probe.name);
+      return false;
+    }
+    if (failure != nullptr) {
+      probe.error = fmt::format("{} (provider '{}'): init failed: {}", entry, probe.name,
+                                std::string_view(failure, strnlen(failure, kMaxInitMessage)));
+      return false;
+    }
+  }
+  probe.offers_v1 = table->create_legacy != nullptr;
+  probe.offers_v2 = table->create_elastic != nullptr;
+  return true;
+}
 
 const provider::Table* provider_for(const std::string& path_list, Generation generation) {
   const Probed& p = probed(path_list);

@@ -1,6 +1,7 @@
 // Providers as probed, per path list (dispatcher-internal; the public view is ProbeReport).
 #pragma once
 
+#include <cstddef>
 #include <string>
 
 #include "moe_ep/dispatcher.hpp"
@@ -9,6 +10,17 @@
 namespace moe_ep::dispatcher {
 
 inline constexpr const char* kBuiltinEntry = "cpu";
+
+// Provider names are 1 to kMaxProviderName printable ASCII characters; an init failure message
+// is shown up to kMaxInitMessage characters.
+inline constexpr std::size_t kMaxProviderName = 64;
+inline constexpr std::size_t kMaxInitMessage = 4096;
+
+// Checks a provider table that `entry` (a path list entry) handed out: ABI version and table
+// size, the name, then runs its init. Fills `probe` (entry, name and offered generations, or
+// the error) and returns whether the provider is usable. Never throws; reads nothing of the
+// table beyond its first two fields unless they match this library's ABI.
+bool accept_table(const std::string& entry, const provider::Table* table, ProviderProbe& probe);
 
 // The table that serves `generation` for `path_list` (null when unavailable; the reason is in
 // probe_providers(path_list)[generation]).

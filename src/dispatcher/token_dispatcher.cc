@@ -117,6 +117,12 @@ void check_range(const std::string& name, std::int64_t value, std::int64_t lo, s
     throw InvalidArgument(fmt::format("dispatcher: {} = {} is out of range: expected {} to {}", name, value, lo, hi));
 }
 
+// An option that sets the same quantity as an environment variable has the variable's range.
+void check_variable_range(bool from_field, const char* field, const char* variable, std::int64_t value) {
+  const env::IntRange& range = env::lookup(variable).int_range;
+  check_range(origin(from_field, field, variable), value, range.min, range.max);
+}
+
 DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& group) {
   DispatcherOptions o = in;
   o.use_v2 = pick(in.use_v2, env::get_bool("MOE_EP_USE_V2"));
@@ -124,15 +130,15 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
     const std::string m = env::get_string("MOE_EP_MODE");
     o.mode = m == "normal" ? DispatchMode::kNormal : m == "low_latency" ? DispatchMode::kLowLatency : DispatchMode::kAuto;
   }
-  o.num_max_dispatch_tokens_per_rank =
-      pick(in.num_max_dispatch_tokens_per_rank, static_cast<int>(std::min<std::int64_t>(
-                                                    env::get_int("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"), 1 << 30)));
-  o.num_max_prefill_tokens_per_rank =
-      pick(in.num_max_prefill_tokens_per_rank, static_cast<int>(std::min<std::int64_t>(
-                                                   env::get_int("MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK"), 1 << 30)));
+  // The variables' ranges are the limits of these options (checked below for option fields);
+  // values read from the environment are in range.
+  o.num_max_dispatch_tokens_per_rank = pick(
+      in.num_max_dispatch_tokens_per_rank, static_cast<int>(env::get_int("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")));
+  o.num_max_prefill_tokens_per_rank = pick(
+      in.num_max_prefill_tokens_per_rank, static_cast<int>(env::get_int("MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK")));
   if (!in.dispatch_dtype)
     o.dispatch_dtype = env::get_string("MOE_EP_DISPATCH_DTYPE") == "fp8" ? WireDType::kFP8 : WireDType::kBF16;
-  o.num_workers = pick(in.num_workers, static_cast<int>(std::min<std::int64_t>(env::get_int("MOE_EP_NUM_WORKERS"), 1 << 20)));
+  o.num_workers = pick(in.num_workers, static_cast<int>(env::get_int("MOE_EP_NUM_WORKERS")));
   o.allow_hybrid_mode = pick(in.allow_hybrid_mode, env::get_bool("MOE_EP_V2_ALLOW_HYBRID_MODE"));
   o.allow_multiple_reduction = pick(in.allow_multiple_reduction, env::get_bool("MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION"));
   o.v2_expanded_normal_layout = pick(in.v2_expanded_normal_layout, env::get_string("MOE_EP_V2_NORMAL_LAYOUT") == "expanded");
@@ -146,13 +152,11 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
   if (o.num_experts % R != 0)
     throw InvalidArgument(fmt::format("dispatcher: DispatcherOptions.num_experts = {} is not divisible by the {} ranks",
                                       o.num_experts, R));
-  check_range(origin(in.num_max_dispatch_tokens_per_rank.has_value(), "num_max_dispatch_tokens_per_rank",
-                     "MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"),
-              *o.num_max_dispatch_tokens_per_rank, 1, 1 << 20);
-  check_range(origin(in.num_max_prefill_tokens_per_rank.has_value(), "num_max_prefill_tokens_per_rank",
-                     "MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK"),
-              *o.num_max_prefill_tokens_per_rank, 1, 1 << 24);
-  check_range(origin(in.num_workers.has_value(), "num_workers", "MOE_EP_NUM_WORKERS"), *o.num_workers, 0, 512);
+  check_variable_range(in.num_max_dispatch_tokens_per_rank.has_value(), "num_max_dispatch_tokens_per_rank",
+                       "MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", *o.num_max_dispatch_tokens_per_rank);
+  check_variable_range(in.num_max_prefill_tokens_per_rank.has_value(), "num_max_prefill_tokens_per_rank",
+                       "MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK", *o.num_max_prefill_tokens_per_rank);
+  check_variable_range(in.num_workers.has_value(), "num_workers", "MOE_EP_NUM_WORKERS", *o.num_workers);
   check_range("DispatcherOptions.expert_alignment", o.expert_alignment, 1, 1 << 20);
   core::checked_timeout("dispatcher", "DispatcherOptions.timeout_secs", *o.timeout_secs);
   if (*o.dispatch_dtype == WireDType::kFP8 && o.hidden % kFp8BlockSize != 0)

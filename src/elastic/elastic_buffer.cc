@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "core/checks.hh"
+#include "core/executor.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
 #include "core/fabric.hh"
@@ -69,18 +70,21 @@ engine::EngineConfig engine_config(const Group& group, const ElasticBufferConfig
   return e;
 }
 
-// num_sms: 0 = MOE_EP_NUM_WORKERS if set, else the theoretical model; checked in the agreement.
+// num_sms: 0 = MOE_EP_NUM_WORKERS if set, else the theoretical model. num_sms is checked in
+// validation, the variable where it is read (its range is the same limit); both errors travel
+// through the agreement.
 std::function<int(int, int)> worker_choice(engine::Engine& e, int num_sms) {
   return [&e, num_sms](int num_experts, int num_topk) {
     if (num_sms > 0) return num_sms;
-    const auto forced = env::get_int("MOE_EP_NUM_WORKERS");
+    const std::int64_t forced = env::get_int("MOE_EP_NUM_WORKERS");  // in [0, core::kMaxWorkers]
     if (forced > 0) return static_cast<int>(forced);
     return engine::theoretical_num_workers(e, num_experts, num_topk, 0, 0, 0, 0, 0);
   };
 }
 
 void check_num_sms(const std::string& context, int num_sms) {
-  if (num_sms < 0 || num_sms > 1024) core::fail(context, "num_sms = {} is outside [0, 1024]", num_sms);
+  if (num_sms < 0 || num_sms > core::kMaxWorkers)
+    core::fail(context, "num_sms = {} is outside [0, {}]", num_sms, core::kMaxWorkers);
 }
 
 }  // namespace
@@ -165,6 +169,12 @@ CombineResult ElasticBuffer::combine(const CombineArgs& args) {
   r.bias = args.bias;
   const int num_sms = args.num_sms > 0 ? args.num_sms : (args.handle ? args.handle->num_sms : 0);
   r.workers = worker_choice(*engine_, num_sms);
+  r.validate_more = [given = args.num_sms, num_sms, from_handle = args.num_sms <= 0 && args.handle != nullptr](
+                        const std::string& context) {
+    check_num_sms(context, given);
+    if (from_handle && (num_sms < 0 || num_sms > core::kMaxWorkers))
+      core::fail(context, "the handle's num_sms = {} is outside [0, {}]", num_sms, core::kMaxWorkers);
+  };
   r.num_qps = args.num_qps;
   r.previous_event = args.previous_event;
   r.previous_event_before_epilogue = args.previous_event_before_epilogue;

@@ -121,8 +121,8 @@ void Dispatch::validate() {
     core::fail(ctx_, "x has dtype {}, expected bfloat16 or float8_e4m3fn (with x_scales)", dtype_name(x_dtype_));
   core::expect_tensor(ctx_, "x", x, x_dtype_, {-1, -1});
   core::expect_rows_contiguous(ctx_, "x", x);
-  N_ = static_cast<int>(x.size(0));
-  H_ = static_cast<int>(x.size(1));
+  N_ = core::int_size(ctx_, "x", x, 0);
+  H_ = core::int_size(ctx_, "x", x, 1);
   if (T_ > 0 && x.size(0) > T_)
     core::fail(ctx_, "x has {} tokens, more than num_max_tokens_per_rank = {}", x.size(0), T_);
   if (engine_.config.fixed_hidden > 0 && H_ != engine_.config.fixed_hidden)
@@ -136,7 +136,7 @@ void Dispatch::validate() {
     if (scale_dtype_ != DType::kFP32 && scale_dtype_ != DType::kInt32)
       core::fail(ctx_, "x_scales has dtype {}, expected float32 or int32 (packed UE8M0)", dtype_name(scale_dtype_));
     core::expect_tensor(ctx_, "x_scales", a.x_scales, scale_dtype_, {N_, -1});
-    P_ = static_cast<int>(a.x_scales.size(1));
+    P_ = core::int_size(ctx_, "x_scales", a.x_scales, 1);
     if (P_ <= 0) core::fail(ctx_, "x_scales has {} columns, expected at least 1", P_);
   } else if (a.x_scales.defined()) {
     core::fail(ctx_, "x_scales is given but x is bfloat16 (scales go with float8_e4m3fn x)");
@@ -152,7 +152,7 @@ void Dispatch::validate() {
     if (!a.topk_idx.defined()) core::fail(ctx_, "topk_idx is missing (required without a handle)");
     core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {N_, -1});
     core::expect_rows_contiguous(ctx_, "topk_idx", a.topk_idx);
-    k_ = static_cast<int>(a.topk_idx.size(1));
+    k_ = core::int_size(ctx_, "topk_idx", a.topk_idx, 1);
   }
   if (k_ < 1 || k_ > kMaxTopk) core::fail(ctx_, "topk_idx has {} columns (k), expected 1 to {}", k_, kMaxTopk);
   if (E_ <= 0) core::fail(ctx_, "num_experts = {} must be positive", E_);

@@ -235,7 +235,8 @@ std::vector<T> agree_on(Operation& op, comm::Agreement& agreement, Engine& engin
   return all;
 }
 
-// Bytes from data() to one past the last element of a view (non-negative strides); 0 if empty.
+// Bytes from data() to one past the last element of a view (validated views have non-negative
+// strides); 0 if empty.
 std::size_t view_extent(const TensorView& view);
 
 // Makes this rank's tensors readable by its node peers (Transport::share); returns what to
@@ -286,6 +287,8 @@ struct CombineRequest {
   // combined_topk_weights: false = the weight each lane's rank returned for that lane (V2);
   // true = the sum, over the token's ranks in unit order, of their whole weight rows (V1).
   bool sum_weights_over_ranks = false;
+  // Generation-specific checks, run first (they see unvalidated arguments).
+  std::function<void(const std::string& context)> validate_more;
 };
 
 class DispatchOperation : public Operation {

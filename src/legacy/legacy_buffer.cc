@@ -8,8 +8,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "core/checks.hh"
+#include "core/executor.hh"
 #include "core/fabric.hh"
 #include "core/timeout.hh"
 #include "legacy/buffer_core.hh"
@@ -20,10 +22,11 @@ namespace moe_ep {
 namespace {
 
 std::atomic<int> g_num_sms{20};
+constexpr std::int64_t kMaxInt = std::numeric_limits<std::int32_t>::max();
 
 void check_num_sms_value(const std::string& context, int num_sms) {
-  if (num_sms < 2 || num_sms > 1024 || num_sms % 2 != 0)
-    core::fail(context, "num_sms = {} must be an even number in [2, 1024]", num_sms);
+  if (num_sms < 2 || num_sms > core::kMaxWorkers || num_sms % 2 != 0)
+    core::fail(context, "num_sms = {} must be an even number in [2, {}]", num_sms, core::kMaxWorkers);
 }
 
 void check_pool(const std::string& context, const char* name, std::int64_t bytes) {
@@ -193,7 +196,7 @@ DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_e
   const std::string ctx = e.context("get_dispatch_layout");
   core::expect_tensor(ctx, "topk_idx", topk_idx, DType::kInt64, {-1, -1});
   core::expect_contiguous(ctx, "topk_idx", topk_idx);
-  const int n = static_cast<int>(topk_idx.size(0)), k = static_cast<int>(topk_idx.size(1));
+  const int n = core::int_size(ctx, "topk_idx", topk_idx, 0), k = core::int_size(ctx, "topk_idx", topk_idx, 1);
   if (k < 1 || k > engine::kMaxTopk) core::fail(ctx, "topk_idx has {} columns (k), expected 1 to {}", k, engine::kMaxTopk);
   if (num_experts <= 0 || num_experts % e.num_ranks != 0)
     core::fail(ctx, "num_experts = {} must be a positive multiple of the {} ranks", num_experts, e.num_ranks);
@@ -326,11 +329,15 @@ LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& args) {
     if (r.handle) r.expert_alignment = r.handle->expert_alignment;  // V1 takes it from the handle
   } else if (routed_by_ids) {
     r.topk_idx = args.topk_idx;
-    r.num_experts = args.num_tokens_per_expert.defined() ? static_cast<int>(args.num_tokens_per_expert.size(0)) : 0;
+    // validate_more refuses more than INT32_MAX experts before this is used.
+    r.num_experts = args.num_tokens_per_expert.defined()
+                        ? static_cast<int>(std::min<std::int64_t>(args.num_tokens_per_expert.size(0), kMaxInt))
+                        : 0;
   } else if (args.is_token_in_rank.defined() && args.is_token_in_rank.dtype() == DType::kBool &&
              args.is_token_in_rank.ndim() == 2 && args.is_token_in_rank.size(1) == R && R <= engine::kMaxTopk &&
              args.x.defined() && args.is_token_in_rank.size(0) == args.x.size(0) && args.num_tokens_per_expert.defined() &&
              args.num_tokens_per_expert.ndim() == 1 && args.num_tokens_per_expert.size(0) > 0 &&
+             args.num_tokens_per_expert.size(0) <= kMaxInt && args.x.size(0) <= kMaxInt &&
              args.num_tokens_per_expert.size(0) % R == 0 && args.num_tokens_per_expert.dtype() == DType::kInt32) {
     const std::int64_t n = args.is_token_in_rank.size(0);
     const int E = static_cast<int>(args.num_tokens_per_expert.size(0)), El = E / R;
@@ -357,12 +364,12 @@ LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& args) {
       return;
     }
     if (!args.x.defined()) core::fail(ctx, "x is missing");
-    const std::int64_t n = args.x.size(0);
+    const int n = core::int_size(ctx, "x", args.x, 0);
     core::expect_tensor(ctx, "is_token_in_rank", args.is_token_in_rank, DType::kBool, {n, R});
     core::expect_contiguous(ctx, "is_token_in_rank", args.is_token_in_rank);
     core::expect_tensor(ctx, "num_tokens_per_rank", args.num_tokens_per_rank, DType::kInt32, {R});
     core::expect_tensor(ctx, "num_tokens_per_expert", args.num_tokens_per_expert, DType::kInt32, {-1});
-    const auto E = args.num_tokens_per_expert.size(0);
+    const int E = core::int_size(ctx, "num_tokens_per_expert", args.num_tokens_per_expert, 0);
     if (E <= 0 || E % R != 0) core::fail(ctx, "num_tokens_per_expert has {} entries, expected a positive multiple of {}", E, R);
     if (nodes > 1) {
       core::expect_tensor(ctx, "num_tokens_per_rdma_rank", args.num_tokens_per_rdma_rank, DType::kInt32, {nodes});
@@ -387,11 +394,11 @@ LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& args) {
     // With topk_idx, the layout must be the one get_dispatch_layout computes from it.
     core::expect_tensor(ctx, "topk_idx", args.topk_idx, DType::kInt64, {n, -1});
     core::expect_rows_contiguous(ctx, "topk_idx", args.topk_idx);
-    const int k = static_cast<int>(args.topk_idx.size(1));
+    const int k = core::int_size(ctx, "topk_idx", args.topk_idx, 1);
     if (k < 1 || k > engine::kMaxTopk) core::fail(ctx, "topk_idx has {} columns (k), expected 1 to {}", k, engine::kMaxTopk);
-    const routing::TopkRows rows{args.topk_idx.data_as<const std::int64_t>(), args.topk_idx.stride(0), static_cast<int>(n), k};
-    routing::validate_topk(ctx, rows, static_cast<int>(E));
-    const routing::Geometry geo{R, static_cast<int>(E), nodes};
+    const routing::TopkRows rows{args.topk_idx.data_as<const std::int64_t>(), args.topk_idx.stride(0), n, k};
+    routing::validate_topk(ctx, rows, E);
+    const routing::Geometry geo{R, E, nodes};
     routing::LocalCounts counts;
     routing::count_local(rows, geo, counts);
     if (auto i = first_difference(counts.per_rank.data(), args.num_tokens_per_rank.data_as<const std::int32_t>(), R); i >= 0)

@@ -115,8 +115,8 @@ void LowLatencyDispatch::validate() {
   if (N_ <= 0) core::fail(ctx_, "num_max_dispatch_tokens_per_rank = {} must be positive", N_);
   core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {-1, -1});
   core::expect_rows_contiguous(ctx_, "x", a.x);
-  n_ = static_cast<int>(a.x.size(0));
-  H_ = static_cast<int>(a.x.size(1));
+  n_ = core::int_size(ctx_, "x", a.x, 0);
+  H_ = core::int_size(ctx_, "x", a.x, 1);
   if (n_ > N_) core::fail(ctx_, "x has {} tokens, more than num_max_dispatch_tokens_per_rank = {}", n_, N_);
   if (H_ <= 0) core::fail(ctx_, "x has hidden size {}, expected a positive size", H_);
   if (a.use_fp8 && H_ % 128 != 0) core::fail(ctx_, "FP8 hidden size {} is not a multiple of 128", H_);
@@ -125,7 +125,7 @@ void LowLatencyDispatch::validate() {
   if (a.async_finish && a.return_recv_hook) core::fail(ctx_, "async_finish and return_recv_hook cannot both be true");
   core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {n_, -1});
   core::expect_rows_contiguous(ctx_, "topk_idx", a.topk_idx);
-  k_ = static_cast<int>(a.topk_idx.size(1));
+  k_ = core::int_size(ctx_, "topk_idx", a.topk_idx, 1);
   if (k_ < 1 || k_ > engine::kMaxTopk) core::fail(ctx_, "topk_idx has {} columns (k), expected 1 to {}", k_, engine::kMaxTopk);
   E_ = a.num_experts;
   if (E_ <= 0 || E_ % R_ != 0) core::fail(ctx_, "num_experts = {} must be a positive multiple of the {} ranks", E_, R_);

@@ -97,13 +97,14 @@ TEST(DispatcherEnv, BadValuesNameTheVariableAndTheAcceptedValues) {
         {"MOE_EP_USE_V2", "maybe", "MOE_EP_USE_V2=\"maybe\" is invalid: accepted values are 1/true/on/yes or 0/false/off/no"},
         {"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "-5", "MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=\"-5\" is invalid"},
         {"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "0",
-         "MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK = 0 is out of range: expected 1 to 1048576"},
+         "MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=\"0\" is invalid: accepted values are integers from 1 to 1048576"},
         {"MOE_EP_DISPATCH_DTYPE", "fp16", "accepted values are bf16 | fp8"},
         {"MOE_EP_V2_NORMAL_LAYOUT", "dense", "accepted values are compact | expanded"},
         {"MOE_EP_TIMEOUT_SECS", "soon", "MOE_EP_TIMEOUT_SECS=\"soon\" is invalid: accepted values are a non-negative number"},
         {"MOE_EP_TIMEOUT_SECS", "0", "MOE_EP_TIMEOUT_SECS=\"0\" is not a valid timeout: expected a positive, finite number"},
         {"MOE_EP_TIMEOUT_SECS", "inf", "MOE_EP_TIMEOUT_SECS=\"inf\" is not a valid timeout"},
-        {"MOE_EP_NUM_WORKERS", "4096", "MOE_EP_NUM_WORKERS = 4096 is out of range: expected 0 to 512"},
+        {"MOE_EP_NUM_WORKERS", "4096",
+         "MOE_EP_NUM_WORKERS=\"4096\" is invalid: accepted values are integers from 0 to 1024"},
     };
     for (const Case& c : cases) {
       ScopedSetenv set(c.name, c.value);
@@ -117,6 +118,10 @@ TEST(DispatcherEnv, BadValuesNameTheVariableAndTheAcceptedValues) {
     EXPECT_TRUE(contains(catch_error([&] { TokenDispatcher d(cache, o); }).message,
                          "DispatcherOptions.num_max_dispatch_tokens_per_rank = 0 is out of range"));
     o = shape();
+    o.num_workers = 1025;  // the limit of num_sms and MOE_EP_NUM_WORKERS
+    EXPECT_TRUE(contains(catch_error([&] { TokenDispatcher d(cache, o); }).message,
+                         "DispatcherOptions.num_workers = 1025 is out of range: expected 0 to 1024"));
+    o = shape();
     o.num_experts = 0;
     EXPECT_TRUE(contains(catch_error([&] { TokenDispatcher d(cache, o); }).message,
                          "DispatcherOptions.num_experts = 0 is out of range"));
@@ -129,6 +134,24 @@ TEST(DispatcherEnv, BadValuesNameTheVariableAndTheAcceptedValues) {
     EXPECT_TRUE(contains(catch_error([&] { TokenDispatcher d(cache, o); }).message, "needs round_scale"));
     // An override is validated when it is made.
     EXPECT_THROW(env::ScopedOverride("MOE_EP_MODE", "fast"), InvalidArgument);
+  });
+}
+
+TEST(DispatcherEnv, OutOfRangeValuesAreReportedAsGiven) {
+  LocalWorld(1).run([&](Group& g) {
+    BufferCache cache(g);
+    // Values beyond any limit are named as they were written, not as a clamped stand-in.
+    for (const auto& [name, value] : {std::pair{"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "1099511627776"},
+                                      {"MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK", "1099511627776"},
+                                      {"MOE_EP_NUM_WORKERS", "4294967297"}}) {
+      ScopedSetenv set(name, value);
+      const Caught e = catch_error([&] { TokenDispatcher d(cache, shape()); });
+      EXPECT_EQ(e.type, "InvalidArgument") << name;
+      EXPECT_TRUE(contains(e.message, name)) << e.message;
+      EXPECT_TRUE(contains(e.message, value)) << e.message;
+      EXPECT_FALSE(contains(e.message, "1073741824")) << e.message;
+      EXPECT_FALSE(contains(e.message, "1048576 is")) << e.message;
+    }
   });
 }
 

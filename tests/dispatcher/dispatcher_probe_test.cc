@@ -7,8 +7,11 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <stdexcept>
 
+#include "dispatcher/provider_registry.hh"
 #include "fixture.hh"
+#include "moe_ep/provider.hpp"
 
 namespace moe_ep::testing {
 namespace {
@@ -165,6 +168,62 @@ TEST(Probe, RanksThatDisagreeAreNamedOnEveryRank) {
     if (p.type != "PeerError" || !contains(p.message, "different providers") || !contains(p.message, "on rank [2]"))
       bad.push_back("providers: " + p.type + ": " + p.message);
   });
+}
+
+// The checks of a provider table, without a library: what a loaded library's entry point could
+// return.
+TEST(Probe, TablesAreCheckedBeforeUse) {
+  static int inits = 0;
+  inits = 0;
+  provider::Table good = provider::builtin();
+  good.name = "table-test";
+  good.init = [] {
+    ++inits;
+    return static_cast<const char*>(nullptr);
+  };
+  ProviderProbe p;
+  ASSERT_TRUE(dispatcher::accept_table("lib.so", &good, p)) << p.error;
+  EXPECT_EQ(p.name, "table-test");
+  EXPECT_TRUE(p.offers_v1 && p.offers_v2);
+  EXPECT_TRUE(p.error.empty());
+  EXPECT_EQ(inits, 1);
+
+  auto refused = [](const provider::Table* table) {
+    ProviderProbe probe;
+    EXPECT_FALSE(dispatcher::accept_table("lib.so", table, probe));
+    EXPECT_FALSE(probe.offers_v1 || probe.offers_v2);
+    EXPECT_TRUE(contains(probe.error, "lib.so")) << probe.error;
+    return probe.error;
+  };
+  EXPECT_TRUE(contains(refused(nullptr), "returned no provider table"));
+  provider::Table t = good;
+  t.abi_version = 7;
+  EXPECT_TRUE(contains(refused(&t), "built for ABI 7"));
+  t = good;
+  t.table_bytes = sizeof(provider::Table) + 8;
+  EXPECT_TRUE(contains(refused(&t), fmt::format("table of {} bytes", sizeof(provider::Table) + 8)));
+  t = good;
+  t.name = nullptr;
+  EXPECT_TRUE(contains(refused(&t), "name is null"));
+  t.name = "";
+  EXPECT_TRUE(contains(refused(&t), "name is \"\""));
+  t.name = "tab\there";
+  EXPECT_TRUE(contains(refused(&t), "printable"));
+  const std::string long_name(65, 'n');
+  t.name = long_name.c_str();
+  EXPECT_TRUE(contains(refused(&t), "longer than 64 characters"));
+  EXPECT_EQ(inits, 1) << "init runs only for a table that passed its checks";
+  t = good;
+  t.init = [] { return "no device"; };
+  EXPECT_TRUE(contains(refused(&t), "(provider 'table-test'): init failed: no device"));
+  t.init = []() -> const char* { throw std::runtime_error("driver missing"); };
+  EXPECT_TRUE(contains(refused(&t), "init failed: driver missing"));
+  t = good;
+  t.init = nullptr;
+  t.create_elastic = nullptr;
+  ASSERT_TRUE(dispatcher::accept_table("lib.so", &t, p));
+  EXPECT_TRUE(p.offers_v1);
+  EXPECT_FALSE(p.offers_v2);
 }
 
 }  // namespace
