@@ -1,7 +1,55 @@
 #!/usr/bin/env bash
-# Builds moe-ep (installing missing packages) and runs the whole test suite with CTest.
+# Builds moe-ep (installing missing packages) and runs the whole test suite with CTest, three ways:
+#  1. the Release build (build/): every test;
+#  2. AddressSanitizer + UndefinedBehaviorSanitizer, built with clang (build-asan/): every test,
+#     the MPI ones included, plus the libFuzzer targets (label fuzz) for a bounded number of runs;
+#  3. ThreadSanitizer, built with clang (build-tsan/): the suites of the in-process transport, the
+#     buffers (engine, V2, V1) and the dispatcher.
+# Any sanitizer finding stops its program and fails its test. Exits non-zero if anything failed.
+# Env: JOBS (parallel builds and tests); MOE_EP_SANITIZERS=0 runs only the Release suite.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+jobs=${JOBS:-$(nproc)}
+failed=()
+
+# suite NAME BUILD_DIR [ctest arguments...]: runs CTest there with the variables in suite_env.
+suite_env=()
+suite() {
+  local name=$1 dir=$2 start=$SECONDS
+  shift 2
+  echo "== $name: ctest in $dir"
+  if env "${suite_env[@]}" ctest --test-dir "$dir" --output-on-failure -j "$jobs" --timeout 1200 "$@"; then
+    echo "== $name: passed in $((SECONDS - start)) s"
+  else
+    echo "== $name: FAILED after $((SECONDS - start)) s"
+    failed+=("$name")
+  fi
+}
+
 "$root/scripts/bootstrap.sh" "$root/build"
-cd "$root/build"
-exec ctest --output-on-failure -j "${JOBS:-$(nproc)}" --timeout 1200
+suite release "$root/build"
+
+if [ "${MOE_EP_SANITIZERS:-1}" != 0 ]; then
+  common=(UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+          "LSAN_OPTIONS=suppressions=$root/tests/sanitizers/lsan.supp:print_suppressions=0")
+
+  echo "== building with AddressSanitizer + UndefinedBehaviorSanitizer (clang)"
+  CC=clang-14 CXX=clang++-14 BUILD_TYPE=Debug \
+    CMAKE_ARGS="-DMOE_EP_SANITIZE=address,undefined -DMOE_EP_FUZZ=ON -DMOE_EP_BUILD_BENCH=OFF" \
+    "$root/scripts/bootstrap.sh" "$root/build-asan"
+  suite_env=("${common[@]}" ASAN_OPTIONS=detect_leaks=1:check_initialization_order=1:strict_string_checks=1)
+  suite asan+ubsan "$root/build-asan"
+
+  echo "== building with ThreadSanitizer (clang): the in-process suites"
+  CC=clang-14 CXX=clang++-14 BUILD_TYPE=Debug \
+    CMAKE_ARGS="-DMOE_EP_SANITIZE=thread -DMOE_EP_WITH_MPI=OFF -DMOE_EP_BUILD_BENCH=OFF" \
+    TARGETS="comm_test elastic_test legacy_test dispatcher_test" "$root/scripts/bootstrap.sh" "$root/build-tsan"
+  suite_env=("${common[@]}" TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1)
+  suite tsan "$root/build-tsan" -L '^(comm|elastic|legacy|dispatcher)$'
+fi
+
+if ((${#failed[@]})); then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "all suites passed"

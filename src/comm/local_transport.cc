@@ -276,11 +276,9 @@ class LocalTransport final : public Transport {
     const int first = node_first_rank();
     for (int r = first; r < first + node_size(); ++r) {
       if (r == rank()) continue;
-      while (channel_->reading[r].value.load(std::memory_order_seq_cst) != 0) cpu_relax_or_yield();
+      while (channel_->reading[r].value.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
     }
   }
-
-  bool abandoned() const override { return channel_->abandoned.left(rank()); }
 
   std::optional<Departure> departure(int peer) const override {
     if (auto why = abandonment(peer)) return why;
@@ -303,8 +301,6 @@ class LocalTransport final : public Transport {
   void end_peer_reads() noexcept override { channel_->reading[rank()].value.fetch_sub(1, std::memory_order_release); }
 
  private:
-  static void cpu_relax_or_yield() { std::this_thread::yield(); }
-
   bool gone(int peer) const { return channel_->abandoned.left(peer) || world_->departures.left(peer); }
 
   // Collectives after this rank abandoned the channel are refused: the ranks are out of step.

@@ -24,9 +24,9 @@
 // Leaving after a failure: a failure that leaves the ranks of a channel out of step (a wait that
 // expired or found a peer gone, an operation that failed after its agreement) ends this rank's part
 // in the channel: abandon(). From then on every peer's wait on this rank fails at once with
-// PeerError naming the root cause, a peer that completes a collective this rank took part in
-// learns it as that collective returns (PeerError), and this rank's own collectives raise
-// StateError. Reads of what node peers published (their shared tensors and the addresses in their
+// PeerError naming the root cause, a peer that completes a collective this rank published in but
+// gave up on before completing learns it as that collective returns (PeerError: the collective is
+// void), and this rank's own collectives raise StateError. Reads of what node peers published (their shared tensors and the addresses in their
 // gathered blocks) happen inside peer-read sections (PeerReads): opening one fails with PeerError
 // once a node peer abandoned the channel, and abandon() returns only when no node peer has a
 // section open, so after it no peer reads this rank's published memory and it may be freed.
@@ -152,7 +152,6 @@ class Transport {
   // Leaves the channel after a failure (see the top of this file). `culprits`: the ranks the
   // failure names. Idempotent; never throws.
   virtual void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept = 0;
-  virtual bool abandoned() const = 0;
   // Why `peer` no longer takes part in this channel, or nullopt while it does.
   virtual std::optional<Departure> departure(int peer) const = 0;
   // Throws PeerError if `peer` left the group or abandoned the channel (for waits written outside
@@ -191,8 +190,8 @@ class PeerReads {
 [[noreturn]] void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
                             const std::function<std::optional<Departure>(int)>& departure);
 
-// The PeerError of a collective that completed although some of its members had abandoned the
-// channel (`departed`, with their departures).
+// The PeerError of a collective void because some of its members gave up on it (`departed`, with
+// their departures), or of a peer-read section opened after node peers left.
 [[noreturn]] void fail_abandoned(int rank, const Wait& wait, const std::vector<std::pair<int, Departure>>& departed);
 
 // The ranks an error names (PeerError::ranks()), for abandon(); empty for other errors.

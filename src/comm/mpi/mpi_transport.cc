@@ -391,8 +391,6 @@ class MpiTransport final : public Transport {
     }
   }
 
-  bool abandoned() const override { return control_.page().abandoned.load(std::memory_order_acquire) != 0; }
-
   std::optional<Departure> departure(int peer) const override {
     if (auto why = abandonment(peer)) return why;
     return messenger_.departure(peer);
