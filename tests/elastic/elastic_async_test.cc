@@ -11,11 +11,25 @@
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 
-// Counts heap allocations made through operator new (all threads), to check that steady-state
-// calls allocate nothing that grows with the data.
+// Counts heap allocations (all threads), to check that steady-state calls allocate nothing that
+// grows with the data: through a replaced operator new, or, under ThreadSanitizer (whose runtime
+// owns operator new), through its allocation hooks.
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define MOE_EP_COUNT_WITH_SANITIZER_HOOKS 1
+#endif
+#endif
 namespace {
 std::atomic<long long> g_new_bytes{0};
 }
+#ifdef MOE_EP_COUNT_WITH_SANITIZER_HOOKS
+#include <sanitizer/allocator_interface.h>
+namespace {
+void count_allocation(const volatile void*, std::size_t n) { g_new_bytes += static_cast<long long>(n); }
+void count_release(const volatile void*) {}
+const int g_hooks_installed = __sanitizer_install_malloc_and_free_hooks(count_allocation, count_release);
+}  // namespace
+#else
 void* operator new(std::size_t n) {
   g_new_bytes += static_cast<long long>(n);
   if (void* p = std::malloc(n ? n : 1)) return p;
@@ -31,6 +45,7 @@ void* operator new(std::size_t n, std::align_val_t a) {
 }
 void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+#endif
 
 namespace moe_ep {
 namespace {
