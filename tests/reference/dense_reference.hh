@@ -41,7 +41,8 @@ struct CaseSpec {
   // BF16 x drawn over magnitudes 2^-24 .. 2^8 instead of N(0, 1), so that FP8 casts meet
   // subnormals, ties and the whole exponent range.
   bool wide_range = false;
-  // Per rank [n * k]: when given, the routing of that rank (weights are still drawn).
+  // Per rank [n * k]: when given, the routing of that rank. Weights stay those drawn for the drawn
+  // routing (0 where it was masked, or where the fixed id is -1): use mask_ratio = 0 with it.
   std::vector<std::vector<std::int64_t>> fixed_topk;
   // Expert outputs; null: expert_value below.
   using ValueFn = std::uint16_t (*)(int dest, int local_expert, int src_global, int h);
