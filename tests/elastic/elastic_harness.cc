@@ -213,6 +213,7 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
                     .expert_alignment = spec.alignment,
                     .num_sms = opt.num_sms,
                     .async_with_compute_stream = opt.async,
+                    .do_handle_copy = opt.handle_copy,
                     .do_cpu_sync = opt.cpu_sync,
                     .do_expand = spec.expand,
                     .do_zero_padding = opt.zero_padding,
@@ -221,6 +222,20 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
   if (spec.weights) args.topk_weights = weights;
   DispatchResult res = buffer.dispatch(args);
   res.event.wait();
+  if (n > 0) {
+    const Tensor& held = res.handle->topk_idx;
+    if (!held.defined() || held.size(0) != n || held.size(1) != k) {
+      bad.add("handle.topk_idx is not [N, k]");
+    } else if (opt.handle_copy) {
+      if (held.data() == topk.data()) bad.add("do_handle_copy = true, but handle.topk_idx is the caller's tensor");
+      for (std::int64_t t = 0; t < n; ++t)
+        for (int j = 0; j < k; ++j)
+          if (held.data_as<const std::int64_t>()[t * held.stride(0) + j * held.stride(1)] != in.topk[static_cast<size_t>(t * k + j)])
+            bad.add("handle.topk_idx[{}, {}] differs from topk_idx", t, j);
+    } else if (held.data() != topk.data()) {
+      bad.add("do_handle_copy = false, but handle.topk_idx is not the caller's tensor");
+    }
+  }
   const auto ref = reference::reference_dispatch(spec, all, me);
   verify_dispatch(spec, opt, all, ref, res, me, bad);
   for (int i = 0; i < spec.experts_per_rank(); ++i)
@@ -394,12 +409,12 @@ std::string describe(const CaseSpec& s, const RunOptions& o) {
   return fmt::format(
       "seed {} ranks {} topology {}x{} hybrid {} multi {} E {} k {} T {} H {} fp8 {} P {} expand {} align {} weights {} "
       "bias {} mask {} skew {} routing {} wide_range {} tokens [{}] async {} cpu_sync {} zero_pad {} col_major {} "
-      "workers {} cached {} cached_new_inputs {}",
+      "workers {} cached {} cached_new_inputs {} handle_copy {}",
       s.seed, s.ranks, s.scaleout, s.ranks / s.scaleout, s.allow_hybrid, s.multi, s.num_experts, s.k, s.max_tokens,
       s.hidden, s.fp8, s.scale_cols, s.expand, s.alignment, s.weights, s.num_bias, s.mask_ratio, s.skew,
       s.fixed_topk.empty() ? std::to_string(s.routing_style) : std::string("fixed"), s.wide_range,
       fmt::join(s.tokens, ","), o.async, o.cpu_sync, o.zero_padding, o.col_major_scales, o.num_sms, o.cached,
-      o.cached_new_inputs);
+      o.cached_new_inputs, o.handle_copy);
 }
 
 }  // namespace moe_ep::testing

@@ -20,6 +20,8 @@ struct RunOptions {
   // After the cached replay with the same inputs, one with new x, scales and weights (same
   // routing): its outputs must be the new inputs placed by the handle's layout.
   bool cached_new_inputs = false;
+  // do_handle_copy of the first dispatch: the handle's topk_idx is a copy, or the caller's tensor.
+  bool handle_copy = true;
   bool zero_padding = false;
   bool col_major_scales = false;
   int num_sms = 0;

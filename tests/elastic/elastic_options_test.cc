@@ -203,5 +203,81 @@ TEST(ElasticOptions, NoOutputIsWrittenBeforeThePreviousEventBeforeEpilogue) {
   }
 }
 
+// Calls whose outputs are allocated before any exchange (cached dispatch; expanded dispatch
+// without CPU sync) and the combine of an expanded handle hold their outputs back the same way.
+TEST(ElasticOptions, CachedAndWorstCaseCallsWaitForThePreviousEventBeforeEpilogue) {
+  CaseSpec s = spec_for(2, 31);
+  s.expand = true;
+  s.alignment = 2;
+  std::vector<std::vector<std::string>> failures(kRanks);
+  LocalWorld(kRanks, {.num_scaleout = 2}).run([&](Group& g) {
+    auto& bad = failures[static_cast<size_t>(g.rank())];
+    const int me = g.rank();
+    ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
+    std::vector<RankInputs> all;
+    for (int r = 0; r < kRanks; ++r) all.push_back(reference::make_inputs(s, r));
+    RankInputs& in = all[static_cast<size_t>(me)];
+    const std::int64_t n = in.num_tokens;
+    const TensorView x(in.x.data(), DType::kBF16, {n, kHidden}), topk(in.topk.data(), DType::kInt64, {n, kTopk}),
+        weights(in.weights.data(), DType::kFP32, {n, kTopk});
+    CaseSpec compact = s;
+    compact.expand = false;
+    compact.alignment = 1;
+    const DispatchResult first = b.dispatch({.x = x, .topk_idx = topk, .topk_weights = weights, .num_experts = kExperts});
+
+    Event gate = Event::pending();
+    const DispatchResult cached = b.dispatch({.x = x, .topk_weights = weights, .previous_event_before_epilogue = gate,
+                                              .async_with_compute_stream = true, .handle = first.handle});
+    poison<std::uint16_t>(cached.recv_x, 0x7fc1);
+    poison<std::int64_t>(cached.recv_topk_idx, -7);
+    poison<float>(cached.recv_topk_weights, -3.0f);
+    if (cached.event.wait_for(kHeldSeconds)) bad.push_back("cached dispatch completed before previous_event_before_epilogue");
+    gate.complete();
+    cached.event.wait();
+    check_dispatch(compact, all, me, cached, "cached dispatch after previous_event_before_epilogue", bad);
+
+    // Expanded, worst-case shapes: the rows land at the reference's expanded positions.
+    Event gate2 = Event::pending();
+    const DispatchResult worst = b.dispatch({.x = x, .topk_idx = topk, .topk_weights = weights, .num_experts = kExperts,
+                                             .expert_alignment = s.alignment, .previous_event_before_epilogue = gate2,
+                                             .async_with_compute_stream = true, .do_cpu_sync = false, .do_expand = true});
+    poison<std::uint16_t>(worst.recv_x, 0x7fc1);
+    poison<float>(worst.recv_topk_weights, -3.0f);
+    if (worst.event.wait_for(kHeldSeconds)) bad.push_back("expanded dispatch completed before previous_event_before_epilogue");
+    gate2.complete();
+    worst.event.wait();
+    const auto ref = reference::reference_dispatch(s, all, me);
+    Tensor y = Tensor::zeros({worst.recv_x.size(0), kHidden}, DType::kBF16);
+    for (int r = 0; r < ref.expanded_rows; ++r) {
+      const auto [owner, lane] = ref.expanded_owner[static_cast<size_t>(r)];
+      if (owner < 0) continue;
+      const auto& row = ref.rows[static_cast<size_t>(owner)];
+      const RankInputs& src = all[static_cast<size_t>(row.source)];
+      if (std::memcmp(worst.recv_x.data_as<std::uint16_t>() + r * kHidden,
+                      src.x.data() + static_cast<size_t>(row.token) * kHidden * 2, kHidden * 2) != 0 ||
+          worst.recv_topk_weights.data_as<float>()[r] != src.weights[static_cast<size_t>(row.token * kTopk + lane)])
+        bad.push_back(fmt::format("expanded row {} is not rank {} token {} lane {}", r, row.source, row.token, lane));
+      const int local = static_cast<int>(row.local_ids[static_cast<size_t>(lane)]);
+      for (int h = 0; h < kHidden; ++h)
+        y.data_as<std::uint16_t>()[r * kHidden + h] = s.value(me, local, row.source * kTokens + row.token, h);
+    }
+
+    Event gate3 = Event::pending();
+    const CombineResult c = b.combine({.x = y,
+                                       .handle = worst.handle,
+                                       .topk_weights = worst.recv_topk_weights,
+                                       .bias = {TensorView(in.bias[0].data(), DType::kBF16, {n, kHidden})},
+                                       .previous_event_before_epilogue = gate3,
+                                       .async_with_compute_stream = true});
+    poison<std::uint16_t>(c.combined_x, 0x7fc1);
+    poison<float>(c.combined_topk_weights, -3.0f);
+    if (c.event.wait_for(kHeldSeconds)) bad.push_back("expanded combine completed before previous_event_before_epilogue");
+    gate3.complete();
+    c.event.wait();
+    check_combine(s, all, me, c, "expanded combine after previous_event_before_epilogue", bad);
+  });
+  report(failures, "2 nodes");
+}
+
 }  // namespace
 }  // namespace moe_ep

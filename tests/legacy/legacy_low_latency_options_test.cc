@@ -121,90 +121,110 @@ std::vector<std::int64_t> stats_routing(int rank, int n) {
   return ids;
 }
 
-TEST(LowLatencyStats, WaitCostsAccumulateForTheSourcesWaitedFor) {
-  for (int scaleout : {1, 2}) {
-    for (bool hook : {false, true}) {
-      const int R = 4, E = 8, El = 2, N = 4, H = 128, k = 2;
-      std::vector<std::vector<std::string>> failures(R);
-      LocalWorld(R, {.num_scaleout = scaleout}).run([&](Group& g) {
-        auto& bad = failures[static_cast<size_t>(g.rank())];
-        const int me = g.rank(), per_node = R / scaleout;
-        Buffer b(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(N, H, R, E), .low_latency_mode = true});
-        std::vector<std::vector<std::int64_t>> ids(R);
-        for (int r = 0; r < R; ++r) ids[static_cast<size_t>(r)] = stats_routing(r, N);
-        std::vector<std::uint16_t> x(static_cast<size_t>(N) * H, 0x3f80);
-        std::vector<float> w(static_cast<size_t>(N) * k, 0.5f);
-        const TensorView xv(x.data(), DType::kBF16, {N, H}), topk(ids[static_cast<size_t>(me)].data(), DType::kInt64, {N, k}),
-            weights(w.data(), DType::kFP32, {N, k});
-        // Which ranks this rank waits for: sources that send it rows (dispatch), ranks that hold
-        // experts of its tokens (combine); only those of another node are sure to take time.
-        std::vector<bool> sends_to_me(R, false), serves_me(R, false);
+// Three rounds of dispatch and combine with both statistics given (and a round without them) on
+// R ranks over `scaleout` nodes, rank r's tokens routed by ids[r] (n tokens, k lanes).
+void run_stats(int R, int scaleout, int E, int k, int n, const std::vector<std::vector<std::int64_t>>& ids, bool hook,
+               const std::string& what) {
+  const int El = E / R, N = n, H = 128;
+  std::vector<std::vector<std::string>> failures(static_cast<size_t>(R));
+  LocalWorld(R, {.num_scaleout = scaleout}).run([&](Group& g) {
+    auto& bad = failures[static_cast<size_t>(g.rank())];
+    const int me = g.rank(), per_node = R / scaleout;
+    Buffer b(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(N, H, R, E), .low_latency_mode = true});
+    std::vector<std::uint16_t> x(static_cast<size_t>(N) * H, 0x3f80);
+    std::vector<float> w(static_cast<size_t>(N) * k, 0.5f);
+    std::vector<std::int64_t> mine = ids[static_cast<size_t>(me)];
+    const TensorView xv(x.data(), DType::kBF16, {N, H}), topk(mine.data(), DType::kInt64, {N, k}),
+        weights(w.data(), DType::kFP32, {N, k});
+    // Which ranks this rank waits for: sources that send it rows (dispatch), ranks that hold
+    // experts of its tokens (combine); only those of another node are sure to take time.
+    std::vector<bool> sends_to_me(static_cast<size_t>(R), false), serves_me(static_cast<size_t>(R), false);
+    for (int s = 0; s < R; ++s)
+      for (auto id : ids[static_cast<size_t>(s)]) {
+        if (id < 0) continue;
+        if (id / El == me) sends_to_me[static_cast<size_t>(s)] = true;
+        if (s == me) serves_me[static_cast<size_t>(id / El)] = true;
+      }
+    Tensor dispatch_stats = Tensor::empty({R}, DType::kInt64), combine_stats = Tensor::empty({R}, DType::kInt64);
+    std::fill(dispatch_stats.data_as<std::int64_t>(), dispatch_stats.data_as<std::int64_t>() + R, kBase);
+    std::fill(combine_stats.data_as<std::int64_t>(), combine_stats.data_as<std::int64_t>() + R, kBase);
+    std::vector<std::int64_t> last_d(static_cast<size_t>(R), kBase), last_c(static_cast<size_t>(R), kBase);
+    auto check = [&](const Tensor& stats, std::vector<std::int64_t>& last, const std::vector<bool>& waited,
+                     const char* name, int round) {
+      for (int s = 0; s < R; ++s) {
+        const std::int64_t v = stats.data_as<std::int64_t>()[s];
+        const bool remote = s / per_node != me / per_node;
+        if (v < last[static_cast<size_t>(s)])
+          bad.push_back(fmt::format("round {}: {}[{}] went down from {} to {}", round, name, s, last[static_cast<size_t>(s)], v));
+        if (remote && !waited[static_cast<size_t>(s)] && v != last[static_cast<size_t>(s)])
+          bad.push_back(fmt::format("round {}: {}[{}] changed, but rank {} is on another node and not waited for",
+                                    round, name, s, s));
+        last[static_cast<size_t>(s)] = v;
+      }
+    };
+    for (int round = 0; round < 3; ++round) {
+      LowLatencyDispatchResult d = b.low_latency_dispatch({.x = xv, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
+                                                           .num_experts = E, .dispatch_wait_recv_cost_stats = dispatch_stats,
+                                                           .use_fp8 = false, .return_recv_hook = hook});
+      if (hook) {
         for (int s = 0; s < R; ++s)
-          for (auto id : ids[static_cast<size_t>(s)]) {
-            if (id / El == me) sends_to_me[static_cast<size_t>(s)] = true;
-            if (s == me) serves_me[static_cast<size_t>(id / El)] = true;
-          }
-        Tensor dispatch_stats = Tensor::empty({R}, DType::kInt64), combine_stats = Tensor::empty({R}, DType::kInt64);
-        std::fill(dispatch_stats.data_as<std::int64_t>(), dispatch_stats.data_as<std::int64_t>() + R, kBase);
-        std::fill(combine_stats.data_as<std::int64_t>(), combine_stats.data_as<std::int64_t>() + R, kBase);
-        std::vector<std::int64_t> last_d(R, kBase), last_c(R, kBase);
-        auto check = [&](const Tensor& stats, std::vector<std::int64_t>& last, const std::vector<bool>& waited,
-                         const char* what, int round) {
-          for (int s = 0; s < R; ++s) {
-            const std::int64_t v = stats.data_as<std::int64_t>()[s];
-            const bool remote = s / per_node != me / per_node;
-            if (v < last[static_cast<size_t>(s)])
-              bad.push_back(fmt::format("round {}: {}[{}] went down from {} to {}", round, what, s, last[static_cast<size_t>(s)], v));
-            if (remote && !waited[static_cast<size_t>(s)] && v != last[static_cast<size_t>(s)])
-              bad.push_back(fmt::format("round {}: {}[{}] changed, but rank {} is on another node and not waited for",
-                                        round, what, s, s));
-            last[static_cast<size_t>(s)] = v;
-          }
-        };
-        for (int round = 0; round < 3; ++round) {
-          LowLatencyDispatchResult d = b.low_latency_dispatch({.x = xv, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
-                                                               .num_experts = E, .dispatch_wait_recv_cost_stats = dispatch_stats,
-                                                               .use_fp8 = false, .return_recv_hook = hook});
-          if (hook) {
-            for (int s = 0; s < R; ++s)
-              if (dispatch_stats.data_as<std::int64_t>()[s] != last_d[static_cast<size_t>(s)])
-                bad.push_back(fmt::format("dispatch stats changed before the receive hook ran (entry {})", s));
-            d.hook();
-          }
-          check(dispatch_stats, last_d, sends_to_me, "dispatch_wait_recv_cost_stats", round);
-          Tensor y = Tensor::zeros({El, std::int64_t{R} * N, H}, DType::kBF16);
-          LowLatencyCombineResult c = b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle,
-                                                             .return_recv_hook = hook, .combine_wait_recv_cost_stats = combine_stats});
-          if (hook) {
-            for (int s = 0; s < R; ++s)
-              if (combine_stats.data_as<std::int64_t>()[s] != last_c[static_cast<size_t>(s)])
-                bad.push_back(fmt::format("combine stats changed before the receive hook ran (entry {})", s));
-            c.hook();
-          }
-          check(combine_stats, last_c, serves_me, "combine_wait_recv_cost_stats", round);
-        }
-        // Waits for ranks of another node that sent rows take time on a nanosecond clock: over
-        // three rounds their entries grew.
-        for (int s = 0; s < R; ++s) {
-          if (s / per_node == me / per_node) continue;
-          if (sends_to_me[static_cast<size_t>(s)] && last_d[static_cast<size_t>(s)] == kBase)
-            bad.push_back(fmt::format("dispatch_wait_recv_cost_stats[{}] never accumulated a wait for rank {}", s, s));
-          if (serves_me[static_cast<size_t>(s)] && last_c[static_cast<size_t>(s)] == kBase)
-            bad.push_back(fmt::format("combine_wait_recv_cost_stats[{}] never accumulated a wait for rank {}", s, s));
-        }
-        // Not given: nothing is written (the tensors keep their values through a round without them).
-        LowLatencyDispatchResult d = b.low_latency_dispatch({.x = xv, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
-                                                             .num_experts = E, .use_fp8 = false});
-        Tensor y = Tensor::zeros({El, std::int64_t{R} * N, H}, DType::kBF16);
-        b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle});
+          if (dispatch_stats.data_as<std::int64_t>()[s] != last_d[static_cast<size_t>(s)])
+            bad.push_back(fmt::format("dispatch stats changed before the receive hook ran (entry {})", s));
+        d.hook();
+      }
+      check(dispatch_stats, last_d, sends_to_me, "dispatch_wait_recv_cost_stats", round);
+      Tensor y = Tensor::zeros({El, std::int64_t{R} * N, H}, DType::kBF16);
+      LowLatencyCombineResult c = b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle,
+                                                         .return_recv_hook = hook, .combine_wait_recv_cost_stats = combine_stats});
+      if (hook) {
         for (int s = 0; s < R; ++s)
-          if (dispatch_stats.data_as<std::int64_t>()[s] != last_d[static_cast<size_t>(s)] ||
-              combine_stats.data_as<std::int64_t>()[s] != last_c[static_cast<size_t>(s)])
-            bad.push_back(fmt::format("stats entry {} changed by calls that did not pass them", s));
-      });
-      report(R, failures, fmt::format("{} nodes, hook {}", scaleout, hook));
+          if (combine_stats.data_as<std::int64_t>()[s] != last_c[static_cast<size_t>(s)])
+            bad.push_back(fmt::format("combine stats changed before the receive hook ran (entry {})", s));
+        c.hook();
+      }
+      check(combine_stats, last_c, serves_me, "combine_wait_recv_cost_stats", round);
     }
-  }
+    // Waits for ranks of another node that sent rows take time on a nanosecond clock: over
+    // three rounds their entries grew.
+    int remote_waits = 0;
+    for (int s = 0; s < R; ++s) {
+      if (s / per_node == me / per_node) continue;
+      remote_waits += sends_to_me[static_cast<size_t>(s)] + serves_me[static_cast<size_t>(s)];
+      if (sends_to_me[static_cast<size_t>(s)] && last_d[static_cast<size_t>(s)] == kBase)
+        bad.push_back(fmt::format("dispatch_wait_recv_cost_stats[{}] never accumulated a wait for rank {}", s, s));
+      if (serves_me[static_cast<size_t>(s)] && last_c[static_cast<size_t>(s)] == kBase)
+        bad.push_back(fmt::format("combine_wait_recv_cost_stats[{}] never accumulated a wait for rank {}", s, s));
+    }
+    if (scaleout > 1 && remote_waits == 0) bad.push_back("the routing makes this rank wait for no rank of another node");
+    // Not given: nothing is written (the tensors keep their values through a round without them).
+    LowLatencyDispatchResult d = b.low_latency_dispatch({.x = xv, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
+                                                         .num_experts = E, .use_fp8 = false});
+    Tensor y = Tensor::zeros({El, std::int64_t{R} * N, H}, DType::kBF16);
+    b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle});
+    for (int s = 0; s < R; ++s)
+      if (dispatch_stats.data_as<std::int64_t>()[s] != last_d[static_cast<size_t>(s)] ||
+          combine_stats.data_as<std::int64_t>()[s] != last_c[static_cast<size_t>(s)])
+        bad.push_back(fmt::format("stats entry {} changed by calls that did not pass them", s));
+  });
+  report(R, failures, what);
+}
+
+TEST(LowLatencyStats, WaitCostsAccumulateForTheSourcesWaitedFor) {
+  std::vector<std::vector<std::int64_t>> ids;
+  for (int r = 0; r < 4; ++r) ids.push_back(stats_routing(r, 4));
+  for (int scaleout : {1, 2})
+    for (bool hook : {false, true}) run_stats(4, scaleout, 8, 2, 4, ids, hook, fmt::format("{} nodes, hook {}", scaleout, hook));
+}
+
+// Four nodes of two ranks, drawn routing with masks: every rank of another node that sent rows
+// (or served experts) is counted, the others are left alone.
+TEST(LowLatencyStats, FourNodesDrawnRouting) {
+  CaseSpec s = ll_spec(8, 4, 16, 3, 3, 128, 81);
+  s.mask_ratio = 0.3;
+  for (int r = 0; r < 8; ++r) s.tokens[static_cast<size_t>(r)] = 3;
+  std::vector<std::vector<std::int64_t>> ids;
+  for (int r = 0; r < 8; ++r) ids.push_back(reference::make_inputs(s, r).topk);
+  run_stats(8, 4, 16, 3, 3, ids, false, "4 nodes");
 }
 
 TEST(LowLatencyStats, ShapeAndDtypeAreChecked) {

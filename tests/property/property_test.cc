@@ -85,6 +85,7 @@ CaseSpec elastic_case(std::uint64_t seed, RunOptions* options) {
   draw_routing(d, s);
   options->cached = true;
   options->cached_new_inputs = d.chance(0.85);
+  options->handle_copy = d.chance(0.7);
   return s;
 }
 
