@@ -1,5 +1,5 @@
-// The row kernels against a scalar reference written from their contract, on every row count,
-// odd lengths (vector tails), and special values.
+// The row kernels against a scalar reference written from their contract (with the BF16
+// conversions of tests/reference), on every row count, odd lengths (vector tails), and special values.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -7,10 +7,13 @@
 #include <random>
 
 #include "core/reduce.hh"
-#include "moe_ep/dtype.hpp"
+#include "reference/numeric_reference.hh"
 
 namespace moe_ep {
 namespace {
+
+using reference::bf16_from_float;
+using reference::float_from_bf16;
 
 std::vector<std::uint16_t> random_row(std::mt19937& rng, int n) {
   std::uniform_int_distribution<int> exponent(-30, 30);
@@ -23,7 +26,7 @@ std::vector<std::uint16_t> random_row(std::mt19937& rng, int n) {
                     : s == 1 ? -std::numeric_limits<float>::quiet_NaN()
                     : s == 2 ? -0.0f
                              : std::ldexp(value(rng), exponent(rng));
-    v = float_to_bf16(f);
+    v = bf16_from_float(f);
   }
   return row;
 }
@@ -43,11 +46,11 @@ TEST(Reduce, SumMatchesOrderedFp32Reference) {
         if (rows == 1) {
           expected = in[0][static_cast<size_t>(h)];
         } else if (rows > 1) {
-          float acc = bf16_to_float(in[0][static_cast<size_t>(h)]);
-          for (int r = 1; r < rows; ++r) acc = acc + bf16_to_float(in[static_cast<size_t>(r)][static_cast<size_t>(h)]);
-          expected = float_to_bf16(acc);
+          float acc = float_from_bf16(in[0][static_cast<size_t>(h)]);
+          for (int r = 1; r < rows; ++r) acc = acc + float_from_bf16(in[static_cast<size_t>(r)][static_cast<size_t>(h)]);
+          expected = bf16_from_float(acc);
         }
-        const bool both_nan = std::isnan(bf16_to_float(expected)) && std::isnan(bf16_to_float(out[static_cast<size_t>(h)]));
+        const bool both_nan = std::isnan(float_from_bf16(expected)) && std::isnan(float_from_bf16(out[static_cast<size_t>(h)]));
         ASSERT_TRUE(both_nan || out[static_cast<size_t>(h)] == expected) << "n " << n << " rows " << rows << " h " << h;
       }
     }
@@ -71,11 +74,11 @@ TEST(Reduce, WeightedSumMatchesReference) {
       for (int h = 0; h < n; ++h) {
         float acc = 0.0f;
         for (int r = 0; r < rows; ++r) {
-          const float product = w[static_cast<size_t>(r)] * bf16_to_float(in[static_cast<size_t>(r)][static_cast<size_t>(h)]);
+          const float product = w[static_cast<size_t>(r)] * float_from_bf16(in[static_cast<size_t>(r)][static_cast<size_t>(h)]);
           acc = r == 0 ? product : acc + product;
         }
-        const std::uint16_t expected = float_to_bf16(acc);
-        const bool both_nan = std::isnan(bf16_to_float(expected)) && std::isnan(bf16_to_float(out[static_cast<size_t>(h)]));
+        const std::uint16_t expected = bf16_from_float(acc);
+        const bool both_nan = std::isnan(float_from_bf16(expected)) && std::isnan(float_from_bf16(out[static_cast<size_t>(h)]));
         ASSERT_TRUE(both_nan || out[static_cast<size_t>(h)] == expected) << n << " " << rows << " " << h;
       }
     }

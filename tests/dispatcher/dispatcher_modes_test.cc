@@ -14,6 +14,7 @@
 #include "moe_ep/convert.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/low_latency_reference.hh"
+#include "reference/numeric_reference.hh"
 
 namespace moe_ep::testing {
 namespace {
@@ -228,11 +229,11 @@ TEST(DispatcherV2, SameResultsAsV1ForTheSameRouting) {
             if (id < 0) continue;
             const int El = kExperts / ranks;
             magnitude += std::fabs(me.weights[static_cast<size_t>(t * kTopk + j)] *
-                                   bf16_to_float(reference::expert_value(static_cast<int>(id / El), static_cast<int>(id % El),
+                                   reference::float_from_bf16(reference::expert_value(static_cast<int>(id / El), static_cast<int>(id % El),
                                                                          g.rank() * s.max_tokens + t, h)));
           }
-          const float va = bf16_to_float(ca.data_as<std::uint16_t>()[t * kHidden + h]);
-          const float vb = bf16_to_float(cb.data_as<std::uint16_t>()[t * kHidden + h]);
+          const float va = reference::float_from_bf16(ca.data_as<std::uint16_t>()[t * kHidden + h]);
+          const float vb = reference::float_from_bf16(cb.data_as<std::uint16_t>()[t * kHidden + h]);
           const double bound = magnitude * std::ldexp(1.0, -8) + std::fabs(va) * std::ldexp(1.0, -7);
           if (std::fabs(va - vb) > bound) bad.push_back(fmt::format("token {} element {}: V1 {} V2 {}", t, h, va, vb));
         }

@@ -5,8 +5,8 @@
 #include <cstring>
 #include <mutex>
 
-#include "moe_ep/convert.hpp"
 #include "reference/low_latency_reference.hh"
+#include "reference/numeric_reference.hh"
 
 namespace moe_ep::testing {
 
@@ -54,13 +54,17 @@ void check_row(const CaseSpec& s, const Expectation& e, const std::vector<RankIn
       bad.push_back(fmt::format("{} is not rank {} token {}", where, src, t));
     return;
   }
-  std::vector<std::uint16_t> copy(x, x + H);
-  Fp8Tensor q = quantize_fp8(TensorView(copy.data(), DType::kBF16, {1, H}), {.round_scale = e.round_scale, .use_ue8m0 = e.ue8m0});
-  if (std::memcmp(out.hidden_states.data_as<std::uint8_t>() + row * H, q.data.data(), static_cast<size_t>(H)) != 0)
+  // The reference per-128 cast (numeric_reference.hh), not the library's quantizer.
+  const reference::Fp8Row q = reference::quantize_row_fp8(x, H, e.round_scale, e.ue8m0);
+  if (std::memcmp(out.hidden_states.data_as<std::uint8_t>() + row * H, q.codes.data(), static_cast<size_t>(H)) != 0)
     bad.push_back(fmt::format("{} differs from the FP8 cast of rank {} token {}", where, src, t));
   const TensorView& sc = out.hidden_states_scale;
-  for (std::int64_t p = 0; p < q.scales.size(1); ++p)
-    if (sc.data_as<std::uint32_t>()[row * sc.stride(0) + p * sc.stride(1)] != q.scales.data_as<std::uint32_t>()[p])
+  if (sc.size(1) != static_cast<std::int64_t>(q.scales.size())) {
+    bad.push_back(fmt::format("{}: {} scale columns, expected {}", where, sc.size(1), q.scales.size()));
+    return;
+  }
+  for (std::size_t p = 0; p < q.scales.size(); ++p)
+    if (sc.data_as<std::uint32_t>()[row * sc.stride(0) + static_cast<std::int64_t>(p) * sc.stride(1)] != q.scales[p])
       bad.push_back(fmt::format("{}: scale {} differs", where, p));
 }
 
@@ -150,7 +154,7 @@ Tensor expert_outputs(const CaseSpec& spec, const Expectation& e, const std::vec
     if (owner < 0 || owner >= static_cast<int>(ref.rows.size())) continue;
     const auto& row = ref.rows[static_cast<size_t>(owner)];
     for (int h = 0; h < H; ++h)
-      y.data_as<std::uint16_t>()[r * H + h] = reference::expert_value(me, local, row.source * s.max_tokens + row.token, h);
+      y.data_as<std::uint16_t>()[r * H + h] = s.value(me, local, row.source * s.max_tokens + row.token, h);
   }
   return y;
 }

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <random>
 
-#include "moe_ep/dtype.hpp"
+#include "reference/numeric_reference.hh"
 
 namespace moe_ep::testing {
 namespace {
@@ -22,12 +22,15 @@ class Mismatches {
   explicit Mismatches(int rank) : rank_(rank) {}
   template <class... Args>
   void add(fmt::format_string<Args...> f, Args&&... args) {
-    if (list_.size() < 20) list_.push_back(fmt::format("[rank {}] ", rank_) + fmt::format(f, std::forward<Args>(args)...));
+    if (list_.size() < 20)
+      list_.push_back(fmt::format("[rank {}] {}", rank_, context_) + fmt::format(f, std::forward<Args>(args)...));
   }
   std::vector<std::string>& list() { return list_; }
+  void set_context(std::string context) { context_ = std::move(context); }
 
  private:
   int rank_;
+  std::string context_;
   std::vector<std::string> list_;
 };
 
@@ -210,6 +213,7 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
                     .expert_alignment = spec.alignment,
                     .num_sms = opt.num_sms,
                     .async_with_compute_stream = opt.async,
+                    .do_handle_copy = opt.handle_copy,
                     .do_cpu_sync = opt.cpu_sync,
                     .do_expand = spec.expand,
                     .do_zero_padding = opt.zero_padding,
@@ -218,6 +222,20 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
   if (spec.weights) args.topk_weights = weights;
   DispatchResult res = buffer.dispatch(args);
   res.event.wait();
+  if (n > 0) {
+    const Tensor& held = res.handle->topk_idx;
+    if (!held.defined() || held.size(0) != n || held.size(1) != k) {
+      bad.add("handle.topk_idx is not [N, k]");
+    } else if (opt.handle_copy) {
+      if (held.data() == topk.data()) bad.add("do_handle_copy = true, but handle.topk_idx is the caller's tensor");
+      for (std::int64_t t = 0; t < n; ++t)
+        for (int j = 0; j < k; ++j)
+          if (held.data_as<const std::int64_t>()[t * held.stride(0) + j * held.stride(1)] != in.topk[static_cast<size_t>(t * k + j)])
+            bad.add("handle.topk_idx[{}, {}] differs from topk_idx", t, j);
+    } else if (held.data() != topk.data()) {
+      bad.add("do_handle_copy = false, but handle.topk_idx is not the caller's tensor");
+    }
+  }
   const auto ref = reference::reference_dispatch(spec, all, me);
   verify_dispatch(spec, opt, all, ref, res, me, bad);
   for (int i = 0; i < spec.experts_per_rank(); ++i)
@@ -254,6 +272,35 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
     }
   }
 
+  if (opt.cached && opt.cached_new_inputs) {
+    // New x, scales and weights for the same routing: the handle places them, nothing of the
+    // first call's data may show.
+    CaseSpec fresh_spec = spec;
+    fresh_spec.seed = spec.seed * 0x9e3779b97f4a7c15ULL + 0x632be59bd9b4e019ULL;
+    std::vector<RankInputs> fresh;
+    for (int r = 0; r < spec.ranks; ++r) {
+      fresh.push_back(reference::make_inputs(fresh_spec, r));
+      fresh.back().topk = all[static_cast<size_t>(r)].topk;
+    }
+    RankInputs& mine = fresh[static_cast<size_t>(me)];
+    DispatchArgs again{.x = TensorView(mine.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H}),
+                       .num_max_tokens_per_rank = spec.max_tokens,
+                       .expert_alignment = spec.alignment,
+                       .async_with_compute_stream = opt.async,
+                       .handle = res.handle,
+                       .do_expand = spec.expand,
+                       .do_zero_padding = opt.zero_padding,
+                       .use_tma_aligned_col_major_sf = opt.col_major_scales};
+    if (spec.fp8) again.x_scales = TensorView(mine.scales.data(), DType::kFP32, {n, spec.scale_cols});
+    if (spec.weights) again.topk_weights = TensorView(mine.weights.data(), DType::kFP32, {n, k});
+    DispatchResult replay = buffer.dispatch(again);
+    replay.event.wait();
+    if (replay.handle != res.handle) bad.add("cached dispatch must return the same handle");
+    bad.set_context("cached dispatch with new inputs: ");
+    verify_dispatch(spec, opt, fresh, reference::reference_dispatch(spec, fresh, me), replay, me, bad);
+    bad.set_context("");
+  }
+
   // Combine: expert outputs depend on (this rank, local expert, source token), so a row routed
   // to the wrong place shows up in the combined result.
   const auto* meta = res.handle->recv_src_metadata.data_as<const std::int32_t>();
@@ -270,7 +317,7 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
       const int r = spec.expand ? meta[i * static_cast<size_t>(k + 2) + 2 + static_cast<size_t>(j)] : static_cast<int>(i);
       if (r < 0) continue;
       const int local = spec.expand ? static_cast<int>(ref.rows[i].local_ids[static_cast<size_t>(j)]) : -1;
-      for (int h = 0; h < H; ++h) y.data_as<std::uint16_t>()[std::int64_t{r} * H + h] = reference::expert_value(me, local, src_global, h);
+      for (int h = 0; h < H; ++h) y.data_as<std::uint16_t>()[std::int64_t{r} * H + h] = spec.value(me, local, src_global, h);
     }
   }
   CombineArgs cargs{.x = y, .handle = res.handle, .async_with_compute_stream = opt.async};
@@ -285,8 +332,8 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
       int h = 0;
       while (combined.combined_x.data_as<const std::uint16_t>()[t * H + h] == ref_combined.x[static_cast<size_t>(t * H + h)]) ++h;
       bad.add("combined_x[{}] differs first at h={}: {} vs reference {}", t, h,
-              bf16_to_float(combined.combined_x.data_as<const std::uint16_t>()[t * H + h]),
-              bf16_to_float(ref_combined.x[static_cast<size_t>(t * H + h)]));
+              reference::float_from_bf16(combined.combined_x.data_as<const std::uint16_t>()[t * H + h]),
+              reference::float_from_bf16(ref_combined.x[static_cast<size_t>(t * H + h)]));
     }
     for (int j = 0; j < k && spec.weights; ++j)
       if (combined.combined_topk_weights.data_as<const float>()[t * k + j] != ref_combined.weights[static_cast<size_t>(t * k + j)])
@@ -361,10 +408,13 @@ CaseSpec random_case(std::uint64_t seed, int ranks, int scaleout, RunOptions* op
 std::string describe(const CaseSpec& s, const RunOptions& o) {
   return fmt::format(
       "seed {} ranks {} topology {}x{} hybrid {} multi {} E {} k {} T {} H {} fp8 {} P {} expand {} align {} weights {} "
-      "bias {} mask {} skew {} tokens [{}] async {} cpu_sync {} zero_pad {} col_major {} workers {}",
+      "bias {} mask {} skew {} routing {} wide_range {} tokens [{}] async {} cpu_sync {} zero_pad {} col_major {} "
+      "workers {} cached {} cached_new_inputs {} handle_copy {}",
       s.seed, s.ranks, s.scaleout, s.ranks / s.scaleout, s.allow_hybrid, s.multi, s.num_experts, s.k, s.max_tokens,
       s.hidden, s.fp8, s.scale_cols, s.expand, s.alignment, s.weights, s.num_bias, s.mask_ratio, s.skew,
-      fmt::join(s.tokens, ","), o.async, o.cpu_sync, o.zero_padding, o.col_major_scales, o.num_sms);
+      s.fixed_topk.empty() ? std::to_string(s.routing_style) : std::string("fixed"), s.wide_range,
+      fmt::join(s.tokens, ","), o.async, o.cpu_sync, o.zero_padding, o.col_major_scales, o.num_sms, o.cached,
+      o.cached_new_inputs, o.handle_copy);
 }
 
 }  // namespace moe_ep::testing

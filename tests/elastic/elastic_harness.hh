@@ -1,5 +1,5 @@
 // Runs one randomized dispatch -> combine case on in-process ranks and checks every output
-// against the dense reference. Failures are collected as strings (gtest assertions from rank
+// against the dense reference (tests/reference). Failures are collected as strings (gtest assertions from rank
 // threads would not stop the other ranks).
 #pragma once
 
@@ -17,6 +17,11 @@ struct RunOptions {
   bool async = false;
   bool cpu_sync = true;
   bool cached = true;
+  // After the cached replay with the same inputs, one with new x, scales and weights (same
+  // routing): its outputs must be the new inputs placed by the handle's layout.
+  bool cached_new_inputs = false;
+  // do_handle_copy of the first dispatch: the handle's topk_idx is a copy, or the caller's tensor.
+  bool handle_copy = true;
   bool zero_padding = false;
   bool col_major_scales = false;
   int num_sms = 0;

@@ -11,6 +11,7 @@
 
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/legacy_buffer.hpp"
+#include "reference/numeric_reference.hh"
 
 namespace moe_ep {
 namespace {
@@ -162,9 +163,11 @@ TEST(CrossCheck, V1NormalV1LowLatencyAndV2AgreeOnRoutingAndOutputs) {
           float expected = 0.0f;
           for (int j = 0; j < kTopk; ++j)
             if (in.topk[static_cast<size_t>(t * kTopk + j)] >= 0)
-              expected += in.weights[static_cast<size_t>(t * kTopk + j)] * bf16_to_float(in.x[static_cast<size_t>(t * kHidden + h)]) *
+              expected += in.weights[static_cast<size_t>(t * kTopk + j)] *
+                          reference::float_from_bf16(in.x[static_cast<size_t>(t * kHidden + h)]) *
                           expert_scale(in.topk[static_cast<size_t>(t * kTopk + j)]);
-          ASSERT_EQ(v2[me].combined[static_cast<size_t>(t * kHidden + h)], float_to_bf16(expected)) << r << " " << t << " " << h;
+          ASSERT_EQ(v2[me].combined[static_cast<size_t>(t * kHidden + h)], reference::bf16_from_float(expected))
+              << r << " " << t << " " << h;
         }
     }
   }

@@ -25,6 +25,7 @@
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "moe_ep/mpi.hpp"
+#include "reference/numeric_reference.hh"
 
 namespace moe_ep::testing {
 namespace {
@@ -323,7 +324,7 @@ TEST(MpiTransport, TensorsAllocatedByMoeEpAreSharedWithoutCopy) {
     const float count = a == b ? 1.0f : 2.0f;
     for (int h = 0; h < H; h += 97)
       ASSERT_EQ(c1.combined_x.data_as<std::uint16_t>()[t * H + h],
-                float_to_bf16(count * bf16_to_float(user_x[static_cast<size_t>(t) * H + h])))
+                reference::bf16_from_float(count * reference::float_from_bf16(user_x[static_cast<size_t>(t) * H + h])))
           << "token " << t << " column " << h;
   }
 }
@@ -490,7 +491,7 @@ TEST(MpiTransport, LegacyNormalAndLowLatencyAcrossNodes) {
   for (int t = 0; t < N; ++t)
     for (int h = 0; h < H; ++h) {
       const float v = static_cast<float>((t + g.rank() + h) % 7);
-      ASSERT_EQ(c.combined_x.data_as<std::uint16_t>()[t * H + h], float_to_bf16(0.5f * v + 0.25f * v))
+      ASSERT_EQ(c.combined_x.data_as<std::uint16_t>()[t * H + h], reference::bf16_from_float(0.5f * v + 0.25f * v))
           << "token " << t << " column " << h;
     }
 }

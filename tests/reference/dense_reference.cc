@@ -4,8 +4,9 @@
 #include <cmath>
 #include <random>
 #include <set>
+#include <stdexcept>
 
-#include "moe_ep/dtype.hpp"
+#include "reference/numeric_reference.hh"
 
 namespace moe_ep::reference {
 namespace {
@@ -20,13 +21,14 @@ int highest_lane_on(const CaseSpec& s, const std::int64_t* ids, int d) {
 }
 
 // One rounding after summing in order, the first input taken as is; a single input passes.
-std::vector<std::uint16_t> round_sum(const std::vector<const std::uint16_t*>& inputs, int hidden) {
+std::vector<std::uint16_t> round_sum(std::vector<const std::uint16_t*> inputs, int hidden, bool reversed = false) {
   std::vector<std::uint16_t> out(static_cast<size_t>(hidden), 0);
   if (inputs.empty()) return out;
+  if (reversed) std::reverse(inputs.begin(), inputs.end());
   for (int h = 0; h < hidden; ++h) {
-    float acc = bf16_to_float(inputs[0][h]);
-    for (std::size_t i = 1; i < inputs.size(); ++i) acc = acc + bf16_to_float(inputs[i][h]);
-    out[static_cast<size_t>(h)] = float_to_bf16(acc);
+    float acc = float_from_bf16(inputs[0][h]);
+    for (std::size_t i = 1; i < inputs.size(); ++i) acc = acc + float_from_bf16(inputs[i][h]);
+    out[static_cast<size_t>(h)] = bf16_from_float(acc);
   }
   return out;
 }
@@ -44,11 +46,13 @@ RankInputs make_inputs(const CaseSpec& spec, int rank) {
     for (auto& b : in.x) b = static_cast<std::uint8_t>(code(rng));
     in.scales.resize(static_cast<size_t>(n) * spec.scale_cols);
     std::uniform_real_distribution<float> scale(0.001f, 2.0f);
-    for (auto& v : in.scales) v = float_bits(scale(rng));
+    for (auto& v : in.scales) v = bits_of(scale(rng));
   } else {
     std::normal_distribution<float> value(0.0f, 1.0f);
+    std::uniform_int_distribution<int> exponent(-24, 8);
     for (int i = 0; i < n * spec.hidden; ++i) {
-      const std::uint16_t b = float_to_bf16(value(rng));
+      const float v = spec.wide_range ? std::ldexp(value(rng), exponent(rng)) : value(rng);
+      const std::uint16_t b = bf16_from_float(v);
       in.x[static_cast<size_t>(2 * i)] = static_cast<std::uint8_t>(b & 0xff);
       in.x[static_cast<size_t>(2 * i + 1)] = static_cast<std::uint8_t>(b >> 8);
     }
@@ -59,24 +63,42 @@ RankInputs make_inputs(const CaseSpec& spec, int rank) {
   std::uniform_real_distribution<double> uniform(0.0, 1.0);
   in.topk.resize(static_cast<size_t>(n) * spec.k);
   in.weights.resize(static_cast<size_t>(n) * spec.k);
+  // Style 2: every token to the experts of one rank, the same rank for every source.
+  const int only_rank = static_cast<int>(spec.seed % static_cast<std::uint64_t>(spec.ranks));
   for (int t = 0; t < n; ++t) {
-    std::vector<double> keys(static_cast<size_t>(spec.num_experts));
-    for (int e = 0; e < spec.num_experts; ++e)  // weighted sampling without replacement
-      keys[static_cast<size_t>(e)] = std::log(uniform(rng) + 1e-300) / affinity[static_cast<size_t>(e)];
     std::vector<int> order(static_cast<size_t>(spec.num_experts));
     for (int e = 0; e < spec.num_experts; ++e) order[static_cast<size_t>(e)] = e;
-    std::partial_sort(order.begin(), order.begin() + spec.k, order.end(),
-                      [&](int a, int b) { return keys[static_cast<size_t>(a)] > keys[static_cast<size_t>(b)]; });
+    if (spec.routing_style == 2) {
+      const int El = spec.experts_per_rank();
+      for (int i = 0; i < El; ++i) order[static_cast<size_t>(i)] = only_rank * El + i;
+      std::shuffle(order.begin(), order.begin() + El, rng);
+      for (int j = El; j < spec.num_experts; ++j) order[static_cast<size_t>(j)] = -1;
+    } else if (spec.routing_style != 1 || t == 0) {
+      std::vector<double> keys(static_cast<size_t>(spec.num_experts));
+      for (int e = 0; e < spec.num_experts; ++e)  // weighted sampling without replacement
+        keys[static_cast<size_t>(e)] = std::log(uniform(rng) + 1e-300) / affinity[static_cast<size_t>(e)];
+      std::partial_sort(order.begin(), order.begin() + spec.k, order.end(),
+                        [&](int a, int b) { return keys[static_cast<size_t>(a)] > keys[static_cast<size_t>(b)]; });
+    }
     for (int j = 0; j < spec.k; ++j) {
       const bool masked = uniform(rng) < spec.mask_ratio;
-      in.topk[static_cast<size_t>(t * spec.k + j)] = masked ? -1 : order[static_cast<size_t>(j)];
-      in.weights[static_cast<size_t>(t * spec.k + j)] = masked ? 0.0f : static_cast<float>(uniform(rng));
+      std::int64_t id = masked ? -1 : order[static_cast<size_t>(j)];
+      if (spec.routing_style == 1 && t > 0) id = in.topk[static_cast<size_t>(j)];  // the first token's row
+      in.topk[static_cast<size_t>(t * spec.k + j)] = id;
+      in.weights[static_cast<size_t>(t * spec.k + j)] = id < 0 ? 0.0f : static_cast<float>(uniform(rng));
     }
+  }
+  if (static_cast<size_t>(rank) < spec.fixed_topk.size()) {
+    const auto& ids = spec.fixed_topk[static_cast<size_t>(rank)];
+    if (ids.size() != in.topk.size()) throw std::invalid_argument("fixed_topk: wrong size for the rank's tokens");
+    in.topk = ids;
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      if (ids[i] < 0) in.weights[i] = 0.0f;
   }
   std::normal_distribution<float> bias_value(0.0f, 0.5f);
   for (int b = 0; b < spec.num_bias; ++b) {
     in.bias.emplace_back(static_cast<size_t>(n) * spec.hidden);
-    for (auto& v : in.bias.back()) v = float_to_bf16(bias_value(rng));
+    for (auto& v : in.bias.back()) v = bf16_from_float(bias_value(rng));
   }
   return in;
 }
@@ -125,7 +147,11 @@ std::uint16_t expert_value(int dest, int local_expert, int src_global, int h) {
   // depends on the summation order, which the tests therefore check.
   const double v = std::sin(0.37 * src_global + 0.011 * h + 1.3 * dest + 0.7 * (local_expert + 2));
   const int exponent = (src_global * 7 + dest * 13 + (local_expert + 1) * 5 + h * 3) % 41 - 20;
-  return float_to_bf16(static_cast<float>(std::ldexp(v, exponent)));
+  return bf16_from_float(static_cast<float>(std::ldexp(v, exponent)));
+}
+
+std::uint16_t CaseSpec::value(int dest, int local_expert, int src_global, int h) const {
+  return values ? values(dest, local_expert, src_global, h) : expert_value(dest, local_expert, src_global, h);
 }
 
 RefCombine reference_combine(const CaseSpec& spec, const std::vector<RankInputs>& all, int source,
@@ -140,8 +166,8 @@ RefCombine reference_combine(const CaseSpec& spec, const std::vector<RankInputs>
     auto& row = rows[{d, local, src_global}];
     if (row.empty())
       for (int h = 0; h < H; ++h) {
-        const std::uint16_t v = expert_value(d, local, src_global, h);
-        row.push_back(spec.weight_lanes && local >= 0 ? float_to_bf16(weight * bf16_to_float(v)) : v);
+        const std::uint16_t v = spec.value(d, local, src_global, h);
+        row.push_back(spec.weight_lanes && local >= 0 ? bf16_from_float(weight * float_from_bf16(v)) : v);
       }
     return row.data();
   };
@@ -161,7 +187,7 @@ RefCombine reference_combine(const CaseSpec& spec, const std::vector<RankInputs>
       for (int j = 0; j < k; ++j)
         if (ids[j] >= 0 && rank_of(spec, ids[j]) == d)
           lanes.push_back(expert_row(d, static_cast<int>(ids[j] % El), g, in.weights[static_cast<size_t>(t * k + j)]));
-      return lanes.size() == 1 ? lanes[0] : keep(round_sum(lanes, H));
+      return lanes.size() == 1 ? lanes[0] : keep(round_sum(lanes, H, spec.reversed_levels & 1));
     };
     std::vector<const std::uint16_t*> inputs;
     for (const auto& b : in.bias) inputs.push_back(&b[static_cast<size_t>(t * H)]);
@@ -187,12 +213,14 @@ RefCombine reference_combine(const CaseSpec& spec, const std::vector<RankInputs>
           std::vector<const std::uint16_t*> members;
           for (const auto& [m, d] : ranks)
             if (node_of(spec, d) == node) members.push_back(rank_contribution(d));
-          inputs.push_back(members.size() == 1 ? members[0] : keep(round_sum(members, H)));
+          inputs.push_back(members.size() == 1 ? members[0] : keep(round_sum(members, H, spec.reversed_levels & 2)));
         }
       } else {
         for (const auto& [m, d] : ranks) inputs.push_back(rank_contribution(d));
       }
     }
+    // Biases first, then the units in ascending key order (reversed: units descending, after the biases).
+    if (spec.reversed_levels & 4) std::reverse(inputs.begin() + static_cast<std::ptrdiff_t>(in.bias.size()), inputs.end());
     const auto result = round_sum(inputs, H);
     std::copy(result.begin(), result.end(), out.x.begin() + static_cast<std::ptrdiff_t>(t) * H);
     if (spec.weights)

@@ -1,6 +1,7 @@
 // Dense, single-threaded reference for dispatch and combine, written from docs/semantics.md with
-// plain loops over every rank's inputs. It shares no code with src/ beyond the scalar BF16
-// conversions, so it checks the library's routing, ordering and reduction independently.
+// plain loops over every rank's inputs. It shares no code with src/ (its BF16 conversions are
+// those of numeric_reference.hh), so it checks the library's routing, ordering, reduction and
+// rounding independently.
 #pragma once
 
 #include <cstdint>
@@ -33,11 +34,28 @@ struct CaseSpec {
   // Expanded lanes arrive weighted: bf16(w_j x expert_value) (the dispatcher's low-latency
   // format on V2, which weights each lane before V2's unweighted combine).
   bool weight_lanes = false;
+  // Routing shapes: 0 drawn per token (k distinct experts by affinity); 1 every token of a rank
+  // has the same ids (one drawn row, repeated); 2 every token of every rank goes to experts of
+  // one rank only (lanes past that rank's experts are -1). Masks apply on top.
+  int routing_style = 0;
+  // BF16 x drawn over magnitudes 2^-24 .. 2^8 instead of N(0, 1), so that FP8 casts meet
+  // subnormals, ties and the whole exponent range.
+  bool wide_range = false;
+  // Per rank [n * k]: when given, the routing of that rank. Weights stay those drawn for the drawn
+  // routing (0 where it was masked, or where the fixed id is -1): use mask_ratio = 0 with it.
+  std::vector<std::vector<std::int64_t>> fixed_topk;
+  // Expert outputs; null: expert_value below.
+  using ValueFn = std::uint16_t (*)(int dest, int local_expert, int src_global, int h);
+  ValueFn values = nullptr;
+  // For checks of the tests' own sensitivity: combine levels summed in descending key order
+  // instead of the documented ascending one (bit 0: level 1, bit 1: level 2, bit 2: final sum).
+  int reversed_levels = 0;
 
   int experts_per_rank() const { return num_experts / ranks; }
   int row_bytes() const { return hidden * (fp8 ? 1 : 2); }
   bool hybrid() const { return allow_hybrid && scaleout > 1; }
   int routing_nodes() const { return hybrid() ? scaleout : 1; }
+  std::uint16_t value(int dest, int local_expert, int src_global, int h) const;
 };
 
 struct RankInputs {

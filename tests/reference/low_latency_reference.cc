@@ -4,7 +4,7 @@
 
 #include <cstring>
 
-#include "moe_ep/convert.hpp"
+#include "reference/numeric_reference.hh"
 
 namespace moe_ep::reference {
 
@@ -40,15 +40,22 @@ void check_slab(const CaseSpec& s, const SlabFormat& f, const std::vector<RankIn
           bad.push_back(fmt::format("slab[{}, {}] is not rank {} token {}", i, row, src, t));
         continue;
       }
-      // FP8: the per-128 cast of the source row (quantize_fp8 is checked against its definition).
-      std::vector<std::uint16_t> copy(x, x + H);
-      Fp8Tensor q = quantize_fp8(TensorView(copy.data(), DType::kBF16, {1, H}), {.round_scale = f.round_scale, .use_ue8m0 = f.ue8m0});
-      if (std::memcmp(recv_x.data_as<std::uint8_t>() + slab_row * H, q.data.data(), static_cast<size_t>(H)) != 0)
-        bad.push_back(fmt::format("FP8 slab[{}, {}] differs from the cast of rank {} token {}", i, row, src, t));
+      // FP8: the per-128 cast of the source row, by the reference quantizer (numeric_reference.hh).
+      const Fp8Row q = quantize_row_fp8(x, H, f.round_scale, f.ue8m0);
+      const std::uint8_t* got_codes = recv_x.data_as<std::uint8_t>() + slab_row * H;
+      for (int h = 0; h < H; ++h)
+        if (got_codes[h] != q.codes[static_cast<size_t>(h)]) {
+          bad.push_back(fmt::format("FP8 slab[{}, {}] differs from the cast of rank {} token {} first at {}: {:#04x}, "
+                                    "expected {:#04x}", i, row, src, t, h, got_codes[h], q.codes[static_cast<size_t>(h)]));
+          break;
+        }
       if (sc.stride(1) != 1) bad.push_back("slab scales must have token stride 1");
-      for (std::int64_t p = 0; p < sc.size(2); ++p) {
+      if (sc.size(2) != static_cast<std::int64_t>(q.scales.size()))
+        bad.push_back(fmt::format("slab scales have {} columns, expected {}", sc.size(2), q.scales.size()));
+      for (std::int64_t p = 0; p < sc.size(2) && p < static_cast<std::int64_t>(q.scales.size()); ++p) {
         const std::uint32_t got = sc.data_as<std::uint32_t>()[i * sc.stride(0) + static_cast<std::int64_t>(row) * sc.stride(1) + p * sc.stride(2)];
-        if (got != q.scales.data_as<std::uint32_t>()[p]) bad.push_back(fmt::format("scales[{}, {}, {}]", i, row, p));
+        if (got != q.scales[static_cast<size_t>(p)])
+          bad.push_back(fmt::format("scales[{}, {}, {}] = {:#010x}, expected {:#010x}", i, row, p, got, q.scales[static_cast<size_t>(p)]));
       }
     }
   }
@@ -62,7 +69,7 @@ Tensor slab_expert_outputs(const CaseSpec& s, const std::vector<RankInputs>& all
     for (std::size_t row = 0; row < rows.size(); ++row)
       for (int h = 0; h < H; ++h)
         y.data_as<std::uint16_t>()[(i * rows_per_expert + static_cast<std::int64_t>(row)) * H + h] =
-            expert_value(me, i, rows[row].first * s.max_tokens + rows[row].second, h);
+            s.value(me, i, rows[row].first * s.max_tokens + rows[row].second, h);
   }
   return y;
 }
@@ -78,11 +85,11 @@ std::vector<std::uint16_t> low_latency_combine_reference(const CaseSpec& s, cons
         const auto id = in.topk[static_cast<size_t>(t * k + j)];
         if (id < 0) continue;
         const float product = in.weights[static_cast<size_t>(t * k + j)] *
-                              bf16_to_float(expert_value(static_cast<int>(id / El), static_cast<int>(id % El), me * s.max_tokens + t, h));
+                              float_from_bf16(s.value(static_cast<int>(id / El), static_cast<int>(id % El), me * s.max_tokens + t, h));
         acc = first ? product : acc + product;
         first = false;
       }
-      out[static_cast<size_t>(t * H + h)] = float_to_bf16(acc);
+      out[static_cast<size_t>(t * H + h)] = bf16_from_float(acc);
     }
   return out;
 }

@@ -20,17 +20,18 @@ struct SlabFormat {
   std::int64_t rows_per_expert = 0;  // R x N
 };
 
-// Checks counts, rows (BF16 copies, or the per-128 FP8 cast with scales of token stride 1) of
+// Checks counts, rows (BF16 copies, or the reference per-128 FP8 cast of numeric_reference.hh, with
+// scales of token stride 1) of
 // the slab `recv_x` [El, R*N, H] against every rank's inputs; appends one line per problem.
 void check_slab(const CaseSpec& s, const SlabFormat& f, const std::vector<RankInputs>& all, int me,
                 const TensorView& recv_x, const TensorView& recv_x_scales, const TensorView& counts,
                 std::vector<std::string>& bad);
 
-// Expert outputs in the slab [El, R*N, H]: row `row` of expert i = expert_value(me, i, source token).
+// Expert outputs in the slab [El, R*N, H]: row `row` of expert i = s.value(me, i, source token).
 Tensor slab_expert_outputs(const CaseSpec& s, const std::vector<RankInputs>& all, int me, std::int64_t rows_per_expert);
 
 // V1 low-latency combine: out[t] = bf16(sum over valid lanes, ascending, of w * y), the first
-// product taken as is (y = expert_value of the lane's expert).
+// product taken as is (y = s.value of the lane's expert).
 std::vector<std::uint16_t> low_latency_combine_reference(const CaseSpec& s, const RankInputs& in, int me);
 
 }  // namespace moe_ep::reference

@@ -1,0 +1,34 @@
+// Runs one V1 normal-mode case (layout, dispatch, handle, cached dispatch, combine) on in-process
+// ranks and checks every output against the dense reference (tests/reference). Failures are
+// collected as strings (gtest assertions from rank threads would not stop the other ranks).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "moe_ep/group.hpp"
+#include "reference/dense_reference.hh"
+
+namespace moe_ep::testing {
+
+struct LegacyRunOptions {
+  bool cached = true;
+  // After the cached replay with the same x, one with new x and scales: its rows must be the new
+  // inputs placed by the handle's layout.
+  bool cached_new_inputs = false;
+  int num_worst_tokens = 0;
+  bool async = false;
+  bool with_topk = true;  // false: routed by is_token_in_rank alone
+  int num_sms = 0;        // Config::num_sms of dispatch and combine (channels = num_sms / 2); 0: default config
+};
+
+// The reference a V1 case is checked against: V1 has no expanded layout and, across nodes,
+// always reduces per node at the forwarder (hybrid path with multiple reduction).
+reference::CaseSpec legacy_reference_spec(reference::CaseSpec spec);
+
+// Returns the mismatches found on `group`'s rank (empty when everything matched).
+std::vector<std::string> run_legacy_case(Group& group, const reference::CaseSpec& spec, const LegacyRunOptions& options);
+
+std::string describe(const reference::CaseSpec& spec, const LegacyRunOptions& options);
+
+}  // namespace moe_ep::testing

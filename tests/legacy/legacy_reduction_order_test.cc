@@ -1,0 +1,28 @@
+// V1 normal combine's reduction order on the order-sensitive case of
+// tests/reference/order_sensitive_case.hh: ascending master lane on one node; across two nodes the
+// forwarder first sums its node's ranks in ascending master-lane order (docs/legacy.md §3).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "legacy/legacy_harness.hh"
+#include "reference/order_sensitive_case.hh"
+
+namespace moe_ep::testing {
+namespace {
+
+TEST(LegacyReductionOrder, CombineSumsInAscendingMasterLaneOrder) {
+  for (int scaleout : {1, 2})
+    for (int num_bias : {0, 1}) {
+      const reference::CaseSpec spec = legacy_reference_spec(reference::order_sensitive_case(scaleout, true, false, true, num_bias));
+      SCOPED_TRACE(describe(spec, LegacyRunOptions{}));
+      EXPECT_TRUE(reference::order_matters(spec, scaleout > 1 ? 2 : 4)) << "the case is order-sensitive";
+      LocalWorld world(spec.ranks, {.num_scaleout = scaleout});
+      std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
+      world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_legacy_case(g, spec, {}); });
+      for (const auto& per_rank : failures)
+        for (const auto& f : per_rank) ADD_FAILURE() << f;
+    }
+}
+
+}  // namespace
+}  // namespace moe_ep::testing

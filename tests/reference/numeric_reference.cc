@@ -1,0 +1,123 @@
+#include "reference/numeric_reference.hh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace moe_ep::reference {
+
+std::uint32_t bits_of(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+float float_of(std::uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+std::uint16_t bf16_from_float(float f) {
+  const std::uint32_t u = bits_of(f);
+  const std::uint32_t exponent = (u >> 23) & 0xffu, mantissa = u & 0x7fffffu;
+  if (exponent == 0xffu && mantissa != 0) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // NaN
+  std::uint32_t kept = u >> 16;              // sign, exponent and the top 7 mantissa bits
+  const std::uint32_t dropped = u & 0xffffu;  // compared with half of the last kept bit
+  if (dropped > 0x8000u || (dropped == 0x8000u && (kept & 1u) != 0)) ++kept;  // a carry may reach infinity
+  return static_cast<std::uint16_t>(kept);
+}
+
+float float_from_bf16(std::uint16_t b) { return float_of(static_cast<std::uint32_t>(b) << 16); }
+
+std::uint8_t fp8_e4m3_from_float(float f) {
+  const std::uint32_t u = bits_of(f);
+  const std::uint8_t sign = (u >> 31) != 0 ? 0x80 : 0x00;
+  const std::uint32_t exponent = (u >> 23) & 0xffu, mantissa = u & 0x7fffffu;
+  if (exponent == 0xffu) return static_cast<std::uint8_t>(sign | (mantissa != 0 ? 0x7f : 0x7e));  // NaN; infinity saturates
+  // |f| = significand * 2^power with an integer significand (FP32 subnormals included).
+  const std::uint64_t significand = exponent == 0 ? mantissa : (mantissa | 0x800000u);
+  const int power = exponent == 0 ? -149 : static_cast<int>(exponent) - 150;
+  if (significand == 0) return sign;
+  int top = 63;
+  while (((significand >> top) & 1u) == 0) --top;
+  // The binade of |f| is [2^b, 2^(b+1)), b = power + top. E4M3's biased exponent there is b + 7;
+  // below the smallest normal binade (b + 7 < 1) the subnormal grid continues with step 2^-9.
+  const int biased = std::max(power + top + 7, 1);
+  const int step_power = biased - 10;  // 3 mantissa bits: step = 2^(binade - 3)
+  // steps = |f| / 2^step_power, rounded to nearest, ties to even.
+  const int shift = step_power - power;
+  std::uint64_t steps;
+  if (shift <= 0) {
+    steps = significand << -shift;
+  } else if (shift > 62) {
+    steps = 0;  // far below half a step
+  } else {
+    steps = significand >> shift;
+    const std::uint64_t rest = significand & ((std::uint64_t{1} << shift) - 1);
+    const std::uint64_t half = std::uint64_t{1} << (shift - 1);
+    if (rest > half || (rest == half && (steps & 1u) != 0)) ++steps;
+  }
+  // steps is in [8, 16] for a normal binade (16: the rounding carried into the next binade) and
+  // in [0, 8] on the subnormal grid; both map to code (biased - 1) * 8 + steps.
+  const std::int64_t code = static_cast<std::int64_t>(biased - 1) * 8 + static_cast<std::int64_t>(steps);
+  return static_cast<std::uint8_t>(sign | (code > 0x7e ? 0x7e : code));  // saturate at 448
+}
+
+double fp8_e4m3_value(std::uint8_t code) {
+  const int e = (code >> 3) & 0xf, m = code & 7;
+  if (e == 0xf && m == 7) return std::nan("");
+  const double magnitude = e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+  return (code & 0x80) != 0 ? -magnitude : magnitude;
+}
+
+namespace {
+
+constexpr int kBlock = 128;
+constexpr float kE4M3Max = 448.0f;
+constexpr float kAmaxFloor = 1e-4f;
+
+// The smallest power of two >= s (s positive and finite); infinities and NaN pass.
+float power_of_two_at_or_above(float s) {
+  if (!std::isfinite(s)) return s;
+  int e = 0;
+  const float m = std::frexp(s, &e);  // s = m * 2^e, m in [0.5, 1)
+  return m == 0.5f ? s : std::ldexp(1.0f, e);
+}
+
+}  // namespace
+
+Fp8Row quantize_row_fp8(const float* x, int hidden, bool round_scale, bool ue8m0) {
+  const int blocks = hidden / kBlock;
+  Fp8Row out;
+  out.codes.resize(static_cast<std::size_t>(hidden));
+  out.scales.assign(static_cast<std::size_t>(ue8m0 ? (blocks + 3) / 4 : blocks), 0u);
+  for (int b = 0; b < blocks; ++b) {
+    float amax = 0.0f;
+    for (int i = b * kBlock; i < (b + 1) * kBlock; ++i)
+      if (!std::isnan(x[i]) && std::fabs(x[i]) > amax) amax = std::fabs(x[i]);
+    if (amax < kAmaxFloor) amax = kAmaxFloor;
+    float scale_inv = amax / kE4M3Max;
+    if (round_scale) scale_inv = power_of_two_at_or_above(scale_inv);
+    const float multiplier = kE4M3Max / amax;
+    for (int i = b * kBlock; i < (b + 1) * kBlock; ++i) {
+      const float scaled = round_scale ? x[i] / scale_inv : x[i] * multiplier;
+      out.codes[static_cast<std::size_t>(i)] = fp8_e4m3_from_float(scaled);
+    }
+    if (ue8m0) {
+      const std::uint32_t exponent_byte = (bits_of(scale_inv) >> 23) & 0xffu;
+      out.scales[static_cast<std::size_t>(b / 4)] |= exponent_byte << (8 * (b % 4));
+    } else {
+      out.scales[static_cast<std::size_t>(b)] = bits_of(scale_inv);
+    }
+  }
+  return out;
+}
+
+Fp8Row quantize_row_fp8(const std::uint16_t* bf16, int hidden, bool round_scale, bool ue8m0) {
+  std::vector<float> values(static_cast<std::size_t>(hidden));
+  for (int i = 0; i < hidden; ++i) values[static_cast<std::size_t>(i)] = float_from_bf16(bf16[i]);
+  return quantize_row_fp8(values.data(), hidden, round_scale, ue8m0);
+}
+
+}  // namespace moe_ep::reference

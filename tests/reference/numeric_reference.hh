@@ -1,0 +1,42 @@
+// Element-type references written from the format definitions (docs/semantics.md §1), sharing no
+// code with src/: BF16 <-> FP32, FP8 E4M3 ("fn") encoding, and the per-128 block quantization of
+// a token row. The test expectations that involve rounding are computed with these, so that a
+// change in the library's conversions cannot move the expectation along with the result.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace moe_ep::reference {
+
+// The bits of a float and back (no library helper).
+std::uint32_t bits_of(float f);
+float float_of(std::uint32_t bits);
+
+// FP32 -> BF16: round to nearest, ties to even, on the 16 dropped bits; NaN stays NaN with the
+// quiet bit (0x0040) set and the sign kept; values past the largest BF16 round to infinity.
+std::uint16_t bf16_from_float(float f);
+// BF16 -> FP32: exact.
+float float_from_bf16(std::uint16_t b);
+
+// FP32 -> FP8 E4M3fn: the value is placed on the E4M3 grid of its binade (step 2^(e-3) for
+// normal binade e >= -6, 2^-9 below), rounded to nearest with ties to even, then saturated: any
+// finite or infinite magnitude above 448 becomes 448 (code 0x7e); NaN becomes 0x7f (sign kept).
+std::uint8_t fp8_e4m3_from_float(float f);
+// FP8 E4M3fn -> value (NaN for 0x7f / 0xff).
+double fp8_e4m3_value(std::uint8_t code);
+
+// One token row cast to FP8 with per-128-element block scales:
+//   amax = max |x| over the block (NaN ignored), floored at 1e-4;
+//   scale_inv = amax / 448 in FP32; with round_scale, 2^ceil(log2(scale_inv));
+//   code = e4m3(x * (448 / amax)), or e4m3(x / scale_inv) with round_scale (FP32 products);
+//   scales: one FP32 word per block, or with ue8m0 the exponent byte of scale_inv packed four per
+//   32-bit word (byte b of word j = block 4j + b, little-endian; unused bytes 0).
+struct Fp8Row {
+  std::vector<std::uint8_t> codes;    // [hidden]
+  std::vector<std::uint32_t> scales;  // [hidden / 128] FP32 bits, or [ceil(hidden / 512)] packed words
+};
+Fp8Row quantize_row_fp8(const std::uint16_t* bf16, int hidden, bool round_scale, bool ue8m0);
+Fp8Row quantize_row_fp8(const float* values, int hidden, bool round_scale, bool ue8m0);
+
+}  // namespace moe_ep::reference
