@@ -528,6 +528,42 @@ TEST(MpiTransport, ARankThatGaveUpBecauseOfAnotherNamesTheRootCause) {
   g.barrier(120);  // the group's own channel is unaffected
 }
 
+// Timeouts name global ranks, whatever the scope: a node-scope barrier on the last node where only
+// its first rank arrives, and a wait for signals of another node that never come. One rank waits,
+// every other rank stays away, so the result does not depend on the machine's load.
+TEST(MpiTransport, TimeoutsOnAnyNodeNameGlobalRanks) {
+  Group& g = *g_group;
+  auto channel = g.transport().duplicate({"test: channel", 120});
+  const int su = g.num_scaleup(), last_node_first = (g.num_scaleout() - 1) * su;
+  if (g.rank() == last_node_first && su > 1) {
+    std::vector<int> others;
+    for (int r = last_node_first + 1; r < last_node_first + su; ++r) others.push_back(r);
+    try {
+      channel->barrier(comm::Scope::kNode, {"node barrier", 0.5});
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const TimeoutError& e) {
+      EXPECT_EQ(e.ranks(), others) << e.what();
+      EXPECT_NE(std::string(e.what()).find(fmt::format("waiting for ranks [{}]", fmt::join(others, ", "))),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  g.barrier(120);
+  // Rank 0 waits for a signal of the first rank of the last node, which never sends one.
+  auto signals = g.transport().duplicate({"test: channel", 120});
+  if (g.rank() == 0 && g.num_scaleout() > 1) {
+    const int from[] = {last_node_first};
+    const std::uint64_t target[] = {1};
+    try {
+      signals->wait_signals(from, target, {"records of the last node", 0.5});
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const TimeoutError& e) {
+      EXPECT_EQ(e.ranks(), std::vector<int>{last_node_first}) << e.what();
+    }
+  }
+  g.barrier(120);
+}
+
 // On ranks other than 0: only failed assertions, prefixed with the rank.
 class RankFailurePrinter : public ::testing::EmptyTestEventListener {
  public:
