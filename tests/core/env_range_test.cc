@@ -9,32 +9,11 @@
 #include "core/host_allocator.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
+#include "reference/env_scope.hh"
 #include "moe_ep/tensor.hpp"
 
 namespace moe_ep {
 namespace {
-
-// Sets a process environment variable for one scope (no other thread runs in these tests).
-class ScopedSetenv {
- public:
-  ScopedSetenv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) previous_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedSetenv() {
-    if (previous_) {
-      setenv(name_, previous_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedSetenv(const ScopedSetenv&) = delete;
-  ScopedSetenv& operator=(const ScopedSetenv&) = delete;
-
- private:
-  const char* name_;
-  std::optional<std::string> previous_;
-};
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
@@ -50,7 +29,7 @@ std::string int_error(const char* name) {
 TEST(EnvRange, WorkerCountsBeyondTheLimitAreRefusedAsGiven) {
   // 2^32 + 1 and 2^31 would wrap in an int; 100000 threads per rank cannot start.
   for (const char* value : {"4294967297", "2147483648", "100000", "1025", "99999999999999999999"}) {
-    ScopedSetenv set("MOE_EP_NUM_WORKERS", value);
+    testing::ScopedEnvironment set("MOE_EP_NUM_WORKERS", value);
     const std::string message = int_error("MOE_EP_NUM_WORKERS");
     ASSERT_FALSE(message.empty()) << value << " was accepted";
     EXPECT_TRUE(contains(message, "MOE_EP_NUM_WORKERS")) << message;
@@ -58,7 +37,7 @@ TEST(EnvRange, WorkerCountsBeyondTheLimitAreRefusedAsGiven) {
     EXPECT_TRUE(contains(message, "1024")) << message;
   }
   for (const char* value : {"0", "1", "1024"}) {
-    ScopedSetenv set("MOE_EP_NUM_WORKERS", value);
+    testing::ScopedEnvironment set("MOE_EP_NUM_WORKERS", value);
     EXPECT_EQ(env::get_int("MOE_EP_NUM_WORKERS"), std::strtoll(value, nullptr, 10));
   }
 }
@@ -66,17 +45,17 @@ TEST(EnvRange, WorkerCountsBeyondTheLimitAreRefusedAsGiven) {
 TEST(EnvRange, TokenCapsAndByteCountsHaveLimits) {
   for (const char* name : {"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK",
                            "MOE_EP_RANKS_PER_NODE", "MOE_EP_MPI_CHUNK_BYTES", "MOE_EP_ALLOCATOR_CACHE_BYTES"}) {
-    ScopedSetenv set(name, "9223372036854775807");  // INT64_MAX: no sensible limit is that large
+    testing::ScopedEnvironment set(name, "9223372036854775807");  // INT64_MAX: no sensible limit is that large
     const std::string message = int_error(name);
     EXPECT_TRUE(contains(message, name)) << name << ": " << message;
     EXPECT_TRUE(contains(message, "\"9223372036854775807\"")) << message;
   }
-  ScopedSetenv tokens("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "1099511627776");
+  testing::ScopedEnvironment tokens("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "1099511627776");
   EXPECT_TRUE(contains(int_error("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK"), "\"1099511627776\""));
 }
 
 TEST(EnvRange, TheTimeoutStaysUnboundedAbove) {
-  ScopedSetenv set("MOE_EP_TIMEOUT_SECS", "1e300");
+  testing::ScopedEnvironment set("MOE_EP_TIMEOUT_SECS", "1e300");
   EXPECT_EQ(env::get_float("MOE_EP_TIMEOUT_SECS"), 1e300);
 }
 
@@ -95,7 +74,7 @@ TEST(EnvRange, AllocatorCacheLimitErrorsReachTheAllocatingCaller) {
   const std::int64_t large[] = {4 << 20};
   std::optional<Tensor> block(Tensor::empty(large, DType::kUInt8));
   {
-    ScopedSetenv set("MOE_EP_ALLOCATOR_CACHE_BYTES", "lots");
+    testing::ScopedEnvironment set("MOE_EP_ALLOCATOR_CACHE_BYTES", "lots");
     block.reset();  // returns the block to the cache: must not terminate
     try {
       Tensor::empty(large, DType::kUInt8);

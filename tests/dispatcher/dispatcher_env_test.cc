@@ -7,6 +7,7 @@
 
 #include "fixture.hh"
 #include "moe_ep/env.hpp"
+#include "reference/env_scope.hh"
 
 namespace moe_ep::testing {
 namespace {
@@ -20,27 +21,6 @@ DispatcherOptions shape() {
   o.num_topk = 2;
   return o;
 }
-
-// Sets a process environment variable for one scope (the parse errors are only reachable
-// through the environment: overrides are validated when they are made).
-class ScopedSetenv {
- public:
-  ScopedSetenv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) previous_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedSetenv() {
-    if (previous_) {
-      setenv(name_, previous_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> previous_;
-};
 
 TEST(DispatcherEnv, UnsetOptionsTakeTheEnvironment) {
   LocalWorld(2).run([&](Group& g) {
@@ -107,7 +87,7 @@ TEST(DispatcherEnv, BadValuesNameTheVariableAndTheAcceptedValues) {
          "MOE_EP_NUM_WORKERS=\"4096\" is invalid: accepted values are integers from 0 to 1024"},
     };
     for (const Case& c : cases) {
-      ScopedSetenv set(c.name, c.value);
+      ScopedEnvironment set(c.name, c.value);
       const Caught e = catch_error([&] { TokenDispatcher d(cache, shape()); });
       EXPECT_EQ(e.type, "InvalidArgument") << c.name;
       EXPECT_TRUE(contains(e.message, c.message)) << e.message;
@@ -144,7 +124,7 @@ TEST(DispatcherEnv, OutOfRangeValuesAreReportedAsGiven) {
     for (const auto& [name, value] : {std::pair{"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "1099511627776"},
                                       {"MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK", "1099511627776"},
                                       {"MOE_EP_NUM_WORKERS", "4294967297"}}) {
-      ScopedSetenv set(name, value);
+      ScopedEnvironment set(name, value);
       const Caught e = catch_error([&] { TokenDispatcher d(cache, shape()); });
       EXPECT_EQ(e.type, "InvalidArgument") << name;
       EXPECT_TRUE(contains(e.message, name)) << e.message;

@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "env_scope.hh"
+#include "reference/env_scope.hh"
 #include "fixture.hh"
 
 namespace moe_ep::testing {

@@ -12,6 +12,7 @@
 
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
+#include "reference/env_scope.hh"
 #include "reference/errors.hh"
 
 namespace moe_ep {
@@ -38,26 +39,6 @@ ElasticBufferConfig config() {
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-// Sets a process environment variable while no rank thread runs.
-class ScopedSetenv {
- public:
-  ScopedSetenv(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) previous_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedSetenv() {
-    if (previous_) {
-      setenv(name_, previous_->c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> previous_;
-};
-
 // Every rank calls `call` on a fresh buffer; afterwards each dispatches and combines valid input
 // with one explicit worker (so the environment is not read), which must succeed.
 std::vector<testing::Caught> on_all_ranks(const std::function<void(ElasticBuffer&, int rank)>& call) {
@@ -80,7 +61,7 @@ TEST(ElasticLimits, WorkerCountsFromTheEnvironmentAreChecked) {
   for (const char* value : {"4294967297", "2147483648", "100000", "1025"}) {
     std::vector<testing::Caught> outcomes;
     {
-      ScopedSetenv set("MOE_EP_NUM_WORKERS", value);
+      testing::ScopedEnvironment set("MOE_EP_NUM_WORKERS", value);
       outcomes = on_all_ranks([](ElasticBuffer& b, int rank) {
         Inputs in(rank);
         b.dispatch(in.args());
