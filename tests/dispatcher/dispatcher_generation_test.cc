@@ -7,7 +7,7 @@
 #include <optional>
 #include <string>
 
-#include "env_scope.hh"
+#include "reference/env_scope.hh"
 #include "fixture.hh"
 #include "moe_ep/env.hpp"
 
