@@ -27,18 +27,7 @@ struct LLOptions {
 };
 
 CaseSpec ll_spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed) {
-  CaseSpec s;
-  s.ranks = ranks;
-  s.scaleout = scaleout;
-  s.num_experts = experts;
-  s.k = k;
-  s.max_tokens = N;
-  s.hidden = hidden;
-  s.seed = seed;
-  s.mask_ratio = 0.15;
-  s.skew = 1.0;
-  for (int r = 0; r < ranks; ++r) s.tokens.push_back(r == 1 ? 0 : std::max(0, N - (r % 3)));
-  return s;
+  return reference::low_latency_spec(ranks, scaleout, experts, k, N, hidden, seed, 1.0);
 }
 
 std::int64_t ll_pool(const CaseSpec& s) {

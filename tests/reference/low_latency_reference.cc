@@ -2,11 +2,28 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "reference/numeric_reference.hh"
 
 namespace moe_ep::reference {
+
+CaseSpec low_latency_spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed,
+                          double skew) {
+  CaseSpec s;
+  s.ranks = ranks;
+  s.scaleout = scaleout;
+  s.num_experts = experts;
+  s.k = k;
+  s.max_tokens = N;
+  s.hidden = hidden;
+  s.seed = seed;
+  s.mask_ratio = 0.15;
+  s.skew = skew;
+  for (int r = 0; r < ranks; ++r) s.tokens.push_back(r == 1 ? 0 : std::max(0, N - (r % 3)));
+  return s;
+}
 
 std::vector<std::pair<int, int>> expert_rows(const CaseSpec& s, const std::vector<RankInputs>& all, int dest, int i) {
   std::vector<std::pair<int, int>> rows;

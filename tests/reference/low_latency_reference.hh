@@ -12,6 +12,10 @@
 
 namespace moe_ep::reference {
 
+// A low-latency case: up to N tokens per rank (rank 1 has none, others N - r % 3), 15% masked lanes.
+CaseSpec low_latency_spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed,
+                          double skew);
+
 // The (source, token) pairs of local expert i of `dest`, in slab order.
 std::vector<std::pair<int, int>> expert_rows(const CaseSpec& s, const std::vector<RankInputs>& all, int dest, int i);
 
