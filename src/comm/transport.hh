@@ -26,11 +26,12 @@
 // in the channel: abandon(). From then on every peer's wait on this rank fails at once with
 // PeerError naming the root cause, a peer that completes a collective this rank published in but
 // gave up on before completing learns it as that collective returns (PeerError: the collective is
-// void), and this rank's own collectives raise StateError. Reads of what node peers published (their shared tensors and the addresses in their
-// gathered blocks) happen inside peer-read sections (PeerReads): opening one fails with PeerError
-// once a node peer abandoned the channel, and abandon() returns only when no node peer has a
-// section open, so after it no peer reads this rank's published memory and it may be freed.
-// Sections contain no waits, so abandon() waits only for bounded work.
+// void), and this rank's own collectives raise StateError. Reads of what node peers published
+// (their shared tensors and the addresses in their gathered blocks) happen inside peer-read
+// sections (PeerReads): opening one fails with PeerError once a node peer abandoned the channel,
+// and abandon() returns only when no node peer has a section open, so after it no peer reads this
+// rank's published memory and it may be freed. Sections contain no waits on peers, so abandon()
+// waits only for bounded work.
 #pragma once
 
 #include <cstddef>
