@@ -487,7 +487,7 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
   }
   comm::Agreement agreement(ctx_, "low_latency_combine");
   agreement.local_error(error)
-      .field("operation number", static_cast<int64_t>(e.next_sequence()))
+      .field("operation number", static_cast<int64_t>(sequence_))
       .field("low-latency call number", static_cast<int64_t>(use.number))
       .field("handle's dispatch", state_ ? static_cast<int64_t>(state_->dispatch_number) : 0)
       .field("zero_copy", args_.zero_copy)
