@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
-#include <cstdlib>
 #include <exception>
 #include <map>
 #include <mutex>
@@ -165,27 +164,29 @@ class LocalTransport final : public Transport {
     s.slots[static_cast<size_t>(me)][static_cast<size_t>(parity)].assign(mine.begin(), mine.end());
     s.epochs[me].value.store(epoch, std::memory_order_release);
 
-    Backoff backoff(wait.timeout_secs);
-    for (int m = 0; m < members; ++m) {
-      while (s.epochs[m].value.load(std::memory_order_acquire) < epoch) {
-        if (gone(first + m) || !backoff.pause()) {
-          std::vector<int> missing;
-          for (int q = 0; q < members; ++q)
-            if (s.epochs[q].value.load(std::memory_order_acquire) < epoch) missing.push_back(first + q);
-          if (missing.empty()) break;  // everyone arrived after all
-          fail_waiting(wait, missing, backoff.elapsed_secs());
+    leave_on_failure([&] {
+      Backoff backoff(wait.timeout_secs);
+      for (int m = 0; m < members; ++m) {
+        while (s.epochs[m].value.load(std::memory_order_acquire) < epoch) {
+          if (gone(first + m) || !backoff.pause()) {
+            std::vector<int> missing;
+            for (int q = 0; q < members; ++q)
+              if (s.epochs[q].value.load(std::memory_order_acquire) < epoch) missing.push_back(first + q);
+            if (missing.empty()) break;  // everyone arrived after all
+            fail_waiting(wait, missing, backoff.elapsed_secs());
+          }
         }
       }
-    }
-    // A member that published and then gave up on the channel before completing this collective
-    // (it timed out waiting for another rank) is gone: the collective is void. (One that gave up
-    // later completed it; reads of what it published are guarded by PeerReads.)
-    std::vector<std::pair<int, Departure>> departed;
-    for (int m = 0; m < members; ++m)
-      if (auto why = abandonment(first + m);
-          why && channel_->completed[2 * (first + m) + scope_index].value.load(std::memory_order_acquire) < epoch)
-        departed.emplace_back(first + m, std::move(*why));
-    if (!departed.empty()) leave_and_raise([&] { fail_abandoned(rank(), wait, departed); });
+      // A member that published and then gave up on the channel before completing this
+      // collective (it timed out waiting for another rank) is gone: the collective is void. (One
+      // that gave up later completed it; reads of what it published are guarded by PeerReads.)
+      std::vector<std::pair<int, Departure>> departed;
+      for (int m = 0; m < members; ++m)
+        if (auto why = abandonment(first + m);
+            why && channel_->completed[2 * (first + m) + scope_index].value.load(std::memory_order_acquire) < epoch)
+          departed.emplace_back(first + m, std::move(*why));
+      if (!departed.empty()) fail_abandoned(rank(), wait, departed);
+    });
     channel_->completed[2 * rank() + scope_index].value.store(epoch, std::memory_order_release);
     std::vector<std::span<const std::byte>> blocks(static_cast<size_t>(members));
     for (int m = 0; m < members; ++m) {
@@ -249,20 +250,22 @@ class LocalTransport final : public Transport {
 
   void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait) override {
     check_in_step(wait);
-    Backoff backoff(wait.timeout_secs);
-    for (std::size_t i = 0; i < peers.size(); ++i) {
-      auto& counter = channel_->signals[rank() * size() + peers[i]].value;
-      while (counter.load(std::memory_order_acquire) < targets[i]) {
-        if (gone(peers[i]) || !backoff.pause()) {
-          std::vector<int> missing;
-          for (std::size_t j = 0; j < peers.size(); ++j)
-            if (channel_->signals[rank() * size() + peers[j]].value.load(std::memory_order_acquire) < targets[j])
-              missing.push_back(peers[j]);
-          if (missing.empty()) break;  // every signal arrived after all
-          fail_waiting(wait, missing, backoff.elapsed_secs());
+    leave_on_failure([&] {
+      Backoff backoff(wait.timeout_secs);
+      for (std::size_t i = 0; i < peers.size(); ++i) {
+        auto& counter = channel_->signals[rank() * size() + peers[i]].value;
+        while (counter.load(std::memory_order_acquire) < targets[i]) {
+          if (gone(peers[i]) || !backoff.pause()) {
+            std::vector<int> missing;
+            for (std::size_t j = 0; j < peers.size(); ++j)
+              if (channel_->signals[rank() * size() + peers[j]].value.load(std::memory_order_acquire) < targets[j])
+                missing.push_back(peers[j]);
+            if (missing.empty()) break;  // every signal arrived after all
+            fail_waiting(wait, missing, backoff.elapsed_secs());
+          }
         }
       }
-    }
+    });
   }
 
   void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
@@ -305,30 +308,13 @@ class LocalTransport final : public Transport {
 
   // Collectives after this rank abandoned the channel are refused: the ranks are out of step.
   void check_in_step(const Wait& wait) const {
-    if (auto why = channel_->abandoned.why(rank()))
-      throw StateError(fmt::format("[rank {}] {}: this rank left the channel after a failure ({}); create a new "
-                                   "group or buffer",
-                                   rank(), wait.phase, why->reason));
+    if (auto why = channel_->abandoned.why(rank())) fail_left_channel(wait, why->reason);
   }
 
   std::optional<Departure> abandonment(int peer) const {
     auto why = channel_->abandoned.why(peer);
-    if (why) why->reason = "gave up on this channel: " + why->reason;
-    return why;
-  }
-
-  // A failed wait leaves the ranks out of step: this rank abandons the channel, then raises what
-  // `raise` throws.
-  template <class Raise>
-  [[noreturn]] void leave_and_raise(Raise raise) {
-    try {
-      raise();
-    } catch (...) {
-      const std::exception_ptr error = std::current_exception();
-      abandon(message_of(error), culprits_of(error));
-      throw;
-    }
-    std::abort();  // raise() always throws
+    if (!why) return std::nullopt;
+    return gave_up(why->reason, std::move(why->culprits));
   }
 
   ScopeSlots& slots(Scope scope) {
@@ -336,7 +322,7 @@ class LocalTransport final : public Transport {
   }
 
   [[noreturn]] void fail_waiting(const Wait& wait, const std::vector<int>& missing, double elapsed) {
-    leave_and_raise([&] { fail_wait(rank(), wait, missing, elapsed, [&](int r) { return departure(r); }); });
+    fail_wait(rank(), wait, missing, elapsed, [&](int r) { return departure(r); });
   }
 
   std::shared_ptr<WorldState> world_;
@@ -447,6 +433,16 @@ std::string message_of(const std::exception_ptr& error) {
   } catch (...) {
     return "a non-standard exception";
   }
+}
+
+Departure gave_up(const std::string& reason, std::vector<int> culprits) {
+  return {"gave up on this channel: " + reason, std::move(culprits)};
+}
+
+void Transport::fail_left_channel(const Wait& wait, const std::string& reason) const {
+  throw StateError(fmt::format("[rank {}] {}: this rank left the channel after a failure ({}); create a new group or "
+                               "buffer",
+                               rank(), wait.phase, reason));
 }
 
 void Transport::check_peer(int peer, const char* phase) const {

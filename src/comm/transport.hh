@@ -56,6 +56,10 @@ struct Wait {
   double timeout_secs;  // > 0; core::kNeverSecs and more never expire (core/timeout.hh)
 };
 
+// The ranks an error names (PeerError::ranks()), for abandon(); empty for other errors.
+std::vector<int> culprits_of(const std::exception_ptr& error);
+std::string message_of(const std::exception_ptr& error);
+
 // Why a rank is no longer taking part: it left the group (returned or threw out of its rank
 // function, its process is gone) or abandoned the channel. `culprits` are the ranks its own
 // failure named (the root cause, as far as it knew); empty when it failed on its own account.
@@ -164,6 +168,22 @@ class Transport {
   virtual void end_peer_reads() noexcept = 0;
 
  protected:
+  // Runs fn; if it throws, the ranks are out of step: this rank abandons the channel (naming what
+  // the error names), then rethrows. Every wait of both transports runs under it.
+  template <class Fn>
+  auto leave_on_failure(Fn fn) -> decltype(fn()) {
+    try {
+      return fn();
+    } catch (...) {
+      const std::exception_ptr error = std::current_exception();
+      abandon(message_of(error), culprits_of(error));
+      throw;
+    }
+  }
+  // The StateError of a collective called after this rank abandoned the channel for `reason`.
+  [[noreturn]] void fail_left_channel(const Wait& wait, const std::string& reason) const;
+
+ protected:
   Transport(int rank, int size, Topology topology) : rank_(rank), size_(size), topology_(topology) {}
 
  private:
@@ -171,6 +191,9 @@ class Transport {
   int size_;
   Topology topology_;
 };
+
+// The departure of a rank that abandoned the channel for `reason`, naming `culprits`.
+Departure gave_up(const std::string& reason, std::vector<int> culprits);
 
 // While open, this rank reads what node peers published; see the top of this file.
 class PeerReads {
@@ -195,9 +218,6 @@ class PeerReads {
 // their departures), or of a peer-read section opened after node peers left.
 [[noreturn]] void fail_abandoned(int rank, const Wait& wait, const std::vector<std::pair<int, Departure>>& departed);
 
-// The ranks an error names (PeerError::ranks()), for abandon(); empty for other errors.
-std::vector<int> culprits_of(const std::exception_ptr& error);
-std::string message_of(const std::exception_ptr& error);
 
 // Keeps symmetric memory mapped until the process exits: for memory peers may still read after a
 // failure left the ranks out of step.

@@ -527,22 +527,22 @@ void Messenger::progress() {
     sources_[static_cast<size_t>(source)].thresholds.push_back(threshold);
   }
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagAbandon, receive_)) >= 0;) {
-    Departure why;
     std::uint32_t count = 0;
     if (receive_.size() >= sizeof count) std::memcpy(&count, receive_.data(), sizeof count);
     const std::size_t list = sizeof count + std::size_t{count} * sizeof(std::int32_t);
     if (receive_.size() < sizeof count || count > static_cast<std::uint32_t>(size_) || receive_.size() < list) {
-      why.reason = "gave up on this channel (its message was malformed)";
-    } else {
-      for (std::uint32_t i = 0; i < count; ++i) {
-        std::int32_t c = 0;
-        std::memcpy(&c, receive_.data() + sizeof count + i * sizeof c, sizeof c);
-        if (c >= 0 && c < size_) why.culprits.push_back(c);
-      }
-      why.reason = "gave up on this channel: " +
-                   std::string(reinterpret_cast<const char*>(receive_.data()) + list, receive_.size() - list);
+      abandoned_.emplace(source, gave_up("(its message was malformed)", {}));
+      continue;
     }
-    abandoned_.emplace(source, std::move(why));
+    std::vector<int> culprits;
+    for (std::uint32_t i = 0; i < count; ++i) {
+      std::int32_t c = 0;
+      std::memcpy(&c, receive_.data() + sizeof count + i * sizeof c, sizeof c);
+      if (c >= 0 && c < size_) culprits.push_back(c);
+    }
+    abandoned_.emplace(source, gave_up(std::string(reinterpret_cast<const char*>(receive_.data()) + list,
+                                                   receive_.size() - list),
+                                       std::move(culprits)));
   }
   for (Source& s : sources_)
     while (!s.thresholds.empty() && s.thresholds.front() <= s.applied) {

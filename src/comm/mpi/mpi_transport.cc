@@ -126,13 +126,13 @@ const ControlPage* map_peer_control(pid_t pid, int fd, int peer, int rank) {
   return static_cast<const ControlPage*>(p);
 }
 
+std::string read_reason(const ControlPage& page) {
+  return std::string(page.reason, std::min<std::size_t>(page.reason_bytes, sizeof page.reason));
+}
+
 Departure read_departure(const ControlPage& page) {
-  Departure why;
   const std::uint32_t n = std::min<std::uint32_t>(page.num_culprits, ControlPage::kMaxCulprits);
-  why.culprits.assign(page.culprits, page.culprits + n);
-  why.reason = "gave up on this channel: " +
-               std::string(page.reason, std::min<std::size_t>(page.reason_bytes, sizeof page.reason));
-  return why;
+  return gave_up(read_reason(page), std::vector<int>(page.culprits, page.culprits + n));
 }
 
 class MpiTransport;
@@ -442,22 +442,7 @@ class MpiTransport final : public Transport {
 
   void check_in_step(const Wait& wait) const {
     const ControlPage& page = control_.page();
-    if (page.abandoned.load(std::memory_order_acquire) == 0) return;
-    throw StateError(fmt::format("[rank {}] {}: this rank left the channel after a failure ({}); create a new group "
-                                 "or buffer",
-                                 rank(), wait.phase, std::string(page.reason, page.reason_bytes)));
-  }
-
-  // A failed wait leaves the ranks out of step: this rank abandons the channel, then rethrows.
-  template <class Fn>
-  auto leave_on_failure(Fn fn) -> decltype(fn()) {
-    try {
-      return fn();
-    } catch (...) {
-      const std::exception_ptr error = std::current_exception();
-      abandon(message_of(error), culprits_of(error));
-      throw;
-    }
+    if (page.abandoned.load(std::memory_order_acquire) != 0) fail_left_channel(wait, read_reason(page));
   }
 
   OwnControl control_;
