@@ -3,29 +3,38 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <string>
 
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::core {
 
+namespace {
+
+bool valid(double secs) { return std::isfinite(secs) && secs > 0; }
+
+// What every refusal says after the value.
+std::string rule() {
+  return fmt::format("is not a valid timeout: expected a positive, finite number of seconds (values of {:g} and more "
+                     "never expire)",
+                     kNeverSecs);
+}
+
+}  // namespace
+
 double checked_timeout(std::string_view context, std::string_view name, double value) {
-  if (std::isnan(value) || std::isinf(value) || value <= 0) {
-    const std::string prefix = context.empty() ? std::string() : fmt::format("{}: ", context);
-    throw InvalidArgument(fmt::format("{}{} = {} is not a valid timeout: expected a positive, finite number of seconds "
-                                      "(values of {:g} and more never expire)",
-                                      prefix, name, value, kNeverSecs));
-  }
+  if (!valid(value))
+    throw InvalidArgument(
+        fmt::format("{}{} = {} {}", context.empty() ? std::string() : fmt::format("{}: ", context), name, value, rule()));
   return value;
 }
 
 double timeout_from_env() {
-  const std::string raw = env::current("MOE_EP_TIMEOUT_SECS").value;
   const double value = env::get_float("MOE_EP_TIMEOUT_SECS");
-  if (std::isnan(value) || std::isinf(value) || value <= 0)
-    throw InvalidArgument(fmt::format("environment variable MOE_EP_TIMEOUT_SECS={:?} is not a valid timeout: expected a "
-                                      "positive, finite number of seconds (values of {:g} and more never expire)",
-                                      raw, kNeverSecs));
+  if (!valid(value))
+    throw InvalidArgument(fmt::format("environment variable MOE_EP_TIMEOUT_SECS={:?} {}",
+                                      env::current("MOE_EP_TIMEOUT_SECS").value, rule()));
   return value;
 }
 
