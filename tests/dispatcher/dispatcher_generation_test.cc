@@ -37,8 +37,7 @@ void expect_generation(Generation want, const std::string& what, std::optional<b
     if (d.generation() != want) bad.push_back(what + ": dispatcher generation " + generation_name(d.generation()));
     const CaseSpec s = make_spec(2, 1, 8, 2, 8, 128, 3);
     run_batch(g, d, s, BatchKind::kPrefill, bad, what);
-    std::vector<RankInputs> all;
-    for (int r = 0; r < 2; ++r) all.push_back(reference::make_inputs(s, r));
+    std::vector<RankInputs> all = reference::make_all_inputs(s);
     const Inputs in = to_tensors(s, all[static_cast<size_t>(g.rank())]);
     const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, BatchKind::kPrefill);
     if (out.generation != want) bad.push_back(what + ": output generation " + generation_name(out.generation));

@@ -139,8 +139,7 @@ TEST(DispatcherV1, BitIdenticalToCallingV1Directly) {
   for (bool fp8 : {false, true}) {
     run_ranks(ranks, {}, [&](Group& g, std::vector<std::string>& bad) {
       const CaseSpec s = make_spec(ranks, 1, kExperts, kTopk, kCap, kHidden, fp8 ? 3 : 4);
-      std::vector<RankInputs> all;
-      for (int r = 0; r < ranks; ++r) all.push_back(reference::make_inputs(s, r));
+      std::vector<RankInputs> all = reference::make_all_inputs(s);
       const Inputs in = to_tensors(s, all[static_cast<size_t>(g.rank())]);
       const Expectation e{.fp8 = fp8};
       BufferCache cache(g);
@@ -200,8 +199,7 @@ TEST(DispatcherV2, SameResultsAsV1ForTheSameRouting) {
     TokenDispatcher v2(cache_v2, base_options(true, DispatchMode::kAuto, true));
     for (BatchKind kind : {BatchKind::kPrefill, BatchKind::kDecode}) {
       const CaseSpec s = make_spec(ranks, 1, kExperts, kTopk, kCap, kHidden, 21);
-      std::vector<RankInputs> all;
-      for (int r = 0; r < ranks; ++r) all.push_back(reference::make_inputs(s, r));
+      std::vector<RankInputs> all = reference::make_all_inputs(s);
       const Inputs in = to_tensors(s, all[static_cast<size_t>(g.rank())]);
       const Expectation e{.fp8 = true};
       const DispatchOutput a = v1.dispatch(in.x, in.topk_idx, in.topk_weights, kind);

@@ -132,8 +132,7 @@ TEST(Probe, MissingGenerationIsReportedWhenRequested) {
 TEST(Probe, LoadedProviderGivesTheBuiltinResults) {
   run_ranks(4, {}, [&](Group& g, std::vector<std::string>& bad) {
     const CaseSpec s = make_spec(4, 1, 8, 2, 8, 256, 5);
-    std::vector<RankInputs> all;
-    for (int r = 0; r < 4; ++r) all.push_back(reference::make_inputs(s, r));
+    std::vector<RankInputs> all = reference::make_all_inputs(s);
     const Inputs in = to_tensors(s, all[static_cast<size_t>(g.rank())]);
     Tensor results[2];
     for (int i = 0; i < 2; ++i) {

@@ -62,8 +62,7 @@ TEST(DispatcherV2RemoteWeights, EveryFormatCarriesTheRemoteWeights) {
           BufferCache cache(g);
           TokenDispatcher d(cache, shape());
           if (d.generation() != Generation::kV2) bad.push_back(label + ": MOE_EP_USE_V2=1 was not taken");
-          std::vector<RankInputs> all;
-          for (int r = 0; r < kRanks; ++r) all.push_back(reference::make_inputs(s, r));
+          std::vector<RankInputs> all = reference::make_all_inputs(s);
           const Inputs in = to_tensors(s, all[static_cast<size_t>(g.rank())]);
           const Expectation e = expectation(d.options());
           const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, f.kind);

@@ -204,8 +204,7 @@ Expectation expectation(const DispatcherOptions& o) {
 // One batch through the dispatcher, checked end to end; returns the combined output.
 Tensor run_batch(Group& g, TokenDispatcher& d, const CaseSpec& s, BatchKind kind, std::vector<std::string>& bad,
                  const std::string& label, int micro_batch) {
-  std::vector<RankInputs> all;
-  for (int r = 0; r < s.ranks; ++r) all.push_back(reference::make_inputs(s, r));
+  std::vector<RankInputs> all = reference::make_all_inputs(s);
   const Inputs in = to_tensors(s, all[static_cast<size_t>(g.rank())]);
   const Expectation e = expectation(d.options());
   const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, kind, micro_batch);

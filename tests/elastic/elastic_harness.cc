@@ -196,8 +196,7 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
                                .allow_multiple_reduction = spec.multi,
                                .num_allocated_qps = opt.num_allocated_qps,
                                .num_cpu_timeout_secs = 120});
-  std::vector<RankInputs> all;
-  for (int r = 0; r < spec.ranks; ++r) all.push_back(reference::make_inputs(spec, r));
+  std::vector<RankInputs> all = reference::make_all_inputs(spec);
   RankInputs& in = all[static_cast<size_t>(me)];
   const std::int64_t n = in.num_tokens;
   TensorView x(in.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H});
@@ -243,8 +242,9 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
       bad.add("cumulative_local_expert_recv_stats[{}] = {}, expected {}", i, stats.data_as<std::int32_t>()[i],
               ref.unaligned[static_cast<size_t>(i)]);
 
-  if (opt.cached) {
-    DispatchArgs again{.x = x,
+  // A cached dispatch of these x, scales and weights with the first call's handle.
+  auto cached_args = [&](const TensorView& cx, const TensorView& cscales, const TensorView& cweights) {
+    DispatchArgs again{.x = cx,
                        .num_max_tokens_per_rank = spec.max_tokens,
                        .expert_alignment = spec.alignment,
                        .async_with_compute_stream = opt.async,
@@ -252,9 +252,12 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
                        .do_expand = spec.expand,
                        .do_zero_padding = opt.zero_padding,
                        .use_tma_aligned_col_major_sf = opt.col_major_scales};
-    if (spec.fp8) again.x_scales = scales;
-    if (spec.weights) again.topk_weights = weights;
-    DispatchResult cached = buffer.dispatch(again);
+    if (spec.fp8) again.x_scales = cscales;
+    if (spec.weights) again.topk_weights = cweights;
+    return again;
+  };
+  if (opt.cached) {
+    DispatchResult cached = buffer.dispatch(cached_args(x, scales, weights));
     cached.event.wait();
     if (cached.handle != res.handle) bad.add("cached dispatch must return the same handle");
     const std::int64_t rows = spec.expand ? (opt.zero_padding ? ref.expanded_rows : 0) : std::int64_t(ref.rows.size());
@@ -283,17 +286,10 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
       fresh.back().topk = all[static_cast<size_t>(r)].topk;
     }
     RankInputs& mine = fresh[static_cast<size_t>(me)];
-    DispatchArgs again{.x = TensorView(mine.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H}),
-                       .num_max_tokens_per_rank = spec.max_tokens,
-                       .expert_alignment = spec.alignment,
-                       .async_with_compute_stream = opt.async,
-                       .handle = res.handle,
-                       .do_expand = spec.expand,
-                       .do_zero_padding = opt.zero_padding,
-                       .use_tma_aligned_col_major_sf = opt.col_major_scales};
-    if (spec.fp8) again.x_scales = TensorView(mine.scales.data(), DType::kFP32, {n, spec.scale_cols});
-    if (spec.weights) again.topk_weights = TensorView(mine.weights.data(), DType::kFP32, {n, k});
-    DispatchResult replay = buffer.dispatch(again);
+    DispatchResult replay = buffer.dispatch(
+        cached_args(TensorView(mine.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H}),
+                    spec.fp8 ? TensorView(mine.scales.data(), DType::kFP32, {n, spec.scale_cols}) : TensorView(),
+                    spec.weights ? TensorView(mine.weights.data(), DType::kFP32, {n, k}) : TensorView()));
     replay.event.wait();
     if (replay.handle != res.handle) bad.add("cached dispatch must return the same handle");
     bad.set_context("cached dispatch with new inputs: ");

@@ -95,8 +95,7 @@ TEST(ElasticOptions, HandleHoldsACopyOfTopkOrTheCallersTensor) {
       auto& bad = failures[static_cast<size_t>(g.rank())];
       const int me = g.rank();
       ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
-      std::vector<RankInputs> all;
-      for (int r = 0; r < kRanks; ++r) all.push_back(reference::make_inputs(s, r));
+      std::vector<RankInputs> all = reference::make_all_inputs(s);
       RankInputs& in = all[static_cast<size_t>(me)];
       const std::int64_t n = in.num_tokens;
       Tensor topk = Tensor::empty({n, kTopk}, DType::kInt64);
@@ -163,8 +162,7 @@ TEST(ElasticOptions, NoOutputIsWrittenBeforeThePreviousEventBeforeEpilogue) {
       auto& bad = failures[static_cast<size_t>(g.rank())];
       const int me = g.rank();
       ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
-      std::vector<RankInputs> all;
-      for (int r = 0; r < kRanks; ++r) all.push_back(reference::make_inputs(s, r));
+      std::vector<RankInputs> all = reference::make_all_inputs(s);
       RankInputs& in = all[static_cast<size_t>(me)];
       const std::int64_t n = in.num_tokens;
       // Dispatch: with CPU sync the call returns once the count exchange sized the outputs; the
@@ -214,8 +212,7 @@ TEST(ElasticOptions, CachedAndWorstCaseCallsWaitForThePreviousEventBeforeEpilogu
     auto& bad = failures[static_cast<size_t>(g.rank())];
     const int me = g.rank();
     ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
-    std::vector<RankInputs> all;
-    for (int r = 0; r < kRanks; ++r) all.push_back(reference::make_inputs(s, r));
+    std::vector<RankInputs> all = reference::make_all_inputs(s);
     RankInputs& in = all[static_cast<size_t>(me)];
     const std::int64_t n = in.num_tokens;
     const TensorView x(in.x.data(), DType::kBF16, {n, kHidden}), topk(in.topk.data(), DType::kInt64, {n, kTopk}),

@@ -61,8 +61,7 @@ std::vector<std::string> run_legacy_case(Group& g, const CaseSpec& case_spec, co
   const CaseSpec spec = legacy_reference_spec(case_spec);
   const int me = g.rank(), R = spec.ranks, k = spec.k, H = spec.hidden, El = spec.experts_per_rank();
   Buffer buffer(g, {.num_rdma_bytes = 4 << 20, .num_cpu_timeout_secs = 60});
-  std::vector<RankInputs> all;
-  for (int r = 0; r < R; ++r) all.push_back(reference::make_inputs(spec, r));
+  std::vector<RankInputs> all = reference::make_all_inputs(spec);
   RankInputs& in = all[static_cast<size_t>(me)];
   const std::int64_t n = in.num_tokens;
   TensorView x(in.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H});

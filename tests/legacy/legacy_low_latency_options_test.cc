@@ -50,8 +50,7 @@ void run_cast(const CaseSpec& s, const CastCase& c) {
   LocalWorld(s.ranks, {.num_scaleout = s.scaleout}).run([&](Group& g) {
     auto& bad = failures[static_cast<size_t>(g.rank())];
     Buffer b(g, {.num_rdma_bytes = ll_pool(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
-    std::vector<RankInputs> all;
-    for (int r = 0; r < s.ranks; ++r) all.push_back(reference::make_inputs(s, r));
+    std::vector<RankInputs> all = reference::make_all_inputs(s);
     RankInputs& in = all[static_cast<size_t>(g.rank())];
     const std::int64_t n = in.num_tokens;
     for (int round = 0; round < 2; ++round) {  // both slots
@@ -257,8 +256,7 @@ TEST(LowLatencyCombine, LogFmtIsRejectedAndTheBufferStaysUsable) {
       auto& bad = failures[static_cast<size_t>(g.rank())];
       const int me = g.rank(), N = s.max_tokens;
       Buffer b(g, {.num_rdma_bytes = ll_pool(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
-      std::vector<RankInputs> all;
-      for (int r = 0; r < s.ranks; ++r) all.push_back(reference::make_inputs(s, r));
+      std::vector<RankInputs> all = reference::make_all_inputs(s);
       RankInputs& in = all[static_cast<size_t>(me)];
       const std::int64_t n = in.num_tokens;
       const TensorView x(in.x.data(), DType::kBF16, {n, s.hidden}), topk(in.topk.data(), DType::kInt64, {n, s.k}),

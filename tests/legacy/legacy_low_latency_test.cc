@@ -38,8 +38,7 @@ std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o,
   std::vector<std::string> bad;
   const int me = g.rank(), H = s.hidden, k = s.k, El = s.experts_per_rank(), N = s.max_tokens;
   Buffer b(g, {.num_rdma_bytes = ll_pool(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
-  std::vector<RankInputs> all;
-  for (int r = 0; r < s.ranks; ++r) all.push_back(reference::make_inputs(s, r));
+  std::vector<RankInputs> all = reference::make_all_inputs(s);
   RankInputs& in = all[static_cast<size_t>(me)];
   const std::int64_t n = in.num_tokens;
   TensorView x(in.x.data(), DType::kBF16, {n, H});

@@ -103,6 +103,12 @@ RankInputs make_inputs(const CaseSpec& spec, int rank) {
   return in;
 }
 
+std::vector<RankInputs> make_all_inputs(const CaseSpec& spec) {
+  std::vector<RankInputs> all;
+  for (int r = 0; r < spec.ranks; ++r) all.push_back(make_inputs(spec, r));
+  return all;
+}
+
 RefDispatch reference_dispatch(const CaseSpec& spec, const std::vector<RankInputs>& all, int dest) {
   RefDispatch out;
   const int El = spec.experts_per_rank(), k = spec.k;

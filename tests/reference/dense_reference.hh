@@ -69,6 +69,8 @@ struct RankInputs {
 
 // Deterministic in (spec.seed, rank).
 RankInputs make_inputs(const CaseSpec& spec, int rank);
+// Every rank's inputs, in rank order.
+std::vector<RankInputs> make_all_inputs(const CaseSpec& spec);
 
 struct ReceivedRow {
   int source;

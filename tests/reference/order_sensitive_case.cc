@@ -74,8 +74,7 @@ CaseSpec order_sensitive_case(int scaleout, bool hybrid, bool expand, bool multi
 }
 
 bool order_matters(const CaseSpec& spec, int level) {
-  std::vector<RankInputs> all;
-  for (int r = 0; r < spec.ranks; ++r) all.push_back(make_inputs(spec, r));
+  std::vector<RankInputs> all = make_all_inputs(spec);
   CaseSpec reversed = spec;
   reversed.reversed_levels = level;
   for (int r = 0; r < spec.ranks; ++r)
