@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -56,18 +57,27 @@ TEST(LocalWorld, NodeScopeGathersOnlyTheNode) {
   });
 }
 
-// Timeout tests are independent of the machine's load: the rank that does not arrive stays away
-// until the others have reported (it waits for them, not for a clock), and the ranks that are
-// there do not depend on each other arriving in time: only one waits, or all of them wait only
-// for absent ranks.
-TEST(LocalWorld, TimeoutNamesTheRanksThatDidNotArrive) {
-  LocalWorld world(4);
-  std::atomic<bool> reported{false};
+// Timeout tests are independent of the machine's load: one rank waits, and every other rank
+// stays in the group, away from the wait, until that rank is done (it waits for it, not for a
+// clock), so no rank that is there can be late.
+// Runs `wait` on rank `waiter` only, after `before` ran on every rank.
+void wait_alone(LocalWorld& world, int waiter, const std::function<void(Group&)>& wait,
+                const std::function<void(Group&)>& before = {}) {
+  std::atomic<bool> done{false};
   world.run([&](Group& g) {
-    if (g.rank() != 0) {  // present in the group, absent from the barrier
-      while (!reported.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (before) before(g);
+    if (g.rank() == waiter) {
+      wait(g);
+      done = true;
       return;
     }
+    while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  });
+}
+
+TEST(LocalWorld, TimeoutNamesTheRanksThatDidNotArrive) {
+  LocalWorld world(4);
+  wait_alone(world, 0, [](Group& g) {
     try {
       g.transport().barrier(Scope::kWorld, {"unit barrier", 0.2});
       ADD_FAILURE() << "expected a timeout";
@@ -83,18 +93,12 @@ TEST(LocalWorld, TimeoutNamesTheRanksThatDidNotArrive) {
     } catch (const StateError& e) {
       EXPECT_NE(std::string(e.what()).find("this rank left the channel after a failure"), std::string::npos) << e.what();
     }
-    reported = true;
   });
 }
 
 TEST(LocalWorld, ANodeScopeTimeoutOnTheSecondNodeNamesGlobalRanks) {
   LocalWorld world(4, {.num_scaleout = 2});
-  std::atomic<bool> reported{false};
-  world.run([&](Group& g) {
-    if (g.rank() != 2) {
-      while (!reported.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      return;
-    }
+  wait_alone(world, 2, [](Group& g) {
     try {
       g.transport().barrier(Scope::kNode, {"node barrier", 0.2});
       ADD_FAILURE() << "expected a timeout";
@@ -103,58 +107,40 @@ TEST(LocalWorld, ANodeScopeTimeoutOnTheSecondNodeNamesGlobalRanks) {
       EXPECT_NE(std::string(e.what()).find("[rank 2] node barrier: timed out after"), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("waiting for ranks [3]"), std::string::npos) << e.what();
     }
-    reported = true;
   });
 }
 
 TEST(LocalWorld, AScaleOutSignalTimeoutNamesThePeers) {
+  // Rank 1 (node 0) waits for signals of ranks 2 and 3 (node 1): neither signals.
+  const int from[] = {2, 3};
+  const std::uint64_t target[] = {1, 1};
   LocalWorld world(4, {.num_scaleout = 2});
-  std::atomic<bool> reported{false};
-  world.run([&](Group& g) {
-    Transport& t = g.transport();
-    auto mem = t.allocate_symmetric(4096, kWait);
-    if (g.rank() != 1) {
-      while (!reported.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      return;
-    }
-    // Rank 1 (node 0) expects signals from ranks 2 and 3 (node 1); only rank 3's arrives... never:
-    // neither signals. Then one that did arrive is not named.
-    const int from[] = {2, 3};
-    const std::uint64_t target[] = {1, 1};
+  wait_alone(world, 1, [&](Group& g) {
     try {
-      t.wait_signals(from, target, {"records of other nodes", 0.2});
+      g.transport().wait_signals(from, target, {"records of other nodes", 0.2});
       ADD_FAILURE() << "expected a timeout";
     } catch (const TimeoutError& e) {
       EXPECT_EQ(e.ranks(), (std::vector<int>{2, 3}));
       EXPECT_NE(std::string(e.what()).find("[rank 1] records of other nodes: timed out after"), std::string::npos)
           << e.what();
     }
-    reported = true;
   });
-  // A signal that arrived is not named; the missing one is.
-  std::atomic<bool> signalled{false}, done{false};
-  LocalWorld(4, {.num_scaleout = 2}).run([&](Group& g) {
-    Transport& t = g.transport();
-    auto mem = t.allocate_symmetric(4096, kWait);
-    if (g.rank() == 3) {
-      t.signal(1);
-      signalled = true;
-    }
-    if (g.rank() != 1) {
-      while (!done.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-      return;
-    }
-    while (!signalled.load()) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    const int from[] = {2, 3};
-    const std::uint64_t target[] = {1, 1};
-    try {
-      t.wait_signals(from, target, {"records of other nodes", 0.2});
-      ADD_FAILURE() << "expected a timeout";
-    } catch (const TimeoutError& e) {
-      EXPECT_EQ(e.ranks(), std::vector<int>{2}) << e.what();
-    }
-    done = true;
-  });
+  // Rank 3 signals before rank 1 waits: only rank 2 is named.
+  LocalWorld again(4, {.num_scaleout = 2});
+  wait_alone(
+      again, 1,
+      [&](Group& g) {
+        try {
+          g.transport().wait_signals(from, target, {"records of other nodes", 0.2});
+          ADD_FAILURE() << "expected a timeout";
+        } catch (const TimeoutError& e) {
+          EXPECT_EQ(e.ranks(), std::vector<int>{2}) << e.what();
+        }
+      },
+      [](Group& g) {
+        if (g.rank() == 3) g.transport().signal(1);
+        g.transport().barrier(Scope::kWorld, kWait);  // the signal was sent before rank 1 waits
+      });
 }
 
 // A rank that gives up because another one left names that one: the root cause travels.
