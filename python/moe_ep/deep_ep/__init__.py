@@ -1,0 +1,31 @@
+"""DeepEP's Python API (``deep_ep`` 2.1.0) on moe-ep: an engine's DeepEP code runs on CPU tensors
+by importing this module in place of ``deep_ep`` (or by putting the alias directory
+``build/deep_ep_alias`` on PYTHONPATH, which makes ``import deep_ep`` resolve here).
+Differences from DeepEP are listed in docs/python.md."""
+
+import torch
+
+from .. import _C
+from .._groups import resolve_group
+from .buffers.elastic import ElasticBuffer, EPHandle
+from .buffers.legacy import Buffer, Config
+from .utils import EventHandle, EventOverlap
+
+topk_idx_t = torch.int64
+__version__ = "2.1.0"
+
+
+def get_physical_domain_size(group):
+    """(num_rdma_ranks, num_nvl_ranks): the nodes, and the ranks of each, as the transport sees them."""
+    g = resolve_group(group)
+    return g.num_scaleout, g.num_scaleup
+
+
+def get_logical_domain_size(group, allow_hybrid_mode=True):
+    """(num_scaleout_ranks, num_scaleup_ranks) of V2's kernels: the physical domains with hybrid mode, else one."""
+    g = resolve_group(group)
+    return (g.num_scaleout, g.num_scaleup) if allow_hybrid_mode else (1, g.size())
+
+
+__all__ = ["Buffer", "ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "Config", "topk_idx_t",
+           "get_physical_domain_size", "get_logical_domain_size", "__version__"]

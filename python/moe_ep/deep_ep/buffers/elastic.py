@@ -1,0 +1,166 @@
+"""``ElasticBuffer`` and ``EPHandle``: DeepEP's V2 buffer on moe-ep's C++ ElasticBuffer.
+
+Signatures, defaults and return tuples are DeepEP's (2.1.0). The receive order is always
+deterministic (by source rank, then source token), so ``deterministic`` changes nothing and
+``EPHandle.deterministic_sort`` returns its inputs. GPU-only arguments (``sl_idx``, ``num_sms`` and
+``num_qps`` as SM/QP counts, ``use_tma_aligned_col_major_sf`` as a layout, streams) are accepted:
+``num_sms`` sets worker threads, ``num_qps`` the scale-out transfers in flight.
+"""
+
+import torch
+
+from ... import _C
+from ..utils import EventHandle, EventOverlap, _native, _overlap
+from ._common import bias_list, group_of, int_or, not_on_cpu, require_false
+
+# DeepEP's defaults of get_theoretical_num_sms are GPU SM bandwidths; left at them, moe-ep uses the
+# bandwidths it measured on this machine.
+_DEFAULT_SM_READ_GBS = 200
+_DEFAULT_SM_WRITE_GBS = 50
+
+
+class EPHandle:
+    """The routing state of a non-cached dispatch (DeepEP's fields)."""
+
+    _TENSORS = ("topk_idx", "psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                "num_unaligned_recv_tokens_per_expert", "recv_src_metadata", "dst_buffer_slot_idx")
+    _VALUES = ("do_expand", "num_experts", "expert_alignment", "num_max_tokens_per_rank", "num_sms",
+               "num_recv_tokens", "num_expanded_tokens", "num_recv_tokens_per_expert_list")
+
+    def __init__(self, native):
+        self._native = native
+        for name in self._VALUES:
+            setattr(self, name, getattr(native, name))
+        for name in self._TENSORS:
+            setattr(self, name, getattr(native, name))
+        # Hybrid-kernel bookkeeping of DeepEP's GPU data path; moe-ep's has no counterpart.
+        self.token_metadata_at_forward = None
+        self.channel_linked_list = None
+        self.cached_recv_src_metadata_before_sort = None
+
+    def deterministic_sort(self, do_cpu_sync, is_cached, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
+                           channel_linked_list=None):
+        # The rows are already in ascending source order.
+        return recv_x, recv_sf, recv_topk_idx, recv_topk_weights, channel_linked_list
+
+
+class ElasticBuffer:
+    def __init__(self, group, num_bytes=None, num_cpu_bytes=0, num_max_tokens_per_rank=0, hidden=0, num_topk=0,
+                 use_fp8_dispatch=False, deterministic=False, allow_hybrid_mode=True, allow_multiple_reduction=True,
+                 prefer_overlap_with_compute=True, sl_idx=3, num_allocated_qps=0, num_cpu_timeout_secs=300,
+                 num_gpu_timeout_secs=100, explicitly_destroy=False):
+        if num_cpu_bytes:
+            raise NotImplementedError(f"num_cpu_bytes={num_cpu_bytes}: Engram host storage is not supported by moe-ep")
+        self.group = group
+        self._group = group_of(group, None)
+        self.rank_idx = self._group.rank()
+        self.num_ranks = self._group.size()
+        self.allow_hybrid_mode = allow_hybrid_mode
+        self.allow_multiple_reduction = allow_multiple_reduction
+        self.prefer_overlap_with_compute = prefer_overlap_with_compute
+        self.deterministic = deterministic
+        self.explicitly_destroy = explicitly_destroy
+        self.runtime = _C.ElasticBuffer(self._group, 0 if num_bytes is None else num_bytes, num_max_tokens_per_rank,
+                                        hidden, num_topk, use_fp8_dispatch, deterministic, allow_hybrid_mode,
+                                        allow_multiple_reduction, prefer_overlap_with_compute, num_allocated_qps,
+                                        num_cpu_timeout_secs, explicitly_destroy)
+        rt = self.runtime
+        self.num_bytes = rt.num_bytes
+        self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
+        self.num_allocated_qps = rt.num_allocated_qps
+        self.num_scaleout_ranks, self.num_scaleup_ranks = rt.num_scaleout_ranks, rt.num_scaleup_ranks
+        self.scaleout_rank_idx, self.scaleup_rank_idx = rt.scaleout_rank_idx, rt.scaleup_rank_idx
+        self.num_rdma_ranks, self.num_nvlink_ranks = rt.get_physical_domain_size()
+
+    @staticmethod
+    def get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk=0, use_fp8_dispatch=False,
+                             allow_hybrid_mode=True, allow_multiple_reduction=True):
+        return _C.ElasticBuffer.get_buffer_size_hint(group_of(group, None), num_max_tokens_per_rank, hidden, num_topk,
+                                                     use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+
+    @staticmethod
+    def capture():
+        return EventHandle()
+
+    @staticmethod
+    def get_comm_stream():
+        not_on_cpu("get_comm_stream (streams)")
+
+    def _rt(self):
+        if self.runtime is None:
+            raise _C.StateError(f"[rank {self.rank_idx}] the buffer was destroyed")
+        return self.runtime
+
+    def destroy(self):
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        self._rt().destroy()
+        self.runtime = None
+
+    def barrier(self, use_comm_stream=True, with_cpu_sync=False, sequential=True):
+        self._rt().barrier()
+
+    def get_physical_domain_size(self):
+        return self._rt().get_physical_domain_size()
+
+    def get_logical_domain_size(self):
+        return self._rt().get_logical_domain_size()
+
+    def get_theoretical_num_sms(self, num_experts, num_topk, num_scaleout_topk=0, rdma_gbs=0, nvlink_gbs=0,
+                                sm_read_gbs=200, sm_write_gbs=50):
+        read = 0 if sm_read_gbs == _DEFAULT_SM_READ_GBS else sm_read_gbs
+        write = 0 if sm_write_gbs == _DEFAULT_SM_WRITE_GBS else sm_write_gbs
+        return self._rt().get_theoretical_num_sms(num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs,
+                                                  read, write)
+
+    def get_theoretical_num_qps(self, num_sms):
+        return self._rt().get_theoretical_num_qps(num_sms)
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None,
+                 num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0, previous_event=None,
+                 previous_event_before_epilogue=None, async_with_compute_stream=False, allocate_on_comm_stream=False,
+                 handle=None, do_handle_copy=True, do_cpu_sync=None, do_expand=False, do_zero_padding=False,
+                 use_tma_aligned_col_major_sf=False):
+        native = None
+        if handle is not None:
+            if not isinstance(handle, EPHandle):
+                raise TypeError(f"handle must be an EPHandle from dispatch, not {type(handle).__name__}")
+            native = handle._native
+        recv_x, recv_sf, recv_idx, recv_w, new_native, ev = self._rt().dispatch(
+            x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, int_or(num_experts, 0, "num_experts"),
+            int_or(num_max_tokens_per_rank, 0, "num_max_tokens_per_rank"),
+            int_or(expert_alignment, 1, "expert_alignment"), num_sms, num_qps,
+            _native(previous_event, "previous_event"),
+            _native(previous_event_before_epilogue, "previous_event_before_epilogue"), async_with_compute_stream,
+            allocate_on_comm_stream, native, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
+            use_tma_aligned_col_major_sf)
+        if isinstance(x, (tuple, list)):
+            recv_x = (recv_x, recv_sf)
+        out_handle = handle if native is not None else EPHandle(new_native)
+        return recv_x, recv_idx, recv_w, out_handle, _overlap(ev, async_with_compute_stream)
+
+    def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0, previous_event=None,
+                previous_event_before_epilogue=None, async_with_compute_stream=False, allocate_on_comm_stream=False):
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be an EPHandle from dispatch, not {type(handle).__name__}")
+        combined, combined_w, ev = self._rt().combine(
+            x, handle._native, topk_weights, bias_list(bias), num_sms, num_qps,
+            _native(previous_event, "previous_event"),
+            _native(previous_event_before_epilogue, "previous_event_before_epilogue"), async_with_compute_stream,
+            allocate_on_comm_stream)
+        return combined, combined_w, _overlap(ev, async_with_compute_stream)
+
+    # DeepEP's experimental extras (Engram storage, pipeline-parallel send/receive, all-gather sessions).
+    def engram_write(self, storage, sf=None):
+        not_on_cpu("engram_write")
+
+    def engram_fetch(self, indices, num_qps=0, use_tma_aligned_col_major_sf=False):
+        not_on_cpu("engram_fetch")
+
+    def pp_set_config(self, max_bytes, max_inflight):
+        not_on_cpu("pp_set_config")
+
+    def pp_send(self, t, dst_rank, num_sms=0):
+        not_on_cpu("pp_send")
+
+    def pp_recv(self, t, src_rank, num_sms=0):
+        not_on_cpu("pp_recv")

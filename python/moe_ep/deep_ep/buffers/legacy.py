@@ -1,0 +1,153 @@
+"""``Buffer``: DeepEP's V1 ("legacy") buffer on moe-ep's C++ Buffer.
+
+Signatures, defaults and return tuples are DeepEP's (main, 2.1.0). GPU-only arguments
+(``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``allocate_on_comm_stream``,
+``Config`` chunk sizes) are accepted; what cannot be honoured raises NotImplementedError naming it.
+"""
+
+import torch
+
+from ... import _C
+from ..utils import EventHandle, EventOverlap, _native, _overlap
+from ._common import NativeTuple, bias_list, group_of, native_handle, not_on_cpu, require_false
+
+Config = _C.Config
+
+
+class Buffer:
+    num_sms = 20
+
+    def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
+                 allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False,
+                 enable_shrink=False, comm=None):
+        require_false(enable_shrink, "enable_shrink", "failed peers are reported as PeerError instead of masked")
+        self.group = group if group is not None else comm
+        self._group = group_of(group, comm)
+        self.rank = self._group.rank()
+        self.group_size = self._group.size()
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.enable_shrink = enable_shrink
+        self.runtime = _C.Buffer(self._group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
+                                 allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy,
+                                 _C.timeout_from_env())
+
+    # ---- lifecycle and static helpers -------------------------------------------------------
+    def destroy(self):
+        assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
+        self.runtime.destroy()
+        self.runtime = None
+
+    @staticmethod
+    def is_sm90_compiled():
+        return False
+
+    @staticmethod
+    def set_num_sms(new_num_sms):
+        assert new_num_sms % 2 == 0, "The SM count must be even"
+        _C.Buffer.set_num_sms(new_num_sms)
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture():
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
+        return _C.Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                                        num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks):
+        return _C.Buffer.get_dispatch_config(num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks):
+        return _C.Buffer.get_combine_config(num_ranks)
+
+    def get_comm_stream(self):
+        not_on_cpu("get_comm_stream (streams)")
+
+    def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
+        not_on_cpu("get_local_buffer_tensor (raw views of the communication buffer)")
+
+    def _rt(self):
+        if self.runtime is None:
+            raise _C.StateError(f"[rank {self.rank}] the buffer was destroyed")
+        return self.runtime
+
+    # ---- normal mode -------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
+                            allocate_on_comm_stream=False):
+        per_rank, per_rdma, per_expert, in_rank, ev = self._rt().get_dispatch_layout(
+            topk_idx, num_experts, _native(previous_event, "previous_event"), async_finish, allocate_on_comm_stream)
+        return per_rank, per_rdma, per_expert, in_rank, _overlap(ev, async_finish)
+
+    def _handle_tuple(self, native):
+        (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head, recv_rdma_psum,
+         recv_gbl_psum) = native.fields()
+        if self._group.num_scaleout == 1:
+            items = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head)
+        else:
+            # DeepEP's internode handle; the fields moe-ep's data path has no counterpart for are None.
+            items = (in_rank, None, channel_prefix, None, recv_rdma_psum, recv_channel_prefix, recv_gbl_psum, None,
+                     None, None)
+        return NativeTuple(items, native)
+
+    def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
+                 is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
+                 expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
+                 allocate_on_comm_stream=False):
+        cached = native_handle(handle, _C.LegacyHandle)
+        recv_x, recv_sf, recv_idx, recv_w, counts, new_handle, ev = self._rt().dispatch(
+            x, cached, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+            topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
+            _native(previous_event, "previous_event"), async_finish, allocate_on_comm_stream)
+        if isinstance(x, (tuple, list)):
+            recv_x = (recv_x, recv_sf)
+        event = _overlap(ev, async_finish)
+        if cached is not None:
+            return recv_x, None, None, None, None, event
+        return recv_x, recv_idx, recv_w, counts, self._handle_tuple(new_handle), event
+
+    def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
+                allocate_on_comm_stream=False):
+        native = native_handle(handle, _C.LegacyHandle)
+        combined, combined_w, ev = self._rt().combine(x, native, topk_weights, bias_list(bias), config,
+                                                      _native(previous_event, "previous_event"), async_finish,
+                                                      allocate_on_comm_stream)
+        return combined, combined_w, _overlap(ev, async_finish)
+
+    # ---- low-latency mode ----------------------------------------------------------------------
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        self._rt().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                              cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
+                              use_ue8m0, async_finish, return_recv_hook):
+        recv_x, recv_sf, count, native, ev, hook = self._rt().low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+        handle = NativeTuple(native.fields(), native)
+        return (recv_x, recv_sf) if use_fp8 else recv_x, count, handle, _overlap(ev, async_finish), hook
+
+    def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                             cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,
+                             use_fp8=True, round_scale=False, use_ue8m0=False, async_finish=False,
+                             return_recv_hook=False):
+        return self._low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                                          round_scale, use_ue8m0, async_finish, return_recv_hook)
+
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
+                            async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        native = native_handle(handle, _C.LowLatencyHandle)
+        combined, ev, hook = self._rt().low_latency_combine(x, topk_idx, topk_weights, native, use_logfmt, zero_copy,
+                                                            async_finish, return_recv_hook, out,
+                                                            combine_wait_recv_cost_stats)
+        return combined, _overlap(ev, async_finish), hook
+
+    def get_next_low_latency_combine_buffer(self, handle):
+        return self._rt().get_next_low_latency_combine_buffer(native_handle(handle, _C.LowLatencyHandle))

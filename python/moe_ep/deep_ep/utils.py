@@ -1,0 +1,74 @@
+"""Events, as DeepEP's ``deep_ep.utils`` has them.
+
+On CPU there are no streams: an ``EventHandle`` stands for "the work launched so far" and is
+complete when captured (``Buffer.capture()``); the events buffers return with ``async_finish`` /
+``async_with_compute_stream`` complete when the rank's communication worker finishes the call.
+``current_stream_wait()`` blocks the calling thread until then (with the GIL released).
+"""
+
+from .. import _C
+
+
+class EventHandle:
+    """An event: ``current_stream_wait()`` waits for it. ``EventHandle()`` is already complete."""
+
+    def __init__(self, event=None):
+        self._event = _C.Event() if event is None else event
+
+    def current_stream_wait(self):
+        self._event.wait()
+
+    def query(self):
+        return self._event.query()
+
+
+class EventOverlap:
+    """A returned event with the tensors it keeps alive; also a context manager."""
+
+    def __init__(self, event=None, extra_tensors=None):
+        self.event = event
+        self.extra_tensors = extra_tensors
+        self._hook = None
+
+    def current_stream_wait(self, release_handle=False):
+        assert self.event is not None
+        self.event.current_stream_wait()
+        if self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        if release_handle:
+            self.event = None
+            self.extra_tensors = None
+
+    def register_hook_after_wait(self, hook):
+        assert self._hook is None, "only one hook may be registered"
+        self._hook = hook
+
+    def __call__(self, release_handle=False):
+        self._release_on_exit = release_handle
+        return self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        if self.event is not None:
+            self.current_stream_wait(release_handle=getattr(self, "_release_on_exit", False))
+
+
+def _overlap(native_event, async_):
+    """The EventOverlap a call returns: wrapping its event when asynchronous, else None inside."""
+    return EventOverlap(EventHandle(native_event) if async_ else None)
+
+
+def _native(event, name):
+    """The moe-ep event inside an EventHandle or EventOverlap argument (None stays None)."""
+    if event is None:
+        return None
+    if isinstance(event, EventOverlap):
+        event = event.event
+        if event is None:
+            return None
+    if isinstance(event, EventHandle):
+        return event._event
+    raise TypeError(f"{name} must be an EventHandle from this module's capture(), not {type(event).__name__}")

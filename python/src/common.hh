@@ -1,0 +1,77 @@
+// The glue of the extension module moe_ep._C: tensors across the boundary, errors, events.
+//
+// Tensors cross as DLPack capsules both ways, so nothing links libtorch. An input is any object
+// with __dlpack__ (torch CPU tensors, numpy arrays): it is imported without a copy and the
+// returned Tensor keeps the producer's tensor alive. Outputs are moe-ep tensors exported to torch
+// (torch.utils.dlpack.from_dlpack): torch holds a reference on moe-ep's storage and returns it
+// when the last torch view goes; no copy either way. Dtypes torch 1.13 cannot exchange through
+// DLPack travel as uint8 and are re-viewed on the other side: bool always, FP8 E4M3 where torch
+// has no float8_e4m3fn. Every C++ error becomes the Python class of the same name (moe_ep.Error
+// and its subclasses) with the same message. Calls that wait or move data release the GIL.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "moe_ep/event.hpp"
+#include "moe_ep/group.hpp"
+#include "moe_ep/tensor.hpp"
+
+namespace py = pybind11;
+
+namespace moe_ep::python {
+
+// What an argument must be; `dtype`: re-tag a 1-byte input as this dtype (FP8 sent as uint8, bool).
+Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt);
+// None -> an undefined Tensor.
+inline Tensor import_optional(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt) {
+  return obj.is_none() ? Tensor{} : import_tensor(obj, name, dtype);
+}
+// A torch tensor (None for an undefined tensor).
+py::object export_tensor(const Tensor& t);
+// A torch tensor over memory `owner` keeps alive (e.g. a buffer's own memory).
+py::object export_view(const TensorView& view, std::shared_ptr<const void> owner);
+
+// An Event and what must stay alive until it completes (the imported inputs).
+struct PyEvent {
+  Event event;
+  std::vector<Tensor> keep;
+  void wait();
+  bool query() const { return event.query(); }
+};
+
+// Objects whose destruction waits on peers (collective destructors): they are destroyed with the
+// GIL released, so other ranks' threads of this process can reach their own destructors.
+template <class T>
+struct Box {
+  std::unique_ptr<T> value;
+  explicit Box(std::unique_ptr<T> v) : value(std::move(v)) {}
+  ~Box() {
+    if (!value) return;
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      value.reset();
+    } else {
+      value.reset();
+    }
+  }
+  T& get() const {
+    if (!value) throw py::value_error("the object was already destroyed");
+    return *value;
+  }
+};
+
+std::optional<Event> to_event(py::handle obj, const char* name);
+
+void register_errors(py::module_& m);
+void register_groups(py::module_& m);
+void register_elastic(py::module_& m);
+void register_legacy(py::module_& m);
+void register_dispatcher(py::module_& m);
+
+}  // namespace moe_ep::python

@@ -1,0 +1,202 @@
+// ElasticBuffer (V2) and EPHandle.
+#include <fmt/format.h>
+
+#include "common.hh"
+#include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::python {
+namespace {
+
+using ElasticBox = Box<ElasticBuffer>;
+
+// x or (x_fp8, scales): returns the data tensor and the scales (undefined for BF16).
+std::pair<Tensor, Tensor> import_x(py::handle x, const char* name) {
+  if (py::isinstance<py::tuple>(x) || py::isinstance<py::list>(x)) {
+    py::sequence pair = py::reinterpret_borrow<py::sequence>(x);
+    if (pair.size() != 2)
+      throw py::value_error(fmt::format("{} must be a tensor or a pair (x_fp8, scales), got a sequence of {} items",
+                                        name, pair.size()));
+    return {import_tensor(pair[0], "x[0] (FP8 data)", DType::kFP8E4M3), import_tensor(pair[1], "x[1] (scales)")};
+  }
+  return {import_tensor(x, name), Tensor{}};
+}
+
+void keep_inputs(PyEvent& ev, std::initializer_list<const Tensor*> tensors) {
+  if (ev.event.query()) return;
+  for (const Tensor* t : tensors)
+    if (t->defined()) ev.keep.push_back(*t);
+}
+
+}  // namespace
+
+void register_elastic(py::module_& m) {
+  py::class_<EPHandle, std::shared_ptr<EPHandle>>(m, "EPHandle")
+      .def_readonly("do_expand", &EPHandle::do_expand)
+      .def_readonly("num_experts", &EPHandle::num_experts)
+      .def_readonly("expert_alignment", &EPHandle::expert_alignment)
+      .def_readonly("num_max_tokens_per_rank", &EPHandle::num_max_tokens_per_rank)
+      .def_readonly("num_sms", &EPHandle::num_sms)
+      .def_readonly("num_tokens", &EPHandle::num_tokens)
+      .def_readonly("num_topk", &EPHandle::num_topk)
+      .def_readonly("hidden", &EPHandle::hidden)
+      .def_property_readonly("topk_idx", [](const EPHandle& h) { return export_tensor(h.topk_idx); })
+      .def_readonly("num_recv_tokens", &EPHandle::num_recv_tokens)
+      .def_readonly("num_expanded_tokens", &EPHandle::num_expanded_tokens)
+      .def_readonly("num_recv_tokens_per_expert_list", &EPHandle::num_recv_tokens_per_expert_list)
+      .def_property_readonly("psum_num_recv_tokens_per_scaleup_rank",
+                             [](const EPHandle& h) { return export_tensor(h.psum_num_recv_tokens_per_scaleup_rank); })
+      .def_property_readonly("psum_num_recv_tokens_per_expert",
+                             [](const EPHandle& h) { return export_tensor(h.psum_num_recv_tokens_per_expert); })
+      .def_property_readonly("num_unaligned_recv_tokens_per_expert",
+                             [](const EPHandle& h) { return export_tensor(h.num_unaligned_recv_tokens_per_expert); })
+      .def_property_readonly("recv_src_metadata", [](const EPHandle& h) { return export_tensor(h.recv_src_metadata); })
+      .def_property_readonly("dst_buffer_slot_idx", [](const EPHandle& h) { return export_tensor(h.dst_buffer_slot_idx); });
+
+  py::class_<ElasticBox, std::shared_ptr<ElasticBox>>(m, "ElasticBuffer")
+      .def(py::init([](std::shared_ptr<Group> group, std::int64_t num_bytes, int num_max_tokens_per_rank, int hidden,
+                       int num_topk, bool use_fp8_dispatch, bool deterministic, bool allow_hybrid_mode,
+                       bool allow_multiple_reduction, bool prefer_overlap_with_compute, int num_allocated_qps,
+                       double num_cpu_timeout_secs, bool explicitly_destroy) {
+             ElasticBufferConfig c;
+             c.num_bytes = num_bytes;
+             c.num_max_tokens_per_rank = num_max_tokens_per_rank;
+             c.hidden = hidden;
+             c.num_topk = num_topk;
+             c.use_fp8_dispatch = use_fp8_dispatch;
+             c.deterministic = deterministic;
+             c.allow_hybrid_mode = allow_hybrid_mode;
+             c.allow_multiple_reduction = allow_multiple_reduction;
+             c.prefer_overlap_with_compute = prefer_overlap_with_compute;
+             c.num_allocated_qps = num_allocated_qps;
+             c.num_cpu_timeout_secs = num_cpu_timeout_secs;
+             c.explicitly_destroy = explicitly_destroy;
+             py::gil_scoped_release release;
+             return std::make_shared<ElasticBox>(std::make_unique<ElasticBuffer>(*group, c));
+           }),
+           py::arg("group"), py::arg("num_bytes"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"),
+           py::arg("num_topk"), py::arg("use_fp8_dispatch"), py::arg("deterministic"), py::arg("allow_hybrid_mode"),
+           py::arg("allow_multiple_reduction"), py::arg("prefer_overlap_with_compute"), py::arg("num_allocated_qps"),
+           py::arg("num_cpu_timeout_secs"), py::arg("explicitly_destroy"))
+      .def_static(
+          "get_buffer_size_hint",
+          [](std::shared_ptr<Group> group, int t, int h, int k, bool fp8, bool hybrid, bool multi) {
+            return ElasticBuffer::get_buffer_size_hint(*group, t, h, k, fp8, hybrid, multi);
+          },
+          py::arg("group"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"), py::arg("num_topk"),
+          py::arg("use_fp8_dispatch"), py::arg("allow_hybrid_mode"), py::arg("allow_multiple_reduction"))
+      .def(
+          "dispatch",
+          [](ElasticBox& box, py::handle x, py::handle topk_idx, py::handle topk_weights, py::handle stats,
+             int num_experts, int num_max_tokens_per_rank, int expert_alignment, int num_sms, int num_qps,
+             py::handle previous_event, py::handle previous_event_before_epilogue, bool async_with_compute_stream,
+             bool allocate_on_comm_stream, std::shared_ptr<EPHandle> handle, bool do_handle_copy,
+             std::optional<bool> do_cpu_sync, bool do_expand, bool do_zero_padding, bool use_tma) {
+            auto [data, scales] = import_x(x, "x");
+            const Tensor idx = import_optional(topk_idx, "topk_idx");
+            const Tensor weights = import_optional(topk_weights, "topk_weights");
+            const Tensor recv_stats = import_optional(stats, "cumulative_local_expert_recv_stats");
+            DispatchArgs a;
+            a.x = data;
+            a.x_scales = scales;
+            a.topk_idx = idx;
+            a.topk_weights = weights;
+            a.cumulative_local_expert_recv_stats = recv_stats;
+            a.num_experts = num_experts;
+            a.num_max_tokens_per_rank = num_max_tokens_per_rank;
+            a.expert_alignment = expert_alignment;
+            a.num_sms = num_sms;
+            a.num_qps = num_qps;
+            a.previous_event = to_event(previous_event, "previous_event");
+            a.previous_event_before_epilogue = to_event(previous_event_before_epilogue, "previous_event_before_epilogue");
+            a.async_with_compute_stream = async_with_compute_stream;
+            a.allocate_on_comm_stream = allocate_on_comm_stream;
+            a.handle = handle;
+            a.do_handle_copy = do_handle_copy;
+            a.do_cpu_sync = do_cpu_sync;
+            a.do_expand = do_expand;
+            a.do_zero_padding = do_zero_padding;
+            a.use_tma_aligned_col_major_sf = use_tma;
+            DispatchResult r;
+            {
+              py::gil_scoped_release release;
+              r = box.get().dispatch(a);
+            }
+            auto ev = std::make_shared<PyEvent>();
+            ev->event = r.event;
+            keep_inputs(*ev, {&data, &scales, &idx, &weights, &recv_stats});
+            return py::make_tuple(export_tensor(r.recv_x), export_tensor(r.recv_x_scales), export_tensor(r.recv_topk_idx),
+                                  export_tensor(r.recv_topk_weights), r.handle, ev);
+          },
+          py::arg("x"), py::arg("topk_idx"), py::arg("topk_weights"), py::arg("cumulative_local_expert_recv_stats"),
+          py::arg("num_experts"), py::arg("num_max_tokens_per_rank"), py::arg("expert_alignment"), py::arg("num_sms"),
+          py::arg("num_qps"), py::arg("previous_event"), py::arg("previous_event_before_epilogue"),
+          py::arg("async_with_compute_stream"), py::arg("allocate_on_comm_stream"), py::arg("handle"),
+          py::arg("do_handle_copy"), py::arg("do_cpu_sync"), py::arg("do_expand"), py::arg("do_zero_padding"),
+          py::arg("use_tma_aligned_col_major_sf"))
+      .def(
+          "combine",
+          [](ElasticBox& box, py::handle x, std::shared_ptr<EPHandle> handle, py::handle topk_weights,
+             std::vector<py::handle> bias, int num_sms, int num_qps, py::handle previous_event,
+             py::handle previous_event_before_epilogue, bool async_with_compute_stream, bool allocate_on_comm_stream) {
+            if (!handle) throw py::type_error("handle is None; combine needs the handle of a dispatch");
+            const Tensor data = import_tensor(x, "x");
+            const Tensor weights = import_optional(topk_weights, "topk_weights");
+            std::vector<Tensor> biases;
+            for (size_t i = 0; i < bias.size(); ++i) biases.push_back(import_tensor(bias[i], i == 0 ? "bias[0]" : "bias[1]"));
+            CombineArgs a;
+            a.x = data;
+            a.handle = handle;
+            a.topk_weights = weights;
+            for (const Tensor& b : biases) a.bias.push_back(b);
+            a.num_sms = num_sms;
+            a.num_qps = num_qps;
+            a.previous_event = to_event(previous_event, "previous_event");
+            a.previous_event_before_epilogue = to_event(previous_event_before_epilogue, "previous_event_before_epilogue");
+            a.async_with_compute_stream = async_with_compute_stream;
+            a.allocate_on_comm_stream = allocate_on_comm_stream;
+            CombineResult r;
+            {
+              py::gil_scoped_release release;
+              r = box.get().combine(a);
+            }
+            auto ev = std::make_shared<PyEvent>();
+            ev->event = r.event;
+            keep_inputs(*ev, {&data, &weights});
+            if (!ev->event.query()) ev->keep.insert(ev->keep.end(), biases.begin(), biases.end());
+            return py::make_tuple(export_tensor(r.combined_x), export_tensor(r.combined_topk_weights), ev);
+          },
+          py::arg("x"), py::arg("handle"), py::arg("topk_weights"), py::arg("bias"), py::arg("num_sms"),
+          py::arg("num_qps"), py::arg("previous_event"), py::arg("previous_event_before_epilogue"),
+          py::arg("async_with_compute_stream"), py::arg("allocate_on_comm_stream"))
+      .def(
+          "get_theoretical_num_sms",
+          [](const ElasticBox& b, int e, int k, int so_k, double rdma, double nvl, double rd, double wr) {
+            return b.get().get_theoretical_num_sms(e, k, so_k, rdma, nvl, rd, wr);
+          },
+          py::arg("num_experts"), py::arg("num_topk"), py::arg("num_scaleout_topk") = 0, py::arg("rdma_gbs") = 0.0,
+          py::arg("nvlink_gbs") = 0.0, py::arg("sm_read_gbs") = 0.0, py::arg("sm_write_gbs") = 0.0)
+      .def("get_theoretical_num_qps", [](const ElasticBox& b, int sms) { return b.get().get_theoretical_num_qps(sms); })
+      .def("barrier", [](ElasticBox& b) {
+        py::gil_scoped_release release;
+        b.get().barrier();
+      })
+      .def("destroy", [](ElasticBox& b) {
+        py::gil_scoped_release release;
+        b.get().destroy();
+      })
+      .def("get_physical_domain_size", [](const ElasticBox& b) { return b.get().get_physical_domain_size(); })
+      .def("get_logical_domain_size", [](const ElasticBox& b) { return b.get().get_logical_domain_size(); })
+      .def_property_readonly("rank", [](const ElasticBox& b) { return b.get().rank(); })
+      .def_property_readonly("num_ranks", [](const ElasticBox& b) { return b.get().num_ranks(); })
+      .def_property_readonly("num_bytes", [](const ElasticBox& b) { return b.get().num_bytes(); })
+      .def_property_readonly("num_max_tokens_per_rank", [](const ElasticBox& b) { return b.get().num_max_tokens_per_rank(); })
+      .def_property_readonly("num_allocated_qps", [](const ElasticBox& b) { return b.get().num_allocated_qps(); })
+      .def_property_readonly("num_scaleout_ranks", [](const ElasticBox& b) { return b.get().num_scaleout_ranks(); })
+      .def_property_readonly("num_scaleup_ranks", [](const ElasticBox& b) { return b.get().num_scaleup_ranks(); })
+      .def_property_readonly("scaleout_rank_idx", [](const ElasticBox& b) { return b.get().scaleout_rank_idx(); })
+      .def_property_readonly("scaleup_rank_idx", [](const ElasticBox& b) { return b.get().scaleup_rank_idx(); })
+      .def_property_readonly("is_hybrid", [](const ElasticBox& b) { return b.get().is_hybrid(); });
+}
+
+}  // namespace moe_ep::python

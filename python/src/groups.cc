@@ -1,0 +1,134 @@
+// Groups from Python: threads of this process (LocalWorld), processes of one host bootstrapped
+// through a callable all-gather (a torch.distributed group), and MPI communicators (mpi4py).
+#include <fmt/format.h>
+
+#include <exception>
+#include <mutex>
+
+#include "comm/transport.hh"
+#include "common.hh"
+#include "core/timeout.hh"
+#include "moe_ep/error.hpp"
+#if __has_include("moe_ep/host.hpp")
+#include "moe_ep/host.hpp"
+#define MOE_EP_PYTHON_WITH_HOST 1
+#endif
+#if MOE_EP_PYTHON_WITH_MPI
+#include "moe_ep/mpi.hpp"
+#endif
+
+namespace moe_ep::python {
+
+PyObject* peer_error_class();
+
+namespace {
+
+// Runs fn(group) on `ranks` threads; returns their results. A rank's Python exception ends its
+// part (its peers raise PeerError naming it); the root cause is re-raised: the lowest rank's
+// exception that is not a moe_ep.PeerError, else the lowest rank's.
+py::list run_local_world(int ranks, int num_scaleout, int num_scaleup, py::function fn) {
+  LocalWorld world(ranks, Topology{num_scaleout, num_scaleup});
+  std::vector<py::object> results(static_cast<size_t>(ranks));
+  std::vector<std::unique_ptr<py::error_already_set>> errors(static_cast<size_t>(ranks));
+  std::exception_ptr other;
+  std::mutex mutex;
+  struct RankFailed : std::runtime_error {
+    using std::runtime_error::runtime_error;
+  };
+  {
+    py::gil_scoped_release release;
+    try {
+      world.run([&](Group& g) {
+        // A channel of its own, so that Python may keep the group past this call (later
+        // collectives on it then fail cleanly: the peers are gone).
+        auto group = std::make_shared<Group>(g.transport().duplicate({"LocalWorld: channel setup", core::timeout_from_env()}));
+        py::gil_scoped_acquire acquire;
+        try {
+          results[static_cast<size_t>(g.rank())] = fn(group);
+        } catch (py::error_already_set& e) {
+          std::string what = e.what();
+          errors[static_cast<size_t>(g.rank())] = std::make_unique<py::error_already_set>(std::move(e));
+          throw RankFailed(what);
+        }
+      });
+    } catch (const RankFailed&) {
+    } catch (...) {
+      other = std::current_exception();
+    }
+  }
+  py::error_already_set* first = nullptr;
+  py::error_already_set* root = nullptr;
+  for (auto& e : errors) {
+    if (!e) continue;
+    if (!first) first = e.get();
+    if (!root && !e->matches(peer_error_class())) root = e.get();
+  }
+  if (root || first) {
+    (root ? root : first)->restore();
+    throw py::error_already_set();
+  }
+  if (other) std::rethrow_exception(other);
+  py::list out;
+  for (auto& r : results) out.append(r ? r : py::none());
+  return out;
+}
+
+}  // namespace
+
+void register_groups(py::module_& m) {
+  py::class_<Group, std::shared_ptr<Group>>(m, "Group", "One rank's handle on a group of ranks.")
+      .def("rank", &Group::rank)
+      .def("size", &Group::size)
+      .def_property_readonly("num_scaleout", &Group::num_scaleout)
+      .def_property_readonly("num_scaleup", &Group::num_scaleup)
+      .def("barrier", &Group::barrier, py::arg("timeout_secs") = 0.0, py::call_guard<py::gil_scoped_release>())
+      .def("shared_bytes_copied", [](const Group& g) { return g.transport().shared_bytes_copied(); })
+      .def("scaleout_bytes_sent", [](const Group& g) { return g.transport().scaleout_bytes_sent(); })
+      .def("ranks_on_host", [](const Group& g) { return g.transport().ranks_on_host(); })
+      .def("__repr__", [](const Group& g) {
+        return fmt::format("<moe_ep.Group rank {} of {} ({} x {})>", g.rank(), g.size(), g.num_scaleout(), g.num_scaleup());
+      });
+
+  m.def("run_local_world", &run_local_world, py::arg("ranks"), py::arg("num_scaleout"), py::arg("num_scaleup"),
+        py::arg("fn"));
+
+#if MOE_EP_PYTHON_WITH_HOST
+  m.def(
+      "host_group",
+      [](int rank, int size, py::function all_gather, std::optional<int> ranks_per_node, double timeout_secs) {
+        host::GroupOptions options;
+        options.ranks_per_node = ranks_per_node;
+        options.timeout_secs = timeout_secs;
+        host::AllGather gather = [&](const std::string& mine) {
+          py::gil_scoped_acquire acquire;
+          py::list blocks = all_gather(py::bytes(mine));
+          std::vector<std::string> out;
+          for (py::handle b : blocks) out.push_back(b.cast<std::string>());
+          return out;
+        };
+        py::gil_scoped_release release;
+        return std::shared_ptr<Group>(host::make_group(rank, size, gather, options));
+      },
+      py::arg("rank"), py::arg("size"), py::arg("all_gather"), py::arg("ranks_per_node") = py::none(),
+      py::arg("timeout_secs") = 0.0);
+#endif
+
+#if MOE_EP_PYTHON_WITH_MPI
+  m.def(
+      "mpi_group",
+      [](std::uintptr_t handle, std::optional<int> ranks_per_node, double timeout_secs) {
+        mpi::GroupOptions options;
+        options.ranks_per_node = ranks_per_node;
+        options.timeout_secs = timeout_secs;
+        py::gil_scoped_release release;
+        return std::shared_ptr<Group>(mpi::make_group(reinterpret_cast<MPI_Comm>(handle), options));
+      },
+      py::arg("comm_handle"), py::arg("ranks_per_node") = py::none(), py::arg("timeout_secs") = 0.0);
+  m.attr("has_mpi") = true;
+#else
+  m.attr("has_mpi") = false;
+#endif
+  m.def("timeout_from_env", [] { return core::timeout_from_env(); });
+}
+
+}  // namespace moe_ep::python

@@ -1,0 +1,154 @@
+#include <fmt/format.h>
+
+#include <string>
+
+#include "common.hh"
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::python {
+namespace {
+
+constexpr const char* kCapsuleName = "dltensor";
+constexpr const char* kUsedCapsuleName = "used_dltensor";
+
+struct Torch {
+  py::object from_dlpack, uint8, boolean, float8;  // float8: None where torch has no float8_e4m3fn
+};
+
+const Torch& torch_api() {
+  static Torch* api = [] {
+    auto* t = new Torch;  // lives until exit, as the torch module does
+    py::module_ torch = py::module_::import("torch");
+    t->from_dlpack = py::module_::import("torch.utils.dlpack").attr("from_dlpack");
+    t->uint8 = torch.attr("uint8");
+    t->boolean = torch.attr("bool");
+    t->float8 = py::hasattr(torch, "float8_e4m3fn") ? torch.attr("float8_e4m3fn") : py::none();
+    return t;
+  }();
+  return *api;
+}
+
+std::string type_name(py::handle obj) { return py::str(py::type::of(obj).attr("__name__")).cast<std::string>(); }
+
+void capsule_destructor(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, kCapsuleName)) return;  // consumed: the consumer owns it now
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+  if (managed && managed->deleter) managed->deleter(managed);
+}
+
+py::object capsule_to_torch(DLManagedTensor* managed) {
+  py::capsule capsule(managed, kCapsuleName, &capsule_destructor);
+  return torch_api().from_dlpack(capsule);
+}
+
+// A view of the same bytes with another 1-byte dtype.
+TensorView retagged(const TensorView& v, DType dtype) {
+  return TensorView(v.data(), dtype, v.shape(), v.strides());
+}
+
+}  // namespace
+
+Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype) {
+  if (obj.is_none()) throw py::type_error(fmt::format("{} is None; a tensor is required", name));
+  if (!py::hasattr(obj, "__dlpack__"))
+    throw py::type_error(fmt::format("{} must be a tensor (torch.Tensor or numpy.ndarray), not {}", name, type_name(obj)));
+  if (py::hasattr(obj, "__dlpack_device__")) {
+    const auto device = obj.attr("__dlpack_device__")().cast<std::pair<int, int>>();
+    if (device.first != kDLCPU && device.first != kDLCUDAHost) {
+      std::string where = py::hasattr(obj, "device") ? py::str(obj.attr("device")).cast<std::string>()
+                                                     : fmt::format("DLPack device type {}", device.first);
+      throw py::type_error(fmt::format("{} is on {}; moe-ep's CPU provider needs CPU tensors (no GPU provider is "
+                                       "built into this module)",
+                                       name, where));
+    }
+  }
+  py::handle source = obj;
+  py::object converted;
+  bool is_bool = false;
+  if (py::hasattr(obj, "dtype") && py::object(obj.attr("dtype")).is(torch_api().boolean)) {
+    converted = obj.attr("view")(torch_api().uint8);  // torch 1.13 exports no bool through DLPack
+    source = converted;
+    is_bool = true;
+  }
+  py::object capsule;
+  try {
+    capsule = source.attr("__dlpack__")();
+  } catch (py::error_already_set& e) {
+    if (!py::hasattr(source, "detach")) throw;
+    // A tensor that requires grad: moe-ep reads its data only.
+    converted = source.attr("detach")();
+    capsule = converted.attr("__dlpack__")();
+  }
+  if (!PyCapsule_IsValid(capsule.ptr(), kCapsuleName))
+    throw py::type_error(fmt::format("{}.__dlpack__() did not return a DLPack capsule", name));
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
+  PyCapsule_SetName(capsule.ptr(), kUsedCapsuleName);
+  Tensor t;
+  try {
+    t = Tensor::from_dlpack(managed);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("{}: {}", name, e.what()));
+  }
+  const DType want = is_bool ? DType::kBool : dtype.value_or(t.dtype());
+  if (want != t.dtype() && element_size(t.dtype()) == 1 && element_size(want) == 1 &&
+      (t.dtype() == DType::kUInt8 || t.dtype() == DType::kFP8E4M3 || want == DType::kBool))
+    t = t.with_view(retagged(t, want));
+  return t;
+}
+
+py::object export_tensor(const Tensor& t) {
+  if (!t.defined()) return py::none();
+  const DType dtype = t.dtype();
+  const bool as_bytes = dtype == DType::kBool || (dtype == DType::kFP8E4M3 && torch_api().float8.is_none());
+  const bool as_float8 = dtype == DType::kFP8E4M3 && !torch_api().float8.is_none();
+  const Tensor sent = (as_bytes || as_float8) ? t.with_view(retagged(t, DType::kUInt8)) : t;
+  py::object out = capsule_to_torch(sent.to_dlpack());
+  if (dtype == DType::kBool) return out.attr("view")(torch_api().boolean);
+  if (as_float8) return out.attr("view")(torch_api().float8);
+  return out;
+}
+
+namespace {
+struct OwnedView {
+  DLManagedTensor managed;
+  std::shared_ptr<const void> owner;
+  std::array<std::int64_t, TensorView::kMaxDims> shape, strides;
+};
+}  // namespace
+
+py::object export_view(const TensorView& view, std::shared_ptr<const void> owner) {
+  auto* e = new OwnedView{};
+  e->owner = std::move(owner);
+  for (int d = 0; d < view.ndim(); ++d) {
+    e->shape[d] = view.size(d);
+    e->strides[d] = view.stride(d);
+  }
+  DLTensor& t = e->managed.dl_tensor;
+  t.data = view.data();
+  t.device = {kDLCPU, 0};
+  t.ndim = view.ndim();
+  // The one dtype exported this way is bfloat16 (the low-latency combine buffer).
+  t.dtype = view.dtype() == DType::kBF16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLUInt, 8, 1};
+  t.shape = e->shape.data();
+  t.strides = e->strides.data();
+  e->managed.manager_ctx = e;
+  e->managed.deleter = [](DLManagedTensor* self) { delete static_cast<OwnedView*>(self->manager_ctx); };
+  return capsule_to_torch(&e->managed);
+}
+
+void PyEvent::wait() {
+  {
+    py::gil_scoped_release release;
+    event.wait();
+  }
+  keep.clear();
+}
+
+std::optional<Event> to_event(py::handle obj, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  if (py::isinstance<PyEvent>(obj)) return obj.cast<PyEvent&>().event;
+  throw py::type_error(fmt::format("{} must be an event captured by this module (EventHandle), not {}", name,
+                                   type_name(obj)));
+}
+
+}  // namespace moe_ep::python
