@@ -35,7 +35,7 @@ if [ "${MOE_EP_SANITIZERS:-1}" != 0 ]; then
 
   echo "== building with AddressSanitizer + UndefinedBehaviorSanitizer (clang)"
   CC=clang-14 CXX=clang++-14 BUILD_TYPE=Debug \
-    CMAKE_ARGS="-DMOE_EP_SANITIZE=address,undefined -DMOE_EP_FUZZ=ON -DMOE_EP_BUILD_BENCH=OFF" \
+    CMAKE_ARGS="-DMOE_EP_SANITIZE=address,undefined -DMOE_EP_FUZZ=ON -DMOE_EP_BUILD_BENCH=OFF -DMOE_EP_WITH_PYTHON=OFF" \
     "$root/scripts/bootstrap.sh" "$root/build-asan"
   asan=ASAN_OPTIONS=detect_leaks=1:check_initialization_order=1:strict_string_checks=1
   # The five runs of the full DeepSeek-V3 shape (4096 tokens x 7168 per rank) take minutes each
@@ -51,7 +51,7 @@ if [ "${MOE_EP_SANITIZERS:-1}" != 0 ]; then
 
   echo "== building with ThreadSanitizer (clang): the in-process suites"
   CC=clang-14 CXX=clang++-14 BUILD_TYPE=Debug \
-    CMAKE_ARGS="-DMOE_EP_SANITIZE=thread -DMOE_EP_WITH_MPI=OFF -DMOE_EP_BUILD_BENCH=OFF" \
+    CMAKE_ARGS="-DMOE_EP_SANITIZE=thread -DMOE_EP_WITH_MPI=OFF -DMOE_EP_BUILD_BENCH=OFF -DMOE_EP_WITH_PYTHON=OFF" \
     TARGETS="comm_test elastic_test legacy_test dispatcher_test" "$root/scripts/bootstrap.sh" "$root/build-tsan"
   suite_env=("${common[@]}" TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1)
   suite tsan "$root/build-tsan" -L '^(comm|elastic|legacy|dispatcher)$'

@@ -1,0 +1,166 @@
+"""python3 -m moe_ep.bench: moe_ep.deep_ep beside the C++ tool, measured in the same run.
+
+The DeepSeek-V3 shape (hidden 7168, 256 experts, top-8; FP8 dispatch with per-128 scales, BF16
+combine) at 4096 and 128 tokens per rank, through ``moe_ep.deep_ep.ElasticBuffer`` on N processes
+over a gloo group (moe-ep's host transport), and through ``moe-ep bench --api v2 --transport mpi``
+on N MPI processes. Time = median over iterations of the slowest rank, each call after a barrier
+(the tool's definition). Printed: both times, throughput ratio = C++ time / Python time, and the
+time Python adds per call = Python time - C++ time.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HIDDEN, EXPERTS, TOPK = 7168, 256, 8
+
+
+def _fp8_inputs(tokens, seed, rank):
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
+    x = (torch.randn(tokens, HIDDEN, generator=g) * 0.5).clamp(-448, 448)
+    # Any E4M3 bytes will do for a bandwidth measurement: the library copies them verbatim.
+    x_fp8 = torch.randint(0, 0x7e, (tokens, HIDDEN), dtype=torch.uint8, generator=g)
+    scales = torch.rand(tokens, HIDDEN // 128, generator=g) + 0.5
+    idx = torch.rand(tokens, EXPERTS, generator=g).topk(TOPK, dim=1).indices.to(torch.int64)
+    weights = torch.rand(tokens, TOPK, generator=g)
+    return x_fp8, scales, idx, weights, x
+
+
+def _worker(rank, world, init_file, shapes, iters, queue):
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        from moe_ep import deep_ep
+        import moe_ep
+
+        group = moe_ep.resolve_group(dist.group.WORLD)
+        out = {}
+        with torch.inference_mode():
+            for tokens in shapes:
+                buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=tokens, hidden=HIDDEN,
+                                            num_topk=TOPK, use_fp8_dispatch=True)
+                x_fp8, scales, idx, weights, _ = _fp8_inputs(tokens, 1, rank)
+                times = {"dispatch": [], "combine": []}
+                combine_x = None
+                for it in range(iters[tokens] + 2):  # two warm-up iterations
+                    group.barrier()
+                    t0 = time.perf_counter()
+                    (recv_x, recv_sf), recv_idx, recv_w, handle, _ = buf.dispatch(
+                        (x_fp8, scales), topk_idx=idx, topk_weights=weights, num_experts=EXPERTS)
+                    t1 = time.perf_counter()
+                    if combine_x is None or combine_x.shape[0] != recv_x.shape[0]:
+                        combine_x = torch.zeros(recv_x.shape[0], HIDDEN, dtype=torch.bfloat16)
+                    group.barrier()
+                    t2 = time.perf_counter()
+                    buf.combine(combine_x, handle, topk_weights=recv_w)
+                    t3 = time.perf_counter()
+                    if it >= 2:
+                        times["dispatch"].append(t1 - t0)
+                        times["combine"].append(t3 - t2)
+                out[tokens] = times
+                del buf
+        queue.put((rank, out, None))
+    except BaseException as e:
+        import traceback
+        queue.put((rank, None, traceback.format_exc()))
+
+
+def _python_times(world, shapes, iters, timeout):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_worker, args=(r, world, init, shapes, iters, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = {}
+        for _ in procs:
+            rank, out, err = queue.get(timeout=timeout)
+            if err:
+                raise RuntimeError(f"rank {rank} failed:\n{err}")
+            results[rank] = out
+        for p in procs:
+            p.join(timeout=30)
+    # Slowest rank per iteration, then the median.
+    summary = {}
+    for tokens in shapes:
+        for op in ("dispatch", "combine"):
+            per_iter = [max(results[r][tokens][op][i] for r in results) for i in range(iters[tokens])]
+            per_iter.sort()
+            summary[(tokens, op)] = per_iter[len(per_iter) // 2]
+    return summary
+
+
+def _tool_times(tool, world, shapes, iters, timeout):
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        raise RuntimeError("mpirun is not on PATH (Open MPI: apt-get install openmpi-bin)")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "bench.json")
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   OMPI_MCA_btl_vader_single_copy_mechanism="none")
+        cmd = [mpirun, "-np", str(world), "--oversubscribe", tool, "bench", "--api", "v2", "--transport", "mpi",
+               "--prefill-tokens", str(shapes[0]), "--decode-tokens", str(shapes[1]),
+               "--prefill-iters", str(iters[shapes[0]]), "--decode-iters", str(iters[shapes[1]]), "--json", out]
+        subprocess.run(cmd, check=True, env=env, timeout=timeout, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            data = json.load(f)
+    summary = {}
+    for r in data["results"]:
+        if r["operation"] in ("dispatch", "combine"):
+            summary[(r["tokens_per_rank"], r["operation"])] = r["seconds"]
+    return summary
+
+
+def _find_tool():
+    here = os.path.dirname(os.path.abspath(__file__))
+    for candidate in (os.environ.get("MOE_EP_TOOL"), os.path.join(here, "..", "..", "moe-ep"), shutil.which("moe-ep")):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return os.path.abspath(candidate)
+    return None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python3 -m moe_ep.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, default=8, help="processes (default 8)")
+    p.add_argument("--prefill-tokens", type=int, default=4096)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--prefill-iters", type=int, default=5)
+    p.add_argument("--decode-iters", type=int, default=30)
+    p.add_argument("--tool", help="the moe-ep executable (default: the build tree's, MOE_EP_TOOL, or PATH)")
+    p.add_argument("--timeout", type=float, default=1800)
+    a = p.parse_args(argv)
+    tool = a.tool or _find_tool()
+    if tool is None:
+        p.error("the moe-ep executable was not found: pass --tool or set MOE_EP_TOOL")
+    shapes = [a.prefill_tokens, a.decode_tokens]
+    iters = {a.prefill_tokens: a.prefill_iters, a.decode_tokens: a.decode_iters}
+    print(f"moe_ep.bench: DeepSeek-V3 shape (hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}), FP8 dispatch, BF16 "
+          f"combine, {a.ranks} ranks; V2 ElasticBuffer", flush=True)
+    cpp = _tool_times(tool, a.ranks, shapes, iters, a.timeout)
+    py = _python_times(a.ranks, shapes, iters, a.timeout)
+    print(f"{'tokens/rank':>11}  {'operation':9}  {'C++ MPI (us)':>12}  {'Python gloo (us)':>16}  "
+          f"{'ratio':>6}  {'added (us)':>10}")
+    for tokens in shapes:
+        for op in ("dispatch", "combine"):
+            c, q = cpp[(tokens, op)], py[(tokens, op)]
+            print(f"{tokens:>11}  {op:9}  {c * 1e6:12.1f}  {q * 1e6:16.1f}  {c / q:6.2f}  {(q - c) * 1e6:10.1f}")
+    print("time: median over iterations of the slowest rank, each call after a barrier.")
+    print("ratio = C++ time / Python time (throughput of moe_ep.deep_ep relative to the C++ tool; target >= 0.95 at "
+          f"{a.prefill_tokens} tokens); added = Python time - C++ time (target <= 30 us at {a.decode_tokens} tokens).")
+    print(f"C++: mpirun -np {a.ranks} {tool} bench --api v2 --transport mpi (MPI transport); Python: "
+          f"{a.ranks} torch.multiprocessing processes, gloo group, moe-ep host transport.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
