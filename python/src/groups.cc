@@ -82,6 +82,26 @@ void register_groups(py::module_& m) {
       .def_property_readonly("num_scaleout", &Group::num_scaleout)
       .def_property_readonly("num_scaleup", &Group::num_scaleup)
       .def("barrier", &Group::barrier, py::arg("timeout_secs") = 0.0, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_gather_bytes",
+          [](Group& g, const py::bytes& mine, double timeout_secs) {
+            const std::string data = mine;
+            const double timeout = timeout_secs == 0 ? core::timeout_from_env()
+                                                     : core::checked_timeout("Group.all_gather_bytes", "timeout_secs",
+                                                                             timeout_secs);
+            std::vector<std::string> blocks;
+            {
+              py::gil_scoped_release release;
+              const comm::Gathered all = g.transport().all_gather(std::as_bytes(std::span(data.data(), data.size())),
+                                                                  comm::Scope::kWorld, {"Group.all_gather_bytes", timeout});
+              for (int r = 0; r < all.size(); ++r)
+                blocks.emplace_back(reinterpret_cast<const char*>(all[r].data()), all[r].size());
+            }
+            py::list out;
+            for (const std::string& b : blocks) out.append(py::bytes(b));
+            return out;
+          },
+          py::arg("data"), py::arg("timeout_secs") = 0.0, "Collective: every rank's bytes, by rank.")
       .def("shared_bytes_copied", [](const Group& g) { return g.transport().shared_bytes_copied(); })
       .def("scaleout_bytes_sent", [](const Group& g) { return g.transport().scaleout_bytes_sent(); })
       .def("ranks_on_host", [](const Group& g) { return g.transport().ranks_on_host(); })
