@@ -48,7 +48,7 @@ def _worker(rank, world, init_file, shapes, iters, queue):
                 buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=tokens, hidden=HIDDEN,
                                             num_topk=TOPK, use_fp8_dispatch=True)
                 x_fp8, scales, idx, weights, _ = _fp8_inputs(tokens, 1, rank)
-                times = {"dispatch": [], "combine": []}
+                times = {"dispatch": [], "combine": [], "maps": 0}
                 combine_x = None
                 for it in range(iters[tokens] + 2):  # two warm-up iterations
                     group.barrier()
@@ -62,9 +62,12 @@ def _worker(rank, world, init_file, shapes, iters, queue):
                     t2 = time.perf_counter()
                     buf.combine(combine_x, handle, topk_weights=recv_w)
                     t3 = time.perf_counter()
+                    if it == 1:
+                        maps_before = moe_ep._C.allocator_stats()["num_maps"]
                     if it >= 2:
                         times["dispatch"].append(t1 - t0)
                         times["combine"].append(t3 - t2)
+                times["maps"] = moe_ep._C.allocator_stats()["num_maps"] - maps_before
                 out[tokens] = times
                 del buf
         queue.put((rank, out, None))
@@ -96,6 +99,7 @@ def _python_times(world, shapes, iters, timeout):
             per_iter = [max(results[r][tokens][op][i] for r in results) for i in range(iters[tokens])]
             per_iter.sort()
             summary[(tokens, op)] = per_iter[len(per_iter) // 2]
+        summary[(tokens, "maps")] = max(results[r][tokens]["maps"] for r in results)
     return summary
 
 
@@ -154,6 +158,9 @@ def main(argv=None):
         for op in ("dispatch", "combine"):
             c, q = cpp[(tokens, op)], py[(tokens, op)]
             print(f"{tokens:>11}  {op:9}  {c * 1e6:12.1f}  {q * 1e6:16.1f}  {c / q:6.2f}  {(q - c) * 1e6:10.1f}")
+    for tokens in shapes:
+        print(f"steady state at {tokens} tokens/rank: {py[(tokens, 'maps')]} new mappings by moe-ep's allocator over "
+              f"the timed iterations (most on one rank; outputs come from its cache)")
     print("time: median over iterations of the slowest rank, each call after a barrier.")
     print("ratio = C++ time / Python time (throughput of moe_ep.deep_ep relative to the C++ tool; target >= 0.95 at "
           f"{a.prefill_tokens} tokens); added = Python time - C++ time (target <= 30 us at {a.decode_tokens} tokens).")

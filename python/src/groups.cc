@@ -7,6 +7,7 @@
 
 #include "comm/transport.hh"
 #include "common.hh"
+#include "core/host_allocator.hh"
 #include "core/timeout.hh"
 #include "moe_ep/error.hpp"
 #if __has_include("moe_ep/host.hpp")
@@ -149,6 +150,14 @@ void register_groups(py::module_& m) {
   m.attr("has_mpi") = false;
 #endif
   m.def("timeout_from_env", [] { return core::timeout_from_env(); });
+  m.def("allocator_stats", [] {
+    const core::HostAllocatorStats s = core::host_allocator_stats();
+    py::dict d;
+    d["mapped_bytes"] = s.mapped_bytes;
+    d["cached_bytes"] = s.cached_bytes;
+    d["num_maps"] = s.num_maps;
+    return d;
+  }, "This process's moe-ep tensor allocator: bytes mapped (live and cached), cached, and mmap calls so far.");
 }
 
 }  // namespace moe_ep::python

@@ -48,37 +48,51 @@ TensorView retagged(const TensorView& v, DType dtype) {
 
 }  // namespace
 
-Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype) {
-  if (obj.is_none()) throw py::type_error(fmt::format("{} is None; a tensor is required", name));
-  if (!py::hasattr(obj, "__dlpack__"))
-    throw py::type_error(fmt::format("{} must be a tensor (torch.Tensor or numpy.ndarray), not {}", name, type_name(obj)));
+namespace {
+
+[[noreturn]] void not_a_tensor(py::handle obj, const char* name) {
+  throw py::type_error(fmt::format("{} must be a tensor (torch.Tensor or numpy.ndarray), not {}", name, type_name(obj)));
+}
+
+// The DLPack capsule of `obj`. The common case (a CPU tensor torch or numpy can export) is one
+// call; bool tensors (torch 1.13 exports no bool), tensors that require grad (only their data is
+// read) and tensors on other devices take the slow path.
+py::object dlpack_capsule(py::handle obj, const char* name, bool* is_bool) {
+  PyObject* method = PyObject_GetAttrString(obj.ptr(), "__dlpack__");
+  if (method == nullptr) {
+    PyErr_Clear();
+    not_a_tensor(obj, name);
+  }
+  PyObject* capsule = PyObject_CallNoArgs(method);
+  Py_DECREF(method);
+  if (capsule != nullptr) return py::reinterpret_steal<py::object>(capsule);
+  py::error_already_set failure;  // takes the Python error
   if (py::hasattr(obj, "__dlpack_device__")) {
     const auto device = obj.attr("__dlpack_device__")().cast<std::pair<int, int>>();
     if (device.first != kDLCPU && device.first != kDLCUDAHost) {
-      std::string where = py::hasattr(obj, "device") ? py::str(obj.attr("device")).cast<std::string>()
-                                                     : fmt::format("DLPack device type {}", device.first);
+      const std::string where = py::hasattr(obj, "device") ? py::str(obj.attr("device")).cast<std::string>()
+                                                           : fmt::format("DLPack device type {}", device.first);
       throw py::type_error(fmt::format("{} is on {}; moe-ep's CPU provider needs CPU tensors (no GPU provider is "
                                        "built into this module)",
                                        name, where));
     }
   }
-  py::handle source = obj;
-  py::object converted;
+  py::object source = py::reinterpret_borrow<py::object>(obj);
+  if (py::hasattr(source, "detach")) source = source.attr("detach")();
+  if (py::hasattr(source, "dtype") && py::object(source.attr("dtype")).is(torch_api().boolean)) {
+    source = source.attr("view")(torch_api().uint8);
+    *is_bool = true;
+  }
+  if (source.is(obj)) throw failure;
+  return source.attr("__dlpack__")();
+}
+
+}  // namespace
+
+Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype) {
+  if (obj.is_none()) throw py::type_error(fmt::format("{} is None; a tensor is required", name));
   bool is_bool = false;
-  if (py::hasattr(obj, "dtype") && py::object(obj.attr("dtype")).is(torch_api().boolean)) {
-    converted = obj.attr("view")(torch_api().uint8);  // torch 1.13 exports no bool through DLPack
-    source = converted;
-    is_bool = true;
-  }
-  py::object capsule;
-  try {
-    capsule = source.attr("__dlpack__")();
-  } catch (py::error_already_set& e) {
-    if (!py::hasattr(source, "detach")) throw;
-    // A tensor that requires grad: moe-ep reads its data only.
-    converted = source.attr("detach")();
-    capsule = converted.attr("__dlpack__")();
-  }
+  py::object capsule = dlpack_capsule(obj, name, &is_bool);
   if (!PyCapsule_IsValid(capsule.ptr(), kCapsuleName))
     throw py::type_error(fmt::format("{}.__dlpack__() did not return a DLPack capsule", name));
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));

@@ -29,14 +29,18 @@ class EPHandle:
 
     def __init__(self, native):
         self._native = native
-        for name in self._VALUES:
-            setattr(self, name, getattr(native, name))
-        for name in self._TENSORS:
-            setattr(self, name, getattr(native, name))
         # Hybrid-kernel bookkeeping of DeepEP's GPU data path; moe-ep's has no counterpart.
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
         self.cached_recv_src_metadata_before_sort = None
+
+    def __getattr__(self, name):
+        # Fields are read from the native handle on first use (tensors are exported once).
+        if name in EPHandle._TENSORS or name in EPHandle._VALUES:
+            value = getattr(self._native, name)
+            setattr(self, name, value)
+            return value
+        raise AttributeError(f"'EPHandle' object has no attribute '{name}'")
 
     def deterministic_sort(self, do_cpu_sync, is_cached, recv_x, recv_sf, recv_topk_idx, recv_topk_weights,
                            channel_linked_list=None):

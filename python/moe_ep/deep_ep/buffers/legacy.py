@@ -17,7 +17,7 @@ Config = _C.Config
 class Buffer:
     num_sms = 20
 
-    def __init__(self, group=None, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
+    def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
                  allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False,
                  enable_shrink=False, comm=None):
         require_false(enable_shrink, "enable_shrink", "failed peers are reported as PeerError instead of masked")
