@@ -17,7 +17,13 @@ import sys
 import tempfile
 import traceback
 
-import torch
+try:
+    import torch
+except ImportError:
+    # A python3 without torch came first on PATH: use Debian's interpreter, which has it.
+    if os.path.realpath(sys.executable) != os.path.realpath("/usr/bin/python3") and os.path.exists("/usr/bin/python3"):
+        os.execv("/usr/bin/python3", ["/usr/bin/python3"] + sys.argv)
+    raise
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -89,8 +95,18 @@ def run_experts(out, rank, num_local, w):
     raise RuntimeError(f"unknown output format {out.format}")
 
 
+def find_package():
+    """Makes `import moe_ep` work from a source checkout: the build tree's package, if not installed."""
+    try:
+        import moe_ep  # noqa: F401
+    except ImportError:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        sys.path.insert(0, os.path.join(root, "build", "python"))
+
+
 def worker(rank, args, init_file, results):
     try:
+        find_package()
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.ranks)
         import moe_ep
 

@@ -1,0 +1,151 @@
+"""Fixtures and helpers of the Python package's tests.
+
+The package comes from PYTHONPATH (the build tree: build/python, and build/deep_ep_alias for
+`import deep_ep`); nothing here edits sys.path for it.
+
+`run_processes(fn, n, ...)` starts n spawned processes that join one gloo process group (a
+file:// rendezvous in a temporary directory), calls fn(rank, world, group, *args) in each and
+returns per rank ("ok", result) / ("error", info dict) / ("exit", exitcode). Children report
+through a multiprocessing queue (plain Python values only: no tensors cross, so no shared-memory
+transport of torch's is involved); an overall deadline kills whatever is left.
+"""
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+
+import pytest
+
+import moe_ep
+
+BUILD_DIR = os.environ.get("MOE_EP_BUILD_DIR") or os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__))))
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__)))
+ALIAS_DIR = os.path.join(BUILD_DIR, "deep_ep_alias")
+
+
+def provider_library(name):
+    """Path of a test provider library built by tests/CMakeLists.txt (libprovider_<name>.so)."""
+    return os.path.join(BUILD_DIR, "tests", f"libprovider_{name}.so")
+
+
+def _child(rank, world, init_file, fn, args, env, results):
+    os.environ.update(env)
+    try:
+        import datetime
+
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        result = fn(rank, world, dist.group.WORLD, *args)
+        results.put((rank, "ok", result))
+    except BaseException as e:  # report everything, assertion failures included
+        results.put((rank, "error", {
+            "type": type(e).__name__, "module": type(e).__module__,
+            "mro": [f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__],
+            "message": str(e), "ranks": list(getattr(e, "ranks", []) or []),
+            "traceback": traceback.format_exc()}))
+    finally:
+        # Leave without tearing down gloo: a peer that died must not make this process hang in exit.
+        try:
+            results.close()
+            results.join_thread()
+        except Exception:
+            pass
+        os._exit(0)
+
+
+def run_processes(fn, n, args=(), env=None, timeout=150, expect_missing=()):
+    """Runs fn(rank, world, group, *args) in n processes; returns {rank: (status, value)}.
+
+    Ranks in expect_missing are expected to report nothing (they exit or are killed); their entry is
+    ("exit", exitcode)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    child_env = {"PYTHONPATH": os.pathsep.join([PYTHON_DIR, ALIAS_DIR] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    child_env.update(env or {})
+    with tempfile.TemporaryDirectory(prefix="moe-ep-pytest-") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        saved = {k: os.environ.get(k) for k in child_env}
+        os.environ.update(child_env)  # the children start with it (and set it again themselves)
+        try:
+            procs = [ctx.Process(target=_child, args=(r, n, init_file, fn, args, child_env, results), daemon=True)
+                     for r in range(n)]
+            for p in procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        out = {}
+        deadline = time.monotonic() + timeout
+        want = n - len(expect_missing)
+        try:
+            while len(out) < want:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    rank, status, value = results.get(timeout=min(left, 1.0))
+                    out[rank] = (status, value)
+                except queue_mod.Empty:
+                    if all(not p.is_alive() for p in procs):
+                        # one last drain: a child may have exited right after putting
+                        try:
+                            while True:
+                                rank, status, value = results.get(timeout=0.5)
+                                out[rank] = (status, value)
+                        except queue_mod.Empty:
+                            break
+        finally:
+            for p in procs:
+                p.join(timeout=max(0.0, min(20.0, deadline - time.monotonic())))
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+        for r, p in enumerate(procs):
+            if r not in out:
+                out[r] = ("exit", p.exitcode)
+        return out
+
+
+def check_all_ok(out):
+    """Fails with every child's traceback unless every rank returned; returns results by rank."""
+    bad = {r: v for r, v in out.items() if v[0] != "ok"}
+    if bad:
+        lines = []
+        for r, (status, value) in sorted(bad.items()):
+            if status == "error":
+                lines.append(f"--- rank {r}: {value['type']}: {value['message']}\n{value['traceback']}")
+            else:
+                lines.append(f"--- rank {r}: no report (exit code {value})")
+        pytest.fail("child processes failed:\n" + "\n".join(lines), pytrace=False)
+    return [out[r][1] for r in sorted(out)]
+
+
+def local_world(n, fn, num_scaleout=1):
+    return moe_ep.LocalWorld(n, num_scaleout).run(fn)
+
+
+def shm_listing():
+    try:
+        return set(os.listdir("/dev/shm"))
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture
+def shm_unchanged():
+    """Asserts that the test leaves no new entry in /dev/shm."""
+    before = shm_listing()
+    yield
+    time.sleep(0.2)
+    leaked = shm_listing() - before
+    assert not leaked, f"left in /dev/shm: {sorted(leaked)}"
