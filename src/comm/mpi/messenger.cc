@@ -12,6 +12,7 @@
 #include <fstream>
 #include <numeric>
 
+#include "comm/control_page.hh"
 #include "comm/wait.hh"
 #include "core/log.hh"
 #include "moe_ep/env.hpp"
@@ -29,20 +30,6 @@ constexpr std::size_t kPrefix = 16;                          // the message numb
 constexpr std::size_t kDirectBytes = std::size_t{16} << 10;  // messages with this much data go in place
 constexpr std::size_t kMaxPieces = 1024;                     // per message
 constexpr std::size_t kSpareBuffers = 64;                    // record message buffers kept for reuse
-
-// A process that no longer exists, or that exited and waits to be reaped.
-bool process_gone(pid_t pid) {
-  if (pid <= 0) return false;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
-  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
-  if (!stat) return false;
-  std::string line;
-  std::getline(stat, line);
-  const auto close = line.rfind(')');
-  if (close == std::string::npos || close + 2 >= line.size()) return false;
-  const char state = line[close + 2];
-  return state == 'Z' || state == 'X';
-}
 
 // Keeps a message buffer that MPI may still read (a send to a peer that is gone) alive, and
 // reachable, until the process exits.

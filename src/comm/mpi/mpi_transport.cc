@@ -22,8 +22,9 @@
 #include <map>
 #include <thread>
 
+#include "comm/control_page.hh"
 #include "comm/mpi/messenger.hh"
-#include "comm/mpi/shared_arena.hh"
+#include "comm/shared_arena.hh"
 #include "comm/transport.hh"
 #include "comm/wait.hh"
 #include "core/host_allocator.hh"
@@ -69,70 +70,15 @@ MPI_Comm duplicate_comm(MPI_Comm comm, int rank, const Wait& wait) {
   return dup;
 }
 
-// One page per rank and channel that its node peers map read-only: whether the rank abandoned the
-// channel (with why), and how many peer-read sections it has open (Transport::PeerReads). Each
-// rank writes only its own page.
-struct ControlPage {
-  static constexpr std::size_t kBytes = 4096;
-  static constexpr std::size_t kMaxCulprits = 64;
-  alignas(64) std::atomic<std::uint64_t> abandoned;
-  alignas(64) std::atomic<std::uint64_t> reading;
-  alignas(64) std::atomic<std::uint64_t> completed[2];  // collectives completed per scope (world, node)
-  alignas(64) std::uint32_t num_culprits;
-  std::int32_t culprits[kMaxCulprits];
-  std::uint32_t reason_bytes;
-  char reason[kBytes - 64 * 4 - 4 * (kMaxCulprits + 2)];
-};
-static_assert(sizeof(ControlPage) <= ControlPage::kBytes);
-static_assert(std::atomic<std::uint64_t>::is_always_lock_free);
-
-// This rank's control page (a memfd its node peers open through /proc).
-class OwnControl {
- public:
-  OwnControl() {
-    fd_ = memfd_create("moe-ep-control", MFD_CLOEXEC);
-    if (fd_ < 0 || ftruncate(fd_, ControlPage::kBytes) != 0)
-      throw StateError(fmt::format("control page: memfd_create failed: {}", std::strerror(errno)));
-    void* p = mmap(nullptr, ControlPage::kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-    if (p == MAP_FAILED) throw StateError(fmt::format("control page: mmap failed: {}", std::strerror(errno)));
-    page_ = new (p) ControlPage{};
-  }
-  ~OwnControl() {
-    if (page_) munmap(page_, ControlPage::kBytes);
-    if (fd_ >= 0) close(fd_);
-  }
-  OwnControl(const OwnControl&) = delete;
-  OwnControl& operator=(const OwnControl&) = delete;
-  int fd() const { return fd_; }
-  ControlPage& page() const { return *page_; }
-
- private:
-  int fd_ = -1;
-  ControlPage* page_ = nullptr;
-};
-
-// A node peer's control page mapped here (read-only), or null when its process cannot be opened.
+// A node peer's control page (comm/control_page.hh) mapped here read-only, or null when its
+// process cannot be opened.
 const ControlPage* map_peer_control(pid_t pid, int fd, int peer, int rank) {
-  if (pid <= 0) return nullptr;
-  const int mine = open(fmt::format("/proc/{}/fd/{}", pid, fd).c_str(), O_RDONLY | O_CLOEXEC);
-  if (mine < 0) {
-    core::debug("[rank {}] the control page of rank {} cannot be opened ({}): reads of its memory are unguarded",
-                rank, peer, std::strerror(errno));
-    return nullptr;
-  }
-  void* p = mmap(nullptr, ControlPage::kBytes, PROT_READ, MAP_SHARED, mine, 0);
-  close(mine);
-  if (p == MAP_FAILED) return nullptr;
+  std::string error;
+  void* p = map_peer_region(pid, fd, ControlPage::kBytes, false, &error);
+  if (p == nullptr)
+    core::debug("[rank {}] the control page of rank {} cannot be mapped ({}): reads of its memory are unguarded", rank,
+                peer, error);
   return static_cast<const ControlPage*>(p);
-}
-
-std::string read_reason(const ControlPage& page) {
-  return std::string(page.reason, std::min<std::size_t>(page.reason_bytes, sizeof page.reason));
-}
-
-Departure read_departure(const ControlPage& page) {
-  const std::uint32_t n = std::min<std::uint32_t>(page.num_culprits, ControlPage::kMaxCulprits);
-  return gave_up(read_reason(page), std::vector<int>(page.culprits, page.culprits + n));
 }
 
 class MpiTransport;
@@ -170,7 +116,7 @@ class MpiTransport final : public Transport {
     for (int m = 0; m < node_size(); ++m) node_members_.push_back(node_first_rank() + m);
     for (int r = 0; r < size; ++r) world_members_.push_back(r);
     // Node peers learn where this rank's shared arena and control page are.
-    const int fds_mine[2] = {arena_.fd(), control_.fd()};
+    const int fds_mine[2] = {shared_.arena_fd(), control_.fd()};
     const Gathered fds = all_gather(std::as_bytes(std::span(fds_mine)), Scope::kNode, wait);
     for (int m = 0; m < node_size(); ++m) {
       if (fds[m].size() != sizeof fds_mine)
@@ -178,8 +124,9 @@ class MpiTransport final : public Transport {
                                      fds[m].size()));
       int theirs[2];
       std::memcpy(theirs, fds[m].data(), sizeof theirs);
-      arena_fds_.push_back(theirs[0]);
       const int peer = node_first_rank() + m;
+      shared_views_.push_back(std::make_unique<PeerSharedViews>(hosts_->pids[static_cast<size_t>(peer)], theirs[0],
+                                                                fmt::format("rank {}", peer)));
       peer_control_.push_back(peer == rank ? &control_.page()
                                            : map_peer_control(hosts_->pids[static_cast<size_t>(peer)], theirs[1],
                                                               peer, rank));
@@ -190,8 +137,7 @@ class MpiTransport final : public Transport {
     for (int m = 0; m < static_cast<int>(peer_control_.size()); ++m)
       if (node_first_rank() + m != rank() && peer_control_[static_cast<size_t>(m)])
         munmap(const_cast<ControlPage*>(peer_control_[static_cast<size_t>(m)]), ControlPage::kBytes);
-    views_.clear();
-    block_views_.clear();
+    shared_views_.clear();
     messenger_.drain(1.0);
     if (g_abandoned.load()) return;
     std::lock_guard lock(mpi_mutex());
@@ -281,43 +227,9 @@ class MpiTransport final : public Transport {
     return memory;
   }
 
-  // Published values: a memfd tensor block (core::find_shared_block) is published as
-  // kBlock | fd << kFdShift | offset and mapped by peers in place; anything else is copied into
-  // the shared arena and published as its offset + 1 (0 stays null).
-  static constexpr std::uint64_t kBlock = std::uint64_t{1} << 63;
-  static constexpr int kFdShift = 44;
-  static constexpr std::uint64_t kOffsetMask = (std::uint64_t{1} << kFdShift) - 1;
-
   std::vector<const void*> share(std::span<const Span> spans) override {
     if (node_size() == 1) return std::vector<const void*>(spans.size(), nullptr);  // no node peers to read it
-    std::vector<const void*> published(spans.size(), nullptr);
-    std::vector<core::SharedBlock> blocks(spans.size());
-    auto slot_bytes = [](std::size_t bytes) { return (bytes + 63) / 64 * 64; };  // copies start 64-byte aligned
-    std::size_t total = 0;
-    for (std::size_t i = 0; i < spans.size(); ++i) {
-      const Span& s = spans[i];
-      if (s.bytes == 0) continue;
-      core::SharedBlock& b = blocks[i];
-      if (core::find_shared_block(s.data, s.bytes, &b) && b.offset <= kOffsetMask &&
-          static_cast<std::uint64_t>(b.fd) < (std::uint64_t{1} << (63 - kFdShift))) {
-        published[i] = reinterpret_cast<const void*>(
-            static_cast<std::uintptr_t>(kBlock | static_cast<std::uint64_t>(b.fd) << kFdShift | b.offset));
-        continue;
-      }
-      b.fd = -1;
-      total += slot_bytes(s.bytes);
-    }
-    if (total == 0) return published;
-    std::byte* base = arena_.reserve(total);
-    std::size_t at = 0;
-    for (std::size_t i = 0; i < spans.size(); ++i) {
-      if (spans[i].bytes == 0 || blocks[i].fd >= 0) continue;
-      std::memcpy(base + at, spans[i].data, spans[i].bytes);
-      published[i] = reinterpret_cast<const void*>(static_cast<std::uintptr_t>(at + 1));
-      at += slot_bytes(spans[i].bytes);
-    }
-    hosts_->shared_bytes_copied.fetch_add(at, std::memory_order_relaxed);
-    return published;
+    return shared_.share(spans, hosts_->shared_bytes_copied);
   }
 
   std::uint64_t shared_bytes_copied() const override {
@@ -326,19 +238,7 @@ class MpiTransport final : public Transport {
 
   const void* node_address(int peer, const void* published) const override {
     check_same_node(peer);
-    if (published == nullptr) return nullptr;
-    const auto value = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(published));
-    const int local = peer - node_first_rank();
-    const pid_t pid = hosts_->pids[static_cast<size_t>(peer)];
-    std::lock_guard lock(views_mutex_);
-    if (value & kBlock) {
-      auto& blocks = block_views_[local];
-      if (!blocks) blocks = std::make_unique<BlockViews>(pid, fmt::format("rank {}", peer));
-      return blocks->at(static_cast<int>((value & ~kBlock) >> kFdShift), static_cast<std::size_t>(value & kOffsetMask));
-    }
-    auto& view = views_[local];
-    if (!view) view = std::make_unique<ArenaView>(pid, arena_fds_[static_cast<size_t>(local)], fmt::format("rank {}", peer));
-    return view->at(static_cast<std::size_t>(value - 1), 0);
+    return shared_views_[static_cast<size_t>(peer - node_first_rank())]->at(published);
   }
 
   void set_inflight_limit(int per_peer) override { messenger_.set_inflight_limit(per_peer, {"scale-out send", timeout_}); }
@@ -363,15 +263,9 @@ class MpiTransport final : public Transport {
   }
 
   void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
-    ControlPage& page = control_.page();
-    if (page.abandoned.load(std::memory_order_relaxed) != 0) return;
-    page.num_culprits = static_cast<std::uint32_t>(std::min(culprits.size(), ControlPage::kMaxCulprits));
-    for (std::uint32_t i = 0; i < page.num_culprits; ++i) page.culprits[i] = culprits[i];
-    page.reason_bytes = static_cast<std::uint32_t>(std::min(reason.size(), sizeof page.reason));
-    std::memcpy(page.reason, reason.data(), page.reason_bytes);
-    // seq_cst: either a node peer opening a section sees this flag, or the loop below sees its
-    // section open and waits for it to close.
-    page.abandoned.store(1, std::memory_order_seq_cst);
+    // Either a node peer opening a section sees the flag, or the loop below sees its section open
+    // and waits for it to close.
+    if (!control_.page().abandon(reason, culprits)) return;
     try {
       messenger_.abandon({reason, culprits}, 1.0);
     } catch (...) {
@@ -403,7 +297,7 @@ class MpiTransport final : public Transport {
     for (int m = 0; m < static_cast<int>(peer_control_.size()); ++m) {
       const ControlPage* peer = peer_control_[static_cast<size_t>(m)];
       if (node_first_rank() + m == rank() || peer == nullptr) continue;
-      if (peer->abandoned.load(std::memory_order_seq_cst) != 0) departed.emplace_back(node_first_rank() + m, read_departure(*peer));
+      if (peer->abandoned.load(std::memory_order_seq_cst) != 0) departed.emplace_back(node_first_rank() + m, peer->read_departure());
     }
     if (departed.empty()) return;
     mine.fetch_sub(1, std::memory_order_release);
@@ -433,7 +327,7 @@ class MpiTransport final : public Transport {
       const ControlPage* page = peer_control_[static_cast<size_t>(peer - node_first_rank())];
       if (page != nullptr && peer != rank() && page->abandoned.load(std::memory_order_seq_cst) != 0 &&
           (scope < 0 || page->completed[scope].load(std::memory_order_acquire) < epoch))
-        return read_departure(*page);
+        return page->read_departure();
     }
     return std::nullopt;
   }
@@ -442,10 +336,10 @@ class MpiTransport final : public Transport {
 
   void check_in_step(const Wait& wait) const {
     const ControlPage& page = control_.page();
-    if (page.abandoned.load(std::memory_order_acquire) != 0) fail_left_channel(wait, read_reason(page));
+    if (page.abandoned.load(std::memory_order_acquire) != 0) fail_left_channel(wait, page.read_reason());
   }
 
-  OwnControl control_;
+  ControlRegion control_;
   std::vector<const ControlPage*> peer_control_;  // by local index; this rank's own page at its index
   mutable Messenger messenger_;
   std::shared_ptr<const HostInfo> hosts_;
@@ -455,11 +349,8 @@ class MpiTransport final : public Transport {
   MPI_Comm node_comm_ = MPI_COMM_NULL;
   std::uint32_t next_memory_ = 1;
   double timeout_;
-  SharedArena arena_;
-  std::vector<int> arena_fds_;  // by local index
-  mutable std::mutex views_mutex_;
-  mutable std::map<int, std::unique_ptr<ArenaView>> views_;
-  mutable std::map<int, std::unique_ptr<BlockViews>> block_views_;
+  SharedSpans shared_;
+  std::vector<std::unique_ptr<PeerSharedViews>> shared_views_;  // by local index
 };
 
 WindowMemory::~WindowMemory() { owner_.release(id_, window_, wait_); }

@@ -1,4 +1,4 @@
-#include "comm/mpi/shared_arena.hh"
+#include "comm/shared_arena.hh"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -10,9 +10,10 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/host_allocator.hh"
 #include "moe_ep/error.hpp"
 
-namespace moe_ep::comm::mpi {
+namespace moe_ep::comm {
 namespace {
 
 // Opens the owner's descriptor through /proc, read-only.
@@ -124,4 +125,53 @@ const std::byte* BlockViews::at(int fd, std::size_t offset) {
   return it->second.base + offset;
 }
 
-}  // namespace moe_ep::comm::mpi
+namespace {
+constexpr std::uint64_t kBlock = std::uint64_t{1} << 63;
+constexpr int kFdShift = 44;
+constexpr std::uint64_t kOffsetMask = (std::uint64_t{1} << kFdShift) - 1;
+}  // namespace
+
+std::vector<const void*> SharedSpans::share(std::span<const Transport::Span> spans, std::atomic<std::uint64_t>& copied) {
+  std::vector<const void*> published(spans.size(), nullptr);
+  std::vector<core::SharedBlock> blocks(spans.size());
+  auto slot_bytes = [](std::size_t bytes) { return (bytes + 63) / 64 * 64; };  // copies start 64-byte aligned
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const Transport::Span& s = spans[i];
+    if (s.bytes == 0) continue;
+    core::SharedBlock& b = blocks[i];
+    if (core::find_shared_block(s.data, s.bytes, &b) && b.offset <= kOffsetMask &&
+        static_cast<std::uint64_t>(b.fd) < (std::uint64_t{1} << (63 - kFdShift))) {
+      published[i] = reinterpret_cast<const void*>(
+          static_cast<std::uintptr_t>(kBlock | static_cast<std::uint64_t>(b.fd) << kFdShift | b.offset));
+      continue;
+    }
+    b.fd = -1;
+    total += slot_bytes(s.bytes);
+  }
+  if (total == 0) return published;
+  std::byte* base = arena_.reserve(total);
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    if (spans[i].bytes == 0 || blocks[i].fd >= 0) continue;
+    std::memcpy(base + at, spans[i].data, spans[i].bytes);
+    published[i] = reinterpret_cast<const void*>(static_cast<std::uintptr_t>(at + 1));
+    at += slot_bytes(spans[i].bytes);
+  }
+  copied.fetch_add(at, std::memory_order_relaxed);
+  return published;
+}
+
+const void* PeerSharedViews::at(const void* published) {
+  if (published == nullptr) return nullptr;
+  const auto value = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(published));
+  std::lock_guard lock(mutex_);
+  if (value & kBlock) {
+    if (!blocks_) blocks_ = std::make_unique<BlockViews>(pid_, owner_);
+    return blocks_->at(static_cast<int>((value & ~kBlock) >> kFdShift), static_cast<std::size_t>(value & kOffsetMask));
+  }
+  if (!arena_) arena_ = std::make_unique<ArenaView>(pid_, arena_fd_, owner_);
+  return arena_->at(static_cast<std::size_t>(value - 1), 0);
+}
+
+}  // namespace moe_ep::comm

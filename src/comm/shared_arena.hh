@@ -13,9 +13,16 @@
 #include <cstddef>
 #include <map>
 #include <mutex>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <span>
 #include <string>
+#include <vector>
 
-namespace moe_ep::comm::mpi {
+#include "comm/transport.hh"
+
+namespace moe_ep::comm {
 
 class SharedArena {
  public:
@@ -81,4 +88,33 @@ class BlockViews {
   std::map<int, View> views_;
 };
 
-}  // namespace moe_ep::comm::mpi
+// Transport::share() for processes: a memfd tensor block (core::find_shared_block) is published
+// in place, as kBlock | fd << kFdShift | offset, and mapped by peers on demand; any other bytes are
+// copied into this rank's SharedArena and published as their offset + 1 (0 stays null).
+class SharedSpans {
+ public:
+  int arena_fd() const { return arena_.fd(); }
+  // The values to publish; adds the bytes it copied to `copied`.
+  std::vector<const void*> share(std::span<const Transport::Span> spans, std::atomic<std::uint64_t>& copied);
+
+ private:
+  SharedArena arena_;
+};
+
+// What one node peer shared (SharedSpans), mapped here on demand. Thread-safe.
+class PeerSharedViews {
+ public:
+  PeerSharedViews(pid_t pid, int arena_fd, std::string owner)
+      : pid_(pid), arena_fd_(arena_fd), owner_(std::move(owner)) {}
+  const void* at(const void* published);
+
+ private:
+  pid_t pid_;
+  int arena_fd_;
+  std::string owner_;
+  std::mutex mutex_;
+  std::unique_ptr<ArenaView> arena_;
+  std::unique_ptr<BlockViews> blocks_;
+};
+
+}  // namespace moe_ep::comm

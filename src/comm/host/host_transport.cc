@@ -1,0 +1,662 @@
+// The host transport: ranks are processes of one host (include/moe_ep/host.hpp).
+//
+// Bootstrap: every process publishes one JSON record through the caller's all-gather (its rank,
+// pid, host identity = hostname + boot_id, ranks_per_node request, and the descriptors of its
+// first channel's memory). After the checks (one host, one ranks_per_node, peers' processes
+// visible), everything goes through shared memory; the caller's all-gather is never used again.
+//
+// Per channel, every rank owns three memfds (no name in any file system), which every other rank
+// maps through /proc/<pid>/fd/<fd> (all ranks are on one host):
+//  - its control region, mapped read-write by everyone: the ControlPage (comm/control_page.hh:
+//    abandoned flag, reason and culprits, open peer-read sections, collectives completed per
+//    scope), then the epoch it published per scope, where its two parity slots per scope lie in
+//    its data arena, and the signal counters [source] that other ranks raise for it (monotonic);
+//  - its data arena (grow-only, mapped read-only by peers): the bytes of its published blocks;
+//  - its share arena (SharedSpans): the bytes share() copies for node peers.
+// Only the owner writes its region, except the signal counters, which each source increments.
+//
+// The protocol is the in-process transport's (local_transport.cc): collective e of a scope writes
+// the rank's block into slot e & 1, then stores epoch e (release); the rank waits until every
+// member's epoch reached e (acquire) and copies their blocks out into its own storage, so the
+// Gathered views stay valid until its next collective in the scope. A rank cannot finish e + 1
+// before everyone published e + 1, which each does only after copying out the blocks of e, so two
+// slots per rank suffice and no trailing barrier is needed. put() is a memcpy into the peer's
+// mapping of symmetric memory, signal() a release increment of the peer's counter.
+//
+// Liveness: a peer whose process is gone (kill(pid, 0) fails with ESRCH, or it is a zombie) has
+// left the group; one whose control page says it abandoned the channel has left the channel.
+// Waits check both and fail at once with PeerError naming it.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "comm/control_page.hh"
+#include "comm/shared_arena.hh"
+#include "comm/transport.hh"
+#include "comm/wait.hh"
+#include "core/host_allocator.hh"
+#include "core/timeout.hh"
+#include "moe_ep/env.hpp"
+#include "moe_ep/error.hpp"
+#include "moe_ep/host.hpp"
+
+namespace moe_ep {
+namespace comm::host {
+namespace {
+
+struct alignas(64) PaddedCounter {
+  std::atomic<std::uint64_t> value;
+};
+
+// The transport's part of a control region, after the ControlPage; the signal counters follow.
+struct ChannelPage {
+  PaddedCounter epochs[2];  // [scope]: the last collective the owner published in
+  struct Slot {
+    std::uint64_t offset;  // in the owner's data arena
+    std::uint64_t bytes;
+  };
+  alignas(64) Slot slots[2][2];  // [scope][parity]; written before the epoch that publishes them
+};
+constexpr std::size_t kSignalsAt = (sizeof(ChannelPage) + 63) / 64 * 64;
+constexpr std::size_t extra_bytes(int size) { return kSignalsAt + static_cast<std::size_t>(size) * sizeof(PaddedCounter); }
+
+// What a peer needs to map one rank's part of a channel.
+struct ChannelFds {
+  std::int32_t control;
+  std::int32_t data;
+  std::int32_t shared;
+};
+
+// One process's facts, shared by its channels.
+struct HostInfo {
+  int size = 0;
+  Topology topology;
+  std::vector<pid_t> pids;  // [rank]
+  double timeout_secs = 0;  // group creation's; bounds abandon()'s wait for open sections
+  std::atomic<std::uint64_t> scaleout_bytes{0};       // put() bytes, every channel
+  std::atomic<std::uint64_t> shared_bytes_copied{0};  // share() bytes copied, every channel
+};
+
+// This rank's memory of one channel.
+struct OwnChannel {
+  explicit OwnChannel(int size) : control(extra_bytes(size)) { data.reserve(1); }  // peers map the arena at once
+  ChannelPage& page() const { return *reinterpret_cast<ChannelPage*>(control.extra()); }
+  PaddedCounter* signals() const { return reinterpret_cast<PaddedCounter*>(control.extra() + kSignalsAt); }
+  ChannelFds fds() const { return {control.fd(), data.fd(), shared.arena_fd()}; }
+
+  ControlRegion control;
+  SharedArena data;
+  SharedSpans shared;
+  std::uint64_t data_end = 0;             // bytes of the data arena given to slots
+  std::uint64_t capacity[2][2] = {};      // [scope][parity]: room at the slot's offset
+};
+
+// Keeps a channel's memory until the process exits: peers may still map it after this rank failed
+// during setup (they then find it abandoned).
+void keep_until_exit(std::unique_ptr<OwnChannel> channel) {
+  static std::mutex mutex;
+  static auto* kept = new std::vector<std::unique_ptr<OwnChannel>>();  // reachable until exit
+  std::lock_guard lock(mutex);
+  kept->push_back(std::move(channel));
+}
+
+std::string gone_reason(pid_t pid) { return fmt::format("is gone (its process {} exited or was killed)", pid); }
+
+class HostTransport;
+
+class HostSymmetricMemory final : public SymmetricMemory {
+ public:
+  HostSymmetricMemory(const HostTransport& owner, int fd, std::size_t bytes, std::size_t mapped,
+                      std::vector<std::byte*> bases, int rank)
+      : owner_(owner), fd_(fd), bytes_(bytes), mapped_(mapped), bases_(std::move(bases)), rank_(rank) {}
+  ~HostSymmetricMemory() override {
+    for (std::byte* b : bases_)
+      if (b) munmap(b, mapped_);
+    close(fd_);
+  }
+
+  std::byte* local() override { return bases_[static_cast<size_t>(rank_)]; }
+  std::size_t bytes() const override { return bytes_; }
+  std::byte* node_peer(int rank) override;
+  std::byte* any_peer(int rank) { return bases_[static_cast<size_t>(rank)]; }
+
+ private:
+  const HostTransport& owner_;
+  int fd_;
+  std::size_t bytes_;
+  std::size_t mapped_;
+  std::vector<std::byte*> bases_;  // [rank], this rank's own at its index
+  int rank_;
+};
+
+class HostTransport final : public Transport {
+ public:
+  // Collective over the channel: maps every rank's part (`fds`, by rank), then a barrier on it.
+  HostTransport(int rank, std::shared_ptr<HostInfo> info, std::unique_ptr<OwnChannel> own,
+                const std::vector<ChannelFds>& fds, const Wait& wait)
+      : Transport(rank, info->size, info->topology), info_(std::move(info)), own_(std::move(own)) {
+    peers_.resize(static_cast<size_t>(size()));
+    try {
+      for (int r = 0; r < size(); ++r) map_peer(r, fds[static_cast<size_t>(r)], wait);
+    } catch (...) {
+      own_->control.page().abandon(message_of(std::current_exception()), culprits_of(std::current_exception()));
+      keep_until_exit(std::move(own_));
+      unmap_peers();
+      throw;
+    }
+    barrier(Scope::kWorld, wait);  // everyone mapped this channel before anyone uses or frees it
+  }
+
+  ~HostTransport() override { unmap_peers(); }
+
+  int ranks_on_host() const override { return size(); }
+
+  std::unique_ptr<Transport> duplicate(const Wait& wait) override {
+    check_in_step(wait);
+    auto own = std::make_unique<OwnChannel>(size());
+    const ChannelFds mine = own->fds();
+    const Gathered all = all_gather(std::as_bytes(std::span(&mine, 1)), Scope::kWorld, wait);
+    std::vector<ChannelFds> fds(static_cast<size_t>(size()));
+    for (int r = 0; r < size(); ++r) {
+      if (all[r].size() != sizeof(ChannelFds))
+        throw StateError(fmt::format("[rank {}] {}: rank {} sent {} bytes for its channel, expected {}", rank(),
+                                     wait.phase, r, all[r].size(), sizeof(ChannelFds)));
+      std::memcpy(&fds[static_cast<size_t>(r)], all[r].data(), sizeof(ChannelFds));
+    }
+    return std::make_unique<HostTransport>(rank(), info_, std::move(own), fds, wait);
+  }
+
+  void barrier(Scope scope, const Wait& wait) override { all_gather({}, scope, wait); }
+
+  Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) override {
+    check_in_step(wait);
+    const int si = scope == Scope::kWorld ? 0 : 1;
+    const int members = scope == Scope::kWorld ? size() : node_size();
+    const int first = scope == Scope::kWorld ? 0 : node_first_rank();
+    const std::uint64_t epoch = ++epochs_[si];
+    const int parity = static_cast<int>(epoch & 1);
+    publish(si, parity, mine);
+    own_->page().epochs[si].value.store(epoch, std::memory_order_release);
+
+    auto& store = blocks_[si];
+    store.resize(static_cast<size_t>(members));
+    leave_on_failure([&] {
+      wait_until(
+          members, [&](int m) { return first + m; },
+          [&](int m) { return peer(first + m).page->epochs[si].value.load(std::memory_order_acquire) >= epoch; }, wait);
+      // A member that published and then gave up on the channel before completing this
+      // collective is gone: the collective is void (one that gave up later completed it; reads of
+      // what it published are guarded by PeerReads).
+      std::vector<std::pair<int, Departure>> departed;
+      for (int m = 0; m < members; ++m)
+        if (const int r = first + m; r != rank())
+          if (auto why = abandonment(r);
+              why && peer(r).control->completed[si].load(std::memory_order_acquire) < epoch)
+            departed.emplace_back(r, std::move(*why));
+      if (!departed.empty()) fail_abandoned(rank(), wait, departed);
+      for (int m = 0; m < members; ++m) {
+        const int r = first + m;
+        auto& block = store[static_cast<size_t>(m)];
+        if (r == rank()) {
+          block.assign(mine.begin(), mine.end());
+          continue;
+        }
+        const ChannelPage::Slot slot = peer(r).page->slots[si][parity];
+        block.resize(slot.bytes);
+        if (slot.bytes) std::memcpy(block.data(), peer(r).data->at(slot.offset, slot.bytes), slot.bytes);
+      }
+    });
+    own_->control.page().completed[si].store(epoch, std::memory_order_release);
+    std::vector<std::span<const std::byte>> blocks;
+    for (const auto& b : store) blocks.emplace_back(b.data(), b.size());
+    return Gathered(std::move(blocks));
+  }
+
+  std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait, bool prefault) override {
+    check_in_step(wait);
+    // A memfd is zeroed; MAP_POPULATE faults every page in from the owner (first touch by it).
+    const std::size_t mapped = std::max<std::size_t>(bytes, 1);
+    const int fd = memfd_create("moe-ep-symmetric", MFD_CLOEXEC);
+    void* p = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, static_cast<off_t>(mapped)) == 0)
+      p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | (prefault ? MAP_POPULATE : 0), fd, 0);
+    std::vector<std::byte*> bases(static_cast<size_t>(size()), nullptr);
+    auto release = [&] {
+      for (std::byte* b : bases)
+        if (b) munmap(b, mapped);
+      if (fd >= 0) close(fd);
+    };
+    if (p != MAP_FAILED) bases[static_cast<size_t>(rank())] = static_cast<std::byte*>(p);
+    struct Published {
+      std::int32_t fd;
+      std::int32_t ok;
+      std::uint64_t bytes;
+    } mine{fd, p != MAP_FAILED, bytes};
+    try {
+      const Gathered all = all_gather(std::as_bytes(std::span(&mine, 1)), Scope::kWorld, wait);
+      std::vector<int> failed, mismatched;
+      for (int r = 0; r < size(); ++r) {
+        const auto& theirs = all.as<Published>(r);
+        if (!theirs.ok) failed.push_back(r);
+        if (theirs.bytes != bytes) mismatched.push_back(r);
+      }
+      if (!failed.empty())
+        throw PeerError(fmt::format("[rank {}] symmetric allocation of {} bytes failed on ranks [{}]", rank(), bytes,
+                                    fmt::join(failed, ", ")),
+                        failed);
+      if (!mismatched.empty())
+        throw PeerError(fmt::format("[rank {}] symmetric allocation: ranks [{}] asked for a size other than {} bytes",
+                                    rank(), fmt::join(mismatched, ", "), bytes),
+                        mismatched);
+      // Every rank maps every segment (put() reaches any rank), then says whether it could.
+      std::string error;
+      for (int r = 0; r < size() && error.empty(); ++r) {
+        if (r == rank()) continue;
+        void* q = map_peer_region(pid(r), all.as<Published>(r).fd, mapped, true, &error);
+        if (q == nullptr) error = fmt::format("the segment of rank {}: {}", r, error);
+        bases[static_cast<size_t>(r)] = static_cast<std::byte*>(q);
+      }
+      const std::int32_t mapped_all = error.empty();
+      const Gathered done = all_gather(std::as_bytes(std::span(&mapped_all, 1)), Scope::kWorld, wait);
+      if (!error.empty())
+        throw StateError(fmt::format("[rank {}] symmetric allocation of {} bytes: cannot map {}", rank(), bytes, error));
+      std::vector<int> unmapped;
+      for (int r = 0; r < size(); ++r)
+        if (!done.as<std::int32_t>(r)) unmapped.push_back(r);
+      if (!unmapped.empty())
+        throw PeerError(fmt::format("[rank {}] symmetric allocation of {} bytes: ranks [{}] could not map the segments",
+                                    rank(), bytes, fmt::join(unmapped, ", ")),
+                        unmapped);
+    } catch (...) {
+      release();
+      throw;
+    }
+    return std::make_unique<HostSymmetricMemory>(*this, fd, bytes, mapped, std::move(bases), rank());
+  }
+
+  const void* node_address(int peer_rank, const void* published) const override {
+    check_same_node(peer_rank);
+    return peer(peer_rank).shared->at(published);
+  }
+
+  std::vector<const void*> share(std::span<const Span> spans) override {
+    if (node_size() == 1) return std::vector<const void*>(spans.size(), nullptr);  // no node peers to read it
+    return own_->shared.share(spans, info_->shared_bytes_copied);
+  }
+
+  std::uint64_t shared_bytes_copied() const override {
+    return info_->shared_bytes_copied.load(std::memory_order_relaxed);
+  }
+
+  void put(int peer_rank, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) override {
+    if (offset > memory.bytes() || bytes > memory.bytes() - offset)
+      throw StateError(fmt::format("[rank {}] put of {} bytes at offset {} exceeds the {}-byte symmetric region",
+                                   rank(), bytes, offset, memory.bytes()));
+    check_rank(peer_rank);
+    std::memcpy(static_cast<HostSymmetricMemory&>(memory).any_peer(peer_rank) + offset, src, bytes);
+    info_->scaleout_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  }
+
+  std::uint64_t scaleout_bytes_sent() const override {
+    return info_->scaleout_bytes.load(std::memory_order_relaxed);
+  }
+
+  void signal(int peer_rank) override {
+    check_rank(peer_rank);
+    peer(peer_rank).signals[rank()].value.fetch_add(1, std::memory_order_release);
+  }
+
+  void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait) override {
+    check_in_step(wait);
+    const PaddedCounter* mine = own_->signals();
+    leave_on_failure([&] {
+      wait_until(
+          static_cast<int>(peers.size()), [&](int i) { return peers[static_cast<size_t>(i)]; },
+          [&](int i) {
+            return mine[peers[static_cast<size_t>(i)]].value.load(std::memory_order_acquire) >=
+                   targets[static_cast<size_t>(i)];
+          },
+          wait);
+    });
+  }
+
+  void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
+    if (!own_ || !own_->control.page().abandon(reason, culprits)) return;
+    // Sections are bounded work; a peer whose process is gone reads nothing any more.
+    Backoff backoff(std::max(info_->timeout_secs, 1.0));
+    for (int r = node_first_rank(); r < node_first_rank() + node_size(); ++r) {
+      if (r == rank() || peer(r).control == nullptr) continue;
+      while (peer(r).control->reading.load(std::memory_order_seq_cst) != 0)
+        if (!backoff.pause() || process_gone(pid(r))) break;
+    }
+  }
+
+  std::optional<Departure> departure(int peer_rank) const override {
+    if (auto why = abandonment(peer_rank)) return why;
+    if (peer_rank != rank() && process_gone(pid(peer_rank))) return Departure{gone_reason(pid(peer_rank)), {}};
+    return std::nullopt;
+  }
+
+  void begin_peer_reads(const char* phase) override {
+    auto& mine = own_->control.page().reading;
+    mine.fetch_add(1, std::memory_order_seq_cst);
+    std::vector<std::pair<int, Departure>> departed;
+    for (int r = node_first_rank(); r < node_first_rank() + node_size(); ++r)
+      if (r != rank())
+        if (auto why = abandonment(r)) departed.emplace_back(r, std::move(*why));
+    if (departed.empty()) return;
+    mine.fetch_sub(1, std::memory_order_release);
+    fail_abandoned(rank(), {phase, 0}, departed);
+  }
+
+  void end_peer_reads() noexcept override { own_->control.page().reading.fetch_sub(1, std::memory_order_release); }
+
+ private:
+  // Another rank's part of this channel, mapped here (this rank's own at its index).
+  struct Peer {
+    ControlPage* control = nullptr;
+    ChannelPage* page = nullptr;
+    PaddedCounter* signals = nullptr;  // the counters it waits on, [source]
+    std::unique_ptr<ArenaView> data;   // its published blocks
+    std::unique_ptr<PeerSharedViews> shared;  // what it shared (node peers only)
+  };
+
+  const Peer& peer(int r) const { return peers_[static_cast<size_t>(r)]; }
+  pid_t pid(int r) const { return info_->pids[static_cast<size_t>(r)]; }
+
+  void map_peer(int r, const ChannelFds& fds, const Wait& wait) {
+    Peer& p = peers_[static_cast<size_t>(r)];
+    const std::string owner = fmt::format("rank {}", r);
+    if (same_node(r)) p.shared = std::make_unique<PeerSharedViews>(pid(r), fds.shared, owner);
+    if (r == rank()) {
+      p.control = &own_->control.page();
+      p.page = &own_->page();
+      p.signals = own_->signals();
+      return;
+    }
+    auto fail = [&](const std::string& what) {
+      if (process_gone(pid(r)))
+        throw PeerError(fmt::format("[rank {}] {}: rank {} left the group instead of arriving; rank {} {}", rank(),
+                                    wait.phase, r, r, gone_reason(pid(r))),
+                        {r});
+      throw StateError(fmt::format("[rank {}] {}: cannot map the channel of rank {}: {}", rank(), wait.phase, r, what));
+    };
+    std::string error;
+    void* q = map_peer_region(pid(r), fds.control, own_->control.bytes(), true, &error);
+    if (q == nullptr) fail(error);
+    p.control = static_cast<ControlPage*>(q);
+    p.page = reinterpret_cast<ChannelPage*>(static_cast<std::byte*>(q) + ControlPage::kBytes);
+    p.signals = reinterpret_cast<PaddedCounter*>(static_cast<std::byte*>(q) + ControlPage::kBytes + kSignalsAt);
+    p.data = std::make_unique<ArenaView>(pid(r), fds.data, owner);
+    try {
+      p.data->at(0, 1);  // opened now, while its process is surely there
+    } catch (const StateError& e) {
+      fail(e.what());
+    }
+  }
+
+  void unmap_peers() {
+    for (int r = 0; r < static_cast<int>(peers_.size()); ++r) {
+      Peer& p = peers_[static_cast<size_t>(r)];
+      if (r != rank() && p.control) munmap(p.control, ControlPage::kBytes + extra_bytes(size()));
+      p = Peer{};
+    }
+  }
+
+  void check_rank(int r) const {
+    if (r < 0 || r >= size())
+      throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), r, size()));
+  }
+
+  // Writes this rank's block of a collective into its slot [scope][parity] of the data arena.
+  void publish(int si, int parity, std::span<const std::byte> mine) {
+    ChannelPage::Slot& slot = own_->page().slots[si][parity];
+    std::uint64_t& capacity = own_->capacity[si][parity];
+    if (mine.size() > capacity) {  // a new place at the end; the old one is not reused
+      capacity = (std::max<std::uint64_t>({mine.size(), 2 * capacity, 64}) + 63) / 64 * 64;
+      slot.offset = own_->data_end;
+      own_->data_end += capacity;
+    }
+    std::byte* base = own_->data.reserve(own_->data_end);
+    if (!mine.empty()) std::memcpy(base + slot.offset, mine.data(), mine.size());
+    slot.bytes = mine.size();
+  }
+
+  // Waits until arrived(i) for every i < count (i stands for rank rank_of(i)); fails at once when
+  // one that did not arrive left, else after the timeout, naming those that did not arrive.
+  template <class RankOf, class Arrived>
+  void wait_until(int count, RankOf rank_of, Arrived arrived, const Wait& wait) const {
+    Backoff backoff(wait.timeout_secs);
+    unsigned polls = 0;
+    for (int i = 0; i < count; ++i) {
+      while (!arrived(i)) {
+        const int r = rank_of(i);
+        // Its page is a memory read; whether its process is there costs system calls.
+        const bool left = peer(r).control->has_abandoned() || (++polls % 256 == 0 && r != rank() && process_gone(pid(r)));
+        if (left || !backoff.pause()) {
+          std::vector<int> missing;
+          for (int j = 0; j < count; ++j)
+            if (!arrived(j)) missing.push_back(rank_of(j));
+          if (missing.empty()) break;  // everyone arrived after all
+          fail_wait(rank(), wait, missing, backoff.elapsed_secs(), [&](int q) { return departure(q); });
+        }
+      }
+    }
+  }
+
+  std::optional<Departure> abandonment(int r) const {
+    const ControlPage* page = peer(r).control;
+    if (page == nullptr || !page->has_abandoned()) return std::nullopt;
+    return page->read_departure();
+  }
+
+  // Collectives after this rank abandoned the channel are refused: the ranks are out of step.
+  void check_in_step(const Wait& wait) const {
+    const ControlPage& page = own_->control.page();
+    if (page.has_abandoned()) fail_left_channel(wait, page.read_reason());
+  }
+
+  std::shared_ptr<HostInfo> info_;
+  std::unique_ptr<OwnChannel> own_;
+  std::vector<Peer> peers_;
+  std::uint64_t epochs_[2] = {0, 0};
+  std::vector<std::vector<std::byte>> blocks_[2];  // [scope]: the blocks of its last collective
+};
+
+std::byte* HostSymmetricMemory::node_peer(int rank) {
+  owner_.check_same_node(rank);
+  return bases_[static_cast<size_t>(rank)];
+}
+
+std::string read_boot_id() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
+}
+
+std::string host_name() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0) return "?";
+  return name;
+}
+
+// A rank's bootstrap record.
+struct Record {
+  int rank = 0;
+  int size = 0;
+  pid_t pid = 0;
+  std::string host;  // hostname (boot boot_id)
+  int ranks_per_node = 0;
+  ChannelFds fds{};
+  std::uint64_t control_ino = 0;
+};
+
+Record parse_record(const std::string& text, int from, int rank) {
+  try {
+    const auto j = nlohmann::json::parse(text);
+    Record r;
+    r.rank = j.at("rank").get<int>();
+    r.size = j.at("size").get<int>();
+    r.pid = j.at("pid").get<pid_t>();
+    r.host = fmt::format("{} (boot {})", j.at("hostname").get<std::string>(), j.at("boot_id").get<std::string>());
+    r.ranks_per_node = j.at("ranks_per_node").get<int>();
+    r.fds.control = j.at("control_fd").get<std::int32_t>();
+    r.fds.data = j.at("data_fd").get<std::int32_t>();
+    r.fds.shared = j.at("shared_fd").get<std::int32_t>();
+    r.control_ino = j.at("control_ino").get<std::uint64_t>();
+    return r;
+  } catch (const nlohmann::json::exception& e) {
+    throw StateError(fmt::format("[rank {}] host::make_group: block {} of the all-gather ({} bytes) is not a host "
+                                 "bootstrap record: {}",
+                                 rank, from, text.size(), e.what()));
+  }
+}
+
+// Whether /proc/<pid>/fd/<fd> is the memfd with inode `ino`: the pid names the peer's process in
+// this pid namespace.
+void check_visible(const Record& peer, int from, int rank) {
+  const std::string path = fmt::format("/proc/{}/fd/{}", peer.pid, peer.fds.control);
+  struct stat st {};
+  std::string what;
+  if (kill(peer.pid, 0) != 0 && errno == ESRCH)
+    what = fmt::format("there is no process {} here", peer.pid);
+  else if (stat(path.c_str(), &st) != 0)
+    what = fmt::format("cannot open {}: {}", path, std::strerror(errno));
+  else if (static_cast<std::uint64_t>(st.st_ino) != peer.control_ino)
+    what = fmt::format("{} is another file: pid {} names another process here", path, peer.pid);
+  else
+    return;
+  throw StateError(fmt::format("[rank {}] host::make_group: the process of rank {} (pid {}) is not visible from this "
+                               "one ({}): the processes run in different pid namespaces (e.g. containers) or cannot "
+                               "open each other's /proc/<pid>/fd; the host transport needs the processes of one pid "
+                               "namespace that may open each other's /proc entries",
+                               rank, from, peer.pid, what));
+}
+
+}  // namespace
+}  // namespace comm::host
+
+namespace host {
+
+std::unique_ptr<Group> make_group(int rank, int size, const AllGather& all_gather, const GroupOptions& options) {
+  using namespace comm::host;
+  if (size < 1)
+    throw InvalidArgument(fmt::format("[rank {}] host::make_group: size = {}, expected at least 1", rank, size));
+  if (rank < 0 || rank >= size)
+    throw InvalidArgument(fmt::format("[rank {}] host::make_group: rank = {} is outside [0, {}) (size = {})", rank,
+                                      rank, size, size));
+  if (!all_gather) throw InvalidArgument(fmt::format("[rank {}] host::make_group: all_gather is empty", rank));
+  const double timeout = options.timeout_secs == 0
+                             ? core::timeout_from_env()
+                             : core::checked_timeout(fmt::format("[rank {}] host::make_group", rank), "timeout_secs",
+                                                     options.timeout_secs);
+  const comm::Wait wait{"group creation", timeout};
+  const int requested = options.ranks_per_node ? *options.ranks_per_node
+                                               : static_cast<int>(env::get_int("MOE_EP_RANKS_PER_NODE"));
+  // Tensors this process allocates from now on can be mapped by node peers instead of copied.
+  core::share_new_blocks();
+  auto own = std::make_unique<OwnChannel>(size);
+  struct stat st {};
+  fstat(own->control.fd(), &st);
+  const nlohmann::json mine = {{"rank", rank},
+                               {"size", size},
+                               {"pid", static_cast<int>(getpid())},
+                               {"hostname", host_name()},
+                               {"boot_id", read_boot_id()},
+                               {"ranks_per_node", requested},
+                               {"control_fd", own->control.fd()},
+                               {"control_ino", static_cast<std::uint64_t>(st.st_ino)},
+                               {"data_fd", own->data.fd()},
+                               {"shared_fd", own->shared.arena_fd()}};
+  const std::vector<std::string> blocks = all_gather(mine.dump());
+
+  try {
+    if (static_cast<int>(blocks.size()) != size)
+      throw StateError(fmt::format("[rank {}] host::make_group: all_gather returned {} blocks, expected size = {} (one "
+                                   "per process, indexed by rank)",
+                                   rank, blocks.size(), size));
+    std::vector<Record> records;
+    for (int r = 0; r < size; ++r) {
+      records.push_back(parse_record(blocks[static_cast<size_t>(r)], r, rank));
+      const Record& rec = records.back();
+      if (rec.rank != r || rec.size != size)
+        throw StateError(fmt::format("[rank {}] host::make_group: block {} of the all-gather comes from rank {} of a "
+                                     "group of {}, expected rank {} of {} (all_gather must return the blocks indexed "
+                                     "by rank)",
+                                     rank, r, rec.rank, rec.size, r, size));
+    }
+    std::map<std::string, std::vector<int>> by_host;
+    std::map<int, std::vector<int>> by_request;
+    for (int r = 0; r < size; ++r) {
+      by_host[records[static_cast<size_t>(r)].host].push_back(r);
+      by_request[records[static_cast<size_t>(r)].ranks_per_node].push_back(r);
+    }
+    if (by_host.size() > 1) {
+      std::string hosts;
+      for (const auto& [host, rs] : by_host)
+        hosts += fmt::format("{}host {} runs ranks [{}]", hosts.empty() ? "" : "; ", host, fmt::join(rs, ", "));
+      throw InvalidArgument(fmt::format("[rank {}] host::make_group: the processes run on {} hosts ({}); the host "
+                                        "transport connects processes of one host: use the MPI transport "
+                                        "(moe_ep::mpi::make_group) across hosts",
+                                        rank, by_host.size(), hosts));
+    }
+    if (by_request.size() > 1) {
+      std::string held;
+      std::vector<int> others;
+      for (const auto& [value, rs] : by_request) {
+        held += fmt::format("{}ranks [{}] ask for {}", held.empty() ? "" : "; ", fmt::join(rs, ", "), value);
+        if (value != requested) others.insert(others.end(), rs.begin(), rs.end());
+      }
+      std::sort(others.begin(), others.end());
+      throw PeerError(fmt::format("[rank {}] host::make_group: the ranks disagree on ranks_per_node: {}", rank, held),
+                      others);
+    }
+    if (requested < 0)
+      throw InvalidArgument(fmt::format("[rank {}] host::make_group: ranks_per_node = {} is negative (0 = all ranks "
+                                        "one node)",
+                                        rank, requested));
+    const int per_node = requested == 0 ? size : requested;
+    if (size % per_node != 0)
+      throw InvalidArgument(fmt::format("[rank {}] host::make_group: ranks_per_node = {} does not divide size = {}",
+                                        rank, per_node, size));
+    for (int r = 0; r < size; ++r)
+      if (r != rank) check_visible(records[static_cast<size_t>(r)], r, rank);
+
+    auto info = std::make_shared<HostInfo>();
+    info->size = size;
+    info->topology = Topology{.num_scaleout = size / per_node, .num_scaleup = per_node};
+    info->timeout_secs = timeout;
+    std::vector<ChannelFds> fds;
+    for (const Record& rec : records) {
+      info->pids.push_back(rec.pid);
+      fds.push_back(rec.fds);
+    }
+    // Every check above gives every rank the same answer; only mapping can fail on one rank alone,
+    // and the transport then abandons its own channel, so its peers learn it at once.
+    return std::make_unique<Group>(std::make_shared<HostTransport>(rank, info, std::move(own), fds, wait));
+  } catch (...) {
+    if (own) {
+      own->control.page().abandon(comm::message_of(std::current_exception()), comm::culprits_of(std::current_exception()));
+      keep_until_exit(std::move(own));
+    }
+    throw;
+  }
+}
+
+}  // namespace host
+}  // namespace moe_ep
