@@ -10,10 +10,7 @@
 #include "core/host_allocator.hh"
 #include "core/timeout.hh"
 #include "moe_ep/error.hpp"
-#if __has_include("moe_ep/host.hpp")
 #include "moe_ep/host.hpp"
-#define MOE_EP_PYTHON_WITH_HOST 1
-#endif
 #if MOE_EP_PYTHON_WITH_MPI
 #include "moe_ep/mpi.hpp"
 #endif
@@ -113,7 +110,6 @@ void register_groups(py::module_& m) {
   m.def("run_local_world", &run_local_world, py::arg("ranks"), py::arg("num_scaleout"), py::arg("num_scaleup"),
         py::arg("fn"));
 
-#if MOE_EP_PYTHON_WITH_HOST
   m.def(
       "host_group",
       [](int rank, int size, py::function all_gather, std::optional<int> ranks_per_node, double timeout_secs) {
@@ -132,7 +128,6 @@ void register_groups(py::module_& m) {
       },
       py::arg("rank"), py::arg("size"), py::arg("all_gather"), py::arg("ranks_per_node") = py::none(),
       py::arg("timeout_secs") = 0.0);
-#endif
 
 #if MOE_EP_PYTHON_WITH_MPI
   m.def(

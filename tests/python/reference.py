@@ -139,21 +139,24 @@ def fp8_block_cast(x, round_scale=False):
     amax = max(1e-4, max |x|) per block; scale_inv = amax / 448 (FP32), q = e4m3(x * (448 / amax));
     round_scale: scale_inv = 2^ceil(log2(amax / 448)), q = e4m3(x / scale_inv).
     Returns (dequantizable values q as float64 [n, H], scale_inv float32 [n, H/128])."""
-    xf = x.to(torch.float32)
+    # numpy FP32 arithmetic: every operation is one IEEE FP32 operation (torch's scalar / tensor
+    # is a reciprocal and a product, which is not the same)
+    xf = x.to(torch.float32).numpy()
     n, h = xf.shape
     blocks = xf.reshape(n, h // 128, 128)
-    amax = blocks.abs().amax(dim=2).clamp_min(1e-4)  # FP32
+    amax = np.maximum(np.abs(blocks).max(axis=2), np.float32(1e-4)).astype(np.float32)
     if round_scale:
-        ratio = (amax / 448.0).to(torch.float64)
-        scale_inv = torch.exp2(torch.ceil(torch.log2(ratio))).to(torch.float32)
-        # log2 of an exact power of two is exact; guard the ceil against a ratio just above one
-        scale_inv = torch.where(scale_inv.to(torch.float64) < ratio, scale_inv * 2, scale_inv)
-        scaled = blocks / scale_inv.unsqueeze(2)
+        ratio = (amax / np.float32(448.0)).astype(np.float32)
+        e = np.ceil(np.log2(ratio.astype(np.float64)))
+        scale_inv = np.ldexp(np.float64(1.0), e.astype(np.int64))
+        scale_inv = np.where(scale_inv < ratio, scale_inv * 2, scale_inv).astype(np.float32)
+        scaled = (blocks / scale_inv[:, :, None]).astype(np.float32)
     else:
-        scale_inv = amax / 448.0
-        mult = 448.0 / amax
-        scaled = blocks * mult.unsqueeze(2)
-    q = e4m3_round(scaled.to(torch.float64).numpy()).reshape(n, h)
+        scale_inv = (amax / np.float32(448.0)).astype(np.float32)
+        mult = (np.float32(448.0) / amax).astype(np.float32)
+        scaled = (blocks * mult[:, :, None]).astype(np.float32)
+    q = e4m3_round(scaled.astype(np.float64)).reshape(n, h)
+    scale_inv = torch.from_numpy(np.ascontiguousarray(scale_inv))
     return q, scale_inv
 
 

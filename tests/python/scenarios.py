@@ -93,7 +93,8 @@ def v2_compact(group, deep_ep, base_tokens=12, hidden=256, num_experts=16, num_t
         assert list(handle.num_recv_tokens_per_expert_list) == []
         assert bool((recv_idx[M:] == -1).all()), "rows past the real count must have recv_topk_idx -1"
     # prefix over scale-up indices of the rows received from sources s with s % SU == r
-    per_su = [sum(1 for s, _ in exp["rows"] if s % SU == r) for r in range(SU)]
+    LSU = SU if allow_hybrid_mode else R  # the logical scale-up domain
+    per_su = [sum(1 for s, _ in exp["rows"] if s % LSU == r) for r in range(LSU)]
     assert handle.psum_num_recv_tokens_per_scaleup_rank.tolist() == np.cumsum(per_su).tolist()
     meta = handle.recv_src_metadata
     own = lambda e: ref.owner(e, E, R)
@@ -200,7 +201,7 @@ def v2_expanded(group, deep_ep, alignment=4, base_tokens=12, hidden=256, num_exp
         assert_same(combined_w, exp_w, "expanded combined_topk_weights")
     if cached and do_cpu_sync:
         x2 = ref.make_inputs(R, base_tokens, hidden, E, k, seed + 5)
-        rx2, _, _, h2, _ = buf.dispatch(x2[rank][0], handle=handle)
+        rx2, _, _, h2, _ = buf.dispatch(x2[rank][0], handle=handle, do_expand=True, expert_alignment=alignment)
         assert h2 is handle
         for i in range(El):
             st = exp["starts"][i]
@@ -300,8 +301,6 @@ def v1_normal(group, deep_ep, base_tokens=12, hidden=256, num_experts=16, num_to
     ckw = {}
     if async_:
         ckw = dict(previous_event=buf.capture(), async_finish=True, allocate_on_comm_stream=True)
-    if num_worst_tokens:
-        y, ret_w = y[:M].contiguous(), ret_w[:M].contiguous()
     combined, combined_w, ev = buf.combine(y, handle, topk_weights=ret_w, bias=tuple(biases) if bias else None, **ckw)
     if async_:
         ev.current_stream_wait()
