@@ -178,7 +178,7 @@ std::int64_t compact_combine_row(const BenchOptions& o) { return 2 * std::int64_
 void add_baseline(const BenchOptions& o, Group& g, const std::shared_ptr<BenchInputs>& in, std::vector<Operation>& ops,
                   const std::string& dispatch_name, const std::string& combine_name) {
 #ifdef MOE_EP_WITH_MPI
-  if (o.launch.transport != "mpi") return;
+  if (o.launch.transport == "local") return;  // mpi and host run under mpirun
   auto baseline = std::make_shared<bench::AlltoallvBaseline>(MPI_COMM_WORLD);
   auto first = std::make_shared<bench::BaselineDispatch>(
       baseline->dispatch(in->x, in->scales, in->topk, in->weights, o.experts));
@@ -332,7 +332,7 @@ int bench_command(const BenchOptions& options, Launch& launch) {
   o.ranks = launch.size();
   o.nodes = launch.topology().num_scaleout;
   const bool v1 = o.api == "v1";
-  const bool mpi = o.launch.transport == "mpi";
+  const bool mpi = o.launch.transport != "local";  // under mpirun (MPI or host transport)
   // The memcpy ceiling at the same thread count: one process copies with as many threads as the
   // ranks of its host use (the others wait), times the number of hosts (all alike). Measured
   // after each shape, the higher kept: a ceiling that other load on the machine pulled down in

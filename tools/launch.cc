@@ -6,6 +6,7 @@
 #include "core/timeout.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
+#include "moe_ep/host.hpp"
 #ifdef MOE_EP_WITH_MPI
 #include "moe_ep/mpi.hpp"
 #endif
@@ -38,7 +39,7 @@ class ThreadLaunch final : public Launch {
 #ifdef MOE_EP_WITH_MPI
 class MpiLaunch final : public Launch {
  public:
-  MpiLaunch(int* argc, char*** argv, const LaunchOptions& o) : session_(argc, argv) {
+  MpiLaunch(int* argc, char*** argv, const LaunchOptions& o) : transport_(o.transport), session_(argc, argv) {
     mpi::GroupOptions options;
     int size = 0;
     MPI_Comm_size(MPI_COMM_WORLD, &size);
@@ -52,7 +53,17 @@ class MpiLaunch final : public Launch {
       options.ranks_per_node = size / o.nodes;
     }
     try {
-      group_ = mpi::make_group(MPI_COMM_WORLD, options);
+      if (o.transport == "host") {
+        // Processes of one host over shared memory; MPI only carries the bootstrap exchange.
+        host::GroupOptions host_options;
+        host_options.ranks_per_node = options.ranks_per_node;
+        int rank = 0;
+        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+        group_ = host::make_group(rank, size, [&](const std::string& mine) { return allgather(mine, size); },
+                                  host_options);
+      } else {
+        group_ = mpi::make_group(MPI_COMM_WORLD, options);
+      }
     } catch (...) {
       mpi::Session::abandon();
       throw;
@@ -70,9 +81,30 @@ class MpiLaunch final : public Launch {
     }
   }
   bool reports() const override { return group_->rank() == 0; }
-  std::string describe() const override { return fmt::format("{} MPI processes", group_->size()); }
+  std::string describe() const override {
+    return fmt::format("{} MPI processes{}", group_->size(), transport_ == "host" ? " (host transport)" : "");
+  }
 
  private:
+  static std::vector<std::string> allgather(const std::string& mine, int size) {
+    const int bytes = static_cast<int>(mine.size());
+    std::vector<int> counts(static_cast<size_t>(size)), offsets(static_cast<size_t>(size));
+    MPI_Allgather(&bytes, 1, MPI_INT, counts.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    int total = 0;
+    for (int r = 0; r < size; ++r) {
+      offsets[static_cast<size_t>(r)] = total;
+      total += counts[static_cast<size_t>(r)];
+    }
+    std::string all(static_cast<size_t>(total), '\0');
+    MPI_Allgatherv(mine.data(), bytes, MPI_CHAR, all.data(), counts.data(), offsets.data(), MPI_CHAR, MPI_COMM_WORLD);
+    std::vector<std::string> out;
+    for (int r = 0; r < size; ++r)
+      out.push_back(all.substr(static_cast<size_t>(offsets[static_cast<size_t>(r)]),
+                               static_cast<size_t>(counts[static_cast<size_t>(r)])));
+    return out;
+  }
+
+  std::string transport_;
   mpi::Session session_;
   std::unique_ptr<Group> group_;
 };
@@ -82,14 +114,15 @@ class MpiLaunch final : public Launch {
 
 std::unique_ptr<Launch> make_launch(int* argc, char*** argv, const LaunchOptions& options) {
   if (options.transport == "local") return std::make_unique<ThreadLaunch>(options);
-  if (options.transport == "mpi") {
+  if (options.transport == "mpi" || options.transport == "host") {
 #ifdef MOE_EP_WITH_MPI
     return std::make_unique<MpiLaunch>(argc, argv, options);
 #else
-    throw InvalidArgument("--transport mpi: this moe-ep was built without MPI (MOE_EP_WITH_MPI=OFF)");
+    throw InvalidArgument(fmt::format("--transport {}: this moe-ep was built without MPI (MOE_EP_WITH_MPI=OFF)",
+                                      options.transport));
 #endif
   }
-  throw InvalidArgument(fmt::format("--transport is '{}', expected local or mpi", options.transport));
+  throw InvalidArgument(fmt::format("--transport is '{}', expected local, mpi or host", options.transport));
 }
 
 std::vector<std::vector<std::byte>> gather_blocks(Group& group, std::span<const std::byte> mine) {

@@ -15,7 +15,7 @@
 namespace moe_ep::tools {
 
 struct LaunchOptions {
-  std::string transport = "local";  // local | mpi
+  std::string transport = "local";  // local | mpi | host (processes of one host, started by mpirun)
   int ranks = 8;                    // local: threads; mpi: must match the job (or be left unset)
   bool ranks_given = false;
   int nodes = 1;                    // logical nodes

@@ -76,8 +76,10 @@ int main(int argc, char** argv) {
 
   for (auto [cmd, launch] : {std::pair{run_cmd, &run.launch}, std::pair{bench_cmd, &bench.launch}}) {
     cmd->add_option("--transport", launch->transport, "local: ranks are threads of this process; mpi: this process is "
-                                                      "one rank of an MPI job (start with mpirun)")
-        ->check(CLI::IsMember({"local", "mpi"}));
+                                                      "one rank of an MPI job (start with mpirun); host: the same, "
+                                                      "over moe-ep's shared-memory host transport (one host; MPI only "
+                                                      "bootstraps it)")
+        ->check(CLI::IsMember({"local", "mpi", "host"}));
     cmd->add_option("--ranks-per-node", launch->ranks_per_node,
                     "ranks per logical node (instead of --nodes); with mpi, processes of one host in different logical "
                     "nodes talk through MPI")

@@ -13,11 +13,12 @@ from ._C import (CapacityError, Error, InvalidArgument, PeerError, ResourceError
                  TimeoutError, Group)
 from ._groups import LocalWorld, resolve_group
 from ._dispatcher import BufferCache, TokenDispatcher, env, probe_providers
+from ._memory import empty, empty_like, zeros
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Error", "InvalidArgument", "CapacityError", "StateError", "ResourceError", "PeerError", "TimeoutError",
-    "Group", "LocalWorld", "resolve_group", "BufferCache", "TokenDispatcher", "probe_providers", "env",
+    "Group", "LocalWorld", "resolve_group", "BufferCache", "TokenDispatcher", "probe_providers", "env", "empty", "empty_like", "zeros",
     "__version__",
 ]

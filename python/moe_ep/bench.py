@@ -3,7 +3,7 @@
 The DeepSeek-V3 shape (hidden 7168, 256 experts, top-8; FP8 dispatch with per-128 scales, BF16
 combine) at 4096 and 128 tokens per rank, through ``moe_ep.deep_ep.ElasticBuffer`` on N processes
 over a gloo group (moe-ep's host transport), and through ``moe-ep bench --api v2 --transport mpi``
-on N MPI processes. Time = median over iterations of the slowest rank, each call after a barrier
+on N MPI processes (the same host transport, and the MPI transport for comparison). Time = median over iterations of the slowest rank, each call after a barrier
 (the tool's definition). Printed: both times, throughput ratio = C++ time / Python time, and the
 time Python adds per call = Python time - C++ time.
 """
@@ -35,7 +35,7 @@ def _fp8_inputs(tokens, seed, rank):
     return x_fp8, scales, idx, weights, x
 
 
-def _worker(rank, world, init_file, shapes, iters, queue):
+def _worker(rank, world, init_file, shapes, iters, shared_inputs, queue):
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         from moe_ep import deep_ep
@@ -48,6 +48,10 @@ def _worker(rank, world, init_file, shapes, iters, queue):
                 buf = deep_ep.ElasticBuffer(dist.group.WORLD, num_max_tokens_per_rank=tokens, hidden=HIDDEN,
                                             num_topk=TOPK, use_fp8_dispatch=True)
                 x_fp8, scales, idx, weights, _ = _fp8_inputs(tokens, 1, rank)
+                if shared_inputs:
+                    # In moe-ep's memory, as the C++ tool's inputs are: node peers read them in place.
+                    x_fp8 = moe_ep.empty_like(x_fp8).copy_(x_fp8)
+                    scales = moe_ep.empty_like(scales).copy_(scales)
                 times = {"dispatch": [], "combine": [], "maps": 0}
                 combine_x = None
                 for it in range(iters[tokens] + 2):  # two warm-up iterations
@@ -57,7 +61,8 @@ def _worker(rank, world, init_file, shapes, iters, queue):
                         (x_fp8, scales), topk_idx=idx, topk_weights=weights, num_experts=EXPERTS)
                     t1 = time.perf_counter()
                     if combine_x is None or combine_x.shape[0] != recv_x.shape[0]:
-                        combine_x = torch.zeros(recv_x.shape[0], HIDDEN, dtype=torch.bfloat16)
+                        combine_x = (moe_ep.zeros if shared_inputs else torch.zeros)(recv_x.shape[0], HIDDEN,
+                                                                                     dtype=torch.bfloat16)
                     group.barrier()
                     t2 = time.perf_counter()
                     buf.combine(combine_x, handle, topk_weights=recv_w)
@@ -76,12 +81,12 @@ def _worker(rank, world, init_file, shapes, iters, queue):
         queue.put((rank, None, traceback.format_exc()))
 
 
-def _python_times(world, shapes, iters, timeout):
+def _python_times(world, shapes, iters, shared_inputs, timeout):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_worker, args=(r, world, init, shapes, iters, queue)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, init, shapes, iters, shared_inputs, queue)) for r in range(world)]
         for p in procs:
             p.start()
         results = {}
@@ -103,7 +108,7 @@ def _python_times(world, shapes, iters, timeout):
     return summary
 
 
-def _tool_times(tool, world, shapes, iters, timeout):
+def _tool_times(tool, transport, world, shapes, iters, timeout):
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         raise RuntimeError("mpirun is not on PATH (Open MPI: apt-get install openmpi-bin)")
@@ -111,7 +116,7 @@ def _tool_times(tool, world, shapes, iters, timeout):
         out = os.path.join(tmp, "bench.json")
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    OMPI_MCA_btl_vader_single_copy_mechanism="none")
-        cmd = [mpirun, "-np", str(world), "--oversubscribe", tool, "bench", "--api", "v2", "--transport", "mpi",
+        cmd = [mpirun, "-np", str(world), "--oversubscribe", tool, "bench", "--api", "v2", "--transport", transport,
                "--prefill-tokens", str(shapes[0]), "--decode-tokens", str(shapes[1]),
                "--prefill-iters", str(iters[shapes[0]]), "--decode-iters", str(iters[shapes[1]]), "--json", out]
         subprocess.run(cmd, check=True, env=env, timeout=timeout, stdout=subprocess.DEVNULL)
@@ -140,6 +145,8 @@ def main(argv=None):
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--prefill-iters", type=int, default=5)
     p.add_argument("--decode-iters", type=int, default=30)
+    p.add_argument("--torch-inputs", action="store_true",
+                   help="inputs in torch's memory (copied once into the shared arena per call) instead of moe_ep.empty")
     p.add_argument("--tool", help="the moe-ep executable (default: the build tree's, MOE_EP_TOOL, or PATH)")
     p.add_argument("--timeout", type=float, default=1800)
     a = p.parse_args(argv)
@@ -150,22 +157,26 @@ def main(argv=None):
     iters = {a.prefill_tokens: a.prefill_iters, a.decode_tokens: a.decode_iters}
     print(f"moe_ep.bench: DeepSeek-V3 shape (hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}), FP8 dispatch, BF16 "
           f"combine, {a.ranks} ranks; V2 ElasticBuffer", flush=True)
-    cpp = _tool_times(tool, a.ranks, shapes, iters, a.timeout)
-    py = _python_times(a.ranks, shapes, iters, a.timeout)
-    print(f"{'tokens/rank':>11}  {'operation':9}  {'C++ MPI (us)':>12}  {'Python gloo (us)':>16}  "
-          f"{'ratio':>6}  {'added (us)':>10}")
+    cpp = _tool_times(tool, "host", a.ranks, shapes, iters, a.timeout)
+    cpp_mpi = _tool_times(tool, "mpi", a.ranks, shapes, iters, a.timeout)
+    py = _python_times(a.ranks, shapes, iters, not a.torch_inputs, a.timeout)
+    print(f"{'tokens/rank':>11}  {'operation':9}  {'C++ host (us)':>13}  {'Python (us)':>11}  {'ratio':>6}  "
+          f"{'added (us)':>10}  {'C++ MPI (us)':>12}")
     for tokens in shapes:
         for op in ("dispatch", "combine"):
-            c, q = cpp[(tokens, op)], py[(tokens, op)]
-            print(f"{tokens:>11}  {op:9}  {c * 1e6:12.1f}  {q * 1e6:16.1f}  {c / q:6.2f}  {(q - c) * 1e6:10.1f}")
+            c, q, m = cpp[(tokens, op)], py[(tokens, op)], cpp_mpi[(tokens, op)]
+            print(f"{tokens:>11}  {op:9}  {c * 1e6:13.1f}  {q * 1e6:11.1f}  {c / q:6.2f}  {(q - c) * 1e6:10.1f}  "
+                  f"{m * 1e6:12.1f}")
     for tokens in shapes:
         print(f"steady state at {tokens} tokens/rank: {py[(tokens, 'maps')]} new mappings by moe-ep's allocator over "
               f"the timed iterations (most on one rank; outputs come from its cache)")
     print("time: median over iterations of the slowest rank, each call after a barrier.")
     print("ratio = C++ time / Python time (throughput of moe_ep.deep_ep relative to the C++ tool; target >= 0.95 at "
           f"{a.prefill_tokens} tokens); added = Python time - C++ time (target <= 30 us at {a.decode_tokens} tokens).")
-    print(f"C++: mpirun -np {a.ranks} {tool} bench --api v2 --transport mpi (MPI transport); Python: "
-          f"{a.ranks} torch.multiprocessing processes, gloo group, moe-ep host transport.")
+    print(f"C++ host: mpirun -np {a.ranks} {tool} bench --api v2 --transport host (the same shared-memory host "
+          f"transport; MPI only starts the processes); C++ MPI: the same with --transport mpi. Python: {a.ranks} "
+          f"torch.multiprocessing processes over a gloo group, moe_ep.deep_ep.ElasticBuffer, inputs "
+          f"{'in torch memory' if a.torch_inputs else 'from moe_ep.empty (as the tool allocates its own)'}.")
     return 0
 
 

@@ -145,6 +145,20 @@ void register_groups(py::module_& m) {
   m.attr("has_mpi") = false;
 #endif
   m.def("timeout_from_env", [] { return core::timeout_from_env(); });
+  m.def(
+      "empty",
+      [](std::vector<std::int64_t> shape, const std::string& dtype) {
+        static const std::pair<const char*, DType> kDTypes[] = {
+            {"bool", DType::kBool},       {"uint8", DType::kUInt8},     {"int32", DType::kInt32},
+            {"int64", DType::kInt64},     {"bfloat16", DType::kBF16},   {"float32", DType::kFP32},
+            {"float8_e4m3fn", DType::kFP8E4M3}};
+        for (const auto& [name, t] : kDTypes)
+          if (dtype == name) return export_tensor(Tensor::empty(shape, t));
+        throw InvalidArgument(fmt::format("empty: dtype '{}' is not one of bool, uint8, int32, int64, bfloat16, "
+                                          "float32, float8_e4m3fn",
+                                          dtype));
+      },
+      py::arg("shape"), py::arg("dtype"));
   m.def("allocator_stats", [] {
     const core::HostAllocatorStats s = core::host_allocator_stats();
     py::dict d;

@@ -32,7 +32,7 @@ def provider_library(name):
     return os.path.join(BUILD_DIR, "tests", f"libprovider_{name}.so")
 
 
-def _child(rank, world, init_file, fn, args, env, results):
+def _child(rank, world, init_file, fn, args, env, results, clean_exit):
     os.environ.update(env)
     try:
         import datetime
@@ -48,21 +48,22 @@ def _child(rank, world, init_file, fn, args, env, results):
             "mro": [f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__],
             "message": str(e), "ranks": list(getattr(e, "ranks", []) or []),
             "traceback": traceback.format_exc()}))
-    finally:
-        # Leave without tearing down gloo: a peer that died must not make this process hang in exit.
-        try:
-            results.close()
-            results.join_thread()
-        except Exception:
-            pass
+    try:
+        results.close()
+        results.join_thread()
+    except Exception:
+        pass
+    if not clean_exit:
+        # Leave without finalization: a peer that died must not make this process hang in exit.
         os._exit(0)
 
 
-def run_processes(fn, n, args=(), env=None, timeout=150, expect_missing=()):
+def run_processes(fn, n, args=(), env=None, timeout=150, expect_missing=(), clean_exit=True):
     """Runs fn(rank, world, group, *args) in n processes; returns {rank: (status, value)}.
 
     Ranks in expect_missing are expected to report nothing (they exit or are killed); their entry is
-    ("exit", exitcode)."""
+    ("exit", exitcode). clean_exit: children exit through the interpreter's finalization (destructors
+    run) after reporting; otherwise with os._exit."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     child_env = {"PYTHONPATH": os.pathsep.join([PYTHON_DIR, ALIAS_DIR] + [
@@ -73,7 +74,7 @@ def run_processes(fn, n, args=(), env=None, timeout=150, expect_missing=()):
         saved = {k: os.environ.get(k) for k in child_env}
         os.environ.update(child_env)  # the children start with it (and set it again themselves)
         try:
-            procs = [ctx.Process(target=_child, args=(r, n, init_file, fn, args, child_env, results), daemon=True)
+            procs = [ctx.Process(target=_child, args=(r, n, init_file, fn, args, child_env, results, clean_exit), daemon=True)
                      for r in range(n)]
             for p in procs:
                 p.start()

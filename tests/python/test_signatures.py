@@ -26,7 +26,7 @@ def spec(*items):
 
 
 BUFFER = {
-    "__init__": spec("self", ("group", None), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0), ("low_latency_mode", False),
+    "__init__": spec("self", "group", ("num_nvl_bytes", 0), ("num_rdma_bytes", 0), ("low_latency_mode", False),
                      ("num_qps_per_rank", 24), ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
                      ("explicitly_destroy", False), ("enable_shrink", False), ("comm", None)),
     "get_dispatch_layout": spec("self", "topk_idx", "num_experts", ("previous_event", None), ("async_finish", False),
@@ -148,7 +148,8 @@ def test_capture_returns_our_events():
 def test_config_keywords_and_defaults():
     c = deep_ep.Config()
     assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
-            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (20, 6, 256, 6, 256)
+            c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (20, 6, 256, 6, 258)
+    # (DeepEP re-aligns the RDMA receive size up to a multiple of the send size: 256 -> 258)
     c = deep_ep.Config(num_sms=24, num_max_nvl_chunked_send_tokens=8, num_max_nvl_chunked_recv_tokens=288,
                        num_max_rdma_chunked_send_tokens=16, num_max_rdma_chunked_recv_tokens=128)
     assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,
@@ -168,9 +169,10 @@ def _nvl_hint(c, hidden_bytes, R):
     return (v + 127) // 128 * 128
 
 
-@pytest.mark.parametrize("R,dispatch,combine", [(2, (24, 256, 6, 128), (10, 256, 6, 128)),
-                                                (4, (6, 256, 6, 128), (9, 256, 6, 128)),
-                                                (8, (6, 256, 6, 128), (4, 256, 6, 128)),
+# DeepEP's table (deepep-v1-buffer.md §1.3), the RDMA receive size re-aligned to the send size
+@pytest.mark.parametrize("R,dispatch,combine", [(2, (24, 256, 6, 132), (10, 256, 6, 132)),
+                                                (4, (6, 256, 6, 132), (9, 256, 6, 132)),
+                                                (8, (6, 256, 6, 132), (4, 256, 6, 132)),
                                                 (16, (36, 288, 20, 140), (4, 288, 12, 132))])
 def test_default_configs(R, dispatch, combine):
     for got, want in ((deep_ep.Buffer.get_dispatch_config(R), dispatch), (deep_ep.Buffer.get_combine_config(R), combine)):
@@ -200,15 +202,15 @@ def test_module_surface():
 
 def test_alias_directory_import():
     """`import deep_ep` (build/deep_ep_alias on PYTHONPATH) is moe_ep.deep_ep, with its submodules."""
-    import deep_ep as alias
-    from deep_ep import Buffer, Config, ElasticBuffer  # noqa: F401  (what engines import)
+    import importlib
+    alias = importlib.import_module("deep_ep")
+    from deep_ep import Buffer, Config, ElasticBuffer  # (what engines import)
     from deep_ep.utils import EventHandle, EventOverlap
     assert alias is deep_ep
     assert Buffer is deep_ep.Buffer and ElasticBuffer is deep_ep.ElasticBuffer and Config is deep_ep.Config
     assert EventHandle is deep_ep.EventHandle and EventOverlap is deep_ep.EventOverlap
-    import deep_ep.buffers.elastic
-    import deep_ep.buffers.legacy
-    assert deep_ep.buffers.elastic.ElasticBuffer is ElasticBuffer
+    assert importlib.import_module("deep_ep.buffers.elastic").ElasticBuffer is ElasticBuffer
+    assert importlib.import_module("deep_ep.buffers.legacy").Buffer is Buffer
     assert alias.__version__ == "2.1.0"
 
 

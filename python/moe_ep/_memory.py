@@ -1,0 +1,35 @@
+"""Tensors in moe-ep's own memory.
+
+Inputs that live in moe-ep's memory are read in place by the ranks of the node; other memory
+(torch's own allocations) is copied once into the rank's shared arena before node peers read it,
+because another process cannot map it (docs/python.md, "Zero copy"). Allocate with
+``moe_ep.empty`` what will be dispatched or combined (e.g. write the expert outputs into it with
+``out=``) to skip that copy; outputs of dispatch and combine are already in moe-ep's memory.
+"""
+
+import torch
+
+from . import _C
+
+_NAMES = {torch.bool: "bool", torch.uint8: "uint8", torch.int32: "int32", torch.int64: "int64",
+          torch.bfloat16: "bfloat16", torch.float32: "float32"}
+if hasattr(torch, "float8_e4m3fn"):
+    _NAMES[torch.float8_e4m3fn] = "float8_e4m3fn"
+
+
+def empty(*size, dtype=torch.bfloat16):
+    """An uninitialised torch tensor of ``size`` in moe-ep's memory (64-byte aligned)."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    if dtype not in _NAMES:
+        raise TypeError(f"dtype must be one of {', '.join(str(d) for d in _NAMES)}, not {dtype}")
+    return _C.empty([int(s) for s in size], _NAMES[dtype])
+
+
+def zeros(*size, dtype=torch.bfloat16):
+    """A zeroed torch tensor of ``size`` in moe-ep's memory."""
+    return empty(*size, dtype=dtype).zero_()
+
+
+def empty_like(t):
+    return empty(t.shape, dtype=t.dtype)
