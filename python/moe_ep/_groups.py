@@ -55,13 +55,17 @@ def _is_mpi_comm(group):
 
 
 def _host_group(group, ranks_per_node, timeout_secs):
+    import torch
     import torch.distributed as dist
 
     size = group.size()
 
     def all_gather(mine):
         out = [None] * size
-        dist.all_gather_object(out, mine, group=group)
+        # Engines call under torch.inference_mode(); gloo's all-gather writes its tensors from a
+        # thread outside that mode, which torch refuses for inference tensors: make normal ones.
+        with torch.inference_mode(False):
+            dist.all_gather_object(out, mine, group=group)
         return out
 
     return _C.host_group(group.rank(), size, all_gather, ranks_per_node, timeout_secs)
