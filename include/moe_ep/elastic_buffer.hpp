@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -89,6 +90,10 @@ struct DispatchArgs {
   bool do_expand = false;
   bool do_zero_padding = false;
   bool use_tma_aligned_col_major_sf = false;  // recv scales column-major, strides (1, align(M, 4))
+  // Non-empty: the caller refused this rank's arguments before the call (a binding that could not
+  // convert one). The call then takes part in the collective only to report it: this rank raises
+  // InvalidArgument with this message, every other rank a PeerError naming this rank.
+  std::string rejection;
 };
 
 struct DispatchResult {
@@ -111,6 +116,7 @@ struct CombineArgs {
   std::optional<Event> previous_event_before_epilogue;
   bool async_with_compute_stream = false;
   bool allocate_on_comm_stream = false;
+  std::string rejection;  // as DispatchArgs::rejection
 };
 
 struct CombineResult {

@@ -99,6 +99,7 @@ struct LegacyDispatchArgs {
   std::optional<Event> previous_event;
   bool async_finish = false;
   bool allocate_on_comm_stream = false;  // accepted
+  std::string rejection;  // as DispatchArgs::rejection
 };
 
 struct LegacyDispatchResult {
@@ -120,6 +121,7 @@ struct LegacyCombineArgs {
   std::optional<Event> previous_event;
   bool async_finish = false;
   bool allocate_on_comm_stream = false;
+  std::string rejection;  // as DispatchArgs::rejection
 };
 
 // A receive hook: call it exactly once, before its slot is used again.
@@ -155,6 +157,7 @@ struct LowLatencyDispatchArgs {
   bool use_ue8m0 = false;  // requires round_scale
   bool async_finish = false;
   bool return_recv_hook = false;  // not with async_finish
+  std::string rejection;          // as DispatchArgs::rejection
 };
 
 struct LowLatencyDispatchResult {
@@ -177,6 +180,7 @@ struct LowLatencyCombineArgs {
   bool return_recv_hook = false;
   TensorView out;                              // optional bfloat16 [N_tokens, H] to write into
   TensorView combine_wait_recv_cost_stats;     // optional int64 [R]
+  std::string rejection;                       // as DispatchArgs::rejection
 };
 
 struct LowLatencyCombineResult {

@@ -83,8 +83,8 @@ class TokenDispatcher:
         return DispatchOutput(self._native.dispatch_b(micro_batch))
 
     def dispatch(self, hidden_states, topk_idx, topk_weights, kind="prefill", micro_batch=0):
-        self.dispatch_a(hidden_states, topk_idx, topk_weights, kind, micro_batch)
-        return self.dispatch_b(micro_batch)
+        """dispatch_a, the "after_dispatch_a" hooks, dispatch_b."""
+        return DispatchOutput(self._native.dispatch(hidden_states, topk_idx, topk_weights, kind, micro_batch))
 
     def combine_a(self, hidden_states, micro_batch=0):
         self._native.combine_a(hidden_states, micro_batch)
@@ -93,5 +93,5 @@ class TokenDispatcher:
         return self._native.combine_b(micro_batch)
 
     def combine(self, hidden_states, micro_batch=0):
-        self.combine_a(hidden_states, micro_batch)
-        return self.combine_b(micro_batch)
+        """combine_a, the "after_combine_a" hooks, combine_b."""
+        return self._native.combine(hidden_states, micro_batch)

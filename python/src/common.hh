@@ -16,6 +16,9 @@
 
 #include <memory>
 #include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "moe_ep/event.hpp"
@@ -67,6 +70,71 @@ struct Box {
 };
 
 std::optional<Event> to_event(py::handle obj, const char* name);
+
+// The arguments of one collective call, converted from Python. A conversion that fails on one
+// rank must not leave its peers waiting (or pair its next call with their current one): the
+// first failure is kept, the call is still made with `rejection()` set (the C++ call then
+// refuses it on every rank: PeerError naming this rank on the others), and finish() re-raises the
+// original Python error here.
+class ArgumentImports {
+ public:
+  Tensor tensor(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt);  // None: undefined
+  // x or (x_fp8, scales): the data and the scales (undefined for a plain tensor).
+  std::pair<Tensor, Tensor> x_or_pair(py::handle x, const char* scales_name);
+  std::optional<Event> event(py::handle obj, const char* name);
+  int integer(py::handle obj, const char* name);
+  bool boolean(py::handle obj, const char* name);
+  std::optional<bool> optional_boolean(py::handle obj, const char* name);
+  // An object of a bound class; None gives null unless `required` (then a TypeError).
+  template <class T>
+  std::shared_ptr<T> object(py::handle obj, const char* name, const char* what, bool required = false) {
+    if (obj.is_none() && !required) return nullptr;
+    if (!failed() && py::isinstance<T>(obj)) return obj.cast<std::shared_ptr<T>>();
+    if (!failed()) fail_with(std::make_exception_ptr(py::type_error(type_message(obj, name, what))));
+    return nullptr;
+  }
+  std::vector<Tensor> tensor_list(py::handle obj, const char* name);  // a sequence of tensors
+
+  bool failed() const { return error_ != nullptr; }
+  const std::string& rejection() const { return message_; }
+  // Runs the C++ call (GIL released); re-raises the kept conversion error, if any, instead of
+  // the call's refusal.
+  template <class Fn>
+  auto call(Fn fn) -> decltype(fn()) {
+    try {
+      py::gil_scoped_release release;
+      if constexpr (std::is_void_v<decltype(fn())>) {
+        fn();
+        if (failed()) std::rethrow_exception(error_);
+        return;
+      } else {
+        auto result = fn();
+        if (failed()) std::rethrow_exception(error_);
+        return result;
+      }
+    } catch (...) {
+      if (failed()) std::rethrow_exception(error_);
+      throw;
+    }
+  }
+
+ private:
+  static std::string type_message(py::handle obj, const char* name, const char* what);
+  void fail_with(std::exception_ptr error);
+  template <class Fn>
+  auto guarded(Fn fn, decltype(fn()) fallback) -> decltype(fn()) {
+    if (failed()) return fallback;
+    try {
+      return fn();
+    } catch (...) {
+      fail_with(std::current_exception());
+      return fallback;
+    }
+  }
+
+  std::exception_ptr error_;
+  std::string message_;
+};
 
 void register_errors(py::module_& m);
 void register_groups(py::module_& m);

@@ -136,11 +136,20 @@ void register_dispatcher(py::module_& m) {
       .def("dispatch_a",
            [](PyDispatcher& d, py::handle x, py::handle topk_idx, py::handle topk_weights, const std::string& kind,
               int micro_batch) {
-             const Tensor a = import_tensor(x, "hidden_states"), b = import_tensor(topk_idx, "topk_idx"),
-                          c = import_tensor(topk_weights, "topk_weights");
              const BatchKind k = parse_kind(kind);
-             py::gil_scoped_release release;
-             d.dispatcher->dispatch_a(a, b, c, k, micro_batch);
+             ArgumentImports in;
+             const Tensor a = in.tensor(x, "hidden_states"), b = in.tensor(topk_idx, "topk_idx"),
+                          c = in.tensor(topk_weights, "topk_weights");
+             in.call([&] { d.dispatcher->dispatch_a(a, b, c, k, micro_batch); });
+           })
+      .def("dispatch",
+           [](PyDispatcher& d, py::handle x, py::handle topk_idx, py::handle topk_weights, const std::string& kind,
+              int micro_batch) {
+             const BatchKind k = parse_kind(kind);
+             ArgumentImports in;
+             const Tensor a = in.tensor(x, "hidden_states"), b = in.tensor(topk_idx, "topk_idx"),
+                          c = in.tensor(topk_weights, "topk_weights");
+             return output_dict(in.call([&] { return d.dispatcher->dispatch(a, b, c, k, micro_batch); }));
            })
       .def("dispatch_b",
            [](PyDispatcher& d, int micro_batch) {
@@ -153,9 +162,15 @@ void register_dispatcher(py::module_& m) {
            })
       .def("combine_a",
            [](PyDispatcher& d, py::handle x, int micro_batch) {
-             const Tensor a = import_tensor(x, "hidden_states");
-             py::gil_scoped_release release;
-             d.dispatcher->combine_a(a, micro_batch);
+             ArgumentImports in;
+             const Tensor a = in.tensor(x, "hidden_states");
+             in.call([&] { d.dispatcher->combine_a(a, micro_batch); });
+           })
+      .def("combine",
+           [](PyDispatcher& d, py::handle x, int micro_batch) {
+             ArgumentImports in;
+             const Tensor a = in.tensor(x, "hidden_states");
+             return export_tensor(in.call([&] { return d.dispatcher->combine(a, micro_batch); }));
            })
       .def("combine_b",
            [](PyDispatcher& d, int micro_batch) {
@@ -183,7 +198,7 @@ void register_dispatcher(py::module_& m) {
                i["point"] = point;
                i["micro_batch"] = info.micro_batch;
                i["mode"] = mode_name(info.mode);
-               py::handle(callable)(i);
+               py::reinterpret_borrow<py::object>(callable)(i);
              });
            })
       .def_property_readonly("generation", [](const PyDispatcher& d) { return generation_name(d.dispatcher->generation()); })

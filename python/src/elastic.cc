@@ -10,18 +10,6 @@ namespace {
 
 using ElasticBox = Box<ElasticBuffer>;
 
-// x or (x_fp8, scales): returns the data tensor and the scales (undefined for BF16).
-std::pair<Tensor, Tensor> import_x(py::handle x, const char* name) {
-  if (py::isinstance<py::tuple>(x) || py::isinstance<py::list>(x)) {
-    py::sequence pair = py::reinterpret_borrow<py::sequence>(x);
-    if (pair.size() != 2)
-      throw py::value_error(fmt::format("{} must be a tensor or a pair (x_fp8, scales), got a sequence of {} items",
-                                        name, pair.size()));
-    return {import_tensor(pair[0], "x[0] (FP8 data)", DType::kFP8E4M3), import_tensor(pair[1], "x[1] (scales)")};
-  }
-  return {import_tensor(x, name), Tensor{}};
-}
-
 void keep_inputs(PyEvent& ev, std::initializer_list<const Tensor*> tensors) {
   if (ev.event.query()) return;
   for (const Tensor* t : tensors)
@@ -88,40 +76,40 @@ void register_elastic(py::module_& m) {
       .def(
           "dispatch",
           [](ElasticBox& box, py::handle x, py::handle topk_idx, py::handle topk_weights, py::handle stats,
-             int num_experts, int num_max_tokens_per_rank, int expert_alignment, int num_sms, int num_qps,
-             py::handle previous_event, py::handle previous_event_before_epilogue, bool async_with_compute_stream,
-             bool allocate_on_comm_stream, std::shared_ptr<EPHandle> handle, bool do_handle_copy,
-             std::optional<bool> do_cpu_sync, bool do_expand, bool do_zero_padding, bool use_tma) {
-            auto [data, scales] = import_x(x, "x");
-            const Tensor idx = import_optional(topk_idx, "topk_idx");
-            const Tensor weights = import_optional(topk_weights, "topk_weights");
-            const Tensor recv_stats = import_optional(stats, "cumulative_local_expert_recv_stats");
+             py::handle num_experts, py::handle num_max_tokens_per_rank, py::handle expert_alignment,
+             py::handle num_sms, py::handle num_qps, py::handle previous_event,
+             py::handle previous_event_before_epilogue, py::handle async_with_compute_stream,
+             py::handle allocate_on_comm_stream, py::handle handle, py::handle do_handle_copy,
+             py::handle do_cpu_sync, py::handle do_expand, py::handle do_zero_padding, py::handle use_tma) {
+            ElasticBuffer& buffer = box.get();
+            ArgumentImports in;
+            auto [data, scales] = in.x_or_pair(x, "scales");
+            const Tensor idx = in.tensor(topk_idx, "topk_idx");
+            const Tensor weights = in.tensor(topk_weights, "topk_weights");
+            const Tensor recv_stats = in.tensor(stats, "cumulative_local_expert_recv_stats");
             DispatchArgs a;
             a.x = data;
             a.x_scales = scales;
             a.topk_idx = idx;
             a.topk_weights = weights;
             a.cumulative_local_expert_recv_stats = recv_stats;
-            a.num_experts = num_experts;
-            a.num_max_tokens_per_rank = num_max_tokens_per_rank;
-            a.expert_alignment = expert_alignment;
-            a.num_sms = num_sms;
-            a.num_qps = num_qps;
-            a.previous_event = to_event(previous_event, "previous_event");
-            a.previous_event_before_epilogue = to_event(previous_event_before_epilogue, "previous_event_before_epilogue");
-            a.async_with_compute_stream = async_with_compute_stream;
-            a.allocate_on_comm_stream = allocate_on_comm_stream;
-            a.handle = handle;
-            a.do_handle_copy = do_handle_copy;
-            a.do_cpu_sync = do_cpu_sync;
-            a.do_expand = do_expand;
-            a.do_zero_padding = do_zero_padding;
-            a.use_tma_aligned_col_major_sf = use_tma;
-            DispatchResult r;
-            {
-              py::gil_scoped_release release;
-              r = box.get().dispatch(a);
-            }
+            a.num_experts = in.integer(num_experts, "num_experts");
+            a.num_max_tokens_per_rank = in.integer(num_max_tokens_per_rank, "num_max_tokens_per_rank");
+            a.expert_alignment = in.integer(expert_alignment, "expert_alignment");
+            a.num_sms = in.integer(num_sms, "num_sms");
+            a.num_qps = in.integer(num_qps, "num_qps");
+            a.previous_event = in.event(previous_event, "previous_event");
+            a.previous_event_before_epilogue = in.event(previous_event_before_epilogue, "previous_event_before_epilogue");
+            a.async_with_compute_stream = in.boolean(async_with_compute_stream, "async_with_compute_stream");
+            a.allocate_on_comm_stream = in.boolean(allocate_on_comm_stream, "allocate_on_comm_stream");
+            a.handle = in.object<EPHandle>(handle, "handle", "an EPHandle returned by dispatch");
+            a.do_handle_copy = in.boolean(do_handle_copy, "do_handle_copy");
+            a.do_cpu_sync = in.optional_boolean(do_cpu_sync, "do_cpu_sync");
+            a.do_expand = in.boolean(do_expand, "do_expand");
+            a.do_zero_padding = in.boolean(do_zero_padding, "do_zero_padding");
+            a.use_tma_aligned_col_major_sf = in.boolean(use_tma, "use_tma_aligned_col_major_sf");
+            a.rejection = in.rejection();
+            const DispatchResult r = in.call([&] { return buffer.dispatch(a); });
             auto ev = std::make_shared<PyEvent>();
             ev->event = r.event;
             keep_inputs(*ev, {&data, &scales, &idx, &weights, &recv_stats});
@@ -136,30 +124,28 @@ void register_elastic(py::module_& m) {
           py::arg("use_tma_aligned_col_major_sf"))
       .def(
           "combine",
-          [](ElasticBox& box, py::handle x, std::shared_ptr<EPHandle> handle, py::handle topk_weights,
-             std::vector<py::handle> bias, int num_sms, int num_qps, py::handle previous_event,
-             py::handle previous_event_before_epilogue, bool async_with_compute_stream, bool allocate_on_comm_stream) {
-            if (!handle) throw py::type_error("handle is None; combine needs the handle of a dispatch");
-            const Tensor data = import_tensor(x, "x");
-            const Tensor weights = import_optional(topk_weights, "topk_weights");
-            std::vector<Tensor> biases;
-            for (size_t i = 0; i < bias.size(); ++i) biases.push_back(import_tensor(bias[i], i == 0 ? "bias[0]" : "bias[1]"));
+          [](ElasticBox& box, py::handle x, py::handle handle, py::handle topk_weights, py::handle bias,
+             py::handle num_sms, py::handle num_qps, py::handle previous_event,
+             py::handle previous_event_before_epilogue, py::handle async_with_compute_stream,
+             py::handle allocate_on_comm_stream) {
+            ElasticBuffer& buffer = box.get();
+            ArgumentImports in;
+            const Tensor data = in.tensor(x, "x");
+            const Tensor weights = in.tensor(topk_weights, "topk_weights");
+            const std::vector<Tensor> biases = in.tensor_list(bias, "bias");
             CombineArgs a;
             a.x = data;
-            a.handle = handle;
+            a.handle = in.object<EPHandle>(handle, "handle", "an EPHandle returned by dispatch", true);
             a.topk_weights = weights;
             for (const Tensor& b : biases) a.bias.push_back(b);
-            a.num_sms = num_sms;
-            a.num_qps = num_qps;
-            a.previous_event = to_event(previous_event, "previous_event");
-            a.previous_event_before_epilogue = to_event(previous_event_before_epilogue, "previous_event_before_epilogue");
-            a.async_with_compute_stream = async_with_compute_stream;
-            a.allocate_on_comm_stream = allocate_on_comm_stream;
-            CombineResult r;
-            {
-              py::gil_scoped_release release;
-              r = box.get().combine(a);
-            }
+            a.num_sms = in.integer(num_sms, "num_sms");
+            a.num_qps = in.integer(num_qps, "num_qps");
+            a.previous_event = in.event(previous_event, "previous_event");
+            a.previous_event_before_epilogue = in.event(previous_event_before_epilogue, "previous_event_before_epilogue");
+            a.async_with_compute_stream = in.boolean(async_with_compute_stream, "async_with_compute_stream");
+            a.allocate_on_comm_stream = in.boolean(allocate_on_comm_stream, "allocate_on_comm_stream");
+            a.rejection = in.rejection();
+            const CombineResult r = in.call([&] { return buffer.combine(a); });
             auto ev = std::make_shared<PyEvent>();
             ev->event = r.event;
             keep_inputs(*ev, {&data, &weights});

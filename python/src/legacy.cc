@@ -10,17 +10,6 @@ namespace {
 
 using LegacyBox = Box<Buffer>;
 
-std::pair<Tensor, Tensor> import_x(py::handle x) {
-  if (py::isinstance<py::tuple>(x) || py::isinstance<py::list>(x)) {
-    py::sequence pair = py::reinterpret_borrow<py::sequence>(x);
-    if (pair.size() != 2)
-      throw py::value_error(fmt::format("x must be a tensor or a pair (x_fp8, x_scales), got a sequence of {} items",
-                                        pair.size()));
-    return {import_tensor(pair[0], "x[0] (FP8 data)", DType::kFP8E4M3), import_tensor(pair[1], "x[1] (x_scales)")};
-  }
-  return {import_tensor(x, "x"), Tensor{}};
-}
-
 std::shared_ptr<PyEvent> event_of(const Event& e, std::vector<Tensor> keep) {
   auto ev = std::make_shared<PyEvent>();
   ev->event = e;
@@ -52,7 +41,7 @@ py::object hook_of(const ReceiveHook& hook, std::vector<Tensor> keep) {
 }  // namespace
 
 void register_legacy(py::module_& m) {
-  py::class_<Config>(m, "Config")
+  py::class_<Config, std::shared_ptr<Config>>(m, "Config")
       .def(py::init(&Config::make), py::arg("num_sms") = 20, py::arg("num_max_nvl_chunked_send_tokens") = 6,
            py::arg("num_max_nvl_chunked_recv_tokens") = 256, py::arg("num_max_rdma_chunked_send_tokens") = 6,
            py::arg("num_max_rdma_chunked_recv_tokens") = 256)
@@ -125,121 +114,118 @@ void register_legacy(py::module_& m) {
                                    event_of(r.event, {idx}));
            })
       .def("dispatch",
-           [](LegacyBox& box, py::handle x, std::shared_ptr<LegacyHandle> handle, py::handle per_rank,
-              py::handle per_rdma_rank, py::handle in_rank, py::handle per_expert, py::handle topk_idx,
-              py::handle topk_weights, int expert_alignment, int num_worst_tokens, std::optional<Config> config,
-              py::handle previous_event, bool async_finish, bool allocate_on_comm_stream) {
-             auto [data, scales] = import_x(x);
-             std::vector<Tensor> in = {data, scales,
-                                       import_optional(per_rank, "num_tokens_per_rank"),
-                                       import_optional(per_rdma_rank, "num_tokens_per_rdma_rank"),
-                                       import_optional(in_rank, "is_token_in_rank"),
-                                       import_optional(per_expert, "num_tokens_per_expert"),
-                                       import_optional(topk_idx, "topk_idx"),
-                                       import_optional(topk_weights, "topk_weights")};
+           [](LegacyBox& box, py::handle x, py::handle handle, py::handle per_rank, py::handle per_rdma_rank,
+              py::handle in_rank, py::handle per_expert, py::handle topk_idx, py::handle topk_weights,
+              py::handle expert_alignment, py::handle num_worst_tokens, py::handle config, py::handle previous_event,
+              py::handle async_finish, py::handle allocate_on_comm_stream) {
+             Buffer& buffer = box.get();
+             ArgumentImports in;
+             auto [data, scales] = in.x_or_pair(x, "x_scales");
+             std::vector<Tensor> keep = {data,
+                                         scales,
+                                         in.tensor(per_rank, "num_tokens_per_rank"),
+                                         in.tensor(per_rdma_rank, "num_tokens_per_rdma_rank"),
+                                         in.tensor(in_rank, "is_token_in_rank", DType::kBool),
+                                         in.tensor(per_expert, "num_tokens_per_expert"),
+                                         in.tensor(topk_idx, "topk_idx"),
+                                         in.tensor(topk_weights, "topk_weights")};
              LegacyDispatchArgs a;
-             a.x = in[0];
-             a.x_scales = in[1];
-             a.handle = handle;
-             a.num_tokens_per_rank = in[2];
-             a.num_tokens_per_rdma_rank = in[3];
-             a.is_token_in_rank = in[4];
-             a.num_tokens_per_expert = in[5];
-             a.topk_idx = in[6];
-             a.topk_weights = in[7];
-             a.expert_alignment = expert_alignment;
-             a.num_worst_tokens = num_worst_tokens;
-             a.config = config;
-             a.previous_event = to_event(previous_event, "previous_event");
-             a.async_finish = async_finish;
-             a.allocate_on_comm_stream = allocate_on_comm_stream;
-             LegacyDispatchResult r;
-             {
-               py::gil_scoped_release release;
-               r = box.get().dispatch(a);
-             }
-             py::object list = handle ? py::object(py::none()) : py::object(py::cast(r.num_recv_tokens_per_expert_list));
+             a.x = keep[0];
+             a.x_scales = keep[1];
+             a.handle = in.object<LegacyHandle>(handle, "handle", "a handle returned by dispatch");
+             a.num_tokens_per_rank = keep[2];
+             a.num_tokens_per_rdma_rank = keep[3];
+             a.is_token_in_rank = keep[4];
+             a.num_tokens_per_expert = keep[5];
+             a.topk_idx = keep[6];
+             a.topk_weights = keep[7];
+             a.expert_alignment = in.integer(expert_alignment, "expert_alignment");
+             a.num_worst_tokens = in.integer(num_worst_tokens, "num_worst_tokens");
+             if (auto c = in.object<Config>(config, "config", "a Config")) a.config = *c;
+             a.previous_event = in.event(previous_event, "previous_event");
+             a.async_finish = in.boolean(async_finish, "async_finish");
+             a.allocate_on_comm_stream = in.boolean(allocate_on_comm_stream, "allocate_on_comm_stream");
+             a.rejection = in.rejection();
+             const LegacyDispatchResult r = in.call([&] { return buffer.dispatch(a); });
+             py::object list =
+                 a.handle ? py::object(py::none()) : py::object(py::cast(r.num_recv_tokens_per_expert_list));
              return py::make_tuple(export_tensor(r.recv_x), export_tensor(r.recv_x_scales), export_tensor(r.recv_topk_idx),
-                                   export_tensor(r.recv_topk_weights), list, r.handle, event_of(r.event, std::move(in)));
+                                   export_tensor(r.recv_topk_weights), list, r.handle, event_of(r.event, std::move(keep)));
            })
       .def("combine",
-           [](LegacyBox& box, py::handle x, std::shared_ptr<LegacyHandle> handle, py::handle topk_weights,
-              std::vector<py::handle> bias, std::optional<Config> config, py::handle previous_event, bool async_finish,
-              bool allocate_on_comm_stream) {
-             if (!handle) throw py::type_error("handle is None; combine needs the handle of a dispatch");
-             std::vector<Tensor> in = {import_tensor(x, "x"), import_optional(topk_weights, "topk_weights")};
-             for (size_t i = 0; i < bias.size(); ++i) in.push_back(import_tensor(bias[i], i == 0 ? "bias[0]" : "bias[1]"));
+           [](LegacyBox& box, py::handle x, py::handle handle, py::handle topk_weights, py::handle bias,
+              py::handle config, py::handle previous_event, py::handle async_finish,
+              py::handle allocate_on_comm_stream) {
+             Buffer& buffer = box.get();
+             ArgumentImports in;
+             std::vector<Tensor> keep = {in.tensor(x, "x"), in.tensor(topk_weights, "topk_weights")};
+             const std::vector<Tensor> biases = in.tensor_list(bias, "bias");
+             keep.insert(keep.end(), biases.begin(), biases.end());
              LegacyCombineArgs a;
-             a.x = in[0];
-             a.handle = handle;
-             a.topk_weights = in[1];
-             for (size_t i = 2; i < in.size(); ++i) a.bias.push_back(in[i]);
-             a.config = config;
-             a.previous_event = to_event(previous_event, "previous_event");
-             a.async_finish = async_finish;
-             a.allocate_on_comm_stream = allocate_on_comm_stream;
-             CombineResult r;
-             {
-               py::gil_scoped_release release;
-               r = box.get().combine(a);
-             }
+             a.x = keep[0];
+             a.handle = in.object<LegacyHandle>(handle, "handle", "a handle returned by dispatch", true);
+             a.topk_weights = keep[1];
+             for (const Tensor& b : biases) a.bias.push_back(b);
+             if (auto c = in.object<Config>(config, "config", "a Config")) a.config = *c;
+             a.previous_event = in.event(previous_event, "previous_event");
+             a.async_finish = in.boolean(async_finish, "async_finish");
+             a.allocate_on_comm_stream = in.boolean(allocate_on_comm_stream, "allocate_on_comm_stream");
+             a.rejection = in.rejection();
+             const CombineResult r = in.call([&] { return buffer.combine(a); });
              return py::make_tuple(export_tensor(r.combined_x), export_tensor(r.combined_topk_weights),
-                                   event_of(r.event, std::move(in)));
+                                   event_of(r.event, std::move(keep)));
            })
       .def("low_latency_dispatch",
-           [](LegacyBox& box, py::handle x, py::handle topk_idx, int cap, int num_experts, py::handle cumulative,
-              py::handle wait_stats, bool use_fp8, bool round_scale, bool use_ue8m0, bool async_finish,
-              bool return_recv_hook) {
-             std::vector<Tensor> in = {import_tensor(x, "x"), import_tensor(topk_idx, "topk_idx"),
-                                       import_optional(cumulative, "cumulative_local_expert_recv_stats"),
-                                       import_optional(wait_stats, "dispatch_wait_recv_cost_stats")};
+           [](LegacyBox& box, py::handle x, py::handle topk_idx, py::handle cap, py::handle num_experts,
+              py::handle cumulative, py::handle wait_stats, py::handle use_fp8, py::handle round_scale,
+              py::handle use_ue8m0, py::handle async_finish, py::handle return_recv_hook) {
+             Buffer& buffer = box.get();
+             ArgumentImports in;
+             std::vector<Tensor> keep = {in.tensor(x, "x"), in.tensor(topk_idx, "topk_idx"),
+                                         in.tensor(cumulative, "cumulative_local_expert_recv_stats"),
+                                         in.tensor(wait_stats, "dispatch_wait_recv_cost_stats")};
              LowLatencyDispatchArgs a;
-             a.x = in[0];
-             a.topk_idx = in[1];
-             a.num_max_dispatch_tokens_per_rank = cap;
-             a.num_experts = num_experts;
-             a.cumulative_local_expert_recv_stats = in[2];
-             a.dispatch_wait_recv_cost_stats = in[3];
-             a.use_fp8 = use_fp8;
-             a.round_scale = round_scale;
-             a.use_ue8m0 = use_ue8m0;
-             a.async_finish = async_finish;
-             a.return_recv_hook = return_recv_hook;
-             LowLatencyDispatchResult r;
-             {
-               py::gil_scoped_release release;
-               r = box.get().low_latency_dispatch(a);
-             }
-             py::object hook = hook_of(r.hook, in);
+             a.x = keep[0];
+             a.topk_idx = keep[1];
+             a.num_max_dispatch_tokens_per_rank = in.integer(cap, "num_max_dispatch_tokens_per_rank");
+             a.num_experts = in.integer(num_experts, "num_experts");
+             a.cumulative_local_expert_recv_stats = keep[2];
+             a.dispatch_wait_recv_cost_stats = keep[3];
+             a.use_fp8 = in.boolean(use_fp8, "use_fp8");
+             a.round_scale = in.boolean(round_scale, "round_scale");
+             a.use_ue8m0 = in.boolean(use_ue8m0, "use_ue8m0");
+             a.async_finish = in.boolean(async_finish, "async_finish");
+             a.return_recv_hook = in.boolean(return_recv_hook, "return_recv_hook");
+             a.rejection = in.rejection();
+             const LowLatencyDispatchResult r = in.call([&] { return buffer.low_latency_dispatch(a); });
+             py::object hook = hook_of(r.hook, keep);
              return py::make_tuple(export_tensor(r.recv_x), export_tensor(r.recv_x_scales),
-                                   export_tensor(r.packed_recv_count), r.handle, event_of(r.event, std::move(in)), hook);
+                                   export_tensor(r.packed_recv_count), r.handle, event_of(r.event, std::move(keep)), hook);
            })
       .def("low_latency_combine",
-           [](LegacyBox& box, py::handle x, py::handle topk_idx, py::handle topk_weights,
-              std::shared_ptr<LowLatencyHandle> handle, bool use_logfmt, bool zero_copy, bool async_finish,
-              bool return_recv_hook, py::handle out, py::handle wait_stats) {
-             if (!handle) throw py::type_error("handle is None; low_latency_combine needs the handle of a dispatch");
-             std::vector<Tensor> in = {import_tensor(x, "x"), import_tensor(topk_idx, "topk_idx"),
-                                       import_tensor(topk_weights, "topk_weights"), import_optional(out, "out"),
-                                       import_optional(wait_stats, "combine_wait_recv_cost_stats")};
+           [](LegacyBox& box, py::handle x, py::handle topk_idx, py::handle topk_weights, py::handle handle,
+              py::handle use_logfmt, py::handle zero_copy, py::handle async_finish, py::handle return_recv_hook,
+              py::handle out, py::handle wait_stats) {
+             Buffer& buffer = box.get();
+             ArgumentImports in;
+             std::vector<Tensor> keep = {in.tensor(x, "x"), in.tensor(topk_idx, "topk_idx"),
+                                         in.tensor(topk_weights, "topk_weights"), in.tensor(out, "out"),
+                                         in.tensor(wait_stats, "combine_wait_recv_cost_stats")};
              LowLatencyCombineArgs a;
-             a.x = in[0];
-             a.topk_idx = in[1];
-             a.topk_weights = in[2];
-             a.handle = handle;
-             a.use_logfmt = use_logfmt;
-             a.zero_copy = zero_copy;
-             a.async_finish = async_finish;
-             a.return_recv_hook = return_recv_hook;
-             a.out = in[3];
-             a.combine_wait_recv_cost_stats = in[4];
-             LowLatencyCombineResult r;
-             {
-               py::gil_scoped_release release;
-               r = box.get().low_latency_combine(a);
-             }
-             py::object hook = hook_of(r.hook, in);
-             return py::make_tuple(export_tensor(r.combined_x), event_of(r.event, std::move(in)), hook);
+             a.x = keep[0];
+             a.topk_idx = keep[1];
+             a.topk_weights = keep[2];
+             a.handle = in.object<LowLatencyHandle>(handle, "handle", "a handle returned by low_latency_dispatch", true);
+             a.use_logfmt = in.boolean(use_logfmt, "use_logfmt");
+             a.zero_copy = in.boolean(zero_copy, "zero_copy");
+             a.async_finish = in.boolean(async_finish, "async_finish");
+             a.return_recv_hook = in.boolean(return_recv_hook, "return_recv_hook");
+             a.out = keep[3];
+             a.combine_wait_recv_cost_stats = keep[4];
+             a.rejection = in.rejection();
+             const LowLatencyCombineResult r = in.call([&] { return buffer.low_latency_combine(a); });
+             py::object hook = hook_of(r.hook, keep);
+             return py::make_tuple(export_tensor(r.combined_x), event_of(r.event, std::move(keep)), hook);
            })
       .def("get_next_low_latency_combine_buffer",
            [](std::shared_ptr<LegacyBox> box, std::shared_ptr<LowLatencyHandle> handle) {

@@ -165,4 +165,80 @@ std::optional<Event> to_event(py::handle obj, const char* name) {
                                    type_name(obj)));
 }
 
+std::string ArgumentImports::type_message(py::handle obj, const char* name, const char* what) {
+  return fmt::format("{} must be {}, not {}", name, what, type_name(obj));
+}
+
+void ArgumentImports::fail_with(std::exception_ptr error) {
+  error_ = error;
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    message_ = e.what();
+  } catch (...) {
+    message_ = "an argument could not be converted";
+  }
+  if (message_.empty()) message_ = "an argument could not be converted";
+}
+
+Tensor ArgumentImports::tensor(py::handle obj, const char* name, std::optional<DType> dtype) {
+  return guarded([&] { return import_optional(obj, name, dtype); }, Tensor{});
+}
+
+std::pair<Tensor, Tensor> ArgumentImports::x_or_pair(py::handle x, const char* scales_name) {
+  if (!failed() && py::isinstance<py::tuple>(x)) {
+    py::tuple pair = py::reinterpret_borrow<py::tuple>(x);
+    if (pair.size() != 2) {
+      fail_with(std::make_exception_ptr(py::value_error(
+          fmt::format("x must be a tensor or a pair (x_fp8, {}), got a tuple of {} items", scales_name, pair.size()))));
+      return {};
+    }
+    return {tensor(pair[0], "x[0] (FP8 data)", DType::kFP8E4M3), tensor(pair[1], scales_name)};
+  }
+  return {guarded([&] { return import_tensor(x, "x"); }, Tensor{}), Tensor{}};
+}
+
+std::optional<Event> ArgumentImports::event(py::handle obj, const char* name) {
+  return guarded([&] { return to_event(obj, name); }, std::optional<Event>{});
+}
+
+int ArgumentImports::integer(py::handle obj, const char* name) {
+  return guarded(
+      [&] {
+        if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr())) throw py::type_error(type_message(obj, name, "an int"));
+        const long long v = obj.cast<long long>();
+        if (v < INT32_MIN || v > INT32_MAX)
+          throw InvalidArgument(fmt::format("{} = {} is outside the 32-bit range [{}, {}]", name, v, INT32_MIN, INT32_MAX));
+        return static_cast<int>(v);
+      },
+      0);
+}
+
+bool ArgumentImports::boolean(py::handle obj, const char* name) {
+  return guarded(
+      [&] {
+        if (!PyBool_Check(obj.ptr()) && !PyLong_Check(obj.ptr())) throw py::type_error(type_message(obj, name, "a bool"));
+        return PyObject_IsTrue(obj.ptr()) == 1;
+      },
+      false);
+}
+
+std::optional<bool> ArgumentImports::optional_boolean(py::handle obj, const char* name) {
+  if (obj.is_none()) return std::nullopt;
+  return boolean(obj, name);
+}
+
+std::vector<Tensor> ArgumentImports::tensor_list(py::handle obj, const char* name) {
+  std::vector<Tensor> out;
+  if (failed() || obj.is_none()) return out;
+  if (!py::isinstance<py::sequence>(obj) || py::isinstance<py::str>(obj)) {
+    fail_with(std::make_exception_ptr(py::type_error(type_message(obj, name, "a sequence of tensors"))));
+    return out;
+  }
+  py::sequence seq = py::reinterpret_borrow<py::sequence>(obj);
+  static const char* kNames[] = {"bias[0]", "bias[1]", "bias[2]", "bias[3]"};
+  for (size_t i = 0; i < seq.size(); ++i) out.push_back(tensor(seq[i], i < 4 ? kNames[i] : name));
+  return out;
+}
+
 }  // namespace moe_ep::python

@@ -360,6 +360,7 @@ std::string describe(const std::exception_ptr& e) {
 }  // namespace
 
 void retire(std::unique_ptr<SymmetricMemory> memory) {
+  if (memory && memory->peers_hold_own_mappings()) return;  // released here; the peers keep theirs
   static std::mutex mutex;
   static auto* retired = new std::vector<std::unique_ptr<SymmetricMemory>>();  // reachable until exit
   std::lock_guard lock(mutex);

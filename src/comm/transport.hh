@@ -92,6 +92,9 @@ class SymmetricMemory {
   virtual std::size_t bytes() const = 0;
   // This region on a rank of the same node; throws StateError for other nodes.
   virtual std::byte* node_peer(int rank) = 0;
+  // Peers reach this memory through mappings of their own (processes over memfds): releasing it
+  // here cannot take it away from a peer still reading it, so retire() may release it.
+  virtual bool peers_hold_own_mappings() const { return false; }
 };
 
 class Transport {
@@ -220,7 +223,8 @@ class PeerReads {
 
 
 // Keeps symmetric memory mapped until the process exits: for memory peers may still read after a
-// failure left the ranks out of step.
+// failure left the ranks out of step. Memory whose peers hold their own mappings
+// (peers_hold_own_mappings) is released at once instead.
 void retire(std::unique_ptr<SymmetricMemory> memory);
 
 // Checks a topology against a rank count and fills num_scaleup; throws InvalidArgument.

@@ -129,6 +129,7 @@ std::int64_t ElasticBuffer::get_buffer_size_hint(const Group& group, int num_max
 DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) {
   engine_->check_usable("dispatch");
   engine::DispatchRequest r;
+  r.rejection = args.rejection;
   r.x = args.x;
   r.x_scales = args.x_scales;
   r.topk_idx = args.topk_idx;
@@ -163,6 +164,7 @@ DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) {
 CombineResult ElasticBuffer::combine(const CombineArgs& args) {
   engine_->check_usable("combine");
   engine::CombineRequest r;
+  r.rejection = args.rejection;
   r.x = args.x;
   r.handle = args.handle;
   r.topk_weights = args.topk_weights;

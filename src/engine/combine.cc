@@ -132,6 +132,7 @@ class Combine final : public CombineOperation {
 
 void Combine::validate() {
   const auto& a = req_;
+  if (!a.rejection.empty()) core::fail(ctx_, "{}", a.rejection);
   if (a.validate_more) a.validate_more(ctx_);
   if (!a.handle) core::fail(ctx_, "handle is missing");
   plan_ = &checked_handle(engine_, ctx_, *a.handle);

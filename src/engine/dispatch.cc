@@ -81,6 +81,7 @@ class Dispatch final : public DispatchOperation {
 
 void Dispatch::validate() {
   const auto& a = req_;
+  if (!a.rejection.empty()) core::fail(ctx_, "{}", a.rejection);
   if (a.validate_more) a.validate_more(ctx_);
   cached_ = a.handle != nullptr;
   if (a.max_tokens < 0) core::fail(ctx_, "num_max_tokens_per_rank = {} is negative", a.max_tokens);

@@ -252,6 +252,7 @@ void resolve_tensors(Engine& engine, std::vector<PeerTensors>& peers, const Peer
 // A dispatch, as both generations ask for it. Argument names in messages are the fields' names.
 struct DispatchRequest {
   std::string operation = "dispatch";
+  std::string rejection;  // the caller refused the arguments (DispatchArgs::rejection)
   TensorView x, x_scales, topk_idx, topk_weights, cumulative_local_expert_recv_stats;
   std::shared_ptr<const EPHandle> handle;  // cached dispatch
   int num_experts = 0;
@@ -276,6 +277,7 @@ struct DispatchRequest {
 
 struct CombineRequest {
   std::string operation = "combine";
+  std::string rejection;  // the caller refused the arguments (CombineArgs::rejection)
   TensorView x;
   std::shared_ptr<const EPHandle> handle;
   TensorView topk_weights;

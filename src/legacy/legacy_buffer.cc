@@ -312,6 +312,7 @@ LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& args) {
   const int R = e.num_ranks, nodes = e.physical.num_scaleout;
   const bool routed_by_ids = args.topk_idx.defined();
   engine::DispatchRequest r;
+  r.rejection = args.rejection;
   r.x = args.x;
   r.x_scales = args.x_scales;
   r.topk_weights = args.topk_weights;
@@ -452,6 +453,7 @@ CombineResult Buffer::combine(const LegacyCombineArgs& args) {
   e.check_usable("combine");
   const Config config = args.config.value_or(get_combine_config(e.num_ranks));
   engine::CombineRequest r;
+  r.rejection = args.rejection;
   r.x = args.x;
   r.handle = args.handle ? args.handle->routing : nullptr;
   r.topk_weights = args.topk_weights;

@@ -110,6 +110,7 @@ void LowLatencyDispatch::validate() {
   auto& e = core_.engine;
   const auto& a = args_;
   R_ = e.num_ranks;
+  if (!a.rejection.empty()) core::fail(ctx_, "{}", a.rejection);
   if (!core_.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
   N_ = a.num_max_dispatch_tokens_per_rank;
   if (N_ <= 0) core::fail(ctx_, "num_max_dispatch_tokens_per_rank = {} must be positive", N_);
@@ -415,6 +416,7 @@ void LowLatencyCombine::validate() {
   auto& e = core_.engine;
   const auto& a = args_;
   R_ = e.num_ranks;
+  if (!a.rejection.empty()) core::fail(ctx_, "{}", a.rejection);
   if (!core_.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
   if (!a.handle || !a.handle->state || a.handle->state->engine_id != e.id)
     core::fail(ctx_, "handle is missing or was created by another buffer");

@@ -94,7 +94,8 @@ def sglang_v1(group):
             assert_same(recv_w, exp["recv_topk_weights"], "SGLang normal recv_topk_weights")
             assert counts == exp["num_recv_tokens_per_expert_list"]
             out = d.normal_combine(ref.rank_transform(recv_x, rank))
-            want = ref.combine_rank(inputs, rank, E, rank_rows_of=lambda dd, t: ref.rank_transform(x[t], dd))
+            want = ref.combine_rank(inputs, rank, E, rank_rows_of=lambda dd, t: ref.rank_transform(x[t], dd),
+                                    ranks_per_node=group_su(group))
         else:
             slab, masked_m, expected_m = d.ll_dispatch(x, idx)
             per = ref.ll_expert_tokens(inputs, rank, E)
@@ -142,7 +143,8 @@ def megatron_v2(group):
     combined, _, event = buffer.combine(y, handle, previous_event=buffer.capture(), async_with_compute_stream=True,
                                         allocate_on_comm_stream=True)
     event.current_stream_wait()
-    want = ref.combine_rank(inputs, rank, E, rank_rows_of=lambda dd, t: ref.rank_transform(x[t], dd))
+    want = ref.combine_rank(inputs, rank, E, rank_rows_of=lambda dd, t: ref.rank_transform(x[t], dd),
+                            ranks_per_node=group_su(group))
     assert_same(combined, want, "Megatron combined")
     # backward of combine = cached dispatch of the gradient
     grad = ref.make_inputs(R, 12, H, E, K, 301)
@@ -152,7 +154,8 @@ def megatron_v2(group):
     # backward of dispatch = combine of the gradient, the probabilities' gradients transported back
     grad_probs = recv_w * 0.5
     g_x, g_probs, _ = buffer.combine(grad_recv, handle, topk_weights=grad_probs.float(), num_sms=saved_num_sms)
-    assert_same(g_x, ref.combine_rank(grad, rank, E, rank_rows_of=lambda dd, t: grad[rank][0][t]), "Megatron grad")
+    assert_same(g_x, ref.combine_rank(inputs, rank, E, rank_rows_of=lambda dd, t: grad[rank][0][t],
+                                      ranks_per_node=group_su(group)), "Megatron grad")
     assert_same(g_probs, ref.v2_combined_weights(inputs, rank, E, lambda dd, t, j: w[t, j] * 0.5),
                 "Megatron grad probs")
     return True

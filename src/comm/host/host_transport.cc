@@ -133,6 +133,8 @@ class HostSymmetricMemory final : public SymmetricMemory {
   std::size_t bytes() const override { return bytes_; }
   std::byte* node_peer(int rank) override;
   std::byte* any_peer(int rank) { return bases_[static_cast<size_t>(rank)]; }
+  // Every rank maps every segment through its own mapping of the memfd (no collective release).
+  bool peers_hold_own_mappings() const override { return true; }
 
  private:
   const HostTransport& owner_;

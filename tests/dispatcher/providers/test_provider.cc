@@ -10,7 +10,7 @@
 #error "TEST_PROVIDER_NAME is required"
 #endif
 #ifndef TEST_PROVIDER_ABI
-#define TEST_PROVIDER_ABI 1
+#define TEST_PROVIDER_ABI moe_ep::provider::kAbiVersion
 #endif
 
 namespace {

@@ -1,5 +1,7 @@
 """Helpers shared by the two buffer generations' Python classes."""
 
+import collections.abc
+
 import torch
 
 from ... import _C
@@ -24,28 +26,26 @@ def require_false(value, name, why):
         raise NotImplementedError(f"{name}=True is not supported by moe-ep: {why}")
 
 
+# Argument errors must reach every rank of a collective call: the wrappers below do not raise;
+# the extension converts the arguments and, when one cannot be converted on this rank, still
+# takes part in the call as a rejection (peers raise PeerError naming this rank) before raising.
+
+
 def bias_list(bias):
+    """None -> [], a tensor -> [it], a sequence as is (the extension checks what it holds)."""
     if bias is None:
         return []
     if isinstance(bias, torch.Tensor):
         return [bias]
-    if isinstance(bias, (tuple, list)):
-        if len(bias) > 2:
-            raise ValueError(f"bias is a sequence of {len(bias)} tensors; at most 2 are accepted")
-        return list(bias)
-    raise TypeError(f"bias must be None, a tensor or a pair of tensors, not {type(bias).__name__}")
+    return bias
 
 
-def int_or(value, default, name):
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    return value
+def or_default(value, default):
+    return default if value is None else value
 
 
-class NativeTuple(tuple):
-    """A tuple (DeepEP's handle shapes) that also carries the moe-ep handle behind it."""
+class HandleTuple(tuple):
+    """One of DeepEP's handle tuples that also carries the moe-ep handle behind it (``_native``)."""
 
     def __new__(cls, items, native):
         t = super().__new__(cls, items)
@@ -53,10 +53,35 @@ class NativeTuple(tuple):
         return t
 
 
-def native_handle(handle, kind, name="handle"):
-    if handle is None:
-        return None
-    native = getattr(handle, "_native", None)
-    if not isinstance(native, kind):
-        raise TypeError(f"{name} must be a handle returned by this buffer's dispatch, not {type(handle).__name__}")
-    return native
+class DeferredHandleTuple(collections.abc.Sequence):
+    """DeepEP's handle tuple of an asynchronous call, whose handle the communication worker fills:
+    indexing, unpacking and ``len`` work as on the tuple; the items are read on first use, after
+    the call's event completed (``_native`` is the moe-ep handle)."""
+
+    def __init__(self, native, event, items):
+        self._native = native
+        self._event = event
+        self._items_of = items
+        self._items = None
+
+    def _resolve(self):
+        if self._items is None:
+            if self._event is not None and not self._event.query():
+                self._event.wait()
+            self._items = tuple(self._items_of(self._native))
+        return self._items
+
+    def __getitem__(self, i):
+        return self._resolve()[i]
+
+    def __len__(self):
+        return len(self._resolve())
+
+    def __repr__(self):
+        return f"DeferredHandleTuple{self._resolve()!r}"
+
+
+def native_handle(handle):
+    """The moe-ep handle behind one of DeepEP's handle tuples (anything else passes through, for
+    the extension to refuse)."""
+    return getattr(handle, "_native", handle)

@@ -11,7 +11,7 @@ import torch
 
 from ... import _C
 from ..utils import EventHandle, EventOverlap, _native, _overlap
-from ._common import bias_list, group_of, int_or, not_on_cpu, require_false
+from ._common import bias_list, group_of, not_on_cpu, or_default
 
 # DeepEP's defaults of get_theoretical_num_sms are GPU SM bandwidths; left at them, moe-ep uses the
 # bandwidths it measured on this machine.
@@ -27,8 +27,9 @@ class EPHandle:
     _VALUES = ("do_expand", "num_experts", "expert_alignment", "num_max_tokens_per_rank", "num_sms",
                "num_recv_tokens", "num_expanded_tokens", "num_recv_tokens_per_expert_list")
 
-    def __init__(self, native):
+    def __init__(self, native, event=None):
         self._native = native
+        self._event = event  # an asynchronous dispatch fills the handle on the communication worker
         # Hybrid-kernel bookkeeping of DeepEP's GPU data path; moe-ep's has no counterpart.
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
@@ -37,6 +38,9 @@ class EPHandle:
     def __getattr__(self, name):
         # Fields are read from the native handle on first use (tensors are exported once).
         if name in EPHandle._TENSORS or name in EPHandle._VALUES:
+            event = self.__dict__.get("_event")
+            if event is not None and not event.query():
+                event.wait()
             value = getattr(self._native, name)
             setattr(self, name, value)
             return value
@@ -124,30 +128,24 @@ class ElasticBuffer:
                  previous_event_before_epilogue=None, async_with_compute_stream=False, allocate_on_comm_stream=False,
                  handle=None, do_handle_copy=True, do_cpu_sync=None, do_expand=False, do_zero_padding=False,
                  use_tma_aligned_col_major_sf=False):
-        native = None
-        if handle is not None:
-            if not isinstance(handle, EPHandle):
-                raise TypeError(f"handle must be an EPHandle from dispatch, not {type(handle).__name__}")
-            native = handle._native
+        native = handle._native if isinstance(handle, EPHandle) else handle
         recv_x, recv_sf, recv_idx, recv_w, new_native, ev = self._rt().dispatch(
-            x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, int_or(num_experts, 0, "num_experts"),
-            int_or(num_max_tokens_per_rank, 0, "num_max_tokens_per_rank"),
-            int_or(expert_alignment, 1, "expert_alignment"), num_sms, num_qps,
+            x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, or_default(num_experts, 0),
+            or_default(num_max_tokens_per_rank, 0), or_default(expert_alignment, 1), num_sms, num_qps,
             _native(previous_event, "previous_event"),
             _native(previous_event_before_epilogue, "previous_event_before_epilogue"), async_with_compute_stream,
             allocate_on_comm_stream, native, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
             use_tma_aligned_col_major_sf)
-        if isinstance(x, (tuple, list)):
+        if isinstance(x, tuple):
             recv_x = (recv_x, recv_sf)
-        out_handle = handle if native is not None else EPHandle(new_native)
+        out_handle = handle if handle is not None else EPHandle(new_native, ev)
         return recv_x, recv_idx, recv_w, out_handle, _overlap(ev, async_with_compute_stream)
 
     def combine(self, x, handle, topk_weights=None, bias=None, num_sms=0, num_qps=0, previous_event=None,
                 previous_event_before_epilogue=None, async_with_compute_stream=False, allocate_on_comm_stream=False):
-        if not isinstance(handle, EPHandle):
-            raise TypeError(f"handle must be an EPHandle from dispatch, not {type(handle).__name__}")
+        native = handle._native if isinstance(handle, EPHandle) else handle
         combined, combined_w, ev = self._rt().combine(
-            x, handle._native, topk_weights, bias_list(bias), num_sms, num_qps,
+            x, native, topk_weights, bias_list(bias), num_sms, num_qps,
             _native(previous_event, "previous_event"),
             _native(previous_event_before_epilogue, "previous_event_before_epilogue"), async_with_compute_stream,
             allocate_on_comm_stream)

@@ -9,7 +9,7 @@ import torch
 
 from ... import _C
 from ..utils import EventHandle, EventOverlap, _native, _overlap
-from ._common import NativeTuple, bias_list, group_of, native_handle, not_on_cpu, require_false
+from ._common import DeferredHandleTuple, HandleTuple, bias_list, group_of, native_handle, not_on_cpu, require_false
 
 Config = _C.Config
 
@@ -85,37 +85,40 @@ class Buffer:
             topk_idx, num_experts, _native(previous_event, "previous_event"), async_finish, allocate_on_comm_stream)
         return per_rank, per_rdma, per_expert, in_rank, _overlap(ev, async_finish)
 
-    def _handle_tuple(self, native):
-        (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head, recv_rdma_psum,
-         recv_gbl_psum) = native.fields()
-        if self._group.num_scaleout == 1:
-            items = (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head)
-        else:
+    def _handle_tuple(self, native, event):
+        internode = self._group.num_scaleout > 1
+
+        def items(native):
+            (rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head, recv_rdma_psum,
+             recv_gbl_psum) = native.fields()
+            if not internode:
+                return rank_prefix, channel_prefix, recv_channel_prefix, recv_src_idx, in_rank, send_head
             # DeepEP's internode handle; the fields moe-ep's data path has no counterpart for are None.
-            items = (in_rank, None, channel_prefix, None, recv_rdma_psum, recv_channel_prefix, recv_gbl_psum, None,
-                     None, None)
-        return NativeTuple(items, native)
+            return (in_rank, None, channel_prefix, None, recv_rdma_psum, recv_channel_prefix, recv_gbl_psum, None,
+                    None, None)
+
+        if event.query():
+            return HandleTuple(items(native), native)
+        return DeferredHandleTuple(native, event, items)
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None,
                  is_token_in_rank=None, num_tokens_per_expert=None, topk_idx=None, topk_weights=None,
                  expert_alignment=1, num_worst_tokens=0, config=None, previous_event=None, async_finish=False,
                  allocate_on_comm_stream=False):
-        cached = native_handle(handle, _C.LegacyHandle)
         recv_x, recv_sf, recv_idx, recv_w, counts, new_handle, ev = self._rt().dispatch(
-            x, cached, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
+            x, native_handle(handle), num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
             _native(previous_event, "previous_event"), async_finish, allocate_on_comm_stream)
-        if isinstance(x, (tuple, list)):
+        if isinstance(x, tuple):
             recv_x = (recv_x, recv_sf)
         event = _overlap(ev, async_finish)
-        if cached is not None:
+        if handle is not None:
             return recv_x, None, None, None, None, event
-        return recv_x, recv_idx, recv_w, counts, self._handle_tuple(new_handle), event
+        return recv_x, recv_idx, recv_w, counts, self._handle_tuple(new_handle, ev), event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
                 allocate_on_comm_stream=False):
-        native = native_handle(handle, _C.LegacyHandle)
-        combined, combined_w, ev = self._rt().combine(x, native, topk_weights, bias_list(bias), config,
+        combined, combined_w, ev = self._rt().combine(x, native_handle(handle), topk_weights, bias_list(bias), config,
                                                       _native(previous_event, "previous_event"), async_finish,
                                                       allocate_on_comm_stream)
         return combined, combined_w, _overlap(ev, async_finish)
@@ -130,7 +133,7 @@ class Buffer:
         recv_x, recv_sf, count, native, ev, hook = self._rt().low_latency_dispatch(
             x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
-        handle = NativeTuple(native.fields(), native)
+        handle = HandleTuple(native.fields(), native)  # its tensors exist from the start
         return (recv_x, recv_sf) if use_fp8 else recv_x, count, handle, _overlap(ev, async_finish), hook
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
@@ -143,11 +146,14 @@ class Buffer:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
-        native = native_handle(handle, _C.LowLatencyHandle)
-        combined, ev, hook = self._rt().low_latency_combine(x, topk_idx, topk_weights, native, use_logfmt, zero_copy,
+        combined, ev, hook = self._rt().low_latency_combine(x, topk_idx, topk_weights, native_handle(handle),
+                                                            use_logfmt, zero_copy,
                                                             async_finish, return_recv_hook, out,
                                                             combine_wait_recv_cost_stats)
         return combined, _overlap(ev, async_finish), hook
 
     def get_next_low_latency_combine_buffer(self, handle):
-        return self._rt().get_next_low_latency_combine_buffer(native_handle(handle, _C.LowLatencyHandle))
+        native = native_handle(handle)
+        if not isinstance(native, _C.LowLatencyHandle):
+            raise TypeError(f"handle must be a handle returned by low_latency_dispatch, not {type(handle).__name__}")
+        return self._rt().get_next_low_latency_combine_buffer(native)
