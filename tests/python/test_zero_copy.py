@@ -159,4 +159,4 @@ def _copied_bytes(rank, world, group):
 
 def test_processes_copy_only_foreign_inputs():
     out = check_all_ok(run_processes(_copied_bytes, 2))
-    assert all(o[1] == 0 for o in out)
+    assert all(o[0] > 0 for o in out)  # the torch-allocated x was copied: the counter sees copies
