@@ -44,6 +44,13 @@ WireDType parse_dtype(const std::string& s) {
   throw InvalidArgument(fmt::format("dispatch_dtype = '{}' is not one of bf16 | fp8", s));
 }
 
+// What dispatch and dispatch_a take.
+struct DispatchInputs {
+  Tensor x, topk_idx, topk_weights;
+  DispatchInputs(ArgumentImports& in, py::handle x_, py::handle idx, py::handle w)
+      : x(in.tensor(x_, "hidden_states")), topk_idx(in.tensor(idx, "topk_idx")), topk_weights(in.tensor(w, "topk_weights")) {}
+};
+
 py::dict output_dict(const DispatchOutput& o) {
   py::dict d;
   d["format"] = format_name(o.format);
@@ -138,18 +145,17 @@ void register_dispatcher(py::module_& m) {
               int micro_batch) {
              const BatchKind k = parse_kind(kind);
              ArgumentImports in;
-             const Tensor a = in.tensor(x, "hidden_states"), b = in.tensor(topk_idx, "topk_idx"),
-                          c = in.tensor(topk_weights, "topk_weights");
-             in.call([&] { d.dispatcher->dispatch_a(a, b, c, k, micro_batch); });
+             const DispatchInputs i(in, x, topk_idx, topk_weights);
+             in.call([&] { d.dispatcher->dispatch_a(i.x, i.topk_idx, i.topk_weights, k, micro_batch); });
            })
       .def("dispatch",
            [](PyDispatcher& d, py::handle x, py::handle topk_idx, py::handle topk_weights, const std::string& kind,
               int micro_batch) {
              const BatchKind k = parse_kind(kind);
              ArgumentImports in;
-             const Tensor a = in.tensor(x, "hidden_states"), b = in.tensor(topk_idx, "topk_idx"),
-                          c = in.tensor(topk_weights, "topk_weights");
-             return output_dict(in.call([&] { return d.dispatcher->dispatch(a, b, c, k, micro_batch); }));
+             const DispatchInputs i(in, x, topk_idx, topk_weights);
+             return output_dict(
+                 in.call([&] { return d.dispatcher->dispatch(i.x, i.topk_idx, i.topk_weights, k, micro_batch); }));
            })
       .def("dispatch_b",
            [](PyDispatcher& d, int micro_batch) {

@@ -10,6 +10,16 @@ namespace {
 
 using ElasticBox = Box<ElasticBuffer>;
 
+// The stream arguments dispatch and combine share.
+template <class Args>
+void stream_arguments(ArgumentImports& in, Args& a, py::handle previous_event, py::handle before_epilogue,
+                      py::handle async_with_compute_stream, py::handle allocate_on_comm_stream) {
+  a.previous_event = in.event(previous_event, "previous_event");
+  a.previous_event_before_epilogue = in.event(before_epilogue, "previous_event_before_epilogue");
+  a.async_with_compute_stream = in.boolean(async_with_compute_stream, "async_with_compute_stream");
+  a.allocate_on_comm_stream = in.boolean(allocate_on_comm_stream, "allocate_on_comm_stream");
+}
+
 void keep_inputs(PyEvent& ev, std::initializer_list<const Tensor*> tensors) {
   if (ev.event.query()) return;
   for (const Tensor* t : tensors)
@@ -98,10 +108,8 @@ void register_elastic(py::module_& m) {
             a.expert_alignment = in.integer(expert_alignment, "expert_alignment");
             a.num_sms = in.integer(num_sms, "num_sms");
             a.num_qps = in.integer(num_qps, "num_qps");
-            a.previous_event = in.event(previous_event, "previous_event");
-            a.previous_event_before_epilogue = in.event(previous_event_before_epilogue, "previous_event_before_epilogue");
-            a.async_with_compute_stream = in.boolean(async_with_compute_stream, "async_with_compute_stream");
-            a.allocate_on_comm_stream = in.boolean(allocate_on_comm_stream, "allocate_on_comm_stream");
+            stream_arguments(in, a, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+                             allocate_on_comm_stream);
             a.handle = in.object<EPHandle>(handle, "handle", "an EPHandle returned by dispatch");
             a.do_handle_copy = in.boolean(do_handle_copy, "do_handle_copy");
             a.do_cpu_sync = in.optional_boolean(do_cpu_sync, "do_cpu_sync");
@@ -140,10 +148,8 @@ void register_elastic(py::module_& m) {
             for (const Tensor& b : biases) a.bias.push_back(b);
             a.num_sms = in.integer(num_sms, "num_sms");
             a.num_qps = in.integer(num_qps, "num_qps");
-            a.previous_event = in.event(previous_event, "previous_event");
-            a.previous_event_before_epilogue = in.event(previous_event_before_epilogue, "previous_event_before_epilogue");
-            a.async_with_compute_stream = in.boolean(async_with_compute_stream, "async_with_compute_stream");
-            a.allocate_on_comm_stream = in.boolean(allocate_on_comm_stream, "allocate_on_comm_stream");
+            stream_arguments(in, a, previous_event, previous_event_before_epilogue, async_with_compute_stream,
+                             allocate_on_comm_stream);
             a.rejection = in.rejection();
             const CombineResult r = in.call([&] { return buffer.combine(a); });
             auto ev = std::make_shared<PyEvent>();
