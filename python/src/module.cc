@@ -85,6 +85,8 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([] { return std::make_shared<mp::PyEvent>(); }), "An already complete event.")
       .def("wait", &mp::PyEvent::wait, "Blocks until the work is done; raises its error.")
       .def("query", &mp::PyEvent::query);
+  m.def("last_native_seconds", [] { return mp::last_native_seconds(); },
+        "Seconds this thread's last buffer call spent in C++ (the rest of its time is the Python layer's).");
   mp::register_groups(m);
   mp::register_elastic(m);
   mp::register_legacy(m);

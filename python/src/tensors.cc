@@ -12,14 +12,21 @@ constexpr const char* kCapsuleName = "dltensor";
 constexpr const char* kUsedCapsuleName = "used_dltensor";
 
 struct Torch {
-  py::object from_dlpack, uint8, boolean, float8;  // float8: None where torch has no float8_e4m3fn
+  // The C functions behind torch.utils.dlpack (the Python wrappers around them cost more than
+  // the exchange itself); tensor_type: torch.Tensor, whose instances take the direct path.
+  py::object from_dlpack, to_dlpack, tensor_type, uint8, boolean, float8;  // float8: None without float8_e4m3fn
 };
 
 const Torch& torch_api() {
   static Torch* api = [] {
     auto* t = new Torch;  // lives until exit, as the torch module does
     py::module_ torch = py::module_::import("torch");
-    t->from_dlpack = py::module_::import("torch.utils.dlpack").attr("from_dlpack");
+    py::object c = torch.attr("_C");
+    t->from_dlpack = py::hasattr(c, "_from_dlpack")
+                         ? py::object(c.attr("_from_dlpack"))
+                         : py::object(py::module_::import("torch.utils.dlpack").attr("from_dlpack"));
+    t->to_dlpack = py::hasattr(c, "_to_dlpack") ? py::object(c.attr("_to_dlpack")) : py::object(py::none());
+    t->tensor_type = torch.attr("Tensor");
     t->uint8 = torch.attr("uint8");
     t->boolean = torch.attr("bool");
     t->float8 = py::hasattr(torch, "float8_e4m3fn") ? torch.attr("float8_e4m3fn") : py::none();
@@ -58,6 +65,12 @@ namespace {
 // call; bool tensors (torch 1.13 exports no bool), tensors that require grad (only their data is
 // read) and tensors on other devices take the slow path.
 py::object dlpack_capsule(py::handle obj, const char* name, bool* is_bool) {
+  const Torch& torch = torch_api();
+  if (!torch.to_dlpack.is_none() && PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(torch.tensor_type.ptr()))) {
+    PyObject* capsule = PyObject_CallOneArg(torch.to_dlpack.ptr(), obj.ptr());
+    if (capsule != nullptr) return py::reinterpret_steal<py::object>(capsule);  // the device is checked by the caller
+    PyErr_Clear();
+  }
   PyObject* method = PyObject_GetAttrString(obj.ptr(), "__dlpack__");
   if (method == nullptr) {
     PyErr_Clear();
@@ -96,6 +109,14 @@ Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtyp
   if (!PyCapsule_IsValid(capsule.ptr(), kCapsuleName))
     throw py::type_error(fmt::format("{}.__dlpack__() did not return a DLPack capsule", name));
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
+  const int device = managed->dl_tensor.device.device_type;
+  if (device != kDLCPU && device != kDLCUDAHost) {  // the capsule still owns the tensor and releases it
+    const std::string where = py::hasattr(obj, "device") ? py::str(obj.attr("device")).cast<std::string>()
+                                                         : fmt::format("DLPack device type {}", device);
+    throw py::type_error(fmt::format("{} is on {}; moe-ep's CPU provider needs CPU tensors (no GPU provider is built "
+                                     "into this module)",
+                                     name, where));
+  }
   PyCapsule_SetName(capsule.ptr(), kUsedCapsuleName);
   Tensor t;
   try {
@@ -163,6 +184,11 @@ std::optional<Event> to_event(py::handle obj, const char* name) {
   if (py::isinstance<PyEvent>(obj)) return obj.cast<PyEvent&>().event;
   throw py::type_error(fmt::format("{} must be an event captured by this module (EventHandle), not {}", name,
                                    type_name(obj)));
+}
+
+double& last_native_seconds() {
+  thread_local double seconds = 0;
+  return seconds;
 }
 
 std::string ArgumentImports::type_message(py::handle obj, const char* name, const char* what) {
