@@ -54,33 +54,35 @@ def _worker(rank, world, init_file, shapes, iters, shared_inputs, queue):
                     scales = moe_ep.empty_like(scales).copy_(scales)
                 times = {"dispatch": [], "combine": [], "maps": 0, "dispatch_layer": [], "combine_layer": []}
                 native = moe_ep._C.last_native_seconds
-                combine_x = None
-                for it in range(iters[tokens] + 2):  # two warm-up iterations
-                    # The previous iteration's outputs are released before the barrier, outside the timing.
-                    dispatched = combined = recv_x = recv_sf = recv_idx = recv_w = handle = None
-                    group.barrier()
-                    t0 = time.perf_counter()
-                    dispatched = buf.dispatch((x_fp8, scales), topk_idx=idx, topk_weights=weights, num_experts=EXPERTS)
-                    t1 = time.perf_counter()
-                    dispatch_native = native()
-                    (recv_x, recv_sf), recv_idx, recv_w, handle, _ = dispatched
-                    if combine_x is None or combine_x.shape[0] != recv_x.shape[0]:
-                        combine_x = (moe_ep.zeros if shared_inputs else torch.zeros)(recv_x.shape[0], HIDDEN,
-                                                                                     dtype=torch.bfloat16)
-                    group.barrier()
-                    t2 = time.perf_counter()
-                    combined = buf.combine(combine_x, handle, topk_weights=recv_w)
-                    t3 = time.perf_counter()
-                    combine_native = native()
-                    if it == 1:
-                        maps_before = moe_ep._C.allocator_stats()["num_maps"]
-                    if it >= 2:
-                        times["dispatch"].append(t1 - t0)
-                        times["combine"].append(t3 - t2)
-                        # What the Python layer adds: the call's time outside the C++ buffer call.
-                        times["dispatch_layer"].append((t1 - t0) - dispatch_native)
-                        times["combine_layer"].append((t3 - t2) - combine_native)
-                times["maps"] = moe_ep._C.allocator_stats()["num_maps"] - maps_before
+                # As the tool does: one dispatch makes the handle and the combine input; then each
+                # operation is timed on its own, every call after a barrier (outputs are released
+                # before the barrier, outside the timing).
+                first = buf.dispatch((x_fp8, scales), topk_idx=idx, topk_weights=weights, num_experts=EXPERTS)
+                handle = first[3]
+                rows = first[0][0].shape[0]
+                combine_x = (moe_ep.zeros if shared_inputs else torch.zeros)(rows, HIDDEN, dtype=torch.bfloat16)
+                calls = {
+                    "dispatch": lambda: buf.dispatch((x_fp8, scales), topk_idx=idx, topk_weights=weights,
+                                                     num_experts=EXPERTS),
+                    "combine": lambda: buf.combine(combine_x, handle),  # no weights to return, as the tool
+                }
+                maps = lambda: moe_ep._C.allocator_stats()["num_maps"]
+                for op, call in calls.items():
+                    result = None
+                    for it in range(iters[tokens] + 2):  # two warm-up iterations
+                        result = None
+                        if it == 2:
+                            maps_before = maps()
+                        group.barrier()
+                        t0 = time.perf_counter()
+                        result = call()
+                        t1 = time.perf_counter()
+                        if it >= 2:
+                            times[op].append(t1 - t0)
+                            # What the Python layer adds: the call's time outside the C++ buffer call.
+                            times[op + "_layer"].append((t1 - t0) - native())
+                    result = None
+                    times["maps"] += maps() - maps_before  # mappings made during the timed iterations
                 out[tokens] = times
                 del buf
         queue.put((rank, out, None))
@@ -156,6 +158,7 @@ def main(argv=None):
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--prefill-iters", type=int, default=5)
     p.add_argument("--decode-iters", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating; the best is kept (default 2)")
     p.add_argument("--torch-inputs", action="store_true",
                    help="inputs in torch's memory (copied once into the shared arena per call) instead of moe_ep.empty")
     p.add_argument("--tool", help="the moe-ep executable (default: the build tree's, MOE_EP_TOOL, or PATH)")
@@ -168,9 +171,15 @@ def main(argv=None):
     iters = {a.prefill_tokens: a.prefill_iters, a.decode_tokens: a.decode_iters}
     print(f"moe_ep.bench: DeepSeek-V3 shape (hidden {HIDDEN}, {EXPERTS} experts, top-{TOPK}), FP8 dispatch, BF16 "
           f"combine, {a.ranks} ranks; V2 ElasticBuffer", flush=True)
-    cpp = _tool_times(tool, "host", a.ranks, shapes, iters, a.timeout)
-    cpp_mpi = _tool_times(tool, "mpi", a.ranks, shapes, iters, a.timeout)
-    py = _python_times(a.ranks, shapes, iters, not a.torch_inputs, a.timeout)
+    # The two sides alternate, --repeats times each; each keeps its best run per operation (the
+    # least disturbed by the rest of the machine).
+    runs = {"host": [], "mpi": [], "python": []}
+    for _ in range(a.repeats):
+        runs["host"].append(_tool_times(tool, "host", a.ranks, shapes, iters, a.timeout))
+        runs["python"].append(_python_times(a.ranks, shapes, iters, not a.torch_inputs, a.timeout))
+        runs["mpi"].append(_tool_times(tool, "mpi", a.ranks, shapes, iters, a.timeout))
+    best = lambda side: {key: (max if key[1] == "maps" else min)(r[key] for r in runs[side]) for key in runs[side][0]}
+    cpp, cpp_mpi, py = best("host"), best("mpi"), best("python")
     print(f"{'tokens/rank':>11}  {'operation':9}  {'C++ host (us)':>13}  {'Python (us)':>11}  {'ratio':>6}  "
           f"{'added (us)':>10}  {'C++ MPI (us)':>12}")
     for tokens in shapes:
@@ -186,7 +195,8 @@ def main(argv=None):
     for tokens in shapes:
         print(f"steady state at {tokens} tokens/rank: {py[(tokens, 'maps')]} new mappings by moe-ep's allocator over "
               f"the timed iterations (most on one rank; outputs come from its cache)")
-    print("time: median over iterations of the slowest rank, each call after a barrier.")
+    print(f"time: median over iterations of the slowest rank, each call after a barrier; the best of {a.repeats} "
+          "alternating runs of each side.")
     print("ratio = C++ time / Python time (throughput of moe_ep.deep_ep relative to the C++ tool; target >= 0.95 at "
           f"{a.prefill_tokens} tokens); added = Python time - C++ time (target <= 30 us at {a.decode_tokens} tokens; "
           "with more ranks than cores the run-to-run noise is larger than that: the line above measures the layer "
