@@ -94,6 +94,26 @@ TEST(ElasticErrors, ExpertIdOutOfRange) {
   expect_rejected_by(outcomes, 0, "InvalidArgument", {"topk_idx[0, 0] = -7"});
 }
 
+// A caller's own refusal (what the Python binding sends when it cannot convert an argument) is
+// reported through the call: every other rank learns it, and the next call pairs up as usual.
+TEST(ElasticErrors, CallerRejectionReachesEveryRank) {
+  auto outcomes = on_all_ranks([](ElasticBuffer& b, int rank) {
+    Inputs in(rank);
+    DispatchArgs a = in.args();
+    if (rank == 2) a.rejection = "topk_weights must be a tensor, not list";
+    b.dispatch(a);
+  });
+  expect_rejected_by(outcomes, 2, "InvalidArgument", {"dispatch", "topk_weights must be a tensor, not list"});
+  outcomes = on_all_ranks([](ElasticBuffer& b, int rank) {
+    Inputs in(rank);
+    auto d = b.dispatch(in.args());
+    CombineArgs c{.x = d.recv_x, .handle = d.handle};
+    if (rank == 1) c = CombineArgs{.rejection = "x must be a tensor, not str"};  // nothing else given
+    b.combine(c);
+  });
+  expect_rejected_by(outcomes, 1, "InvalidArgument", {"combine", "x must be a tensor, not str"});
+}
+
 TEST(ElasticErrors, DuplicateExpertInAToken) {
   auto outcomes = on_all_ranks([](ElasticBuffer& b, int rank) {
     Inputs in(rank);

@@ -113,6 +113,49 @@ TEST(LegacyErrors, LayoutMustMatchTheRouting) {
   });
 }
 
+// A caller's own refusal (the Python binding's, for an argument it could not convert) reaches
+// every rank through the call, in normal and low-latency mode; the next calls pair up as usual.
+TEST(LegacyErrors, CallerRejectionReachesEveryRank) {
+  const std::int64_t rdma = Buffer::get_low_latency_rdma_size_hint(8, 128, 4, 8);
+  LocalWorld(4).run([&](Group& g) {
+    Buffer b(g, {.num_rdma_bytes = rdma, .low_latency_mode = true});
+    Tokens in(g.rank());
+    auto layout = b.get_dispatch_layout(in.tv(), 8);
+    LegacyDispatchArgs args{.x = in.xv(), .num_tokens_per_rank = layout.num_tokens_per_rank,
+                            .is_token_in_rank = layout.is_token_in_rank,
+                            .num_tokens_per_expert = layout.num_tokens_per_expert, .topk_idx = in.tv()};
+    auto expect_named = [&](const testing::Caught& c, const char* call, const char* reason) {
+      if (g.rank() == 1) {
+        EXPECT_EQ(c.type, "InvalidArgument") << c.message;
+        EXPECT_NE(c.message.find(fmt::format("[rank 1] {}: {}", call, reason)), std::string::npos) << c.message;
+      } else {
+        EXPECT_EQ(c.type, "PeerError") << c.message;
+        EXPECT_EQ(c.ranks, std::vector<int>{1}) << c.message;
+        EXPECT_NE(c.message.find(reason), std::string::npos) << c.message;
+      }
+    };
+    LegacyDispatchArgs bad = args;
+    if (g.rank() == 1) bad.rejection = "is_token_in_rank must be a tensor, not list";
+    expect_named(testing::catch_error([&] { b.dispatch(bad); }), "dispatch", "is_token_in_rank must be a tensor, not list");
+    auto d = b.dispatch(args);
+    std::vector<std::uint16_t> y(static_cast<size_t>(d.recv_x.size(0)) * 64, 0x3f80);
+    LegacyCombineArgs c{.x = TensorView(y.data(), DType::kBF16, {d.recv_x.size(0), 64}), .handle = d.handle};
+    if (g.rank() == 1) c = LegacyCombineArgs{.rejection = "handle must be a handle returned by dispatch, not str"};
+    expect_named(testing::catch_error([&] { b.combine(c); }), "combine", "handle must be a handle returned by dispatch");
+
+    b.clean_low_latency_buffer(8, 128, 8);
+    std::vector<std::uint16_t> x(6 * 128, 0x3f80);
+    LowLatencyDispatchArgs ll{.x = TensorView(x.data(), DType::kBF16, {6, 128}), .topk_idx = in.tv(),
+                              .num_max_dispatch_tokens_per_rank = 8, .num_experts = 8, .use_fp8 = false};
+    LowLatencyDispatchArgs ll_bad = ll;
+    if (g.rank() == 1) ll_bad.rejection = "x must be a tensor, not list";
+    expect_named(testing::catch_error([&] { b.low_latency_dispatch(ll_bad); }), "low_latency_dispatch",
+                 "x must be a tensor, not list");
+    auto r = b.low_latency_dispatch(ll);  // the buffer is still usable
+    EXPECT_EQ(r.packed_recv_count.size(0), 2);
+  });
+}
+
 TEST(LegacyErrors, WorstTokensTooSmallIsNamedOnEveryRank) {
   LocalWorld(4).run([&](Group& g) {
     Buffer b(g, {});
