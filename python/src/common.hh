@@ -41,10 +41,15 @@ py::object export_tensor(const Tensor& t);
 // A torch tensor over memory `owner` keeps alive (e.g. a buffer's own memory).
 py::object export_view(const TensorView& view, std::shared_ptr<const void> owner);
 
-// An Event and what must stay alive until it completes (the imported inputs).
+// An Event and what must stay alive until it completes (the imported inputs). Dropped before
+// its work completed, it waits for it first (GIL released): the worker may still read the inputs.
 struct PyEvent {
   Event event;
   std::vector<Tensor> keep;
+  PyEvent() = default;
+  PyEvent(const PyEvent&) = delete;
+  PyEvent& operator=(const PyEvent&) = delete;
+  ~PyEvent();
   void wait();
   bool query() const { return event.query(); }
 };

@@ -171,6 +171,22 @@ py::object export_view(const TensorView& view, std::shared_ptr<const void> owner
   return capsule_to_torch(&e->managed);
 }
 
+PyEvent::~PyEvent() {
+  if (keep.empty() || event.query()) return;
+  auto finish = [this] {
+    try {
+      event.wait();
+    } catch (...) {  // the error was the caller's to collect; only the inputs' lifetime matters here
+    }
+  };
+  if (PyGILState_Check()) {
+    py::gil_scoped_release release;
+    finish();
+  } else {
+    finish();
+  }
+}
+
 void PyEvent::wait() {
   {
     py::gil_scoped_release release;
