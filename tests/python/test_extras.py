@@ -1,0 +1,128 @@
+"""The rest of the package's public surface: hybrid-ep's low-latency signature and its 7-tuple,
+moe-ep memory for inputs, the group's own all-gather, barriers, events and handle helpers, and
+the measurements the benchmark reads. Expected values come from reference.py or from the inputs
+themselves."""
+
+import inspect
+
+import pytest
+import torch
+
+import moe_ep
+from moe_ep import deep_ep
+from moe_ep.deep_ep import hybrid_ep
+
+import reference as ref
+
+H, E, K, CAP, N = 256, 16, 4, 16, 12
+
+# hybrid-ep's (94a9f8f) low_latency_dispatch, as deepep-python-api.md §1.4 lists it.
+HYBRID_LL_DISPATCH = [
+    ("self", inspect.Parameter.empty), ("x", inspect.Parameter.empty), ("topk_idx", inspect.Parameter.empty),
+    ("num_max_dispatch_tokens_per_rank", inspect.Parameter.empty), ("num_experts", inspect.Parameter.empty),
+    ("topk_weights", None), ("cumulative_local_expert_recv_stats", None), ("dispatch_wait_recv_cost_stats", None),
+    ("x_global_scale", None), ("use_fp8", True), ("round_scale", False), ("use_ue8m0", False), ("use_nvfp4", False),
+    ("use_ue8m0_for_sf", False), ("async_finish", False), ("return_recv_hook", False)]
+HYBRID_LL_COMBINE_TAIL = [("out", None), ("combine_wait_recv_cost_stats", None), ("overlap", False),
+                          ("src_signals", None), ("src_signal_expect_value", 0)]
+
+
+def params(fn):
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def test_hybrid_ep_signatures():
+    assert params(hybrid_ep.Buffer.low_latency_dispatch) == HYBRID_LL_DISPATCH
+    assert params(hybrid_ep.Buffer.low_latency_combine)[-len(HYBRID_LL_COMBINE_TAIL):] == HYBRID_LL_COMBINE_TAIL
+
+
+def _hybrid_buffer(g):
+    return hybrid_ep.Buffer(g, 0, hybrid_ep.Buffer.get_low_latency_rdma_size_hint(CAP, H, g.size(), E),
+                            low_latency_mode=True, num_qps_per_rank=E // g.size(), explicitly_destroy=True)
+
+
+@pytest.mark.parametrize("ranks,nodes", [(2, 1), (4, 1), (4, 2)])
+def test_hybrid_ep_seven_tuple(ranks, nodes):
+    def fn(g):
+        inputs = ref.make_inputs(g.size(), N, H, E, K, seed=41)
+        x, idx, w = inputs[g.rank()]
+        buf = _hybrid_buffer(g)
+        recv_x, count, recv_w, rank_info, handle, event, hook = buf.low_latency_dispatch(
+            x, idx, CAP, E, topk_weights=w, use_fp8=False)
+        El = E // g.size()
+        expected = ref.ll_expert_tokens(inputs, g.rank(), E)
+        assert recv_w.dtype == torch.float32 and rank_info.dtype == torch.int32
+        assert recv_w.shape == rank_info.shape == (El, g.size() * CAP)
+        for le in range(El):
+            m = int(count[le])
+            assert m == len(expected[le])
+            # each valid row: the weight its source token gave this expert, and the source rank
+            got = sorted((int(rank_info[le, i]), int(handle[0][le, i]), float(recv_w[le, i])) for i in range(m))
+            want = sorted((s, t, float(inputs[s][2][t][(inputs[s][1][t] == g.rank() * El + le).nonzero()[0, 0]]))
+                          for s, t in expected[le])
+            assert got == want, f"expert {le}"
+            assert bool((rank_info[le, m:] == -1).all()) and bool((recv_w[le, m:] == 0).all())
+        # without topk_weights: main's 5-tuple
+        assert len(buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False)) == 5
+        with pytest.raises(NotImplementedError, match="use_nvfp4"):
+            buf.low_latency_dispatch(x, idx, CAP, E, use_nvfp4=True)
+        buf.destroy()
+        return True
+    assert moe_ep.LocalWorld(ranks, nodes).run(fn) == [True] * ranks
+
+
+def test_group_all_gather_bytes():
+    def fn(g):
+        mine = bytes([g.rank()]) * (g.rank() + 1)
+        return g.all_gather_bytes(mine)
+    out = moe_ep.LocalWorld(3).run(fn)
+    want = [bytes([r]) * (r + 1) for r in range(3)]
+    assert out == [want] * 3
+
+
+def test_moe_ep_memory_tensors():
+    z = moe_ep.zeros(3, 5, dtype=torch.float32)
+    assert z.shape == (3, 5) and z.dtype == torch.float32 and bool((z == 0).all())
+    e = moe_ep.empty((2, 4), dtype=torch.int64)
+    assert e.shape == (2, 4) and e.dtype == torch.int64 and e.is_contiguous()
+    like = moe_ep.empty_like(torch.zeros(7, dtype=torch.bfloat16))
+    assert like.shape == (7,) and like.dtype == torch.bfloat16
+    assert like.data_ptr() % 64 == 0
+    with pytest.raises(TypeError, match="dtype"):
+        moe_ep.empty(3, dtype=torch.float64)
+
+
+def test_barrier_names_an_absent_rank():
+    def fn(g):
+        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=8, hidden=H, num_topk=K, num_cpu_timeout_secs=1.0)
+        buf.barrier()  # every rank: passes
+        if g.rank() == 1:
+            return "skipped"
+        try:
+            buf.barrier()
+            return "passed"
+        except moe_ep.PeerError as e:  # TimeoutError, or PeerError once rank 1 has left
+            return (type(e).__name__, list(e.ranks))
+    out = moe_ep.LocalWorld(2).run(fn)
+    assert out[1] == "skipped"
+    assert out[0][0] in ("TimeoutError", "PeerError") and out[0][1] == [1], out
+
+
+def test_handle_helpers_and_measurements():
+    def fn(g):
+        inputs = ref.make_inputs(g.size(), N, H, E, K, seed=43)
+        x, idx, w = inputs[g.rank()]
+        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=16, hidden=H, num_topk=K)
+        before = moe_ep._C.allocator_stats()
+        recv_x, recv_idx, recv_w, handle, event = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+        native = moe_ep._C.last_native_seconds()
+        after = moe_ep._C.allocator_stats()
+        assert set(before) == {"mapped_bytes", "cached_bytes", "num_maps"} and after["num_maps"] >= before["num_maps"]
+        assert native > 0
+        # the order is already deterministic: the sort hands back what it was given
+        sorted_out = handle.deterministic_sort(True, False, recv_x, None, recv_idx, recv_w)
+        assert sorted_out[0] is recv_x and sorted_out[2] is recv_idx and sorted_out[3] is recv_w
+        exp = ref.v2_dispatch_compact(inputs, g.rank(), E)
+        assert torch.equal(recv_x, exp["recv_x"])
+        return True
+    assert moe_ep.LocalWorld(2).run(fn) == [True, True]
