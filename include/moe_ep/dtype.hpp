@@ -87,4 +87,51 @@ inline std::uint8_t float_to_fp8_e4m3(float f) {
 }
 float fp8_e4m3_to_float(std::uint8_t code);
 
+// ---- FP4 E2M1 and UE8M0 (NVFP4: docs/quantized-formats.md) -----------------------------------
+// E2M1 codes are 4 bits: sign in bit 3, magnitude index 0..7 for {0, 0.5, 1, 1.5, 2, 3, 4, 6}.
+enum class E2M1Rounding : std::uint8_t {
+  kNearestEven,  // nearest value, ties to the even code; above 6 (and infinity) saturates to 6
+  kSm90,         // DeepEP's software fallback before SM100: thresholds at geometric midpoints
+};
+// NaN becomes magnitude 6 with the NaN's sign bit (E2M1 has no NaN). Negative zero keeps its sign.
+inline std::uint8_t float_to_e2m1(float f, E2M1Rounding rounding = E2M1Rounding::kNearestEven) {
+  const std::uint32_t u = float_bits(f);
+  const std::uint8_t sign = static_cast<std::uint8_t>((u >> 28) & 0x8u);
+  const float m = bits_float(u & 0x7fffffffu);
+  if (m != m) return sign | 7u;  // NaN
+  std::uint8_t code;
+  if (rounding == E2M1Rounding::kNearestEven) {
+    // Midpoints 0.25 .. 5 between neighbours; a tie goes to the even code (index).
+    code = static_cast<std::uint8_t>((m > 0.25f) + (m >= 0.75f) + (m > 1.25f) + (m >= 1.75f) + (m > 2.5f) +
+                                     (m >= 3.5f) + (m > 5.0f));
+  } else {
+    constexpr float kSqrt2 = 1.41421356237309505f, k2Sqrt2 = 2.82842712474619010f, k4Sqrt2 = 5.65685424949238020f;
+    if (m < 0.5f) code = 0;
+    else if (m < 1.0f) code = 1;
+    else if (m < 2.0f) code = m > kSqrt2 ? 3 : 2;
+    else if (m < 4.0f) code = m > k2Sqrt2 ? 5 : 4;
+    else code = m > k4Sqrt2 ? 7 : 6;
+  }
+  return static_cast<std::uint8_t>(sign | code);
+}
+inline float e2m1_to_float(std::uint8_t code) {
+  constexpr float kValues[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+  const float v = kValues[code & 7u];
+  return (code & 8u) ? -v : v;
+}
+// The UE8M0 byte (biased exponent, value 2^(b - 127)) of the smallest power of two >= f, for
+// f >= 0: 0 for f <= 2^-127 (zero included), saturating at 254 (2^127) for larger values and
+// infinity; NaN and negative inputs give 0xff (the format's NaN).
+inline std::uint8_t float_to_ue8m0_ceil(float f) {
+  if (!(f >= 0.0f)) return 0xffu;  // NaN or negative
+  const std::uint32_t u = float_bits(f) & 0x7fffffffu;  // -0 is 0
+  const std::uint32_t exponent = u >> 23;
+  if (exponent == 0xffu) return 254u;      // infinity
+  if (exponent == 0) {                     // zero or subnormal: <= 2^-127 -> 0, else 2^-126 -> 1
+    return u <= (1u << 22) ? 0u : 1u;      // 2^-127 is the subnormal 1 << 22
+  }
+  const std::uint32_t b = exponent + ((u & 0x7fffffu) != 0 ? 1u : 0u);
+  return static_cast<std::uint8_t>(b > 254u ? 254u : b);
+}
+
 }  // namespace moe_ep

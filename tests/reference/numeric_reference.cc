@@ -121,3 +121,48 @@ Fp8Row quantize_row_fp8(const std::uint16_t* bf16, int hidden, bool round_scale,
 }
 
 }  // namespace moe_ep::reference
+
+namespace moe_ep::reference {
+
+double e2m1_value(std::uint8_t code) {
+  static const double kMagnitudes[8] = {0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0};
+  const double v = kMagnitudes[code & 7];
+  return (code & 8) ? -v : v;
+}
+
+std::uint8_t e2m1_from_float(float f, bool sm90) {
+  const std::uint8_t sign = (bits_of(f) >> 31) ? 8 : 0;
+  const double m = std::fabs(static_cast<double>(f));
+  if (std::isnan(f) || m > 6) return static_cast<std::uint8_t>(sign | 7);  // NaN, saturation, infinity
+  if (sm90) {
+    const double r2 = static_cast<double>(static_cast<float>(std::sqrt(2.0)));
+    const double r8 = static_cast<double>(static_cast<float>(2.0 * std::sqrt(2.0)));
+    const double r32 = static_cast<double>(static_cast<float>(4.0 * std::sqrt(2.0)));
+    int k;
+    if (m < 0.5) k = 0;
+    else if (m < 1) k = 1;
+    else if (m < 2) k = m > r2 ? 3 : 2;
+    else if (m < 4) k = m > r8 ? 5 : 4;
+    else k = m > r32 ? 7 : 6;
+    return static_cast<std::uint8_t>(sign | k);
+  }
+  int best = 0;
+  double best_distance = std::fabs(m - e2m1_value(0));
+  for (int k = 1; k < 8; ++k) {
+    const double d = std::fabs(m - e2m1_value(static_cast<std::uint8_t>(k)));
+    if (d < best_distance || (d == best_distance && k % 2 == 0)) {
+      best = k;
+      best_distance = d;
+    }
+  }
+  return static_cast<std::uint8_t>(sign | best);
+}
+
+std::uint8_t ue8m0_ceil_from_float(float f) {
+  if (std::isnan(f) || f < 0) return 255;
+  for (int b = 0; b <= 254; ++b)
+    if (std::ldexp(1.0, b - 127) >= static_cast<double>(f)) return static_cast<std::uint8_t>(b);
+  return 254;
+}
+
+}  // namespace moe_ep::reference

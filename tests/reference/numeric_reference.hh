@@ -26,6 +26,17 @@ std::uint8_t fp8_e4m3_from_float(float f);
 // FP8 E4M3fn -> value (NaN for 0x7f / 0xff).
 double fp8_e4m3_value(std::uint8_t code);
 
+// FP4 E2M1 by search: the code (sign bit 3, magnitude index 0..7 of {0, .5, 1, 1.5, 2, 3, 4, 6}) of
+// the nearest magnitude, compared in double; of two equally near, the one with the even index;
+// beyond 6 (and infinity) 6; NaN gives index 7 with the NaN's sign. `sm90`: the comparisons of
+// DeepEP's pre-SM100 fallback instead (|v| < 0.5 -> 0, < 1 -> 0.5, < 2 -> 1.5 above sqrt 2 else 1,
+// < 4 -> 3 above 2 sqrt 2 else 2, else 6 above 4 sqrt 2 else 4; the roots as the nearest floats).
+std::uint8_t e2m1_from_float(float f, bool sm90);
+double e2m1_value(std::uint8_t code);
+// UE8M0 by search: the least b in 0..254 with 2^(b-127) >= f (254 when none; f >= 0), 255 for NaN
+// or negative f.
+std::uint8_t ue8m0_ceil_from_float(float f);
+
 // One token row cast to FP8 with per-128-element block scales:
 //   amax = max |x| over the block (NaN ignored), floored at 1e-4;
 //   scale_inv = amax / 448 in FP32; with round_scale, 2^ceil(log2(scale_inv));
