@@ -166,3 +166,42 @@ std::uint8_t ue8m0_ceil_from_float(float f) {
 }
 
 }  // namespace moe_ep::reference
+
+namespace moe_ep::reference {
+
+Nvfp4Row quantize_row_nvfp4(const std::uint16_t* bf16, int hidden, float global_scale, bool ue8m0, bool sm90) {
+  Nvfp4Row row;
+  row.packed.assign(static_cast<size_t>(hidden / 2), 0);
+  row.scales.assign(static_cast<size_t>(hidden / 16), 0);
+  const float sixth = static_cast<float>(1.0 / 6.0);
+  for (int b = 0; b < hidden / 16; ++b) {
+    float vmax = 0;
+    for (int i = 0; i < 16; ++i) {
+      const float v = std::fabs(float_from_bf16(bf16[b * 16 + i]));
+      if (!std::isnan(v)) vmax = std::max(vmax, v);
+    }
+    const float base = vmax * sixth;
+    float out_scale;
+    if (ue8m0) {
+      const std::uint8_t sf = ue8m0_ceil_from_float(base);
+      row.scales[static_cast<size_t>(b)] = sf;
+      out_scale = sf == 0 ? 1.0f : static_cast<float>(std::ldexp(1.0, 127 - sf));
+    } else {
+      const float scaled = global_scale * base;
+      const std::uint8_t sf = fp8_e4m3_from_float(scaled);
+      row.scales[static_cast<size_t>(b)] = sf;
+      const float value = static_cast<float>(fp8_e4m3_value(sf));
+      const float inverse_gs = 1.0f / global_scale;
+      const float denominator = value * inverse_gs;
+      out_scale = value != 0 ? 1.0f / denominator : 0.0f;
+    }
+    for (int i = 0; i < 16; ++i) {
+      const float v = float_from_bf16(bf16[b * 16 + i]) * out_scale;
+      const std::uint8_t code = e2m1_from_float(v, sm90);
+      row.packed[static_cast<size_t>(b * 8 + i / 2)] |= static_cast<std::uint8_t>(i % 2 ? code << 4 : code);
+    }
+  }
+  return row;
+}
+
+}  // namespace moe_ep::reference

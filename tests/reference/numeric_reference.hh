@@ -37,6 +37,17 @@ double e2m1_value(std::uint8_t code);
 // or negative f.
 std::uint8_t ue8m0_ceil_from_float(float f);
 
+// One BF16 token row cast to NVFP4 (docs/quantized-formats.md), written from the definition with
+// the search conversions above: per 16-element block vmax = max |x| (NaN ignored); E4M3 scales
+// sf = e4m3(gs * (vmax * fp32(1/6))) and out_scale = sf ? 1 / (value(sf) * (1 / gs)) : 0, or UE8M0
+// sf = ue8m0_ceil(vmax * fp32(1/6)) and out_scale = sf ? 2^(127 - sf) : 1 (FP32 operations in that
+// order); codes e2m1(x * out_scale), element 2i in the low nibble.
+struct Nvfp4Row {
+  std::vector<std::uint8_t> packed;  // [hidden / 2]
+  std::vector<std::uint8_t> scales;  // [hidden / 16]
+};
+Nvfp4Row quantize_row_nvfp4(const std::uint16_t* bf16, int hidden, float global_scale, bool ue8m0, bool sm90);
+
 // One token row cast to FP8 with per-128-element block scales:
 //   amax = max |x| over the block (NaN ignored), floored at 1e-4;
 //   scale_inv = amax / 448 in FP32; with round_scale, 2^ceil(log2(scale_inv));

@@ -1,0 +1,77 @@
+// The NVFP4 row cast (src/core/nvfp4_rows.hh) against the reference written from the definition
+// (tests/reference/numeric_reference.hh): every scale path and rounding, over rows with wide
+// value ranges, zero and tiny blocks, NaN and infinite elements and several global scales.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "core/nvfp4_rows.hh"
+#include "reference/numeric_reference.hh"
+
+namespace moe_ep {
+namespace {
+
+namespace ref = reference;
+
+std::vector<std::uint16_t> make_row(std::mt19937& gen, int hidden, int kind) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-30, 30);
+  std::vector<std::uint16_t> row(static_cast<size_t>(hidden));
+  for (int i = 0; i < hidden; ++i) {
+    const int block = i / 16;
+    float v = normal(gen);
+    if (kind == 1) v = std::ldexp(v, exponent(gen));            // wide range within a block
+    if (kind == 2 && block % 3 == 0) v = 0.0f;                  // zero blocks
+    if (kind == 2 && block % 3 == 1) v = std::ldexp(v, -130);   // blocks near the bottom of FP32
+    if (kind == 3 && i % 37 == 5) v = std::numeric_limits<float>::quiet_NaN();
+    if (kind == 3 && i % 53 == 7) v = -std::numeric_limits<float>::infinity();
+    if (kind == 4) v = std::ldexp(v, 100);                      // large
+    row[static_cast<size_t>(i)] = ref::bf16_from_float(v);
+  }
+  return row;
+}
+
+TEST(Nvfp4Rows, MatchTheReferenceBitForBit) {
+  std::mt19937 gen(2024);
+  const int hidden = 256;
+  int rows = 0;
+  for (int kind = 0; kind < 5; ++kind)
+    for (int rep = 0; rep < 40; ++rep) {
+      const auto row = make_row(gen, hidden, kind);
+      for (float gs : {1.0f, 0.37f, 1e-3f, 1e4f, 448.0f * 6.0f / 3.5f})
+        for (bool ue8m0 : {false, true})
+          for (bool sm90 : {false, true}) {
+            const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
+            std::vector<std::uint8_t> packed(hidden / 2), scales(hidden / 16);
+            core::cast_row_nvfp4(row.data(), hidden,
+                                 {.global_scale = gs, .ue8m0 = ue8m0,
+                                  .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven},
+                                 packed.data(), scales.data());
+            ASSERT_EQ(scales, want.scales) << "kind " << kind << " gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90;
+            ASSERT_EQ(packed, want.packed) << "kind " << kind << " gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90;
+            ++rows;
+          }
+    }
+  EXPECT_EQ(rows, 5 * 40 * 5 * 2 * 2);
+}
+
+TEST(Nvfp4Rows, NibbleOrderAndAKnownBlock) {
+  // One block: x_i = i / 4 for i = 0..15 (vmax 3.75). UE8M0: vmax / 6 = 0.625 -> 2^0 -> byte 127,
+  // out_scale 1, so the codes are e2m1(i / 4) with ties to even.
+  std::vector<std::uint16_t> row(16);
+  for (int i = 0; i < 16; ++i) row[static_cast<size_t>(i)] = ref::bf16_from_float(static_cast<float>(i) / 4.0f);
+  std::vector<std::uint8_t> packed(8), scales(1);
+  core::cast_row_nvfp4(row.data(), 16, {.ue8m0 = true}, packed.data(), scales.data());
+  EXPECT_EQ(scales[0], 127);
+  // e2m1 of 0, .25, .5, .75, 1, 1.25, 1.5, 1.75, 2, 2.25, 2.5, 2.75, 3, 3.25, 3.5, 3.75:
+  //         0,   0,  1,   2, 2,    2,   3,    4, 4,    4,   4,    5, 5,    5,   6,    6
+  const int codes[16] = {0, 0, 1, 2, 2, 2, 3, 4, 4, 4, 4, 5, 5, 5, 6, 6};
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(packed[static_cast<size_t>(i)], codes[2 * i] | codes[2 * i + 1] << 4) << i;
+}
+
+}  // namespace
+}  // namespace moe_ep
