@@ -84,9 +84,8 @@ void register_groups(py::module_& m) {
           "all_gather_bytes",
           [](Group& g, const py::bytes& mine, double timeout_secs) {
             const std::string data = mine;
-            const double timeout = timeout_secs == 0 ? core::timeout_from_env()
-                                                     : core::checked_timeout("Group.all_gather_bytes", "timeout_secs",
-                                                                             timeout_secs);
+            const double timeout =
+                core::timeout_or_env("Group.all_gather_bytes", timeout_secs);
             std::vector<std::string> blocks;
             {
               py::gil_scoped_release release;

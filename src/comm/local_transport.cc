@@ -492,9 +492,7 @@ int Group::num_scaleout() const { return transport_->topology().num_scaleout; }
 int Group::num_scaleup() const { return transport_->topology().num_scaleup; }
 
 void Group::barrier(double timeout_secs) {
-  timeout_secs = timeout_secs == 0 ? core::timeout_from_env()
-                                   : core::checked_timeout(fmt::format("[rank {}] Group::barrier", rank()),
-                                                           "timeout_secs", timeout_secs);
+  timeout_secs = core::timeout_or_env(fmt::format("[rank {}] Group::barrier", rank()), timeout_secs);
   transport_->barrier(comm::Scope::kWorld, {"Group::barrier", timeout_secs});
 }
 

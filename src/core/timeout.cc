@@ -38,4 +38,8 @@ double timeout_from_env() {
   return value;
 }
 
+double timeout_or_env(std::string_view context, double timeout_secs) {
+  return timeout_secs == 0 ? timeout_from_env() : checked_timeout(context, "timeout_secs", timeout_secs);
+}
+
 }  // namespace moe_ep::core

@@ -19,4 +19,7 @@ double checked_timeout(std::string_view context, std::string_view name, double v
 // MOE_EP_TIMEOUT_SECS, checked.
 double timeout_from_env();
 
+// An argument `timeout_secs` where 0 means MOE_EP_TIMEOUT_SECS: that, or the checked value.
+double timeout_or_env(std::string_view context, double timeout_secs);
+
 }  // namespace moe_ep::core

@@ -563,10 +563,7 @@ std::unique_ptr<Group> make_group(int rank, int size, const AllGather& all_gathe
     throw InvalidArgument(fmt::format("[rank {}] host::make_group: rank = {} is outside [0, {}) (size = {})", rank,
                                       rank, size, size));
   if (!all_gather) throw InvalidArgument(fmt::format("[rank {}] host::make_group: all_gather is empty", rank));
-  const double timeout = options.timeout_secs == 0
-                             ? core::timeout_from_env()
-                             : core::checked_timeout(fmt::format("[rank {}] host::make_group", rank), "timeout_secs",
-                                                     options.timeout_secs);
+  const double timeout = core::timeout_or_env(fmt::format("[rank {}] host::make_group", rank), options.timeout_secs);
   const comm::Wait wait{"group creation", timeout};
   const int requested = options.ranks_per_node ? *options.ranks_per_node
                                                : static_cast<int>(env::get_int("MOE_EP_RANKS_PER_NODE"));

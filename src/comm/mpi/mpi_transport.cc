@@ -408,11 +408,7 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
                                       "one intracommunicator (merge it with MPI_Intercomm_merge first)",
                                       rank));
   MPI_Comm_size(comm, &size);
-  // 0 (the default) = MOE_EP_TIMEOUT_SECS.
-  const double timeout = options.timeout_secs == 0
-                             ? core::timeout_from_env()
-                             : core::checked_timeout(fmt::format("[rank {}] mpi::make_group", rank), "timeout_secs",
-                                                     options.timeout_secs);
+  const double timeout = core::timeout_or_env(fmt::format("[rank {}] mpi::make_group", rank), options.timeout_secs);
   const comm::Wait wait{"group creation", timeout};
   const int requested = options.ranks_per_node ? *options.ranks_per_node
                                                : static_cast<int>(env::get_int("MOE_EP_RANKS_PER_NODE"));
