@@ -84,9 +84,9 @@ def _worker(rank, world, init_file, shapes, iters, shared_inputs, queue):
                     result = None
                     times["maps"] += maps() - maps_before  # mappings made during the timed iterations
                 out[tokens] = times
-                del buf
+                buf = None
         queue.put((rank, out, None))
-    except BaseException as e:
+    except BaseException:
         import traceback
         queue.put((rank, None, traceback.format_exc()))
 

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <exception>
-#include <mutex>
 
 #include "comm/transport.hh"
 #include "common.hh"
@@ -29,7 +28,6 @@ py::list run_local_world(int ranks, int num_scaleout, int num_scaleup, py::funct
   std::vector<py::object> results(static_cast<size_t>(ranks));
   std::vector<std::unique_ptr<py::error_already_set>> errors(static_cast<size_t>(ranks));
   std::exception_ptr other;
-  std::mutex mutex;
   struct RankFailed : std::runtime_error {
     using std::runtime_error::runtime_error;
   };

@@ -198,7 +198,6 @@ def v2_dispatch_compact(inputs, dst, num_experts, payload=None):
     rows = v2_received(inputs, dst, num_experts)
     k = inputs[0][1].shape[1]
     pay = payload or (lambda s: inputs[s][0])
-    H = pay(0).shape[1:] if rows == [] else pay(rows[0][0]).shape[1:]
     recv_x = (torch.stack([pay(s)[t] for s, t in rows]) if rows
               else torch.empty((0,) + tuple(pay(0).shape[1:]), dtype=pay(0).dtype))
     recv_idx = torch.full((len(rows), k), -1, dtype=torch.int64)
@@ -276,7 +275,6 @@ def combine_token(idx_row, num_experts, num_ranks, rank_rows=None, lane_rows=Non
                 units.append((key, row))
             units.sort(key=lambda u: u[0])
     terms = list(biases) + [u[1] for u in units]
-    H = (terms[0].shape[0] if terms else None)
     if not terms:
         return None
     if len(terms) == 1:
@@ -326,7 +324,6 @@ def v1_combined_weights(inputs, src, num_experts, returned_row_of, ranks_per_nod
     node first), of the whole weight rows the ranks returned (returned_row_of(d, t) -> f32 [k])."""
     R = len(inputs)
     _, idx, _ = inputs[src]
-    k = idx.shape[1]
     own = lambda e: owner(e, num_experts, R)
     out = torch.zeros(idx.shape, dtype=torch.float32)
     for t in range(idx.shape[0]):

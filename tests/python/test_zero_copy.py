@@ -4,9 +4,7 @@ the buffers and groups that made them, inputs (torch or numpy) are read in place
 copied for the peers: feeding moe-ep outputs back in copies nothing."""
 
 import gc
-import os
 
-import numpy as np
 import torch
 
 import moe_ep
@@ -118,7 +116,6 @@ def test_numpy_inputs():
 
 def _copied_bytes(rank, world, group):
     import moe_ep
-    import scenarios  # noqa: F401
     import deep_ep
     g = moe_ep.resolve_group(group)
     # Large tensors: moe-ep memory is shareable in place from 1 MiB (smaller blocks come from the

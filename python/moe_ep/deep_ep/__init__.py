@@ -5,7 +5,6 @@ Differences from DeepEP are listed in docs/python.md."""
 
 import torch
 
-from .. import _C
 from .._groups import resolve_group
 from .buffers.elastic import ElasticBuffer, EPHandle
 from .buffers.legacy import Buffer, Config

@@ -11,7 +11,6 @@ all-gather of every rank's (topk_idx, topk_weights) over the group.
 import numpy as np
 import torch
 
-from .. import _C
 from .buffers import legacy
 
 

@@ -4,7 +4,6 @@ import collections.abc
 
 import torch
 
-from ... import _C
 from ..._groups import resolve_group
 
 

@@ -7,10 +7,8 @@ deterministic (by source rank, then source token), so ``deterministic`` changes 
 ``num_sms`` sets worker threads, ``num_qps`` the scale-out transfers in flight.
 """
 
-import torch
-
 from ... import _C
-from ..utils import EventHandle, EventOverlap, _native, _overlap
+from ..utils import EventHandle, _native, _overlap
 from ._common import bias_list, group_of, not_on_cpu, or_default
 
 # DeepEP's defaults of get_theoretical_num_sms are GPU SM bandwidths; left at them, moe-ep uses the

@@ -5,8 +5,6 @@ Signatures, defaults and return tuples are DeepEP's (main, 2.1.0). GPU-only argu
 ``Config`` chunk sizes) are accepted; what cannot be honoured raises NotImplementedError naming it.
 """
 
-import torch
-
 from ... import _C
 from ..utils import EventHandle, EventOverlap, _native, _overlap
 from ._common import DeferredHandleTuple, HandleTuple, bias_list, group_of, native_handle, not_on_cpu, require_false
