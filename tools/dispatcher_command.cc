@@ -52,6 +52,11 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
     o.mode = run.mode == "normal" ? DispatchMode::kNormal : run.mode == "low_latency" ? DispatchMode::kLowLatency
                                                                                      : DispatchMode::kAuto;
   if (c.fp8) o.dispatch_dtype = WireDType::kFP8;
+  if (c.nvfp4) {
+    o.dispatch_dtype = WireDType::kNVFP4;
+    o.nvfp4_global_scale = c.nvfp4_global_scale;
+    o.nvfp4_use_ue8m0 = c.nvfp4_ue8m0;
+  }
   if (c.expand) o.v2_expanded_normal_layout = true;
   if (c.alignment != 1) o.expert_alignment = c.alignment;
   if (!c.allow_hybrid) o.allow_hybrid_mode = false;
@@ -76,6 +81,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
     LayerConfig cb = c;
     cb.tokens = tokens_of(kinds[b]);
     cb.seed = c.seed + 1000 * b;
+    cb.nvfp4 = c.nvfp4 && resolves_to_ll(kinds[b]);  // normal-mode batches travel BF16
     configs.push_back(cb);
     batches.emplace_back();
     for (int r = 0; r < c.ranks; ++r) batches.back().push_back(make_batch(cb, r));
@@ -112,7 +118,8 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
   const Generation generation = *resolved.use_v2 ? Generation::kV2 : Generation::kV1;
   const ProbeReport& probe = probe_providers(*resolved.provider_path);
   fmt::print("moe-ep run --dispatcher: {} ranks as threads, topology {}x{}; hidden {}, {} experts, top-{}, {} dispatch\n",
-             c.ranks, c.scaleout, c.ranks / c.scaleout, c.hidden, c.experts, c.topk, c.fp8 ? "FP8" : "BF16");
+             c.ranks, c.scaleout, c.ranks / c.scaleout, c.hidden, c.experts, c.topk,
+             c.nvfp4 ? "NVFP4 (low-latency batches)" : c.fp8 ? "FP8" : "BF16");
   fmt::print("generation {} ({}), provider '{}' ({}), mode {} ({}); caps: low-latency {} tokens, normal {} tokens per rank\n\n",
              generation_name(generation), env_is_set("MOE_EP_USE_V2") ? "MOE_EP_USE_V2 from the environment" : "MOE_EP_USE_V2 default",
              probe[generation].provider, probe[generation].origin, mode_name(*resolved.mode),

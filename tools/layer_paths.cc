@@ -11,6 +11,12 @@
 namespace moe_ep::tools {
 namespace {
 
+// A view's storage as a contiguous tensor of `shape` (the layout a permuted or transposed view
+// was made from), for .npy files.
+TensorView storage(const TensorView& v, std::initializer_list<std::int64_t> shape) {
+  return TensorView(v.data(), v.dtype(), shape);
+}
+
 // What every path holds: the layer, this rank's batch, one buffer and the last call's results.
 template <class BufferT, class Received, class Combined>
 class PathBase : public LayerPath {
@@ -158,7 +164,32 @@ class V1Path final : public PathBase<Buffer, LegacyDispatchResult, CombineResult
   Tensor combined_weights() const override { return combined_.combined_topk_weights; }
   std::int64_t received_rows() const override { return received_.recv_x.size(0); }
   int workers() const override { return received_.handle->routing->num_sms; }
-  void dump(const std::string&) const override {}
+  void dump(const std::string& dir) const override {
+    auto path = [&](const char* name) { return fmt::format("{}/rank{}_{}.npy", dir, rank_, name); };
+    core::write_npy(path("x"), batch_.x);
+    if (c_.fp8) {
+      core::write_npy(path("x_fp8"), batch_.x_fp8);
+      core::write_npy(path("x_scales"), batch_.x_scales);
+    }
+    core::write_npy(path("topk_idx"), batch_.topk_idx);
+    core::write_npy(path("topk_weights"), batch_.topk_weights);
+    core::write_npy(path("recv_x"), received_.recv_x);
+    if (c_.fp8) core::write_npy(path("recv_x_scales"), received_.recv_x_scales);
+    core::write_npy(path("recv_topk_idx"), received_.recv_topk_idx);
+    core::write_npy(path("recv_topk_weights"), received_.recv_topk_weights);
+    const LegacyHandle& h = *received_.handle;
+    core::write_npy(path("rank_prefix_matrix"), h.rank_prefix_matrix);
+    core::write_npy(path("recv_src_idx"), h.recv_src_idx);
+    core::write_npy(path("is_token_in_rank"), h.is_token_in_rank);
+    core::write_npy(path("send_head"), h.send_head);
+    const std::vector<int>& counts = received_.num_recv_tokens_per_expert_list;
+    Tensor per_expert = Tensor::empty({static_cast<std::int64_t>(counts.size())}, DType::kInt32);
+    std::copy(counts.begin(), counts.end(), per_expert.data_as<std::int32_t>());
+    core::write_npy(path("num_recv_tokens_per_expert_list"), per_expert);
+    core::write_npy(path("expert_out"), expert_out_);
+    core::write_npy(path("combined_x"), combined_.combined_x);
+    core::write_npy(path("combined_topk_weights"), combined_.combined_topk_weights);
+  }
 
  private:
   Config dispatch_config_, combine_config_;
@@ -174,12 +205,17 @@ class LowLatencyPath final : public PathBase<Buffer, LowLatencyDispatchResult, L
     if (c.expand) throw InvalidArgument("--low-latency: the slab is already per expert (drop --expand)");
   }
   void dispatch() override {
-    received_ = buffer_.low_latency_dispatch({.x = batch_.x,
-                                              .topk_idx = batch_.topk_idx,
-                                              .num_max_dispatch_tokens_per_rank = c_.tokens,
-                                              .num_experts = c_.experts,
-                                              .use_fp8 = c_.fp8,
-                                              .async_finish = options_.async});
+    LowLatencyDispatchArgs args{.x = batch_.x,
+                                .topk_idx = batch_.topk_idx,
+                                .num_max_dispatch_tokens_per_rank = c_.tokens,
+                                .num_experts = c_.experts,
+                                .topk_weights = batch_.topk_weights,
+                                .use_fp8 = c_.fp8,
+                                .use_nvfp4 = c_.nvfp4,
+                                .use_ue8m0_for_sf = c_.nvfp4_ue8m0,
+                                .async_finish = options_.async};
+    if (c_.nvfp4) args.x_global_scale = batch_.x_global_scale;
+    received_ = buffer_.low_latency_dispatch(args);
     received_.event.wait();
   }
   void experts() override { expert_out_ = run_experts_low_latency(c_, params_, rank_, received_); }
@@ -188,6 +224,7 @@ class LowLatencyPath final : public PathBase<Buffer, LowLatencyDispatchResult, L
                                              .topk_idx = batch_.topk_idx,
                                              .topk_weights = batch_.topk_weights,
                                              .handle = received_.handle,
+                                             .use_logfmt = c_.logfmt,
                                              .async_finish = options_.async});
     combined_.event.wait();
   }
@@ -198,7 +235,28 @@ class LowLatencyPath final : public PathBase<Buffer, LowLatencyDispatchResult, L
     return rows;
   }
   int workers() const override { return 1; }
-  void dump(const std::string&) const override {}
+  void dump(const std::string& dir) const override {
+    auto path = [&](const char* name) { return fmt::format("{}/rank{}_{}.npy", dir, rank_, name); };
+    const std::int64_t El = c_.experts / c_.ranks, RN = std::int64_t{c_.ranks} * c_.tokens, H = c_.hidden;
+    core::write_npy(path("x"), batch_.x);
+    core::write_npy(path("topk_idx"), batch_.topk_idx);
+    core::write_npy(path("topk_weights"), batch_.topk_weights);
+    const TensorView& sf = received_.recv_x_scales;
+    if (c_.nvfp4) {  // the storage of the permuted views
+      core::write_npy(path("recv_x"), storage(received_.recv_x, {El, RN, H / 2}));
+      core::write_npy(path("recv_x_scales"), storage(sf, {El, (RN + 127) / 128, H / 64, 32, 4, 4}));
+    } else {
+      core::write_npy(path("recv_x"), received_.recv_x);
+      if (c_.fp8) core::write_npy(path("recv_x_scales"), storage(sf, {El, sf.size(2), RN}));  // token stride 1
+    }
+    core::write_npy(path("packed_recv_count"), received_.packed_recv_count);
+    core::write_npy(path("packed_recv_src_info"), received_.handle->packed_recv_src_info);
+    core::write_npy(path("packed_recv_layout_range"), received_.handle->packed_recv_layout_range);
+    core::write_npy(path("recv_topk_weights"), received_.recv_topk_weights);
+    core::write_npy(path("recv_rank_info"), received_.recv_rank_info);
+    core::write_npy(path("expert_out"), expert_out_);
+    core::write_npy(path("combined_x"), combined_.combined_x);
+  }
 };
 
 }  // namespace
@@ -218,7 +276,7 @@ std::unique_ptr<LayerPath> make_path(Api api, Group& group, const LayerConfig& c
 
 std::int64_t dispatch_row_bytes(Api api, const LayerConfig& c) {
   const std::int64_t H = c.hidden, P = c.fp8 ? H / 128 : 0, k = c.topk;
-  if (api == Api::kV1LowLatency) return (c.fp8 ? H + 4 * P : 2 * H) + 16;
+  if (api == Api::kV1LowLatency) return (c.nvfp4 ? H / 2 + H / 16 : c.fp8 ? H + 4 * P : 2 * H) + 16;
   return (c.fp8 ? H : 2 * H) + 4 * P + (c.expand ? 4 : 12 * k);
 }
 
@@ -230,11 +288,14 @@ std::int64_t combine_row_bytes(Api api, const LayerConfig& c) {
 std::string dispatch_row_formula(Api api, const LayerConfig& c) {
   const std::string payload =
       c.fp8 ? fmt::format("hidden x 1 B + {} scales x 4 B", c.hidden / 128) : std::string("hidden x 2 B");
+  if (api == Api::kV1LowLatency && c.nvfp4) return "hidden x 1/2 B (E2M1) + hidden/16 x 1 B scales + 16 B message header";
   if (api == Api::kV1LowLatency) return payload + " + 16 B message header";
   return payload + (c.expand ? " + one 4 B weight" : fmt::format(" + top-{} x (8 B id + 4 B weight)", c.topk));
 }
 
 std::string combine_row_formula(Api api, const LayerConfig& c) {
+  if (api == Api::kV1LowLatency && c.logfmt)
+    return "hidden x 2 B (BF16 size; LogFMT sends castable chunks in 10/16 of it, plus 4 B per 128 channels)";
   if (api == Api::kV1LowLatency) return "hidden x 2 B";
   return c.expand ? "hidden x 2 B + one 4 B weight" : fmt::format("hidden x 2 B + top-{} x 4 B weights", c.topk);
 }

@@ -31,7 +31,7 @@ class LayerPath {
   // After dispatch: rows carrying data (compact rows, or (token, expert) pairs).
   virtual std::int64_t received_rows() const = 0;
   virtual int workers() const = 0;
-  // Writes the last iteration's tensors (V2 only; docs/dump-format.md).
+  // Writes the last iteration's tensors (docs/dump-format.md).
   virtual void dump(const std::string& dir) const = 0;
 };
 

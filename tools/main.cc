@@ -21,6 +21,12 @@ void add_layer_options(CLI::App& app, LayerConfig& layer) {
   app.add_option("--experts", layer.experts, "number of experts (a multiple of --ranks)")->check(CLI::PositiveNumber);
   app.add_option("--topk", layer.topk, "experts per token")->check(CLI::Range(1, 32));
   app.add_flag("--fp8", layer.fp8, "dispatch FP8 E4M3 with per-128 block scales (hidden must be a multiple of 128)");
+  app.add_flag("--nvfp4", layer.nvfp4,
+               "dispatch NVFP4: E2M1 values with per-16 E4M3 scales (low-latency mode or the dispatcher; hidden a "
+               "multiple of 128)");
+  app.add_flag("--nvfp4-ue8m0", layer.nvfp4_ue8m0, "with --nvfp4: UE8M0 (power-of-two) block scales");
+  app.add_option("--nvfp4-global-scale", layer.nvfp4_global_scale, "with --nvfp4: the global scale gs")
+      ->check(CLI::PositiveNumber);
   app.add_flag("--expand", layer.expand, "receive one row per (token, local expert), grouped by expert");
   app.add_option("--alignment", layer.alignment, "expert block alignment of the expanded layout")->check(CLI::PositiveNumber);
   app.add_option("--skew", layer.skew, "Zipf exponent of expert popularity (0 = uniform)")->check(CLI::NonNegativeNumber);
@@ -40,7 +46,8 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--iters", run.iterations, "iterations (the best time per phase is reported)")->check(CLI::PositiveNumber);
   run_cmd->add_option("--workers", run.workers, "worker threads per rank (0 = the theoretical model)")->check(CLI::NonNegativeNumber);
   run_cmd->add_flag("--async", run.async, "run dispatch and combine on the communication workers, then wait");
-  run_cmd->add_option("--dump", run.dump_dir, "write every rank's inputs and outputs as .npy files here (--api v2)");
+  run_cmd->add_option("--dump", run.dump_dir, "write every rank's inputs and outputs as .npy files here");
+  run_cmd->add_flag("--logfmt", run.layer.logfmt, "with --api v1 --low-latency: LogFMT-10 combine");
   std::string run_api = "v2";
   bool run_low_latency = false;
   run_cmd->add_option("--api", run_api, "which API runs the layer: v2 (ElasticBuffer) or v1 (Buffer)")
@@ -92,7 +99,11 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   try {
+    if ((run.layer.nvfp4_ue8m0 || run_cmd->count("--nvfp4-global-scale")) && !run.layer.nvfp4)
+      throw moe_ep::InvalidArgument("--nvfp4-ue8m0 and --nvfp4-global-scale need --nvfp4");
+    if (run.layer.nvfp4 && run.layer.fp8) throw moe_ep::InvalidArgument("--nvfp4 and --fp8: pick one wire format");
     if (app.got_subcommand("run") && run_dispatcher) {
+      if (run.layer.logfmt) throw moe_ep::InvalidArgument("--logfmt is a V1 low-latency combine option: use --api v1 --low-latency");
       if (run.launch.transport != "local" || run.launch.ranks_per_node > 0)
         throw moe_ep::InvalidArgument("--dispatcher runs its ranks as threads: drop --transport and --ranks-per-node");
       if (run_cmd->count("--api") || run_low_latency || !run.dump_dir.empty() || run.async)
@@ -104,7 +115,8 @@ int main(int argc, char** argv) {
       throw moe_ep::InvalidArgument("--mode, --sequence and --decode-tokens need --dispatcher");
     if (app.got_subcommand("run")) {
       if (run_low_latency && run_api != "v1") throw moe_ep::InvalidArgument("--low-latency needs --api v1");
-      if (!run.dump_dir.empty() && run_api != "v2") throw moe_ep::InvalidArgument("--dump is available with --api v2");
+      if ((run.layer.nvfp4 || run.layer.logfmt) && !run_low_latency)
+        throw moe_ep::InvalidArgument("--nvfp4 and --logfmt need --api v1 --low-latency (or --dispatcher for --nvfp4)");
       run.api = run_api == "v2" ? Api::kV2 : run_low_latency ? Api::kV1LowLatency : Api::kV1;
       run.launch.ranks = run.layer.ranks;
       run.launch.ranks_given = run_cmd->count("--ranks") > 0;

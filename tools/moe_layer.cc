@@ -6,6 +6,7 @@
 #include <numeric>
 #include <random>
 
+#include "core/logfmt_rows.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/dtype.hpp"
 
@@ -123,6 +124,10 @@ RankBatch make_batch(const LayerConfig& c, int rank) {
     b.x_fp8 = q.data;
     b.x_scales = q.scales;
   }
+  if (c.nvfp4) {
+    b.x_global_scale = Tensor::empty({}, DType::kFP32);
+    *b.x_global_scale.data_as<float>() = c.nvfp4_global_scale;
+  }
   route(c, rank, n, b.topk_idx, b.topk_weights);
   return b;
 }
@@ -131,9 +136,10 @@ ExpertParams make_experts(const LayerConfig& c) {
   ExpertParams p{Tensor::empty({c.experts, c.hidden}, DType::kFP32), Tensor::empty({c.experts, c.hidden}, DType::kFP32)};
   std::mt19937_64 rng(c.seed + 12345);
   std::uniform_real_distribution<float> scale(0.5f, 1.5f), bias(-0.25f, 0.25f);
+  const float shrink = c.logfmt ? 0.125f : 1.0f;
   for (std::int64_t i = 0; i < p.scale.numel(); ++i) {
-    p.scale.data_as<float>()[i] = scale(rng);
-    p.bias.data_as<float>()[i] = bias(rng);
+    p.scale.data_as<float>()[i] = scale(rng) * shrink;
+    p.bias.data_as<float>()[i] = bias(rng) * shrink;
   }
   return p;
 }
@@ -180,10 +186,26 @@ Tensor experts_expanded(const LayerConfig& c, const ExpertParams& params, int ra
 }
 
 // The slab [El, rows, H]: expert i's first count_i rows = bf16(f_e(x)), unweighted.
+// Row `row` of local expert i of an NVFP4 slab (storage [El, R*N, H/2] under the view
+// [R*N, H/2, El]; scales in the 128 x 4 swizzled layout, docs/quantized-formats.md), dequantized.
+void load_nvfp4_row(const LayerConfig& c, const TensorView& recv_x, const TensorView& sc, int i, std::int64_t row,
+                    float* out) {
+  const std::int64_t H = c.hidden, rows = recv_x.size(0), rk = H / 64;
+  const auto* q = recv_x.data_as<const std::uint8_t>() + (i * rows + row) * (H / 2);
+  const auto* s = static_cast<const std::uint8_t*>(sc.data()) + i * sc.stride(5) * static_cast<std::int64_t>(element_size(sc.dtype()));
+  for (std::int64_t j = 0; j < H / 16; ++j) {
+    const std::uint8_t sf = s[((row / 128) * rk + j / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + j % 4];
+    for (std::int64_t e = j * 16; e < j * 16 + 16; ++e) {
+      const float v = e2m1_to_float(static_cast<std::uint8_t>(e % 2 ? q[e / 2] >> 4 : q[e / 2] & 15));
+      out[e] = c.nvfp4_ue8m0 ? std::ldexp(v, static_cast<int>(sf) - 127) : v * fp8_e4m3_to_float(sf) / c.nvfp4_global_scale;
+    }
+  }
+}
+
 Tensor experts_slab(const LayerConfig& c, const ExpertParams& params, int rank, const TensorView& recv_x,
                     const TensorView& sc, const TensorView& counts) {
   const int H = c.hidden, El = c.experts / c.ranks;
-  const std::int64_t slab = recv_x.size(1);
+  const std::int64_t slab = c.nvfp4 ? recv_x.size(0) : recv_x.size(1);
   // Only the valid rows are written (and read by combine): the rest of the slab stays untouched.
   Tensor y = Tensor::empty({El, slab, H}, DType::kBF16);
   std::vector<float> x(static_cast<size_t>(H));
@@ -191,7 +213,9 @@ Tensor experts_slab(const LayerConfig& c, const ExpertParams& params, int rank, 
   for (int i = 0; i < El; ++i)
     for (std::int64_t row = 0; row < counts.data_as<const std::int32_t>()[i]; ++row) {
       const auto* data = static_cast<const std::byte*>(recv_x.data()) + ((i * slab + row) * H) * es;
-      if (c.fp8) {
+      if (c.nvfp4) {
+        load_nvfp4_row(c, recv_x, sc, i, row, x.data());
+      } else if (c.fp8) {
         load_row(true, H, data, sc.data_as<const float>() + i * sc.stride(0) + row * sc.stride(1), sc.stride(2), x.data());
       } else {
         load_row(false, H, data, nullptr, 0, x.data());
@@ -248,8 +272,15 @@ Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const 
   const std::int64_t n = b.x.size(0);
   Tensor out = Tensor::empty({n, H}, DType::kBF16);
   std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
+  Tensor dequantized;
+  if (c.nvfp4) {
+    const Nvfp4Tensor q = quantize_nvfp4(b.x, {.global_scale = c.nvfp4_global_scale, .use_ue8m0_for_sf = c.nvfp4_ue8m0});
+    dequantized = dequantize_nvfp4(q.data, q.scales, c.nvfp4_global_scale, c.nvfp4_ue8m0);
+  }
   for (std::int64_t t = 0; t < n; ++t) {
-    if (c.fp8) {
+    if (c.nvfp4) {
+      std::memcpy(x.data(), dequantized.data_as<const float>() + t * H, sizeof(float) * static_cast<size_t>(H));
+    } else if (c.fp8) {
       load_row(c, b.x_fp8, b.x_scales, t, x.data());
     } else {
       load_row(c, b.x, TensorView(), t, x.data());
@@ -347,10 +378,18 @@ Tensor reference_low_latency_output(const LayerConfig& c, const ExpertParams& pa
   const int H = c.hidden, k = c.topk;
   const std::int64_t n = b.x.size(0);
   Tensor out = Tensor::empty({n, H}, DType::kBF16);
-  std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
+  std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H)), lane(static_cast<size_t>(H));
   std::vector<std::uint16_t> row(static_cast<size_t>(H));
+  std::vector<std::byte> encoded(static_cast<size_t>(core::logfmt_max_row_bytes(H)));
+  Tensor dequantized;
+  if (c.nvfp4) {
+    const Nvfp4Tensor q = quantize_nvfp4(b.x, {.global_scale = c.nvfp4_global_scale, .use_ue8m0_for_sf = c.nvfp4_ue8m0});
+    dequantized = dequantize_nvfp4(q.data, q.scales, c.nvfp4_global_scale, c.nvfp4_ue8m0);
+  }
   for (std::int64_t t = 0; t < n; ++t) {
-    if (c.fp8) {
+    if (c.nvfp4) {
+      std::memcpy(x.data(), dequantized.data_as<const float>() + t * H, sizeof(float) * static_cast<size_t>(H));
+    } else if (c.fp8) {
       load_row(c, b.x_fp8, b.x_scales, t, x.data());
     } else {
       load_row(c, b.x, TensorView(), t, x.data());
@@ -360,9 +399,15 @@ Tensor reference_low_latency_output(const LayerConfig& c, const ExpertParams& pa
       const std::int64_t e = b.topk_idx.data_as<const std::int64_t>()[t * k + j];
       if (e < 0) continue;
       expert_row(x.data(), params, e, H, row.data());
+      if (c.logfmt) {
+        core::logfmt_encode_row(row.data(), H, encoded.data());
+        core::logfmt_decode_row(encoded.data(), H, lane.data());
+      } else {
+        for (int h = 0; h < H; ++h) lane[static_cast<size_t>(h)] = bf16_to_float(row[static_cast<size_t>(h)]);
+      }
       const float w = b.topk_weights.data_as<const float>()[t * k + j];
       for (int h = 0; h < H; ++h) {
-        const float product = w * bf16_to_float(row[static_cast<size_t>(h)]);
+        const float product = w * lane[static_cast<size_t>(h)];
         acc[static_cast<size_t>(h)] = first ? product : acc[static_cast<size_t>(h)] + product;
       }
       first = false;

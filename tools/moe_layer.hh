@@ -33,6 +33,14 @@ struct LayerConfig {
   int experts = 256;
   int topk = 8;
   bool fp8 = false;
+  // NVFP4 low-latency dispatch (E2M1 values, per-16 E4M3 scales from nvfp4_global_scale, one value
+  // for the whole layer as engines calibrate it; or UE8M0 scales); the experts dequantize.
+  bool nvfp4 = false;
+  bool nvfp4_ue8m0 = false;
+  float nvfp4_global_scale = 448.0f;  // 448 * 6 / 6: amax 6 maps to the largest scale
+  // LogFMT low-latency combine; the experts are then scaled by 1/8 so that most of their outputs
+  // are below 1 (LogFMT compresses only those blocks).
+  bool logfmt = false;
   bool expand = false;
   int alignment = 1;
   double skew = 0.8;  // Zipf exponent of expert popularity
@@ -48,6 +56,7 @@ struct RankBatch {
   Tensor x;          // bfloat16 [N, H]
   Tensor x_fp8;      // float8_e4m3fn [N, H] (FP8 only)
   Tensor x_scales;   // float32 [N, H/128] (FP8 only)
+  Tensor x_global_scale;  // float32 scalar (NVFP4 only)
   Tensor topk_idx;   // int64 [N, k]
   Tensor topk_weights;  // float32 [N, k]
 };
@@ -76,7 +85,9 @@ Tensor reference_output(const LayerConfig& config, const ExpertParams& params, c
 
 // Low-latency mode (V1): the experts return unweighted rows bf16(f_e(x)) into the slab
 // [El, R*N, H]; combine applies the weights: out[t] = bf16(sum over lanes j, ascending, of
-// w_j * f_ej(x)), FP32 products summed in order, the first taken as is.
+// w_j * f_ej(x)), FP32 products summed in order, the first taken as is. With NVFP4, x is the
+// dequantized cast e2m1(q) * sf / gs (or e2m1(q) * 2^(sf - 127)); with LogFMT, each f_ej(x) row
+// is what its LogFMT encoding decodes to (FP32, not rounded) before the weighted sum.
 Tensor run_experts_low_latency(const LayerConfig& config, const ExpertParams& params, int rank,
                                const LowLatencyDispatchResult& received);
 Tensor reference_low_latency_output(const LayerConfig& config, const ExpertParams& params, const RankBatch& batch);

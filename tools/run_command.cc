@@ -14,6 +14,7 @@
 #include "core/bandwidth.hh"
 #include "core/npy.hh"
 #include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/group.hpp"
 #include "launch.hh"
@@ -43,7 +44,7 @@ std::uint64_t hash_bytes(const void* data, std::size_t n) {
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-void write_manifest(const std::string& dir, const LayerConfig& c, const ExpertParams& params) {
+void write_manifest(const std::string& dir, const LayerConfig& c, const ExpertParams& params, Api api) {
   std::filesystem::create_directories(dir);
   core::write_npy(dir + "/expert_scale.npy", params.scale);
   core::write_npy(dir + "/expert_bias.npy", params.bias);
@@ -51,7 +52,10 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const ExpertPa
                       {"allow_multiple_reduction", c.multi}, {"num_max_tokens_per_rank", c.tokens},
                       {"hidden", c.hidden},       {"num_experts", c.experts}, {"num_topk", c.topk},
                       {"fp8", c.fp8},             {"expand", c.expand},    {"expert_alignment", c.alignment},
-                      {"seed", c.seed}};
+                      {"seed", c.seed},           {"nvfp4", c.nvfp4},      {"nvfp4_ue8m0", c.nvfp4_ue8m0},
+                      {"nvfp4_global_scale", c.nvfp4_global_scale},
+                      {"nvfp4_rounding", env::get_string("MOE_EP_NVFP4_ROUNDING")}, {"logfmt", c.logfmt}};
+  j["api"] = api == Api::kV2 ? "v2" : api == Api::kV1 ? "v1" : "v1_low_latency";
   std::vector<int> tokens;
   for (int r = 0; r < c.ranks; ++r) tokens.push_back(c.tokens_on(r));
   j["tokens_per_rank"] = tokens;
@@ -70,7 +74,7 @@ int run_command(const RunOptions& options, Launch& launch) {
   c.ranks = launch.size();
   c.scaleout = launch.topology().num_scaleout;
   const ExpertParams params = make_experts(c);
-  if (!options.dump_dir.empty() && launch.reports()) write_manifest(options.dump_dir, c, params);
+  if (!options.dump_dir.empty() && launch.reports()) write_manifest(options.dump_dir, c, params, options.api);
 
   std::vector<RankOutcome> outcomes(static_cast<size_t>(c.ranks));
   std::vector<RankSummary> summaries(static_cast<size_t>(c.ranks));
@@ -179,7 +183,9 @@ int run_command(const RunOptions& options, Launch& launch) {
              outcomes.front().workers);
   fmt::print("layer: hidden {}, {} experts, top-{}, up to {} tokens per rank ({} in all), {} dispatch, {} layout{}, "
              "seed {}\n\n",
-             c.hidden, c.experts, c.topk, c.tokens, tokens, c.fp8 ? "FP8 (per-128 scales)" : "BF16",
+             c.hidden, c.experts, c.topk, c.tokens, tokens,
+             c.nvfp4 ? (c.nvfp4_ue8m0 ? "NVFP4 (per-16 UE8M0 scales)" : "NVFP4 (per-16 E4M3 scales)")
+                     : c.fp8 ? "FP8 (per-128 scales)" : "BF16",
              options.api == Api::kV1LowLatency ? "per-expert slab" : c.expand ? "expanded" : "compact",
              c.expand ? fmt::format(" (alignment {})", c.alignment) : "", c.seed);
   Table table({"phase", "time (ms)", "bytes (MB)", "GB/s", "x memcpy"});

@@ -32,7 +32,8 @@ enum class Generation { kV1, kV2 };
 enum class DispatchMode { kNormal, kLowLatency, kAuto };
 enum class BatchKind { kPrefill, kDecode };  // prefill/extend vs decode
 enum class OutputFormat { kNormal, kLowLatency, kV2Expanded };
-enum class WireDType { kBF16, kFP8 };
+// kNVFP4: the low-latency wire format (normal-mode batches travel BF16; docs/dispatcher.md §5).
+enum class WireDType { kBF16, kFP8, kNVFP4 };
 
 const char* generation_name(Generation g);  // "V1", "V2"
 const char* mode_name(DispatchMode m);      // "normal", "low_latency", "auto"
@@ -86,6 +87,8 @@ struct DispatcherOptions {
   std::optional<std::string> provider_path;              // MOE_EP_PROVIDER_PATH
   bool round_scale = false;  // FP8: power-of-two scales
   bool use_ue8m0 = false;    // FP8: UE8M0-packed scales (needs round_scale)
+  float nvfp4_global_scale = 1.0f;  // NVFP4: the global scale gs (positive, finite)
+  bool nvfp4_use_ue8m0 = false;     // NVFP4: UE8M0 block scales (gs unused)
   int expert_alignment = 1;  // normal and expanded layouts
 };
 

@@ -5,9 +5,11 @@
 //    source-rank then token order) and combine (unweighted sum plus biases); cached dispatch
 //    with the returned handle; num_worst_tokens for fixed-size outputs;
 //  - low-latency mode (low_latency_mode = true): low_latency_dispatch into a per-expert 3-D slab
-//    [local experts, ranks x N, H], optionally FP8-cast with per-128 scales, with an optional
-//    receive hook; low_latency_combine (weighted sum over the token's top-k). Two buffer slots
-//    alternate: at most two low-latency results are live, and using a live slot again is an error.
+//    [local experts, ranks x N, H], optionally FP8-cast with per-128 scales or NVFP4-cast with
+//    per-16 scales in the swizzled block-scale layout (docs/quantized-formats.md), with an
+//    optional receive hook and the received top-k weights; low_latency_combine (weighted sum over
+//    the token's top-k, optionally LogFMT-compressed on the wire). Two buffer slots alternate: at
+//    most two low-latency results are live, and using a live slot again is an error.
 // Normal mode runs on the same engine as ElasticBuffer (docs/legacy.md lists the differences).
 // Every call is collective; bad arguments are typed errors on the rank that made them and
 // PeerErrors naming that rank on the others.
@@ -19,6 +21,7 @@
 #include <optional>
 #include <vector>
 
+#include "moe_ep/dtype.hpp"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/event.hpp"
 #include "moe_ep/group.hpp"
@@ -150,20 +153,35 @@ struct LowLatencyDispatchArgs {
   TensorView topk_idx;  // int64 [N_tokens, k]
   int num_max_dispatch_tokens_per_rank = 0;
   int num_experts = 0;
+  TensorView topk_weights;  // optional float32 [N_tokens, k]: received as recv_topk_weights
   TensorView cumulative_local_expert_recv_stats;  // optional int32 [El]
   TensorView dispatch_wait_recv_cost_stats;       // optional int64 [R]: nanoseconds waited per source
+  TensorView x_global_scale;  // float32 scalar (0-d): the NVFP4 global scale; required with
+                              // use_nvfp4 unless use_ue8m0_for_sf
   bool use_fp8 = true;
   bool round_scale = false;
   bool use_ue8m0 = false;  // requires round_scale
+  bool use_nvfp4 = false;  // not with use_fp8; H a multiple of 128
+  bool use_ue8m0_for_sf = false;  // NVFP4 block scales as UE8M0 (power of two, rounded up)
+  // E2M1 rounding of NVFP4 values; unset: MOE_EP_NVFP4_ROUNDING (nearest_even or sm90).
+  std::optional<E2M1Rounding> nvfp4_rounding;
   bool async_finish = false;
   bool return_recv_hook = false;  // not with async_finish
   std::string rejection;          // as DispatchArgs::rejection
 };
 
 struct LowLatencyDispatchResult {
-  Tensor recv_x;             // bfloat16 or float8_e4m3fn [El, R*N, H]
-  Tensor recv_x_scales;      // float32 [El, R*N, H/128] or int32 UE8M0 [El, R*N, H/512]; token stride 1
+  // bfloat16 or float8_e4m3fn [El, R*N, H]; with NVFP4 the view [R*N, H/2, El] (uint8, two E2M1
+  // values per byte) of storage [El, R*N, H/2].
+  Tensor recv_x;
+  // FP8: float32 [El, R*N, H/128] or int32 UE8M0 [El, R*N, H/512]; token stride 1.
+  // NVFP4: the view [32, 4, rm, 4, rk, El] of storage [El, rm, rk, 32, 4, 4] (rm = ceil(R*N/128),
+  // rk = H/64), float8_e4m3fn codes, or int32 holding UE8M0 bytes in the first quarter of each
+  // expert's storage (the rest zero).
+  Tensor recv_x_scales;
   Tensor packed_recv_count;  // int32 [El]
+  Tensor recv_topk_weights;  // float32 [El, R*N]: the row's weight for this expert (0 past the count); with topk_weights
+  Tensor recv_rank_info;     // int32 [El, R*N]: the row's source rank (-1 past the count); with topk_weights
   std::shared_ptr<LowLatencyHandle> handle;
   Event event;
   ReceiveHook hook;  // with return_recv_hook: completes the receive
@@ -174,7 +192,7 @@ struct LowLatencyCombineArgs {
   TensorView topk_idx;      // int64 [N_tokens, k]: as dispatched
   TensorView topk_weights;  // float32 [N_tokens, k]
   std::shared_ptr<const LowLatencyHandle> handle;
-  bool use_logfmt = false;  // not supported (InvalidArgument)
+  bool use_logfmt = false;  // LogFMT-10 on the wire (docs/quantized-formats.md); not with zero_copy
   bool zero_copy = false;   // x is get_next_low_latency_combine_buffer(handle), already filled
   bool async_finish = false;
   bool return_recv_hook = false;

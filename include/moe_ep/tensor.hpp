@@ -1,8 +1,8 @@
 // Tensors: a non-owning strided view and a reference-counted owning tensor, both exchangeable
 // through DLPack.
 //
-// A TensorView describes memory it does not own: a data pointer, a dtype, up to four sizes and
-// element strides. Library calls read input views and never keep them past the call (or past
+// A TensorView describes memory it does not own: a data pointer, a dtype, up to six sizes and
+// element strides (none: a scalar, one element at the data pointer). Library calls read input views and never keep them past the call (or past
 // the returned Event, for asynchronous calls). Constructors refuse (InvalidArgument naming the
 // shape) a view whose element count, byte count or byte range does not fit in int64, or whose
 // bytes would wrap around the address space, so numel(), nbytes() and byte_range() of any view
@@ -27,7 +27,7 @@ namespace moe_ep {
 
 class TensorView {
  public:
-  static constexpr int kMaxDims = 4;
+  static constexpr int kMaxDims = 6;  // 0-d (scalars) to 6-d (the NVFP4 scale layout)
 
   TensorView() = default;
   // Contiguous (row-major) view.

@@ -177,13 +177,16 @@ void register_legacy(py::module_& m) {
            })
       .def("low_latency_dispatch",
            [](LegacyBox& box, py::handle x, py::handle topk_idx, py::handle cap, py::handle num_experts,
-              py::handle cumulative, py::handle wait_stats, py::handle use_fp8, py::handle round_scale,
-              py::handle use_ue8m0, py::handle async_finish, py::handle return_recv_hook) {
+              py::handle topk_weights, py::handle cumulative, py::handle wait_stats, py::handle x_global_scale,
+              py::handle use_fp8, py::handle round_scale, py::handle use_ue8m0, py::handle use_nvfp4,
+              py::handle use_ue8m0_for_sf, py::handle async_finish, py::handle return_recv_hook) {
              Buffer& buffer = box.get();
              ArgumentImports in;
              std::vector<Tensor> keep = {in.tensor(x, "x"), in.tensor(topk_idx, "topk_idx"),
                                          in.tensor(cumulative, "cumulative_local_expert_recv_stats"),
-                                         in.tensor(wait_stats, "dispatch_wait_recv_cost_stats")};
+                                         in.tensor(wait_stats, "dispatch_wait_recv_cost_stats"),
+                                         in.tensor(topk_weights, "topk_weights"),
+                                         in.tensor(x_global_scale, "x_global_scale")};
              LowLatencyDispatchArgs a;
              a.x = keep[0];
              a.topk_idx = keep[1];
@@ -191,16 +194,21 @@ void register_legacy(py::module_& m) {
              a.num_experts = in.integer(num_experts, "num_experts");
              a.cumulative_local_expert_recv_stats = keep[2];
              a.dispatch_wait_recv_cost_stats = keep[3];
+             a.topk_weights = keep[4];
+             a.x_global_scale = keep[5];
              a.use_fp8 = in.boolean(use_fp8, "use_fp8");
              a.round_scale = in.boolean(round_scale, "round_scale");
              a.use_ue8m0 = in.boolean(use_ue8m0, "use_ue8m0");
+             a.use_nvfp4 = in.boolean(use_nvfp4, "use_nvfp4");
+             a.use_ue8m0_for_sf = in.boolean(use_ue8m0_for_sf, "use_ue8m0_for_sf");
              a.async_finish = in.boolean(async_finish, "async_finish");
              a.return_recv_hook = in.boolean(return_recv_hook, "return_recv_hook");
              a.rejection = in.rejection();
              const LowLatencyDispatchResult r = in.call([&] { return buffer.low_latency_dispatch(a); });
              py::object hook = hook_of(r.hook, keep);
              return py::make_tuple(export_tensor(r.recv_x), export_tensor(r.recv_x_scales),
-                                   export_tensor(r.packed_recv_count), r.handle, event_of(r.event, std::move(keep)), hook);
+                                   export_tensor(r.packed_recv_count), r.handle, event_of(r.event, std::move(keep)), hook,
+                                   export_tensor(r.recv_topk_weights), export_tensor(r.recv_rank_info));
            })
       .def("low_latency_combine",
            [](LegacyBox& box, py::handle x, py::handle topk_idx, py::handle topk_weights, py::handle handle,

@@ -40,8 +40,8 @@ int int_size(std::string_view context, std::string_view name, const TensorView& 
 
 void expect_non_overlapping(std::string_view context, std::string_view name, const TensorView& t) {
   if (t.numel() <= 1) return;
-  // Visit dimensions from the smallest stride up (insertion sort: at most four entries).
-  std::array<int, TensorView::kMaxDims> order{0, 1, 2, 3};
+  // Visit dimensions from the smallest stride up (insertion sort: at most kMaxDims entries).
+  std::array<int, TensorView::kMaxDims> order{0, 1, 2, 3, 4, 5};
   const int n = t.ndim();
   for (int i = 1; i < n; ++i)
     for (int j = i; j > 0 && t.stride(order[j]) < t.stride(order[j - 1]); --j) std::swap(order[j], order[j - 1]);

@@ -6,6 +6,7 @@
 
 #include "core/checks.hh"
 #include "core/fp8_rows.hh"
+#include "core/nvfp4_rows.hh"
 
 namespace moe_ep {
 namespace {
@@ -53,6 +54,43 @@ Fp8Tensor quantize_fp8(const TensorView& x, Fp8Options options) {
       core::cast_row_fp8(reinterpret_cast<const float*>(row), h, options.round_scale, options.use_ue8m0, q, s);
     }
   }
+  return out;
+}
+
+Nvfp4Tensor quantize_nvfp4(const TensorView& x, const Nvfp4Options& options) {
+  constexpr std::string_view kContext = "quantize_nvfp4";
+  core::expect_tensor(kContext, "x", x, DType::kBF16, {-1, -1});
+  core::expect_rows_contiguous(kContext, "x", x);
+  const std::int64_t n = x.size(0), h = x.size(1);
+  if (h % 16 != 0) core::fail(kContext, "hidden size {} is not a multiple of the NVFP4 block size 16", h);
+  if (!options.use_ue8m0_for_sf && !(std::isfinite(options.global_scale) && options.global_scale > 0.0f))
+    core::fail(kContext, "global_scale = {} must be a positive finite number", options.global_scale);
+  const core::Nvfp4Cast cast{.global_scale = options.global_scale, .ue8m0 = options.use_ue8m0_for_sf,
+                             .rounding = core::nvfp4_rounding(options.rounding)};
+  Nvfp4Tensor out{Tensor::empty({n, h / 2}, DType::kUInt8), Tensor::empty({n, h / 16}, DType::kUInt8)};
+  for (std::int64_t t = 0; t < n; ++t)
+    core::cast_row_nvfp4(x.data_as<const std::uint16_t>() + t * x.stride(0), h, cast,
+                         out.data.data_as<std::uint8_t>() + t * (h / 2), out.scales.data_as<std::uint8_t>() + t * (h / 16));
+  return out;
+}
+
+Tensor dequantize_nvfp4(const TensorView& data, const TensorView& scales, float global_scale, bool use_ue8m0_for_sf) {
+  constexpr std::string_view kContext = "dequantize_nvfp4";
+  core::expect_tensor(kContext, "data", data, DType::kUInt8, {-1, -1});
+  core::expect_rows_contiguous(kContext, "data", data);
+  const std::int64_t n = data.size(0), h = 2 * data.size(1);
+  core::expect_tensor(kContext, "scales", scales, DType::kUInt8, {n, h / 16});
+  core::expect_rows_contiguous(kContext, "scales", scales);
+  if (h % 16 != 0) core::fail(kContext, "data has {} bytes per row; NVFP4 rows hold a multiple of 8", h / 2);
+  Tensor out = Tensor::empty({n, h}, DType::kFP32);
+  for (std::int64_t t = 0; t < n; ++t)
+    for (std::int64_t i = 0; i < h; ++i) {
+      const std::uint8_t byte = data.data_as<const std::uint8_t>()[t * data.stride(0) + i / 2];
+      const float v = e2m1_to_float(static_cast<std::uint8_t>(i % 2 ? byte >> 4 : byte & 15));
+      const std::uint8_t sf = scales.data_as<const std::uint8_t>()[t * scales.stride(0) + i / 16];
+      out.data_as<float>()[t * h + i] = use_ue8m0_for_sf ? std::ldexp(v, static_cast<int>(sf) - 127)
+                                                         : v * fp8_e4m3_to_float(sf) / global_scale;
+    }
   return out;
 }
 

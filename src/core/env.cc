@@ -37,8 +37,12 @@ const std::vector<Variable>& variables() {
        {1, std::int64_t{1} << 20}},
       {"MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK", Type::kInt, "4096", {},
        "Dispatcher: largest normal-mode batch per rank that its buffers are sized for.", {1, std::int64_t{1} << 24}},
-      {"MOE_EP_DISPATCH_DTYPE", Type::kChoice, "bf16", {"bf16", "fp8"},
-       "Dispatcher: wire format of dispatched tokens (fp8 = E4M3 with per-128 scales, cast before sending)."},
+      {"MOE_EP_DISPATCH_DTYPE", Type::kChoice, "bf16", {"bf16", "fp8", "nvfp4"},
+       "Dispatcher: wire format of dispatched tokens (fp8 = E4M3 with per-128 scales, nvfp4 = E2M1 with per-16 "
+       "E4M3 scales; cast before sending)."},
+      {"MOE_EP_NVFP4_ROUNDING", Type::kChoice, "nearest_even", {"nearest_even", "sm90"},
+       "NVFP4 casts: E2M1 rounding, nearest_even (round to nearest, ties to even, as SM100 hardware) or sm90 "
+       "(the software fallback of GPUs before SM100: thresholds at the geometric midpoints)."},
       {"MOE_EP_V2_ALLOW_HYBRID_MODE", Type::kBool, "1", {},
        "Dispatcher, V2: send a token once per destination node and forward it inside the node."},
       {"MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION", Type::kBool, "1", {},

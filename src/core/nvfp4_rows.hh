@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "moe_ep/dtype.hpp"
 
@@ -19,6 +20,9 @@ struct Nvfp4Cast {
   bool ue8m0 = false;
   E2M1Rounding rounding = E2M1Rounding::kNearestEven;
 };
+
+// The rounding asked for, or MOE_EP_NVFP4_ROUNDING's.
+E2M1Rounding nvfp4_rounding(std::optional<E2M1Rounding> asked);
 
 // Casts `hidden` (a multiple of 16) BF16 values: `packed` gets hidden / 2 bytes, `scales` one byte
 // per block (the E4M3 code, or the UE8M0 exponent).

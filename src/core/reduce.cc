@@ -152,6 +152,18 @@ void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::s
   weighted_generic(inputs, weights, out, hidden);
 }
 
+void weighted_sum_fp32_rows(std::span<const float* const> inputs, std::span<const float> weights, std::uint16_t* out,
+                            std::int64_t hidden) {
+  for (std::int64_t h = 0; h < hidden; ++h) {
+    float acc = 0.0f;
+    for (std::size_t r = 0; r < inputs.size(); ++r) {
+      const float product = weights[r] * inputs[r][h];
+      acc = r == 0 ? product : acc + product;
+    }
+    out[h] = float_to_bf16(acc);
+  }
+}
+
 void copy_bytes(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
 
 }  // namespace moe_ep::core

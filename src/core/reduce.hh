@@ -19,6 +19,9 @@ void sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::uint16_t* 
 // no fused multiply-add; no input gives +0.
 void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::span<const float> weights,
                             std::uint16_t* out, std::int64_t hidden);
+// The same sum over FP32 rows (decoded LogFMT rows): out[h] = bf16_rne(w[0]*in[0][h] + ...).
+void weighted_sum_fp32_rows(std::span<const float* const> inputs, std::span<const float> weights, std::uint16_t* out,
+                            std::int64_t hidden);
 void copy_bytes(void* dst, const void* src, std::size_t bytes);
 
 }  // namespace moe_ep::core

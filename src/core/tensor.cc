@@ -50,8 +50,8 @@ DType from_dl(DLDataType t) {
 }
 
 void check_ndim(std::size_t ndim) {
-  if (ndim < 1 || ndim > static_cast<std::size_t>(TensorView::kMaxDims))
-    throw InvalidArgument(fmt::format("tensor rank {} is outside [1, {}]", ndim, TensorView::kMaxDims));
+  if (ndim > static_cast<std::size_t>(TensorView::kMaxDims))
+    throw InvalidArgument(fmt::format("tensor rank {} is outside [0, {}]", ndim, TensorView::kMaxDims));
 }
 
 }  // namespace
@@ -155,7 +155,7 @@ void TensorView::check_layout() const {
 }
 
 std::int64_t TensorView::numel() const {
-  if (ndim_ == 0) return 0;
+  if (ndim_ == 0) return data_ != nullptr ? 1 : 0;  // a scalar, or no tensor
   for (int d = 0; d < ndim_; ++d)
     if (shape_[d] == 0) return 0;
   std::int64_t n = 1;
@@ -198,10 +198,11 @@ std::string TensorView::describe() const {
 Tensor Tensor::empty(std::span<const std::int64_t> shape, DType dtype) {
   Tensor t;
   static_cast<TensorView&>(t) = TensorView(nullptr, dtype, shape);
-  t.storage_ = core::allocate_host(t.nbytes());
+  const std::size_t bytes = shape.empty() ? element_size(dtype) : t.nbytes();  // a scalar has one element
+  t.storage_ = core::allocate_host(bytes);
   t.data_ = t.storage_.get();
   t.storage_begin_ = reinterpret_cast<std::uintptr_t>(t.data_);
-  t.storage_bytes_ = t.nbytes();
+  t.storage_bytes_ = bytes;
   return t;
 }
 
@@ -292,10 +293,10 @@ TensorView view_from_dlpack(const DLTensor& tensor) {
   if (tensor.device.device_type != kDLCPU && tensor.device.device_type != kDLCUDAHost)
     throw InvalidArgument(fmt::format("DLPack tensor lives on device type {}; moe-ep needs CPU memory",
                                       static_cast<int>(tensor.device.device_type)));
-  if (tensor.ndim < 1 || tensor.ndim > TensorView::kMaxDims)
-    throw InvalidArgument(fmt::format("DLPack tensor rank {} is outside [1, {}]", tensor.ndim, TensorView::kMaxDims));
+  if (tensor.ndim < 0 || tensor.ndim > TensorView::kMaxDims)
+    throw InvalidArgument(fmt::format("DLPack tensor rank {} is outside [0, {}]", tensor.ndim, TensorView::kMaxDims));
   const DType dtype = from_dl(tensor.dtype);
-  if (tensor.shape == nullptr)
+  if (tensor.shape == nullptr && tensor.ndim > 0)
     throw InvalidArgument(fmt::format("DLPack tensor of rank {} has no shape array (shape is null)", tensor.ndim));
   const std::span<const std::int64_t> shape(tensor.shape, static_cast<std::size_t>(tensor.ndim));
   for (std::size_t d = 0; d < shape.size(); ++d)

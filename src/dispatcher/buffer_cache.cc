@@ -68,7 +68,16 @@ BufferConfig legacy_config(const BufferKey& key, const provider::Table& table, c
   return c;
 }
 
-ElasticBufferConfig elastic_config(const BufferKey& key) {
+ElasticBufferConfig elastic_config(const BufferKey& key, const Group& group) {
+  if (key.nvfp4)  // low-latency rows of H/2 value bytes and H/16 scale bytes, combine rows of H: sized for BF16
+    return {.num_bytes = ElasticBuffer::get_buffer_size_hint(group, std::max(key.cap, key.prefill_cap), key.hidden,
+                                                             key.topk, false, key.hybrid, key.multiple_reduction),
+            .num_max_tokens_per_rank = std::max(key.cap, key.prefill_cap),
+            .num_topk = key.topk,
+            .allow_hybrid_mode = key.hybrid,
+            .allow_multiple_reduction = key.multiple_reduction,
+            .num_cpu_timeout_secs = key.timeout_secs,
+            .explicitly_destroy = true};
   return {.num_max_tokens_per_rank = std::max(key.cap, key.prefill_cap),
           .hidden = key.hidden,
           .num_topk = key.topk,
@@ -106,6 +115,7 @@ Agreed CacheState::agree(const char* operation, const std::vector<std::pair<cons
         .field("num_max_dispatch_tokens_per_rank", want->cap)
         .field("num_max_prefill_tokens_per_rank", want->prefill_cap)
         .field("fp8_dispatch", want->fp8)
+        .field("nvfp4_dispatch", want->nvfp4)
         .field("allow_hybrid_mode", want->hybrid)
         .field("allow_multiple_reduction", want->multiple_reduction)
         .field("low_latency_pool", want->low_latency)
@@ -195,7 +205,7 @@ void CacheState::rebuild(const BufferKey& want, const provider::Table& table) {
     legacy_.reset(table.create_legacy(group, config));
     stats.buffer_bytes = config.num_nvl_bytes + config.num_rdma_bytes;
   } else {
-    const ElasticBufferConfig config = elastic_config(want);
+    const ElasticBufferConfig config = elastic_config(want, group);
     static std::atomic<bool> logged{false};
     if (group.rank() == 0 && !logged.exchange(true))
       std::fprintf(stderr,

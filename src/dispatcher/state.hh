@@ -25,6 +25,7 @@ struct BufferKey {
   int cap = 0;
   int prefill_cap = 0;
   bool fp8 = false;
+  bool nvfp4 = false;  // V2: sized for BF16 rows, any hidden per call (NVFP4 rows are H/2 + H/16 bytes)
   bool hybrid = true;
   bool multiple_reduction = true;
   bool low_latency = false;  // V1: low_latency_mode

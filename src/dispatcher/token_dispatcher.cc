@@ -2,6 +2,7 @@
 // V1 low-latency, V2 normal, V2 low-latency) behind one set of output formats.
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstring>
 
 #include "core/checks.hh"
@@ -89,7 +90,7 @@ struct Slot {
   Generation generation = Generation::kV1;
   std::string provider;
   int num_tokens = 0;
-  Tensor x, topk_idx, topk_weights, x_fp8, x_scales;
+  Tensor x, topk_idx, topk_weights, x_fp8, x_scales, global_scale;
   DispatchLayout layout;  // V1 normal: read by the asynchronous dispatch
   LegacyDispatchResult v1;
   LowLatencyDispatchResult ll;
@@ -136,8 +137,10 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
       in.num_max_dispatch_tokens_per_rank, static_cast<int>(env::get_int("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")));
   o.num_max_prefill_tokens_per_rank = pick(
       in.num_max_prefill_tokens_per_rank, static_cast<int>(env::get_int("MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK")));
-  if (!in.dispatch_dtype)
-    o.dispatch_dtype = env::get_string("MOE_EP_DISPATCH_DTYPE") == "fp8" ? WireDType::kFP8 : WireDType::kBF16;
+  if (!in.dispatch_dtype) {
+    const std::string d = env::get_string("MOE_EP_DISPATCH_DTYPE");
+    o.dispatch_dtype = d == "fp8" ? WireDType::kFP8 : d == "nvfp4" ? WireDType::kNVFP4 : WireDType::kBF16;
+  }
   o.num_workers = pick(in.num_workers, static_cast<int>(env::get_int("MOE_EP_NUM_WORKERS")));
   o.allow_hybrid_mode = pick(in.allow_hybrid_mode, env::get_bool("MOE_EP_V2_ALLOW_HYBRID_MODE"));
   o.allow_multiple_reduction = pick(in.allow_multiple_reduction, env::get_bool("MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION"));
@@ -163,6 +166,23 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
     throw InvalidArgument(fmt::format("dispatcher: FP8 dispatch ({}) needs hidden to be a multiple of {}, got {}",
                                       origin(in.dispatch_dtype.has_value(), "dispatch_dtype", "MOE_EP_DISPATCH_DTYPE"),
                                       kFp8BlockSize, o.hidden));
+  if (*o.dispatch_dtype == WireDType::kNVFP4) {
+    const std::string from = origin(in.dispatch_dtype.has_value(), "dispatch_dtype", "MOE_EP_DISPATCH_DTYPE");
+    if (o.hidden % 128 != 0)
+      throw InvalidArgument(fmt::format("dispatcher: NVFP4 dispatch ({}) needs hidden to be a multiple of 128, got {}",
+                                        from, o.hidden));
+    if (*o.use_v2 && o.hidden % 256 != 0)
+      throw InvalidArgument(fmt::format("dispatcher: NVFP4 dispatch ({}) on V2 sends the H/2 value bytes as FP8 rows, "
+                                        "which need H/2 to be a multiple of 128: hidden must be a multiple of 256, "
+                                        "got {}", from, o.hidden));
+    if (*o.mode == DispatchMode::kNormal)
+      throw InvalidArgument(fmt::format("dispatcher: NVFP4 dispatch ({}) is the low-latency wire format; mode = normal "
+                                        "(MOE_EP_MODE or DispatcherOptions.mode) would send none: use low_latency or "
+                                        "auto (prefill batches then travel BF16)", from));
+    if (!o.nvfp4_use_ue8m0 && !(std::isfinite(o.nvfp4_global_scale) && o.nvfp4_global_scale > 0.0f))
+      throw InvalidArgument(fmt::format("dispatcher: DispatcherOptions.nvfp4_global_scale = {} must be a positive "
+                                        "finite number", o.nvfp4_global_scale));
+  }
   if (o.use_ue8m0 && !o.round_scale)
     throw InvalidArgument("dispatcher: DispatcherOptions.use_ue8m0 = true needs round_scale = true");
   // The V2 low-latency slab: R x cap rows per expert, row indices in int32.
@@ -196,6 +216,8 @@ class DispatcherState {
   }
   int cap() const { return *options.num_max_dispatch_tokens_per_rank; }
   bool fp8() const { return *options.dispatch_dtype == WireDType::kFP8; }
+  // NVFP4 applies to low-latency batches only.
+  bool nvfp4(const Slot& s) const { return *options.dispatch_dtype == WireDType::kNVFP4 && s.mode == DispatchMode::kLowLatency; }
   int ranks() const { return shared.group.size(); }
   int local_experts() const { return options.num_experts / ranks(); }
 
@@ -210,6 +232,7 @@ class DispatcherState {
     k.cap = cap();
     k.prefill_cap = *options.num_max_prefill_tokens_per_rank;
     k.fp8 = fp8();
+    k.nvfp4 = *options.dispatch_dtype == WireDType::kNVFP4 && k.generation == Generation::kV2;
     k.timeout_secs = *options.timeout_secs;
     if (k.generation == Generation::kV2) {
       k.hybrid = *options.allow_hybrid_mode;
@@ -286,7 +309,16 @@ void DispatcherState::start_dispatch(Slot& s) {
     s.x_fp8 = q.data;
     s.x_scales = q.scales;
   }
-  const TensorView x = fp8() ? s.x_fp8.view() : s.x.view();
+  TensorView x = fp8() ? s.x_fp8.view() : s.x.view();
+  if (nvfp4(s) && s.generation == Generation::kV2) {
+    // V2 moves bytes: the E2M1 pairs as H/2 one-byte elements, the scale bytes as H/64 words.
+    const Nvfp4Tensor q = quantize_nvfp4(s.x, {.global_scale = options.nvfp4_global_scale,
+                                               .use_ue8m0_for_sf = options.nvfp4_use_ue8m0});
+    const std::int64_t n = s.x.size(0);
+    s.x_fp8 = q.data.with_view(TensorView(q.data.data(), DType::kFP8E4M3, {n, H / 2}));
+    s.x_scales = q.scales.with_view(TensorView(q.scales.data(), DType::kInt32, {n, H / 64}));
+    x = s.x_fp8;
+  }
   if (s.generation == Generation::kV1) {
     provider::LegacyBackend& b = *shared.legacy();
     if (s.mode == DispatchMode::kNormal) {
@@ -313,14 +345,22 @@ void DispatcherState::start_dispatch(Slot& s) {
         shared.normal_since_clean = false;
         ++shared.stats.clean_calls;
       }
-      s.ll = b.low_latency_dispatch({.x = s.x,
-                                     .topk_idx = s.topk_idx,
-                                     .num_max_dispatch_tokens_per_rank = cap(),
-                                     .num_experts = E,
-                                     .use_fp8 = fp8(),
-                                     .round_scale = options.round_scale,
-                                     .use_ue8m0 = options.use_ue8m0,
-                                     .return_recv_hook = true});
+      LowLatencyDispatchArgs a{.x = s.x,
+                               .topk_idx = s.topk_idx,
+                               .num_max_dispatch_tokens_per_rank = cap(),
+                               .num_experts = E,
+                               .use_fp8 = fp8(),
+                               .round_scale = options.round_scale,
+                               .use_ue8m0 = options.use_ue8m0,
+                               .use_nvfp4 = nvfp4(s),
+                               .use_ue8m0_for_sf = nvfp4(s) && options.nvfp4_use_ue8m0,
+                               .return_recv_hook = true};
+      if (nvfp4(s)) {
+        s.global_scale = Tensor::empty({}, DType::kFP32);
+        *s.global_scale.data_as<float>() = options.nvfp4_global_scale;
+        a.x_global_scale = s.global_scale;
+      }
+      s.ll = b.low_latency_dispatch(a);
     }
     return;
   }
@@ -334,7 +374,7 @@ void DispatcherState::start_dispatch(Slot& s) {
                  .async_with_compute_stream = true,
                  .do_cpu_sync = true,
                  .do_expand = s.format == OutputFormat::kV2Expanded};
-  if (fp8()) a.x_scales = s.x_scales;
+  if (fp8() || nvfp4(s)) a.x_scales = s.x_scales;
   if (s.mode == DispatchMode::kLowLatency) {
     // No host wait, static shapes: one aligned group of R x cap rows per non-empty expert.
     a.num_max_tokens_per_rank = cap();
@@ -388,6 +428,7 @@ DispatchOutput DispatcherState::finish_dispatch(Slot& s, int micro_batch) {
     return out;
   }
   s.slab = make_slab(s.v2, local_experts(), R * cap());
+  if (nvfp4(s)) to_nvfp4_layout(s.slab, options.hidden, options.nvfp4_use_ue8m0);
   out.hidden_states = s.slab.hidden_states;
   out.hidden_states_scale = s.slab.scales;
   out.masked_m = s.slab.masked_m;

@@ -63,6 +63,29 @@ V2Slab make_slab(const DispatchResult& r, int El, std::int64_t RC) {
   return s;
 }
 
+void to_nvfp4_layout(V2Slab& s, int hidden, bool ue8m0) {
+  const std::int64_t El = static_cast<std::int64_t>(s.counts.size()), RC = s.rows_per_expert, H = hidden;
+  const std::int64_t rm = (RC + 127) / 128, rk = H / 64, words = H / 64;
+  Tensor& x = s.hidden_states;  // [El, RC, H/2] one-byte elements, contiguous
+  const std::int64_t xs[] = {RC, H / 2, El}, xt[] = {H / 2, 1, RC * (H / 2)};
+  x = x.with_view(TensorView(x.data(), DType::kUInt8, xs, xt));
+  const DType dtype = ue8m0 ? DType::kInt32 : DType::kFP8E4M3;
+  Tensor sf = Tensor::zeros({El, rm, rk, 32, 4, 4}, dtype);
+  const std::int64_t per = rm * rk * 512, expert_bytes = per * static_cast<std::int64_t>(element_size(dtype));
+  // Scale words of row t of expert i: storage [El, H/64, RC] (the FP8 slab's token-stride-1 layout).
+  const auto* words_of = s.scales.data_as<const std::uint32_t>();
+  auto* out = static_cast<std::uint8_t*>(sf.data());
+  for (std::int64_t i = 0; i < El; ++i)
+    for (std::int64_t t = 0; t < s.counts[static_cast<size_t>(i)]; ++t)
+      for (std::int64_t j = 0; j < H / 16; ++j) {
+        const std::uint32_t w = words_of[(i * words + j / 4) * RC + t];
+        out[i * expert_bytes + ((t / 128) * rk + j / 4) * 512 + (t % 32) * 16 + ((t % 128) / 32) * 4 + j % 4] =
+            static_cast<std::uint8_t>(w >> (8 * (j % 4)));
+      }
+  const std::int64_t ss[] = {32, 4, rm, 4, rk, El}, st[] = {16, 4, rk * 512, 1, 512, per};
+  s.scales = sf.with_view(TensorView(sf.data(), dtype, ss, st));
+}
+
 Tensor slab_to_expanded(const V2Slab& s, const DispatchResult& r, const TensorView& y) {
   const std::int64_t H = y.size(2);
   Tensor x = Tensor::empty({r.handle->num_expanded_tokens, H}, DType::kBF16);

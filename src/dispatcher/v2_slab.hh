@@ -24,6 +24,12 @@ struct V2Slab {
 // output has room for the slab, which it has unless the cap is tiny).
 V2Slab make_slab(const DispatchResult& dispatched, int local_experts, std::int64_t rows_per_expert);
 
+// NVFP4 rows (dispatched as H/2 one-byte values and H/64 scale words) turned into V1's NVFP4
+// low-latency output: values as the [R x cap, H/2, El] view of storage [El, R x cap, H/2], scales
+// in the swizzled layout [El, rm, rk, 32, 4, 4] viewed [32, 4, rm, 4, rk, El] (E4M3 codes, or
+// UE8M0 bytes at the start of each expert's int32 storage), bytes no row owns zero.
+void to_nvfp4_layout(V2Slab& slab, int hidden, bool ue8m0);
+
 // Expanded rows for V2's combine: row start_i + t = bf16(weight(row) x expert_output[i, t]).
 Tensor slab_to_expanded(const V2Slab& slab, const DispatchResult& dispatched, const TensorView& expert_output);
 

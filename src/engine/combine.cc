@@ -140,7 +140,6 @@ void Combine::validate() {
   expand_ = h.do_expand;
   multi_ = engine_.config.allow_multiple_reduction;
   N_ = h.num_tokens;
-  H_ = h.hidden;
   k_ = h.num_topk;
   max_tokens_ = h.num_max_tokens_per_rank;
   geo_ = routing::Geometry{engine_.num_ranks, h.num_experts, engine_.logical_scaleout};
@@ -149,7 +148,11 @@ void Combine::validate() {
   core::expect_rows_contiguous(ctx_, "x", a.x);
   if (a.x.size(0) != rows)
     core::fail(ctx_, "x has {} rows, the handle's {} layout has {}", a.x.size(0), expand_ ? "expanded" : "compact", rows);
-  if (a.x.size(1) != H_) core::fail(ctx_, "x has hidden size {}, the handle was made for {}", a.x.size(1), H_);
+  // The handle fixes the routing, not the row width: rows dispatched as a byte payload (NVFP4
+  // values, packed tuples) come back as BF16 rows of the model's hidden size.
+  if (a.x.size(1) <= 0 || a.x.size(1) > kMaxHidden)
+    core::fail(ctx_, "x has hidden size {}, expected 1 to {}", a.x.size(1), kMaxHidden);
+  H_ = static_cast<int>(a.x.size(1));
   has_weights_ = a.topk_weights.defined();
   if (has_weights_) {
     if (expand_) {

@@ -26,14 +26,26 @@ namespace moe_ep::legacy {
 // Geometry of one low-latency slot in the scale-out pool (docs/legacy.md). Offsets of the areas
 // depend only on (N, hidden, ranks, experts), so every call of a shape finds them in place:
 //   [64 B header: number of the last low-latency call that published here]
-//   [send area: N staged rows (payload | scales | token index, 16-byte aligned) + N x k int32
-//    expert ids; or, for combine, the zero-copy slab [El, R*N, H + 2S] bfloat16]
-//   [receive area, for ranks of other nodes: dispatch rows [El][R][N], or combine rows [E][N] of H bfloat16]
+//   [send area: N staged rows (payload | scales | token index | weight, 16-byte aligned) + N x k
+//    int32 expert ids + N x k float32 weights; or, for combine, the zero-copy slab
+//    [El, R*N, H + 2S] bfloat16]
+//   [receive area, for ranks of other nodes: dispatch rows [El][R][N], or combine rows [E][N] of
+//    H bfloat16 + 4 B per 128 channels (room for LogFMT's block metadata)]
+struct RowFormat {
+  bool fp8 = false;
+  bool ue8m0 = false;    // FP8 scales as packed UE8M0 exponents
+  bool nvfp4 = false;    // H/2 bytes of E2M1 pairs + H/16 block-scale bytes
+  bool weights = false;  // the row carries the top-k weight of the expert it is sent to
+};
+
 struct SlotLayout {
-  SlotLayout(int max_tokens, int hidden, int num_ranks, int num_experts, int k, bool fp8, bool ue8m0);
+  SlotLayout(int max_tokens, int hidden, int num_ranks, int num_experts, int k, RowFormat format);
   std::int64_t payload_bytes, scales_bytes, row_bytes;  // one staged token of this call
+  std::int64_t token_offset, weight_offset;             // in a row: int32 token index, float32 weight
   std::int64_t ids_offset;                              // of the id table in the send area
+  std::int64_t weights_offset;                          // of the weight table in the send area
   std::int64_t combine_row_elements;                    // H + 2S
+  std::int64_t combine_recv_row_bytes;                  // 2H + 4 B per 128 channels
   std::int64_t recv_offset;                             // of the receive area, from the slot start
   std::int64_t slot_bytes;                              // 64-byte aligned
   static constexpr std::int64_t kHeaderBytes = 64;

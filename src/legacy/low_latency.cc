@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <optional>
 
@@ -19,6 +20,8 @@
 #include "core/checks.hh"
 #include "core/failure.hh"
 #include "core/fp8_rows.hh"
+#include "core/logfmt_rows.hh"
+#include "core/nvfp4_rows.hh"
 #include "core/reduce.hh"
 #include "legacy/buffer_core.hh"
 #include "moe_ep/convert.hpp"
@@ -98,6 +101,7 @@ class LowLatencyDispatch final : public engine::Operation {
   std::string ctx_;
   int N_ = 0, H_ = 0, E_ = 0, El_ = 1, R_ = 1, k_ = 0, n_ = 0, S_ = 0;
   std::optional<SlotLayout> layout_;
+  core::Nvfp4Cast nvfp4_;
   std::vector<int32_t> counts_;       // [R * E] tokens of each source selecting each expert
   std::vector<int32_t> tokens_;       // [R] tokens of each source
   std::shared_ptr<LowLatencyState> state_;
@@ -120,14 +124,41 @@ void LowLatencyDispatch::validate() {
   H_ = core::int_size(ctx_, "x", a.x, 1);
   if (n_ > N_) core::fail(ctx_, "x has {} tokens, more than num_max_dispatch_tokens_per_rank = {}", n_, N_);
   if (H_ <= 0) core::fail(ctx_, "x has hidden size {}, expected a positive size", H_);
+  if (a.use_fp8 && a.use_nvfp4)
+    core::fail(ctx_, "use_fp8 = true and use_nvfp4 = true: pick one wire format (pass use_fp8 = false with NVFP4)");
   if (a.use_fp8 && H_ % 128 != 0) core::fail(ctx_, "FP8 hidden size {} is not a multiple of 128", H_);
   if (a.use_ue8m0 && !a.round_scale) core::fail(ctx_, "use_ue8m0 = true requires round_scale = true");
   if (a.round_scale && !a.use_fp8) core::fail(ctx_, "round_scale = true requires use_fp8 = true");
+  if (a.use_ue8m0_for_sf && !a.use_nvfp4) core::fail(ctx_, "use_ue8m0_for_sf = true requires use_nvfp4 = true");
+  if (a.use_nvfp4) {
+    if (H_ % 128 != 0)
+      core::fail(ctx_, "NVFP4 hidden size {} is not a multiple of 128 (16-element blocks, 64-element groups of the "
+                 "swizzled scale layout)", H_);
+    nvfp4_.ue8m0 = a.use_ue8m0_for_sf;
+    nvfp4_.rounding = core::nvfp4_rounding(a.nvfp4_rounding);
+    if (!a.x_global_scale.defined() && !a.use_ue8m0_for_sf)
+      core::fail(ctx_, "use_nvfp4 = true requires x_global_scale (a float32 scalar) unless use_ue8m0_for_sf = true");
+    if (a.x_global_scale.defined()) {
+      if (a.x_global_scale.dtype() != DType::kFP32 || a.x_global_scale.ndim() != 0)
+        core::fail(ctx_, "x_global_scale must be a float32 scalar (0-d tensor), got {} with {} dimensions",
+                   dtype_name(a.x_global_scale.dtype()), a.x_global_scale.ndim());
+      const float gs = *a.x_global_scale.data_as<const float>();
+      if (!a.use_ue8m0_for_sf && !(std::isfinite(gs) && gs > 0.0f))
+        core::fail(ctx_, "x_global_scale = {} must be a positive finite number", gs);
+      nvfp4_.global_scale = gs;
+    }
+  } else if (a.x_global_scale.defined()) {
+    core::fail(ctx_, "x_global_scale is given but use_nvfp4 = false (it is the NVFP4 global scale)");
+  }
   if (a.async_finish && a.return_recv_hook) core::fail(ctx_, "async_finish and return_recv_hook cannot both be true");
   core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {n_, -1});
   core::expect_rows_contiguous(ctx_, "topk_idx", a.topk_idx);
   k_ = core::int_size(ctx_, "topk_idx", a.topk_idx, 1);
   if (k_ < 1 || k_ > engine::kMaxTopk) core::fail(ctx_, "topk_idx has {} columns (k), expected 1 to {}", k_, engine::kMaxTopk);
+  if (a.topk_weights.defined()) {
+    core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {n_, k_});
+    core::expect_rows_contiguous(ctx_, "topk_weights", a.topk_weights);
+  }
   E_ = a.num_experts;
   if (E_ <= 0 || E_ % R_ != 0) core::fail(ctx_, "num_experts = {} must be a positive multiple of the {} ranks", E_, R_);
   El_ = E_ / R_;
@@ -146,12 +177,38 @@ void LowLatencyDispatch::validate() {
                         need, core_.config.num_rdma_bytes);
   routing::validate_topk(ctx_, {a.topk_idx.data_as<const int64_t>(), a.topk_idx.stride(0), n_, k_}, E_);
   S_ = a.use_fp8 ? (a.use_ue8m0 ? (H_ / 128 + 3) / 4 : H_ / 128) : 0;
-  layout_.emplace(N_, H_, R_, E_, k_, a.use_fp8, a.use_ue8m0);
+  layout_.emplace(N_, H_, R_, E_, k_,
+                  RowFormat{.fp8 = a.use_fp8, .ue8m0 = a.use_ue8m0, .nvfp4 = a.use_nvfp4, .weights = a.topk_weights.defined()});
+}
+
+// Byte of NVFP4 block scale j of token row t in one expert's swizzled scale storage
+// [rm, rk, 32, 4, 4] (the 128 x 4 block-scale layout of block-scaled GEMMs).
+std::int64_t nvfp4_scale_offset(std::int64_t t, std::int64_t j, std::int64_t rk) {
+  return ((t / 128) * rk + j / 4) * 512 + (t % 32) * 16 + ((t % 128) / 32) * 4 + (j % 4);
 }
 
 void LowLatencyDispatch::allocate_outputs_early() {
   const int64_t rows = static_cast<int64_t>(R_) * N_;
-  result.recv_x = Tensor::empty({El_, rows, H_}, args_.use_fp8 ? DType::kFP8E4M3 : DType::kBF16);
+  if (args_.use_nvfp4) {
+    // Storage [El, R*N, H/2] viewed as [R*N, H/2, El]; scales [El, rm, rk, 32, 4, 4] viewed as
+    // [32, 4, rm, 4, rk, El] (DeepEP's permutes (1, 2, 0) and (3, 4, 1, 5, 2, 0)).
+    Tensor x = Tensor::empty({El_, rows, H_ / 2}, DType::kUInt8);
+    const std::int64_t xs[] = {rows, H_ / 2, El_}, xt[] = {H_ / 2, 1, rows * (H_ / 2)};
+    result.recv_x = x.with_view(TensorView(x.data(), DType::kUInt8, xs, xt));
+    const int64_t rm = (rows + 127) / 128, rk = H_ / 64;
+    const DType sdtype = args_.use_ue8m0_for_sf ? DType::kInt32 : DType::kFP8E4M3;
+    Tensor sf = Tensor::zeros({El_, rm, rk, 32, 4, 4}, sdtype);
+    const std::int64_t per = rm * rk * 512;  // elements per expert
+    const std::int64_t ss[] = {32, 4, rm, 4, rk, El_}, st[] = {16, 4, rk * 512, 1, 512, per};
+    result.recv_x_scales = sf.with_view(TensorView(sf.data(), sdtype, ss, st));
+  } else {
+    result.recv_x = Tensor::empty({El_, rows, H_}, args_.use_fp8 ? DType::kFP8E4M3 : DType::kBF16);
+  }
+  if (args_.topk_weights.defined()) {
+    result.recv_topk_weights = Tensor::zeros({El_, rows}, DType::kFP32);
+    result.recv_rank_info = Tensor::empty({El_, rows}, DType::kInt32);
+    std::fill(result.recv_rank_info.data_as<int32_t>(), result.recv_rank_info.data_as<int32_t>() + El_ * rows, -1);
+  }
   if (args_.use_fp8) {
     // Token dimension with stride 1: storage [El, S, R*N], viewed as [El, R*N, S].
     const DType dtype = args_.use_ue8m0 ? DType::kInt32 : DType::kFP32;
@@ -206,7 +263,10 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
       .field("num_topk", k_)
       .field("use_fp8", args_.use_fp8)
       .field("round_scale", args_.round_scale)
-      .field("use_ue8m0", args_.use_ue8m0);
+      .field("use_ue8m0", args_.use_ue8m0)
+      .field("use_nvfp4", args_.use_nvfp4)
+      .field("use_ue8m0_for_sf", args_.use_ue8m0_for_sf)
+      .field("topk_weights given", args_.topk_weights.defined());
   std::vector<std::span<const std::byte>> payloads;
   try {
     payloads = agreement.exchange(e.transport(), comm::Scope::kWorld, e.wait("low_latency_dispatch: agreement"),
@@ -254,17 +314,24 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
   const SlotLayout& L = *layout_;
   std::byte* area = core_.slot_base(me, use.slot) + SlotLayout::kHeaderBytes;
   auto* ids = reinterpret_cast<int32_t*>(area + L.ids_offset);
+  auto* weights = reinterpret_cast<float*>(area + L.weights_offset);
+  const float* topk_weights = args_.topk_weights.defined() ? args_.topk_weights.data_as<const float>() : nullptr;
   e.pool().parallel_for(n_, [&](int64_t t) {
     std::byte* row = area + t * L.row_bytes;
     const auto* x = args_.x.data_as<const std::uint16_t>() + t * args_.x.stride(0);
-    if (args_.use_fp8) {
+    if (args_.use_nvfp4) {
+      core::cast_row_nvfp4(x, H_, nvfp4_, reinterpret_cast<std::uint8_t*>(row), reinterpret_cast<std::uint8_t*>(row + L.payload_bytes));
+    } else if (args_.use_fp8) {
       core::cast_row_fp8(x, H_, args_.round_scale, args_.use_ue8m0, reinterpret_cast<std::uint8_t*>(row), row + L.payload_bytes);
     } else {
       std::memcpy(row, x, static_cast<size_t>(L.payload_bytes));
     }
     const auto token = static_cast<int32_t>(t);
-    std::memcpy(row + L.payload_bytes + L.scales_bytes, &token, sizeof token);
-    for (int j = 0; j < k_; ++j) ids[t * k_ + j] = static_cast<int32_t>(topk[t * args_.topk_idx.stride(0) + j]);
+    std::memcpy(row + L.token_offset, &token, sizeof token);
+    for (int j = 0; j < k_; ++j) {
+      ids[t * k_ + j] = static_cast<int32_t>(topk[t * args_.topk_idx.stride(0) + j]);
+      if (topk_weights) weights[t * k_ + j] = topk_weights[t * args_.topk_weights.stride(0) + j];
+    }
   });
   publish(core_, use.slot, use.number);
   state_->counts = counts_;
@@ -292,7 +359,13 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
       if (e.same_node(d)) continue;
       const int64_t offset = core_.slot_offset(use.slot) + L.recv_offset +
                              ((id % El_ * R_ + me) * static_cast<int64_t>(N_) + slot_row) * L.row_bytes;
-      e.transport().put(d, e.memory(), static_cast<size_t>(offset), area + t * L.row_bytes, static_cast<size_t>(L.row_bytes));
+      if (topk_weights) {
+        // The row up to its token index, then this lane's weight in the row's weight field.
+        e.transport().put(d, e.memory(), static_cast<size_t>(offset), area + t * L.row_bytes, static_cast<size_t>(L.weight_offset));
+        e.transport().put(d, e.memory(), static_cast<size_t>(offset + L.weight_offset), weights + t * k_ + j, sizeof(float));
+      } else {
+        e.transport().put(d, e.memory(), static_cast<size_t>(offset), area + t * L.row_bytes, static_cast<size_t>(L.row_bytes));
+      }
       sent[static_cast<size_t>(d)] = true;
     }
   for (int d = 0; d < R_; ++d)
@@ -322,17 +395,30 @@ void LowLatencyDispatch::receive(bool parallel) {
   auto* out = static_cast<std::byte*>(result.recv_x.data());
   auto* src_info = result.handle->packed_recv_src_info.data_as<int32_t>();
   const auto* range = result.handle->packed_recv_layout_range.data_as<const int64_t>();
-  // Copies one staged row (payload | scales | token) to slab row `row` of local expert i.
-  auto place = [&](int64_t i, int64_t row, const std::byte* staged) {
+  const int64_t rk = H_ / 64;
+  auto* recv_weights = result.recv_topk_weights.defined() ? result.recv_topk_weights.data_as<float>() : nullptr;
+  auto* recv_ranks = result.recv_rank_info.defined() ? result.recv_rank_info.data_as<int32_t>() : nullptr;
+  // Copies one staged row (payload | scales | token) to slab row `row` of local expert i; `weight`
+  // is its weight for that expert, from source s.
+  auto place = [&](int64_t i, int64_t row, const std::byte* staged, float weight, int s) {
     const int64_t slab_row = i * slab_rows + row;
     std::memcpy(out + slab_row * L.payload_bytes, staged, static_cast<size_t>(L.payload_bytes));
-    if (args_.use_fp8) {
+    if (recv_weights) {
+      recv_weights[slab_row] = weight;
+      recv_ranks[slab_row] = s;
+    }
+    if (args_.use_nvfp4) {
+      // Expert i's scale storage starts at i * rm * rk * 512 elements (of 1 or 4 bytes).
+      auto* sf = static_cast<std::byte*>(result.recv_x_scales.data()) + i * result.recv_x_scales.stride(5) *
+                                                                           static_cast<int64_t>(element_size(result.recv_x_scales.dtype()));
+      for (int64_t j = 0; j < L.scales_bytes; ++j) sf[nvfp4_scale_offset(row, j, rk)] = staged[L.payload_bytes + j];
+    } else if (args_.use_fp8) {
       const auto* scales = reinterpret_cast<const std::uint32_t*>(staged + L.payload_bytes);
       auto* dst = result.recv_x_scales.data_as<std::uint32_t>();
       for (int p = 0; p < S_; ++p)
         dst[i * result.recv_x_scales.stride(0) + row * result.recv_x_scales.stride(1) + p * result.recv_x_scales.stride(2)] = scales[p];
     }
-    std::memcpy(&src_info[slab_row], staged + L.payload_bytes + L.scales_bytes, sizeof(int32_t));
+    std::memcpy(&src_info[slab_row], staged + L.token_offset, sizeof(int32_t));
   };
   auto expert = [&](int64_t i) {
     const int target = me * El_ + static_cast<int>(i);
@@ -341,15 +427,22 @@ void LowLatencyDispatch::receive(bool parallel) {
       if (!e.same_node(s)) {  // arrived in this rank's receive area, in token order
         const int64_t count = range[i * R_ + s] & 0xffffffff;
         const std::byte* recv = core_.slot_base(me, use.slot) + L.recv_offset;
-        for (int64_t c = 0; c < count; ++c) place(i, row + c, recv + ((i * R_ + s) * static_cast<int64_t>(N_) + c) * L.row_bytes);
+        for (int64_t c = 0; c < count; ++c) {
+          const std::byte* staged = recv + ((i * R_ + s) * static_cast<int64_t>(N_) + c) * L.row_bytes;
+          float weight = 0.0f;
+          if (recv_weights) std::memcpy(&weight, staged + L.weight_offset, sizeof weight);
+          place(i, row + c, staged, weight, s);
+        }
         continue;
       }
       const std::byte* area = core_.slot_base(s, use.slot) + SlotLayout::kHeaderBytes;
       const auto* ids = reinterpret_cast<const int32_t*>(area + L.ids_offset);
+      const auto* weights = reinterpret_cast<const float*>(area + L.weights_offset);
       for (int t = 0; t < tokens_[static_cast<size_t>(s)]; ++t) {
-        bool hit = false;
-        for (int j = 0; j < k_; ++j) hit |= ids[t * k_ + j] == target;
-        if (hit) place(i, row++, area + t * L.row_bytes);
+        int lane = -1;
+        for (int j = 0; j < k_ && lane < 0; ++j)
+          if (ids[t * k_ + j] == target) lane = j;
+        if (lane >= 0) place(i, row++, area + t * L.row_bytes, recv_weights ? weights[t * k_ + lane] : 0.0f, s);
       }
     }
   };
@@ -425,7 +518,9 @@ void LowLatencyCombine::validate() {
   if (!stale.empty()) core::fail(ctx_, "{}", stale);
   if (state_->src_info.empty())
     core::fail(ctx_, "the handle's dispatch has not received its tokens yet: call its receive hook first");
-  if (a.use_logfmt) core::fail(ctx_, "use_logfmt = true is not supported (BF16 combine only)");
+  if (a.use_logfmt && a.zero_copy)
+    core::fail(ctx_, "use_logfmt = true cannot be combined with zero_copy = true (LogFMT rows are encoded while "
+               "they are sent, zero-copy rows are not sent)");
   if (a.async_finish && a.return_recv_hook) core::fail(ctx_, "async_finish and return_recv_hook cannot both be true");
   N_ = state_->max_tokens;
   H_ = state_->hidden;
@@ -433,7 +528,9 @@ void LowLatencyCombine::validate() {
   El_ = E_ / R_;
   k_ = state_->num_topk;
   n_ = state_->num_tokens;
-  layout_.emplace(N_, H_, R_, E_, k_, false, false);
+  if (a.use_logfmt && H_ % 128 != 0)
+    core::fail(ctx_, "use_logfmt = true needs a hidden size that is a multiple of 128 (128-channel blocks), got {}", H_);
+  layout_.emplace(N_, H_, R_, E_, k_, RowFormat{});
   const int64_t slab_rows = static_cast<int64_t>(R_) * N_;
   core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {El_, slab_rows, H_});
   core::expect_rows_contiguous(ctx_, "x", a.x);
@@ -493,6 +590,7 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
       .field("low-latency call number", static_cast<int64_t>(use.number))
       .field("handle's dispatch", state_ ? static_cast<int64_t>(state_->dispatch_number) : 0)
       .field("zero_copy", args_.zero_copy)
+      .field("use_logfmt", args_.use_logfmt)
       .field("return_recv_hook", args_.return_recv_hook);
   peers_ = engine::agree_on(*this, agreement, e, "low_latency_combine: agreement", shared, ctx_);
   for (std::size_t r = 0; r < peers_.size(); ++r) {
@@ -542,10 +640,18 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
       for (int64_t c = 0; c < count; ++c) {
         const int32_t token = src_info[i * slab_rows + begin + c];
         const int64_t offset = core_.slot_offset(use.slot) + L.recv_offset +
-                               ((static_cast<int64_t>(me) * El_ + i) * N_ + token) * H_ * 2;
-        e.transport().put(src, e.memory(), static_cast<size_t>(offset),
-                          args_.x.data_as<const std::uint16_t>() + i * args_.x.stride(0) + (begin + c) * args_.x.stride(1),
-                          static_cast<size_t>(H_) * 2);
+                               ((static_cast<int64_t>(me) * El_ + i) * N_ + token) * L.combine_recv_row_bytes;
+        const auto* row = args_.x.data_as<const std::uint16_t>() + i * args_.x.stride(0) + (begin + c) * args_.x.stride(1);
+        if (args_.use_logfmt) {
+          // Encoded into this row's place in the send area (rows of other nodes' tokens are never
+          // read there), then sent.
+          std::byte* encoded = core_.slot_base(me, use.slot) + SlotLayout::kHeaderBytes +
+                               ((i * slab_rows + begin + c) * L.combine_row_elements) * 2;
+          const int64_t bytes = core::logfmt_encode_row(row, H_, encoded);
+          e.transport().put(src, e.memory(), static_cast<size_t>(offset), encoded, static_cast<size_t>(bytes));
+        } else {
+          e.transport().put(src, e.memory(), static_cast<size_t>(offset), row, static_cast<size_t>(H_) * 2);
+        }
         sent = true;
       }
     }
@@ -583,9 +689,11 @@ void LowLatencyCombine::receive(bool parallel) {
   const auto* ids = state_->topk.data_as<const int64_t>();
   const auto* weights = args_.topk_weights.data_as<const float>();
   auto* out = result.combined_x.data_as<std::uint16_t>();
+  const bool logfmt = args_.use_logfmt;
   auto token = [&](int64_t t) {
     std::array<const std::uint16_t*, engine::kMaxTopk> rows;
     std::array<float, engine::kMaxTopk> w;
+    std::array<bool, engine::kMaxTopk> encoded{};  // LogFMT rows that arrived encoded
     int n = 0;
     for (int j = 0; j < k_; ++j) {
       const int64_t id = ids[t * k_ + j];
@@ -593,7 +701,8 @@ void LowLatencyCombine::receive(bool parallel) {
       const int d = static_cast<int>(id / El_);
       const int64_t local = id % El_, row = state_->rows[static_cast<size_t>(t) * k_ + j];
       if (!e.same_node(d)) {
-        rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(recv + (id * N_ + t) * H_ * 2);
+        rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(recv + (id * N_ + t) * L.combine_recv_row_bytes);
+        encoded[static_cast<size_t>(n)] = logfmt;
       } else if (staged_) {
         const std::byte* area = core_.slot_base(d, use.slot) + SlotLayout::kHeaderBytes;
         rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(area + ((local * slab_rows + row) * L.combine_row_elements) * 2);
@@ -603,7 +712,29 @@ void LowLatencyCombine::receive(bool parallel) {
       }
       w[static_cast<size_t>(n++)] = weights[t * args_.topk_weights.stride(0) + j];
     }
-    core::weighted_sum_bf16_rows({rows.data(), static_cast<size_t>(n)}, {w.data(), static_cast<size_t>(n)},
+    if (!logfmt) {
+      core::weighted_sum_bf16_rows({rows.data(), static_cast<size_t>(n)}, {w.data(), static_cast<size_t>(n)},
+                                   out + t * result.combined_x.stride(0), H_);
+      return;
+    }
+    // LogFMT: every row is what its encoding decodes to, whether it traveled encoded or is read
+    // in place from a rank of this node (encoded here the same way).
+    thread_local std::vector<float> decoded;
+    thread_local std::vector<std::byte> scratch;
+    decoded.resize(static_cast<size_t>(n) * H_);
+    scratch.resize(static_cast<size_t>(core::logfmt_max_row_bytes(H_)));
+    std::array<const float*, engine::kMaxTopk> values;
+    for (int r = 0; r < n; ++r) {
+      float* dst = decoded.data() + static_cast<size_t>(r) * H_;
+      const std::byte* bytes = reinterpret_cast<const std::byte*>(rows[static_cast<size_t>(r)]);
+      if (!encoded[static_cast<size_t>(r)]) {
+        core::logfmt_encode_row(rows[static_cast<size_t>(r)], H_, scratch.data());
+        bytes = scratch.data();
+      }
+      core::logfmt_decode_row(bytes, H_, dst);
+      values[static_cast<size_t>(r)] = dst;
+    }
+    core::weighted_sum_fp32_rows({values.data(), static_cast<size_t>(n)}, {w.data(), static_cast<size_t>(n)},
                                  out + t * result.combined_x.stride(0), H_);
   };
   if (parallel) {
@@ -665,26 +796,36 @@ class CleanLowLatency final : public engine::Operation {
 
 // ---- SlotLayout and bookkeeping ------------------------------------------------------------------
 
-SlotLayout::SlotLayout(int max_tokens, int hidden, int num_ranks, int num_experts, int k, bool fp8, bool ue8m0) {
+SlotLayout::SlotLayout(int max_tokens, int hidden, int num_ranks, int num_experts, int k, RowFormat format) {
   const std::int64_t N = max_tokens, H = hidden, E = num_experts, blocks = (H + 127) / 128;
-  payload_bytes = fp8 ? H : 2 * H;
-  scales_bytes = fp8 ? (ue8m0 ? 4 * ((blocks + 3) / 4) : 4 * blocks) : 0;
-  row_bytes = align(payload_bytes + scales_bytes + 4, 16);
-  ids_offset = N * row_bytes;
+  if (format.nvfp4) {
+    payload_bytes = H / 2;
+    scales_bytes = H / 16;
+  } else {
+    payload_bytes = format.fp8 ? H : 2 * H;
+    scales_bytes = format.fp8 ? (format.ue8m0 ? 4 * ((blocks + 3) / 4) : 4 * blocks) : 0;
+  }
+  token_offset = payload_bytes + scales_bytes;
+  weight_offset = token_offset + 4;
+  row_bytes = align(token_offset + (format.weights ? 8 : 4), 16);
   combine_row_elements = H + 2 * blocks;
+  combine_recv_row_bytes = 2 * H + 4 * blocks;
   (void)k;
-  // Fixed per shape: the widest row (BF16) and the largest id table (k <= min(32, E)).
-  const std::int64_t widest_row = align(2 * H + 4, 16);
-  const std::int64_t send = std::max(N * widest_row + N * std::min<std::int64_t>(engine::kMaxTopk, E) * 4,
-                                     E * N * combine_row_elements * 2);
-  const std::int64_t recv = std::max(E * N * widest_row, E * N * 2 * H);
+  // Fixed per shape: the widest row (BF16 with a weight) and the largest id and weight tables
+  // (k <= min(32, E)).
+  const std::int64_t widest_row = align(2 * H + 8, 16);
+  const std::int64_t table = N * std::min<std::int64_t>(engine::kMaxTopk, E) * 4;
+  ids_offset = N * widest_row;
+  weights_offset = ids_offset + table;
+  const std::int64_t send = std::max(N * widest_row + 2 * table, E * N * combine_row_elements * 2);
+  const std::int64_t recv = std::max(E * N * widest_row, E * N * combine_recv_row_bytes);
   recv_offset = align(kHeaderBytes + send, 64);
   slot_bytes = align(recv_offset + recv, 64);
   (void)num_ranks;
 }
 
 std::int64_t SlotLayout::pool_bytes(int max_tokens, int hidden, int num_ranks, int num_experts) {
-  return 2 * SlotLayout(max_tokens, hidden, num_ranks, num_experts, engine::kMaxTopk, false, false).slot_bytes;
+  return 2 * SlotLayout(max_tokens, hidden, num_ranks, num_experts, engine::kMaxTopk, RowFormat{}).slot_bytes;
 }
 
 std::int64_t BufferCore::slot_offset(int slot) const {
@@ -788,7 +929,7 @@ TensorView next_combine_buffer(BufferCore& core, const LowLatencyHandle& handle)
   if (!problem.empty()) throw StateError(fmt::format("{}: {}", ctx, problem));
   const std::string stale = core.slot_problem(s.slot, s.slot_generation, "handle");
   if (!stale.empty()) throw StateError(fmt::format("{}: {}", ctx, stale));
-  const SlotLayout layout(s.max_tokens, s.hidden, e.num_ranks, s.num_experts, s.num_topk, false, false);
+  const SlotLayout layout(s.max_tokens, s.hidden, e.num_ranks, s.num_experts, s.num_topk, RowFormat{});
   const std::int64_t El = s.num_experts / e.num_ranks, rows = static_cast<std::int64_t>(e.num_ranks) * s.max_tokens;
   const std::int64_t shape[] = {El, rows, s.hidden};
   const std::int64_t strides[] = {rows * layout.combine_row_elements, layout.combine_row_elements, 1};

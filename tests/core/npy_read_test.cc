@@ -80,7 +80,7 @@ TEST(NpyRead, MalformedFilesAreErrorsNamingTheFile) {
       {"20-digit dimension", dict("<u2", "(99999999999999999999,)"), 0, DType::kBF16, "99999999999999999999"},
       {"byte count overflows", dict("<f4", "(4611686018427387904, 4)"), 16, DType::kFP32, "4611686018427387904"},
       {"element count overflows", dict("|u1", "(4294967296, 4294967296)"), 16, DType::kUInt8, "4294967296"},
-      {"more dimensions than supported", dict("<u2", "(1, 1, 1, 1, 1)"), 2, DType::kBF16, "dimensions"},
+      {"more dimensions than supported", dict("<u2", "(1, 1, 1, 1, 1, 1, 1)"), 2, DType::kBF16, "dimensions"},
       {"no dimensions", dict("<u2", "()"), 2, DType::kBF16, "dimensions"},
       {"negative dimension", dict("<u2", "(-4,)"), 8, DType::kBF16, "-4"},
       {"not a number", dict("<u2", "(4, x)"), 8, DType::kBF16, "shape"},

@@ -43,8 +43,8 @@ TEST(Tensor, CopiesShareStorage) {
 }
 
 TEST(Tensor, RejectsBadShapes) {
-  std::int64_t shape5[] = {1, 1, 1, 1, 1};
-  EXPECT_THROW(Tensor::empty(shape5, DType::kFP32), InvalidArgument);
+  std::int64_t shape7[] = {1, 1, 1, 1, 1, 1, 1};
+  EXPECT_THROW(Tensor::empty(shape7, DType::kFP32), InvalidArgument);
   EXPECT_THROW(Tensor::empty({2, -1}, DType::kFP32), InvalidArgument);
 }
 

@@ -2,9 +2,9 @@
 // scales against the reference quantizer of tests/reference, on inputs spanning the exponent
 // range, one node and across nodes, with and without a receive hook); the wait-cost statistics
 // (shape and dtype rules, accumulation of non-negative values, only for the sources that were
-// waited for, untouched when not given or before the hook); and use_logfmt, which
-// docs/legacy.md §4 documents as not supported (InvalidArgument on the rank that asks, PeerError
-// naming it on the others, the buffer usable afterwards).
+// waited for, untouched when not given or before the hook); and use_logfmt with zero_copy, which
+// is refused (InvalidArgument on the rank that asks, PeerError naming it on the others, the buffer
+// usable afterwards).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -248,7 +248,7 @@ TEST(LowLatencyStats, ShapeAndDtypeAreChecked) {
 
 // ---- use_logfmt ----------------------------------------------------------------------------------
 
-TEST(LowLatencyCombine, LogFmtIsRejectedAndTheBufferStaysUsable) {
+TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
   for (int scaleout : {1, 2}) {
     const CaseSpec s = ll_spec(4, scaleout, 8, 3, 4, 256, 70 + scaleout);
     std::vector<std::vector<std::string>> failures(4);
@@ -274,11 +274,11 @@ TEST(LowLatencyCombine, LogFmtIsRejectedAndTheBufferStaysUsable) {
         const Tensor y = reference::slab_expert_outputs(s, all, me, std::int64_t{s.ranks} * N);
         const bool asks = asking < 0 || asking == me;
         const Caught c = catch_error([&] {
-          b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle, .use_logfmt = asks});
+          b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle, .use_logfmt = asks, .zero_copy = asks});
         });
         if (asks) {
           if (c.type != "InvalidArgument" || c.message.find("use_logfmt") == std::string::npos)
-            bad.push_back(fmt::format("use_logfmt: {}: {}", c.type, c.message));
+            bad.push_back(fmt::format("use_logfmt with zero_copy: {}: {}", c.type, c.message));
         } else if (c.type != "PeerError" || c.ranks != std::vector<int>{asking} || c.message.find("use_logfmt") == std::string::npos) {
           bad.push_back(fmt::format("a peer's use_logfmt: {}: {}", c.type, c.message));
         }

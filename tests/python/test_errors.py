@@ -211,8 +211,8 @@ def test_v1_refusals():
         expect(moe_ep.InvalidArgument, "async_finish|return_recv_hook", lambda: buf.low_latency_dispatch(
             x, idx, cap, E, use_fp8=False, async_finish=True, return_recv_hook=True))
         recv, count, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, cap, E, use_fp8=False)
-        expect(moe_ep.InvalidArgument, "use_logfmt|logfmt", lambda: buf.low_latency_combine(
-            recv, idx, w, ll_handle, use_logfmt=True))
+        expect(moe_ep.InvalidArgument, "use_logfmt.*zero_copy", lambda: buf.low_latency_combine(
+            recv, idx, w, ll_handle, use_logfmt=True, zero_copy=True))
         expect(TypeError, "handle", lambda: buf.low_latency_combine(recv, idx, w, None))
         # after the refusals the low-latency path works
         recv, count, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, cap, E, use_fp8=False)

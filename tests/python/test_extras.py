@@ -64,8 +64,9 @@ def test_hybrid_ep_seven_tuple(ranks, nodes):
             assert bool((rank_info[le, m:] == -1).all()) and bool((recv_w[le, m:] == 0).all())
         # without topk_weights: main's 5-tuple
         assert len(buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False)) == 5
-        with pytest.raises(NotImplementedError, match="use_nvfp4"):
-            buf.low_latency_dispatch(x, idx, CAP, E, use_nvfp4=True)
+        # NVFP4 replaces FP8: asking for both (use_fp8 defaults to True) is refused
+        with pytest.raises(moe_ep.InvalidArgument, match="use_fp8.*use_nvfp4"):
+            buf.low_latency_dispatch(x, idx, CAP, E, use_nvfp4=True, x_global_scale=torch.tensor(1.0))
         buf.destroy()
         return True
     assert moe_ep.LocalWorld(ranks, nodes).run(fn) == [True] * ranks

@@ -127,12 +127,16 @@ class Buffer:
 
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
-                              use_ue8m0, async_finish, return_recv_hook):
-        recv_x, recv_sf, count, native, ev, hook = self._rt().low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook)
+                              use_ue8m0, async_finish, return_recv_hook, topk_weights=None, x_global_scale=None,
+                              use_nvfp4=False, use_ue8m0_for_sf=False):
+        recv_x, recv_sf, count, native, ev, hook, weights, ranks = self._rt().low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, topk_weights,
+            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, x_global_scale, use_fp8, round_scale,
+            use_ue8m0, use_nvfp4, use_ue8m0_for_sf, async_finish, return_recv_hook)
         handle = HandleTuple(native.fields(), native)  # its tensors exist from the start
-        return (recv_x, recv_sf) if use_fp8 else recv_x, count, handle, _overlap(ev, async_finish), hook
+        packed = (recv_x, recv_sf) if use_fp8 or use_nvfp4 else recv_x
+        out = (packed, count, handle, _overlap(ev, async_finish), hook)
+        return out if topk_weights is None else out + (weights, ranks)
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                              cumulative_local_expert_recv_stats=None, dispatch_wait_recv_cost_stats=None,

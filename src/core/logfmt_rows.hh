@@ -1,0 +1,28 @@
+// LogFMT-10 row codec of the low-latency combine (docs/quantized-formats.md).
+//
+// A row of H BF16 values (H a multiple of 128) is encoded as:
+//   [meta: one (amax, amin) BF16 pair per 128-channel block, 4 B each]
+//   [chunks of 256 * U elements (U = 4 when H % 1024 == 0, else 2; the last chunk may be
+//    shorter), each either LogFMT (10 bits per element: 9-bit codes, then 16 sign bits per 16
+//    elements, 20 B per 16) when every block of the chunk is castable, or the BF16 values]
+// A block is castable iff la = log2(amax) < 0 and ln = max(log2(amin), la - 32) < la (amin = 0
+// gives la - 32). Codes: code = floor(max(log2(v) / step + r - ln / step, 0)), at most 511, with
+// step = (la - ln) / 510 and r = 2 - log2((1 + 2^step) / 2) / step; v = 0 gives 0. Decoding gives
+// 0 for code 0, else 2^((code - 1) * step + ln), with the sign. All arithmetic is IEEE FP32 in that
+// order with the C library's log2f and exp2f, so encoder and decoder agree on every machine that
+// shares them; a GPU's approximate lg2/ex2 may put a value one code away at a level boundary.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace moe_ep::core {
+
+// Largest encoded size of a row: the meta plus the BF16 size (2H + 4 * H / 128).
+std::int64_t logfmt_max_row_bytes(std::int64_t hidden);
+// Encodes `hidden` BF16 values into `out` (room for logfmt_max_row_bytes); returns the bytes used.
+std::int64_t logfmt_encode_row(const std::uint16_t* bf16, std::int64_t hidden, std::byte* out);
+// Decodes an encoded row into `hidden` FP32 values; returns the bytes read.
+std::int64_t logfmt_decode_row(const std::byte* in, std::int64_t hidden, float* out);
+
+}  // namespace moe_ep::core
