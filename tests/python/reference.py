@@ -411,3 +411,45 @@ def expert_transform(x_row, expert):
 def rank_transform(x_row, rank):
     """A stand-in per-rank expert output for compact layouts: y = bf16(f32(x) * (1 + rank) - rank / 8)."""
     return bf16(x_row.to(torch.float32) * (1.0 + rank) - rank / 8.0)
+
+
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1_codes(v):
+    """E2M1 codes of float64 values by nearest search (ties to the even index), saturating at 6,
+    sign in bit 3 (negative zero keeps it); NaN gives 6 with its sign."""
+    v = np.asarray(v, dtype=np.float64)
+    a = np.abs(np.where(np.isnan(v), np.inf, v))
+    d = np.abs(a[..., None] - E2M1_VALUES)
+    best = np.min(d, axis=-1, keepdims=True)
+    ties = d == best
+    idx = np.where(ties[..., ::2].any(axis=-1), 2 * np.argmax(ties[..., ::2], axis=-1), np.argmax(ties, axis=-1))
+    idx = np.where(a > 6.0, 7, idx)
+    return (idx | np.where(np.signbit(v), 8, 0)).astype(np.uint8)
+
+
+def nvfp4_cast(x_row, gs):
+    """NVFP4 cast of one BF16 token row with E4M3 block scales from the global scale gs
+    (docs/quantized-formats.md), in float32 arithmetic as defined: returns (packed bytes [H/2],
+    scale codes [H/16])."""
+    x = x_row.to(torch.float32).numpy().reshape(-1, 16)
+    f32 = np.float32
+    r6 = f32(1.0) / f32(6.0)
+    vmax = np.nanmax(np.abs(x), axis=1).astype(f32)
+    sf_f = (f32(gs) * (vmax * r6)).astype(f32)
+    sf_q = e4m3_round(sf_f.astype(np.float64)).astype(f32)
+    codes_sf = e4m3_encode(sf_q.astype(np.float64))
+    inv_gs = f32(1.0) / f32(gs)
+    with np.errstate(divide="ignore"):
+        out_scale = np.where(sf_q != 0, f32(1.0) / (sf_q * inv_gs), f32(0.0)).astype(f32)
+    q = e2m1_codes((x * out_scale[:, None]).astype(f32).astype(np.float64)).reshape(-1)
+    packed = (q[0::2] | (q[1::2] << 4)).astype(np.uint8)
+    return packed, codes_sf
+
+
+def calc_diff(x, y):
+    """DeepEP's calc_diff: 1 - 2 sum(x y) / sum(x^2 + y^2), in float64."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return float(1 - 2 * (x * y).sum() / denom) if float(denom) != 0 else 0.0

@@ -1,0 +1,107 @@
+"""The quantized low-latency wire formats from Python (hybrid-ep's signature): NVFP4 dispatch
+checked through DeepEP's permuted views against the numpy cast of reference.py, the 7-tuple's
+weights and ranks, the argument rules, and the LogFMT combine within DeepEP's tolerance of the
+unquantized combine."""
+
+import numpy as np
+import pytest
+import torch
+
+import moe_ep
+from moe_ep.deep_ep import hybrid_ep
+
+import reference as ref
+
+H, E, K, CAP, N = 512, 16, 4, 16, 12
+
+
+def _buffer(g):
+    return hybrid_ep.Buffer(g, 0, hybrid_ep.Buffer.get_low_latency_rdma_size_hint(CAP, H, g.size(), E),
+                            low_latency_mode=True, num_qps_per_rank=E // g.size(), explicitly_destroy=True)
+
+
+@pytest.mark.parametrize("ranks,nodes", [(2, 1), (4, 2)])
+def test_nvfp4_dispatch_views_and_values(ranks, nodes):
+    gs = 448.0 * 6 / 3.0
+
+    def fn(g):
+        inputs = ref.make_inputs(g.size(), N, H, E, K, seed=57)
+        x, idx, w = inputs[g.rank()]
+        buf = _buffer(g)
+        (values, scales), count, recv_w, rank_info, handle, _, _ = buf.low_latency_dispatch(
+            x, idx, CAP, E, topk_weights=w, x_global_scale=torch.tensor(gs, dtype=torch.float32), use_fp8=False,
+            use_nvfp4=True)
+        L, RN = E // g.size(), g.size() * CAP
+        rm, rk = (RN + 127) // 128, H // 64
+        assert values.dtype == torch.uint8 and tuple(values.shape) == (RN, H // 2, L)
+        assert tuple(scales.shape) == (32, 4, rm, 4, rk, L)
+        sc = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+        expected = ref.ll_expert_tokens(inputs, g.rank(), E)
+        for le in range(L):
+            assert int(count[le]) == len(expected[le])
+            for row, (s, t) in enumerate(expected[le]):
+                packed, codes = ref.nvfp4_cast(inputs[s][0][t], gs)
+                assert np.array_equal(values[row, :, le].numpy(), packed), (le, row)
+                for j in range(H // 16):  # DeepEP's logical index of (row, block j)
+                    assert int(sc[row % 32, (row % 128) // 32, row // 128, j % 4, j // 4, le]) == int(codes[j])
+                assert int(rank_info[le, row]) == s
+                lane = (inputs[s][1][t] == g.rank() * L + le).nonzero()[0, 0]
+                assert float(recv_w[le, row]) == float(inputs[s][2][t][lane])
+        buf.destroy()
+        return True
+    assert moe_ep.LocalWorld(ranks, nodes).run(fn) == [True] * ranks
+
+
+def test_nvfp4_argument_rules():
+    def fn(g):
+        inputs = ref.make_inputs(g.size(), N, H, E, K, seed=3)
+        x, idx, _ = inputs[g.rank()]
+        buf = _buffer(g)
+        scalar = torch.tensor(1.0)
+        with pytest.raises(moe_ep.InvalidArgument, match="use_fp8 = true and use_nvfp4 = true"):
+            buf.low_latency_dispatch(x, idx, CAP, E, use_nvfp4=True, x_global_scale=scalar)
+        with pytest.raises(moe_ep.InvalidArgument, match="requires x_global_scale"):
+            buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False, use_nvfp4=True)
+        with pytest.raises(moe_ep.InvalidArgument, match="float32 scalar"):
+            buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False, use_nvfp4=True, x_global_scale=torch.ones(2))
+        with pytest.raises((moe_ep.InvalidArgument, TypeError), match="x_global_scale"):
+            buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False, use_nvfp4=True,
+                                     x_global_scale=torch.tensor(1.0, dtype=torch.float64))
+        with pytest.raises(moe_ep.InvalidArgument, match="x_global_scale = -1 must be a positive finite number"):
+            buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False, use_nvfp4=True, x_global_scale=torch.tensor(-1.0))
+        with pytest.raises(moe_ep.InvalidArgument, match="use_ue8m0_for_sf = true requires use_nvfp4"):
+            buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False, use_ue8m0_for_sf=True)
+        # UE8M0 scales need no global scale; the buffer works after the refusals
+        (values, scales), count, _, _, _ = buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False, use_nvfp4=True,
+                                                                  use_ue8m0_for_sf=True)
+        assert scales.dtype == torch.int32 and values.shape[1] == H // 2
+        buf.destroy()
+        return True
+    assert moe_ep.LocalWorld(2).run(fn) == [True, True]
+
+
+@pytest.mark.parametrize("ranks,nodes", [(4, 1), (4, 2)])
+def test_logfmt_combine_within_deepep_tolerance(ranks, nodes):
+    def fn(g):
+        inputs = ref.make_inputs(g.size(), N, H, E, K, seed=91)
+        x, idx, w = inputs[g.rank()]
+        buf = _buffer(g)
+
+        def round_trip(use_logfmt):
+            recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False)
+            # expert outputs below 1 in magnitude: LogFMT compresses them
+            y = (recv.to(torch.float32) * 0.125).to(torch.bfloat16)
+            return buf.low_latency_combine(y, idx, w, handle, use_logfmt=use_logfmt)[0]
+
+        exact, logfmt, again = round_trip(False), round_trip(True), round_trip(True)
+        assert torch.equal(logfmt.view(torch.int16), again.view(torch.int16))  # reproducible
+        if x.shape[0] > 0:
+            assert not torch.equal(logfmt.view(torch.int16), exact.view(torch.int16))  # it did quantize
+            assert ref.calc_diff(logfmt.float(), exact.float()) < 9e-4
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False)
+        with pytest.raises(moe_ep.InvalidArgument, match="use_logfmt.*zero_copy"):
+            buf.low_latency_combine(buf.get_next_low_latency_combine_buffer(handle), idx, w, handle, use_logfmt=True,
+                                    zero_copy=True)
+        buf.destroy()
+        return True
+    assert moe_ep.LocalWorld(ranks, nodes).run(fn) == [True] * ranks
