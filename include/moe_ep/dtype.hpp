@@ -5,6 +5,8 @@
 // infinities, 0x7F/0xFF are NaN, largest finite value 448): conversion rounds to nearest even
 // and saturates, so every finite or infinite input beyond +-448 becomes +-448 and NaN stays NaN.
 // Subnormals are kept in both formats. All functions are pure and exact for every input.
+// float16, int8 and int16 exist as payload types: dispatch moves their bytes unchanged and
+// nothing here converts them.
 #pragma once
 
 #include <cstddef>
@@ -22,6 +24,9 @@ enum class DType : std::uint8_t {
   kBF16,
   kFP32,
   kFP8E4M3,  // float8_e4m3fn
+  kFP16,     // IEEE binary16 (torch.float16); a payload type, never converted
+  kInt8,
+  kInt16,
 };
 
 constexpr std::size_t element_size(DType t) {
@@ -29,8 +34,11 @@ constexpr std::size_t element_size(DType t) {
     case DType::kBool:
     case DType::kUInt8:
     case DType::kFP8E4M3:
+    case DType::kInt8:
       return 1;
     case DType::kBF16:
+    case DType::kFP16:
+    case DType::kInt16:
       return 2;
     case DType::kInt32:
     case DType::kFP32:

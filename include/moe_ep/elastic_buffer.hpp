@@ -70,7 +70,7 @@ struct EPHandle {
 };
 
 struct DispatchArgs {
-  TensorView x;             // bfloat16 [N, H], or float8_e4m3fn [N, H] with x_scales
+  TensorView x;             // [N, H] of a payload dtype (docs/semantics.md), or float8_e4m3fn with x_scales
   TensorView x_scales;      // float32 or int32 [N, P], any strides; FP8 only
   TensorView topk_idx;      // int64 [N, k], -1 = no selection; not with a handle
   TensorView topk_weights;  // optional float32 [N, k]

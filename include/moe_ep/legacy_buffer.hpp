@@ -10,7 +10,9 @@
 //    optional receive hook and the received top-k weights; low_latency_combine (weighted sum over
 //    the token's top-k, optionally LogFMT-compressed on the wire). Two buffer slots alternate: at
 //    most two low-latency results are live, and using a live slot again is an error.
-// Normal mode runs on the same engine as ElasticBuffer (docs/legacy.md lists the differences).
+// Normal mode runs on the same engine as ElasticBuffer (docs/legacy.md lists the differences):
+// any 1-, 2- or 4-byte payload dtype travels bit for bit, as do NVFP4 token triples (one node
+// only); combine reduces bfloat16.
 // Every call is collective; bad arguments are typed errors on the rank that made them and
 // PeerErrors naming that rank on the others.
 #pragma once
@@ -86,9 +88,25 @@ struct LegacyHandle {
   std::shared_ptr<const EPHandle> routing;  // internal
 };
 
+// NVFP4 tokens of normal dispatch (DeepEP hybrid-ep's x = (packed, sf, sf_scale)): per token
+// H/2 bytes of E2M1 codes, H/16 E4M3 block scales and S float32 per-token scales. Never
+// interpreted: each token's three rows travel together, as one row of 4*(H/8 + H/64 + S) bytes.
+struct Nvfp4Tokens {
+  TensorView packed;    // int32 [N, H/8]: H/8 = packed columns, a multiple of 8 (H a multiple of 64)
+  TensorView sf;        // int32 [N, H/64]
+  TensorView sf_scale;  // float32 [N, S], S >= 1
+};
+struct Nvfp4Rows {  // received: the same three tensors, [M, ...] each, contiguous
+  Tensor packed, sf, sf_scale;
+};
+
 struct LegacyDispatchArgs {
-  TensorView x;         // bfloat16 [N, H], or float8_e4m3fn [N, H] with x_scales
+  // bfloat16 [N, H] or any other 1-, 2- or 4-byte payload dtype with rows of a multiple of 16
+  // bytes, or float8_e4m3fn [N, H] with x_scales (docs/semantics.md, "Payload dtypes").
+  TensorView x;
   TensorView x_scales;  // float32 or int32 [N, S], any strides
+  // Instead of x: NVFP4 tokens (x and x_scales then stay empty). All ranks on one node only.
+  std::optional<Nvfp4Tokens> x_nvfp4;
   std::shared_ptr<const LegacyHandle> handle;  // cached dispatch
   TensorView num_tokens_per_rank;       // int32 [R]      } from get_dispatch_layout;
   TensorView num_tokens_per_rdma_rank;  // int32 [nodes]  } required without a handle
@@ -106,8 +124,9 @@ struct LegacyDispatchArgs {
 };
 
 struct LegacyDispatchResult {
-  Tensor recv_x;
+  Tensor recv_x;  // x's dtype; undefined with x_nvfp4
   Tensor recv_x_scales;
+  std::optional<Nvfp4Rows> recv_x_nvfp4;  // with x_nvfp4: the rows in recv_x's order
   Tensor recv_topk_idx;      // int64 [M, k]: local ids, -1 elsewhere; undefined without topk_idx
   Tensor recv_topk_weights;  // float32 [M, k]: 0 where recv_topk_idx is -1
   std::vector<int> num_recv_tokens_per_expert_list;  // aligned; empty with num_worst_tokens or a handle

@@ -148,11 +148,12 @@ void register_groups(py::module_& m) {
         static const std::pair<const char*, DType> kDTypes[] = {
             {"bool", DType::kBool},       {"uint8", DType::kUInt8},     {"int32", DType::kInt32},
             {"int64", DType::kInt64},     {"bfloat16", DType::kBF16},   {"float32", DType::kFP32},
-            {"float8_e4m3fn", DType::kFP8E4M3}};
+            {"float8_e4m3fn", DType::kFP8E4M3}, {"float16", DType::kFP16}, {"int8", DType::kInt8},
+            {"int16", DType::kInt16}};
         for (const auto& [name, t] : kDTypes)
           if (dtype == name) return export_tensor(Tensor::empty(shape, t));
-        throw InvalidArgument(fmt::format("empty: dtype '{}' is not one of bool, uint8, int32, int64, bfloat16, "
-                                          "float32, float8_e4m3fn",
+        throw InvalidArgument(fmt::format("empty: dtype '{}' is not one of bool, uint8, int8, int16, int32, int64, "
+                                          "bfloat16, float16, float32, float8_e4m3fn",
                                           dtype));
       },
       py::arg("shape"), py::arg("dtype"));

@@ -120,7 +120,17 @@ void register_legacy(py::module_& m) {
               py::handle async_finish, py::handle allocate_on_comm_stream) {
              Buffer& buffer = box.get();
              ArgumentImports in;
-             auto [data, scales] = in.x_or_pair(x, "x_scales");
+             // x: a tensor, (x_fp8, x_scales), or the NVFP4 triple (packed, sf, sf_scale).
+             const bool nvfp4 = py::isinstance<py::tuple>(x) && py::len(x) == 3;
+             Tensor data, scales;
+             std::vector<Tensor> triple;
+             if (nvfp4) {
+               py::tuple parts = py::reinterpret_borrow<py::tuple>(x);
+               triple = {in.tensor(parts[0], "x[0] (packed)"), in.tensor(parts[1], "x[1] (sf)"),
+                         in.tensor(parts[2], "x[2] (sf_scale)")};
+             } else {
+               std::tie(data, scales) = in.x_or_pair(x, "x_scales");
+             }
              std::vector<Tensor> keep = {data,
                                          scales,
                                          in.tensor(per_rank, "num_tokens_per_rank"),
@@ -132,6 +142,10 @@ void register_legacy(py::module_& m) {
              LegacyDispatchArgs a;
              a.x = keep[0];
              a.x_scales = keep[1];
+             if (nvfp4) {
+               a.x_nvfp4 = Nvfp4Tokens{triple[0], triple[1], triple[2]};
+               keep.insert(keep.end(), triple.begin(), triple.end());
+             }
              a.handle = in.object<LegacyHandle>(handle, "handle", "a handle returned by dispatch");
              a.num_tokens_per_rank = keep[2];
              a.num_tokens_per_rdma_rank = keep[3];
@@ -149,7 +163,12 @@ void register_legacy(py::module_& m) {
              const LegacyDispatchResult r = in.call([&] { return buffer.dispatch(a); });
              py::object list =
                  a.handle ? py::object(py::none()) : py::object(py::cast(r.num_recv_tokens_per_expert_list));
-             return py::make_tuple(export_tensor(r.recv_x), export_tensor(r.recv_x_scales), export_tensor(r.recv_topk_idx),
+             // NVFP4: recv_x is the received triple.
+             py::object recv_x = r.recv_x_nvfp4 ? py::object(py::make_tuple(export_tensor(r.recv_x_nvfp4->packed),
+                                                                             export_tensor(r.recv_x_nvfp4->sf),
+                                                                             export_tensor(r.recv_x_nvfp4->sf_scale)))
+                                               : export_tensor(r.recv_x);
+             return py::make_tuple(recv_x, export_tensor(r.recv_x_scales), export_tensor(r.recv_topk_idx),
                                    export_tensor(r.recv_topk_weights), list, r.handle, event_of(r.event, std::move(keep)));
            })
       .def("combine",

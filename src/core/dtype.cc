@@ -21,6 +21,12 @@ std::string_view dtype_name(DType t) {
       return "float32";
     case DType::kFP8E4M3:
       return "float8_e4m3fn";
+    case DType::kFP16:
+      return "float16";
+    case DType::kInt8:
+      return "int8";
+    case DType::kInt16:
+      return "int16";
   }
   return "?";
 }

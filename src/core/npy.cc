@@ -33,6 +33,12 @@ std::string_view descr(DType t) {
       return "<u2";
     case DType::kFP32:
       return "<f4";
+    case DType::kFP16:
+      return "<f2";
+    case DType::kInt8:
+      return "|i1";
+    case DType::kInt16:
+      return "<i2";
   }
   return "|u1";
 }

@@ -33,6 +33,12 @@ DLDataType to_dl(DType t) {
       return {kDLFloat, 32, 1};
     case DType::kFP8E4M3:
       return {kDLFloat8E4M3FnCode, 8, 1};
+    case DType::kFP16:
+      return {kDLFloat, 16, 1};
+    case DType::kInt8:
+      return {kDLInt, 8, 1};
+    case DType::kInt16:
+      return {kDLInt, 16, 1};
   }
   return {kDLUInt, 8, 1};
 }
@@ -46,6 +52,9 @@ DType from_dl(DLDataType t) {
   if (t.code == kDLBfloat && t.bits == 16) return DType::kBF16;
   if (t.code == kDLFloat && t.bits == 32) return DType::kFP32;
   if (t.code == kDLFloat8E4M3FnCode && t.bits == 8) return DType::kFP8E4M3;
+  if (t.code == kDLFloat && t.bits == 16) return DType::kFP16;
+  if (t.code == kDLInt && t.bits == 8) return DType::kInt8;
+  if (t.code == kDLInt && t.bits == 16) return DType::kInt16;
   throw InvalidArgument(fmt::format("DLPack dtype (code {}, bits {}) is not supported", t.code, t.bits));
 }
 

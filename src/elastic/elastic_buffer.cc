@@ -18,6 +18,7 @@ namespace {
 
 using engine::kBufferAlignment;
 using engine::kMaxTopk;
+using engine::kRowByteMultiple;
 
 engine::Paths paths_for(const Topology& physical, int num_ranks, bool allow_hybrid) {
   return engine::Paths{num_ranks, physical.num_scaleout, allow_hybrid ? physical.num_scaleout : 1};
@@ -39,8 +40,9 @@ std::exception_ptr check_config(const std::string& context, const ElasticBufferC
       fail(fmt::format("num_topk = {} is outside [0, {}]", c.num_topk, kMaxTopk));
     if (c.num_bytes % kBufferAlignment != 0)
       fail(fmt::format("num_bytes = {} is not a multiple of {} (2 MiB)", c.num_bytes, kBufferAlignment));
-    if (c.use_fp8_dispatch && c.hidden % 128 != 0)
-      fail(fmt::format("hidden = {} must be a multiple of 128 with use_fp8_dispatch", c.hidden));
+    if (c.use_fp8_dispatch && c.hidden % kRowByteMultiple != 0)
+      fail(fmt::format("hidden = {} must be a multiple of {} with use_fp8_dispatch (an FP8 row of hidden bytes must "
+                       "be a multiple of {} bytes)", c.hidden, kRowByteMultiple, kRowByteMultiple));
     core::checked_timeout(context, "num_cpu_timeout_secs", c.num_cpu_timeout_secs);
     if (c.num_allocated_qps < 0) fail(fmt::format("num_allocated_qps = {} is negative", c.num_allocated_qps));
   } catch (...) {

@@ -144,6 +144,9 @@ void Combine::validate() {
   max_tokens_ = h.num_max_tokens_per_rank;
   geo_ = routing::Geometry{engine_.num_ranks, h.num_experts, engine_.logical_scaleout};
   const std::int64_t rows = expand_ ? h.num_expanded_tokens : h.num_recv_tokens;
+  if (a.x.defined() && a.x.dtype() != DType::kBF16)
+    core::fail(ctx_, "x has dtype {} ({}); combine reduces bfloat16 rows only: pass the expert outputs as bfloat16 "
+               "(dispatch moves any payload dtype, combine does not)", dtype_name(a.x.dtype()), a.x.describe());
   core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {-1, -1});
   core::expect_rows_contiguous(ctx_, "x", a.x);
   if (a.x.size(0) != rows)

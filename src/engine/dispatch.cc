@@ -68,6 +68,7 @@ class Dispatch final : public DispatchOperation {
 
   bool fp8_ = false, cached_ = false, cpu_sync_ = true, expand_ = false, has_weights_ = false;
   int N_ = 0, H_ = 0, k_ = 0, E_ = 0, El_ = 1, T_ = 0, A_ = 1, P_ = 0, workers_ = 1;
+  int handle_hidden_ = 0;  // the handle's hidden: H_, or the request's handle_hidden
   DType x_dtype_ = DType::kBF16, scale_dtype_ = DType::kFP32;
   std::int64_t row_bytes_ = 0;
   DispatchRecord record_{0, 0, 1};
@@ -118,8 +119,10 @@ void Dispatch::validate() {
   if (!x.defined()) core::fail(ctx_, "x is missing");
   x_dtype_ = x.dtype();
   fp8_ = x_dtype_ == DType::kFP8E4M3;
-  if (x_dtype_ != DType::kBF16 && !fp8_)
-    core::fail(ctx_, "x has dtype {}, expected bfloat16 or float8_e4m3fn (with x_scales)", dtype_name(x_dtype_));
+  // Rows travel as bytes: any 1-, 2- or 4-byte element type (bool and int64 are not payloads).
+  if (x_dtype_ == DType::kBool || x_dtype_ == DType::kInt64)
+    core::fail(ctx_, "x has dtype {}; the payload must have 1-, 2- or 4-byte elements (bfloat16, float16, float32, "
+               "int8, int16, int32, uint8, or float8_e4m3fn with x_scales)", dtype_name(x_dtype_));
   core::expect_tensor(ctx_, "x", x, x_dtype_, {-1, -1});
   core::expect_rows_contiguous(ctx_, "x", x);
   N_ = core::int_size(ctx_, "x", x, 0);
@@ -130,8 +133,12 @@ void Dispatch::validate() {
     core::fail(ctx_, "x has hidden size {}, the buffer was built for hidden = {}", H_, engine_.config.fixed_hidden);
   if (x.size(1) <= 0 || x.size(1) > kMaxHidden)
     core::fail(ctx_, "x has hidden size {}, expected 1 to {}", x.size(1), kMaxHidden);
+  row_bytes_ = static_cast<std::int64_t>(H_) * static_cast<std::int64_t>(element_size(x_dtype_));
+  if (row_bytes_ % kRowByteMultiple != 0)
+    core::fail(ctx_, "x is {} [{}, {}]: a row is {} bytes, which must be a multiple of {} (hidden x element size, "
+               "here hidden must be a multiple of {})", dtype_name(x_dtype_), N_, H_, row_bytes_, kRowByteMultiple,
+               kRowByteMultiple / static_cast<std::int64_t>(element_size(x_dtype_)));
   if (fp8_) {
-    if (H_ % 128 != 0) core::fail(ctx_, "FP8 hidden size {} is not a multiple of 128", H_);
     if (!a.x_scales.defined()) core::fail(ctx_, "x is float8_e4m3fn but x_scales is missing");
     scale_dtype_ = a.x_scales.dtype();
     if (scale_dtype_ != DType::kFP32 && scale_dtype_ != DType::kInt32)
@@ -140,15 +147,18 @@ void Dispatch::validate() {
     P_ = core::int_size(ctx_, "x_scales", a.x_scales, 1);
     if (P_ <= 0) core::fail(ctx_, "x_scales has {} columns, expected at least 1", P_);
   } else if (a.x_scales.defined()) {
-    core::fail(ctx_, "x_scales is given but x is bfloat16 (scales go with float8_e4m3fn x)");
+    core::fail(ctx_, "x_scales is given but x is {} (scales go with float8_e4m3fn x only)", dtype_name(x_dtype_));
   }
-  row_bytes_ = static_cast<std::int64_t>(H_) * static_cast<std::int64_t>(element_size(x_dtype_));
+
+  if (a.handle_hidden < 0) core::fail(ctx_, "the handle's hidden size {} is negative", a.handle_hidden);
+  handle_hidden_ = a.handle_hidden > 0 ? a.handle_hidden : H_;
 
   // Routing.
   if (cached_) {
     const HandleFacts& h = cached_state_->facts;
     if (N_ != h.num_tokens) core::fail(ctx_, "x has {} tokens, the handle was made for {}", N_, h.num_tokens);
-    if (H_ != h.hidden) core::fail(ctx_, "x has hidden size {}, the handle was made for {}", H_, h.hidden);
+    if (handle_hidden_ != h.hidden)
+      core::fail(ctx_, "x has hidden size {}, the handle was made for {}", handle_hidden_, h.hidden);
   } else {
     if (!a.topk_idx.defined()) core::fail(ctx_, "topk_idx is missing (required without a handle)");
     core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {N_, -1});
@@ -263,6 +273,7 @@ void Dispatch::allocate_outputs_unnamed(std::int64_t rows, std::int64_t expanded
   } else {
     result.handle->recv_src_metadata = Tensor::empty({rows, k_ + 2}, DType::kInt32);
   }
+  if (req_.on_outputs_allocated) req_.on_outputs_allocated(result);
 }
 
 // The parts of a new handle known before any data moves, so that work queued behind an
@@ -280,13 +291,13 @@ void Dispatch::start_handle() {
   h.num_max_tokens_per_rank = T_;
   h.num_tokens = N_;
   h.num_topk = k_;
-  h.hidden = H_;
+  h.hidden = handle_hidden_;
   if (!cpu_sync_) {
     h.num_recv_tokens = worst_rows();
     h.num_expanded_tokens = worst_expanded_rows();
   }
   s.facts = {.do_expand = expand_, .num_experts = E_, .expert_alignment = A_, .num_max_tokens_per_rank = T_,
-             .num_tokens = N_, .num_topk = k_, .hidden = H_, .num_recv_tokens = h.num_recv_tokens,
+             .num_tokens = N_, .num_topk = k_, .hidden = handle_hidden_, .num_recv_tokens = h.num_recv_tokens,
              .num_expanded_tokens = h.num_expanded_tokens};
   h.state = state_;
 }
@@ -369,6 +380,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
       .field("num_experts", E_)
       .field("num_topk", k_)
       .field("hidden", H_)
+      .field("handle's hidden", handle_hidden_)
       .field("x dtype", x_dtype_)
       .field("x_scales columns", P_)
       .field("x_scales dtype", fp8_ ? std::optional(scale_dtype_) : std::nullopt)
@@ -437,6 +449,7 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
     auto* stats = req_.cumulative_local_expert_recv_stats.data_as<std::int32_t>();
     for (int i = 0; i < El_; ++i) stats[i] += plan_->layout.expert_total(engine_.rank * El_ + i);
   }
+  if (req_.on_rows_received) req_.on_rows_received(result);
   engine_.transport().barrier(comm::Scope::kNode, engine_.wait("dispatch: exit"));
   if (!cached_ && req_.on_complete) req_.on_complete(*result.handle);
 }

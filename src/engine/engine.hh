@@ -273,6 +273,12 @@ struct DispatchRequest {
   std::function<void(const std::string& context)> validate_more;
   // Called on the executing thread once the handle is complete (new dispatches only).
   std::function<void(const EPHandle& handle)> on_complete;
+  // The hidden size the handle records (what combine and cached dispatch compare with) when x's
+  // width is not it: packed rows (NVFP4 token triples) travel as bytes. 0: x's width.
+  int handle_hidden = 0;
+  // Called on the executing thread (every dispatch, cached too): once the outputs are allocated,
+  // before the caller sees them; once this rank's rows are in them, before the call completes.
+  std::function<void(const DispatchResult& result)> on_outputs_allocated, on_rows_received;
 };
 
 struct CombineRequest {

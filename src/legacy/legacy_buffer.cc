@@ -295,6 +295,89 @@ void fill_legacy_handle(LegacyHandle& lh, const EPHandle& h, int rank, int num_n
   }
 }
 
+// NVFP4 token triples (LegacyDispatchArgs::x_nvfp4) travel as one byte row per token: packed |
+// sf | sf_scale, zero-padded to a multiple of the payload row rule (engine::kRowByteMultiple).
+constexpr const char* kNvfp4Operation = "dispatch (NVFP4)";
+constexpr const char* kPackedName = "x[0] (packed)";
+constexpr const char* kSfName = "x[1] (sf)";
+constexpr const char* kSfScaleName = "x[2] (sf_scale)";
+
+struct Nvfp4Layout {
+  int hidden = 0;                                     // H = 8 x packed columns
+  int packed_cols = 0, sf_cols = 0, scale_cols = 0;   // int32, int32 and float32 columns
+  std::int64_t row_bytes = 0;                          // padded
+  std::int64_t sf_offset() const { return 4 * std::int64_t{packed_cols}; }
+  std::int64_t scale_offset() const { return sf_offset() + 4 * std::int64_t{sf_cols}; }
+  std::int64_t used_bytes() const { return scale_offset() + 4 * std::int64_t{scale_cols}; }
+};
+
+Nvfp4Layout check_nvfp4(const std::string& ctx, const LegacyDispatchArgs& args, int nodes) {
+  const Nvfp4Tokens& x = *args.x_nvfp4;
+  if (args.x.defined() || args.x_scales.defined())
+    core::fail(ctx, "x_nvfp4 is given together with {}: an NVFP4 dispatch takes the triple (packed, sf, sf_scale) "
+               "alone", args.x.defined() ? "x" : "x_scales");
+  if (nodes > 1)
+    core::fail(ctx, "x as an NVFP4 triple (packed, sf, sf_scale) is intranode only, as in DeepEP's hybrid-ep: all "
+               "ranks must be on one node, and this group spans {} nodes", nodes);
+  core::expect_tensor(ctx, kPackedName, x.packed, DType::kInt32, {-1, -1});
+  core::expect_tensor(ctx, kSfName, x.sf, DType::kInt32, {-1, -1});
+  core::expect_tensor(ctx, kSfScaleName, x.sf_scale, DType::kFP32, {-1, -1});
+  Nvfp4Layout l;
+  const int n = core::int_size(ctx, kPackedName, x.packed, 0);
+  l.packed_cols = core::int_size(ctx, kPackedName, x.packed, 1);
+  if (l.packed_cols <= 0 || l.packed_cols % 8 != 0 || l.packed_cols > engine::kMaxHidden / 8)
+    core::fail(ctx, "{} has {} columns (int32, eight E2M1 codes each: H/8), expected a positive multiple of 8 up to "
+               "{} (H a multiple of 64, the elements of one sf int32, and at most {})", kPackedName, l.packed_cols,
+               engine::kMaxHidden / 8, engine::kMaxHidden);
+  l.hidden = 8 * l.packed_cols;
+  for (const auto& [name, t] : {std::pair{kSfName, x.sf}, {kSfScaleName, x.sf_scale}})
+    if (t.size(0) != n)
+      core::fail(ctx, "{} has {} tokens but {} has {}: the three parts of x must have the same number of tokens",
+                 name, t.size(0), kPackedName, n);
+  if (x.sf.size(1) != l.packed_cols / 8)
+    core::fail(ctx, "{} has {} columns, expected H/64 = {} (one int32 of four E4M3 scales per 64 elements) for the "
+               "H = {} that {} implies", kSfName, x.sf.size(1), l.packed_cols / 8, l.hidden, kPackedName);
+  l.sf_cols = l.packed_cols / 8;
+  l.scale_cols = core::int_size(ctx, kSfScaleName, x.sf_scale, 1);
+  if (l.scale_cols < 1) core::fail(ctx, "{} has {} columns, expected at least 1", kSfScaleName, l.scale_cols);
+  core::expect_rows_contiguous(ctx, kPackedName, x.packed);
+  core::expect_rows_contiguous(ctx, kSfName, x.sf);
+  core::expect_rows_contiguous(ctx, kSfScaleName, x.sf_scale);
+  l.row_bytes = engine::align_to(l.used_bytes(), engine::kRowByteMultiple);
+  if (l.row_bytes > engine::kMaxHidden)
+    core::fail(ctx, "an NVFP4 token (packed, sf and {} sf_scale columns) is {} bytes, more than the {} bytes a "
+               "dispatched row may have", l.scale_cols, l.row_bytes, engine::kMaxHidden);
+  return l;
+}
+
+// One byte row per token: the three parts side by side, then zeros.
+Tensor pack_nvfp4(const Nvfp4Tokens& x, const Nvfp4Layout& l) {
+  const std::int64_t n = x.packed.size(0);
+  Tensor rows = Tensor::empty({n, l.row_bytes}, DType::kUInt8);
+  for (std::int64_t t = 0; t < n; ++t) {
+    auto* row = rows.data_as<std::uint8_t>() + t * l.row_bytes;
+    std::memcpy(row, x.packed.data_as<const std::int32_t>() + t * x.packed.stride(0), static_cast<size_t>(l.sf_offset()));
+    std::memcpy(row + l.sf_offset(), x.sf.data_as<const std::int32_t>() + t * x.sf.stride(0),
+                static_cast<size_t>(l.scale_offset() - l.sf_offset()));
+    std::memcpy(row + l.scale_offset(), x.sf_scale.data_as<const float>() + t * x.sf_scale.stride(0),
+                static_cast<size_t>(l.used_bytes() - l.scale_offset()));
+    std::memset(row + l.used_bytes(), 0, static_cast<size_t>(l.row_bytes - l.used_bytes()));
+  }
+  return rows;
+}
+
+// The received byte rows [0, rows) back into the three parts.
+void unpack_nvfp4(const Tensor& recv, std::int64_t rows, const Nvfp4Layout& l, Nvfp4Rows& out) {
+  for (std::int64_t i = 0; i < rows; ++i) {
+    const auto* row = recv.data_as<const std::uint8_t>() + i * recv.stride(0);
+    std::memcpy(out.packed.data_as<std::int32_t>() + i * l.packed_cols, row, static_cast<size_t>(l.sf_offset()));
+    std::memcpy(out.sf.data_as<std::int32_t>() + i * l.sf_cols, row + l.sf_offset(),
+                static_cast<size_t>(l.scale_offset() - l.sf_offset()));
+    std::memcpy(out.sf_scale.data_as<float>() + i * l.scale_cols, row + l.scale_offset(),
+                static_cast<size_t>(l.used_bytes() - l.scale_offset()));
+  }
+}
+
 template <class T>
 std::int64_t first_difference(const T* a, const T* b, std::int64_t n) {
   for (std::int64_t i = 0; i < n; ++i)
@@ -304,15 +387,46 @@ std::int64_t first_difference(const T* a, const T* b, std::int64_t n) {
 
 }  // namespace
 
-LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& args) {
+LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& given) {
   auto& e = core_->engine;
   e.check_usable("dispatch");
-  const Config config = args.config.value_or(get_dispatch_config(e.num_ranks));
-  const bool cached = args.handle != nullptr;
+  const Config config = given.config.value_or(get_dispatch_config(e.num_ranks));
+  const bool cached = given.handle != nullptr;
   const int R = e.num_ranks, nodes = e.physical.num_scaleout;
-  const bool routed_by_ids = args.topk_idx.defined();
+  const bool routed_by_ids = given.topk_idx.defined();
   engine::DispatchRequest r;
-  r.rejection = args.rejection;
+  r.rejection = given.rejection;
+  // NVFP4: the triple is checked and packed into byte rows here; a rejection is raised through the
+  // engine's agreement (validate_more), so that peers learn of it.
+  LegacyDispatchArgs args = given;
+  std::exception_ptr nvfp4_error;
+  Nvfp4Layout nvfp4;
+  Tensor nvfp4_rows;  // the packed rows, kept alive by the request until the call completes
+  auto nvfp4_out = std::make_shared<Nvfp4Rows>();
+  const bool is_nvfp4 = given.x_nvfp4.has_value();
+  if (is_nvfp4) {
+    r.operation = kNvfp4Operation;
+    args.x_nvfp4.reset();
+    if (r.rejection.empty()) {
+      try {
+        nvfp4 = check_nvfp4(e.context(kNvfp4Operation), given, nodes);
+        nvfp4_rows = pack_nvfp4(*given.x_nvfp4, nvfp4);
+        args.x = nvfp4_rows;
+        r.handle_hidden = nvfp4.hidden;
+      } catch (...) {
+        nvfp4_error = std::current_exception();
+      }
+    }
+    r.on_outputs_allocated = [nvfp4, nvfp4_out](const DispatchResult& res) {
+      const std::int64_t rows = res.recv_x.size(0);
+      nvfp4_out->packed = Tensor::empty({rows, nvfp4.packed_cols}, DType::kInt32);
+      nvfp4_out->sf = Tensor::empty({rows, nvfp4.sf_cols}, DType::kInt32);
+      nvfp4_out->sf_scale = Tensor::empty({rows, nvfp4.scale_cols}, DType::kFP32);
+    };
+    r.on_rows_received = [nvfp4, nvfp4_out, nvfp4_rows](const DispatchResult& res) {
+      unpack_nvfp4(res.recv_x, static_cast<std::int64_t>(res.handle->state->rows.size()), nvfp4, *nvfp4_out);
+    };
+  }
   r.x = args.x;
   r.x_scales = args.x_scales;
   r.topk_weights = args.topk_weights;
@@ -352,7 +466,8 @@ LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& args) {
     r.expert_counts.assign(args.num_tokens_per_expert.data_as<const std::int32_t>(),
                            args.num_tokens_per_expert.data_as<const std::int32_t>() + E);
   }
-  r.validate_more = [args, config, cached, routed_by_ids, R, nodes](const std::string& ctx) {
+  r.validate_more = [args, config, cached, routed_by_ids, R, nodes, nvfp4_error](const std::string& ctx) {
+    if (nvfp4_error) std::rethrow_exception(nvfp4_error);
     config.validate(ctx);
     if (args.num_worst_tokens < 0) core::fail(ctx, "num_worst_tokens = {} is negative", args.num_worst_tokens);
     if (cached) {
@@ -434,7 +549,11 @@ LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& args) {
   if (nodes > 1) core_->normal_call_used_pool();
   DispatchResult done = e.execute(engine::make_dispatch(e, std::move(r), e.next_sequence()), args.async_finish);
   LegacyDispatchResult out;
-  out.recv_x = done.recv_x;
+  if (is_nvfp4) {
+    out.recv_x_nvfp4 = *nvfp4_out;  // allocated with the outputs; filled when the call completes
+  } else {
+    out.recv_x = done.recv_x;
+  }
   out.recv_x_scales = done.recv_x_scales;
   out.event = done.event;
   if (cached) return out;  // DeepEP returns only x (and scales) from a cached dispatch

@@ -140,16 +140,16 @@ TEST(ElasticErrors, HiddenDiffersFromTheBuffer) {
 }
 
 TEST(ElasticErrors, Fp8ShapeRules) {
-  // A buffer without a fixed hidden size: FP8 hidden must still be a multiple of 128.
+  // A buffer without a fixed hidden size: an FP8 row (hidden bytes) must be a multiple of 16 bytes.
   std::vector<Outcome> outcomes(kRanks);
   LocalWorld world(kRanks);
   world.run([&](Group& g) {
     ElasticBuffer b(g, {.num_bytes = 2 << 20, .num_max_tokens_per_rank = kTokens, .num_cpu_timeout_secs = 30});
-    std::vector<std::uint8_t> x(kTokens * 192);
+    std::vector<std::uint8_t> x(kTokens * 200);
     std::vector<float> scales(kTokens * 2, 1.0f);
     Inputs in(g.rank());
     DispatchArgs a = in.args();
-    a.x = TensorView(x.data(), DType::kFP8E4M3, {kTokens, 192});
+    a.x = TensorView(x.data(), DType::kFP8E4M3, {kTokens, 200});
     a.x_scales = TensorView(scales.data(), DType::kFP32, {kTokens, 2});
     outcomes[static_cast<size_t>(g.rank())] = capture([&] { b.dispatch(a); });
     // Scales with the wrong row count, the wrong dtype, or missing.
@@ -169,7 +169,7 @@ TEST(ElasticErrors, Fp8ShapeRules) {
   });
   for (const auto& o : outcomes) {
     EXPECT_EQ(o.type, "InvalidArgument");
-    EXPECT_NE(o.message.find("FP8 hidden size 192 is not a multiple of 128"), std::string::npos) << o.message;
+    EXPECT_NE(o.message.find("x is float8_e4m3fn [8, 200]: a row is 200 bytes, which must be a multiple of 16"), std::string::npos) << o.message;
   }
 }
 

@@ -188,7 +188,19 @@ void expect_same_tensor(const Tensor& a, const Tensor& b, std::int64_t rows, con
 std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, const RunOptions& opt) {
   const int me = group.rank(), k = spec.k, H = spec.hidden;
   Mismatches bad(me);
-  ElasticBuffer buffer(group, {.num_max_tokens_per_rank = spec.max_tokens,
+  const DType x_dtype = opt.payload_dtype ? *opt.payload_dtype : spec.fp8 ? DType::kFP8E4M3 : DType::kBF16;
+  if (opt.payload_dtype && static_cast<int>(element_size(x_dtype)) != spec.payload_element_bytes) {
+    bad.add("the case's payload_element_bytes {} is not the size of {}", spec.payload_element_bytes, dtype_name(x_dtype));
+    return std::move(bad.list());
+  }
+  // Rows wider than BF16's (4-byte payloads) need the buffer of a BF16 dispatch of twice the hidden.
+  const std::int64_t num_bytes =
+      spec.payload_element_bytes > 2
+          ? ElasticBuffer::get_buffer_size_hint(group, spec.max_tokens, H * spec.payload_element_bytes / 2, k, false,
+                                                spec.allow_hybrid, spec.multi)
+          : 0;
+  ElasticBuffer buffer(group, {.num_bytes = num_bytes,
+                               .num_max_tokens_per_rank = spec.max_tokens,
                                .hidden = H,
                                .num_topk = k,
                                .use_fp8_dispatch = spec.fp8,
@@ -199,7 +211,7 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
   std::vector<RankInputs> all = reference::make_all_inputs(spec);
   RankInputs& in = all[static_cast<size_t>(me)];
   const std::int64_t n = in.num_tokens;
-  TensorView x(in.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H});
+  TensorView x(in.x.data(), x_dtype, {n, H});
   TensorView scales(in.scales.data(), DType::kFP32, {n, spec.scale_cols});
   TensorView topk(in.topk.data(), DType::kInt64, {n, k});
   TensorView weights(in.weights.data(), DType::kFP32, {n, k});
@@ -221,6 +233,8 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
   if (spec.weights) args.topk_weights = weights;
   DispatchResult res = buffer.dispatch(args);
   res.event.wait();
+  if (res.recv_x.dtype() != x_dtype)
+    bad.add("recv_x has dtype {}, x has {}", dtype_name(res.recv_x.dtype()), dtype_name(x_dtype));
   if (n > 0) {
     const Tensor& held = res.handle->topk_idx;
     if (!held.defined() || held.size(0) != n || held.size(1) != k) {
@@ -260,6 +274,7 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
     DispatchResult cached = buffer.dispatch(cached_args(x, scales, weights));
     cached.event.wait();
     if (cached.handle != res.handle) bad.add("cached dispatch must return the same handle");
+    if (cached.recv_x.dtype() != x_dtype) bad.add("cached recv_x has dtype {}", dtype_name(cached.recv_x.dtype()));
     const std::int64_t rows = spec.expand ? (opt.zero_padding ? ref.expanded_rows : 0) : std::int64_t(ref.rows.size());
     expect_same_tensor(cached.recv_x, res.recv_x, rows, "recv_x", bad);
     expect_same_tensor(cached.recv_x_scales, res.recv_x_scales, rows, "recv_x_scales", bad);
@@ -287,7 +302,7 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
     }
     RankInputs& mine = fresh[static_cast<size_t>(me)];
     DispatchResult replay = buffer.dispatch(
-        cached_args(TensorView(mine.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H}),
+        cached_args(TensorView(mine.x.data(), x_dtype, {n, H}),
                     spec.fp8 ? TensorView(mine.scales.data(), DType::kFP32, {n, spec.scale_cols}) : TensorView(),
                     spec.weights ? TensorView(mine.weights.data(), DType::kFP32, {n, k}) : TensorView()));
     replay.event.wait();
@@ -405,12 +420,12 @@ std::string describe(const CaseSpec& s, const RunOptions& o) {
   return fmt::format(
       "seed {} ranks {} topology {}x{} hybrid {} multi {} E {} k {} T {} H {} fp8 {} P {} expand {} align {} weights {} "
       "bias {} mask {} skew {} routing {} wide_range {} tokens [{}] async {} cpu_sync {} zero_pad {} col_major {} "
-      "workers {} cached {} cached_new_inputs {} handle_copy {}",
+      "workers {} cached {} cached_new_inputs {} handle_copy {} payload {}",
       s.seed, s.ranks, s.scaleout, s.ranks / s.scaleout, s.allow_hybrid, s.multi, s.num_experts, s.k, s.max_tokens,
       s.hidden, s.fp8, s.scale_cols, s.expand, s.alignment, s.weights, s.num_bias, s.mask_ratio, s.skew,
       s.fixed_topk.empty() ? std::to_string(s.routing_style) : std::string("fixed"), s.wide_range,
       fmt::join(s.tokens, ","), o.async, o.cpu_sync, o.zero_padding, o.col_major_scales, o.num_sms, o.cached,
-      o.cached_new_inputs, o.handle_copy);
+      o.cached_new_inputs, o.handle_copy, o.payload_dtype ? dtype_name(*o.payload_dtype) : "default");
 }
 
 }  // namespace moe_ep::testing

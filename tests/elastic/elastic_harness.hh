@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,8 @@ struct RunOptions {
   bool col_major_scales = false;
   int num_sms = 0;
   int num_allocated_qps = 0;  // 0: auto
+  // x's dtype when it is neither bfloat16 nor FP8; its size must be spec.payload_element_bytes.
+  std::optional<DType> payload_dtype;
   // When set, receives a digest of this rank's outputs (received rows, handle counts, combined
   // rows and weights): equal digests mean bit-identical outputs.
   std::uint64_t* digest = nullptr;

@@ -161,7 +161,8 @@ void check_accepted(const DLTensor& t, const TensorView& v, const std::byte* buf
 }
 
 constexpr DType kTypes[] = {DType::kBool, DType::kUInt8, DType::kInt32, DType::kInt64,
-                            DType::kBF16, DType::kFP32,  DType::kFP8E4M3};
+                            DType::kBF16, DType::kFP32,  DType::kFP8E4M3, DType::kFP16,
+                            DType::kInt8, DType::kInt16};
 
 // A view of `imported` described by the input: with_view must accept it exactly when its bytes
 // lie inside the imported bytes (or, without elements, it points into them or just past them).

@@ -28,7 +28,8 @@ using moe_ep::Tensor;
 }
 
 constexpr DType kTypes[] = {DType::kBool, DType::kUInt8, DType::kInt32, DType::kInt64,
-                            DType::kBF16, DType::kFP32,  DType::kFP8E4M3};
+                            DType::kBF16, DType::kFP32,  DType::kFP8E4M3, DType::kFP16,
+                            DType::kInt8, DType::kInt16};
 
 // An in-memory file (memfd) for the path reader, so that inputs read through a file cost no
 // disk I/O: its path, /proc/self/fd/N, opens it anew at offset 0.

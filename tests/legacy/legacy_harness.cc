@@ -60,11 +60,17 @@ std::vector<std::string> run_legacy_case(Group& g, const CaseSpec& case_spec, co
   };
   const CaseSpec spec = legacy_reference_spec(case_spec);
   const int me = g.rank(), R = spec.ranks, k = spec.k, H = spec.hidden, El = spec.experts_per_rank();
+  const DType x_dtype = opt.payload_dtype ? *opt.payload_dtype : spec.fp8 ? DType::kFP8E4M3 : DType::kBF16;
+  if (opt.payload_dtype && static_cast<int>(element_size(x_dtype)) != spec.payload_element_bytes) {
+    fail(fmt::format("the case's payload_element_bytes {} is not the size of {}", spec.payload_element_bytes,
+                     dtype_name(x_dtype)));
+    return bad;
+  }
   Buffer buffer(g, {.num_rdma_bytes = 4 << 20, .num_cpu_timeout_secs = 60});
   std::vector<RankInputs> all = reference::make_all_inputs(spec);
   RankInputs& in = all[static_cast<size_t>(me)];
   const std::int64_t n = in.num_tokens;
-  TensorView x(in.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H});
+  TensorView x(in.x.data(), x_dtype, {n, H});
   TensorView scales(in.scales.data(), DType::kFP32, {n, spec.scale_cols});
   TensorView topk(in.topk.data(), DType::kInt64, {n, k});
   TensorView weights(in.weights.data(), DType::kFP32, {n, k});
@@ -110,6 +116,8 @@ std::vector<std::string> run_legacy_case(Group& g, const CaseSpec& case_spec, co
   if (spec.fp8) args.x_scales = scales;
   LegacyDispatchResult res = buffer.dispatch(args);
   res.event.wait();
+  if (res.recv_x.dtype() != x_dtype)
+    fail(fmt::format("recv_x has dtype {}, x has {}", dtype_name(res.recv_x.dtype()), dtype_name(x_dtype)));
   const auto ref = reference::reference_dispatch(spec, all, me);
   const auto M = static_cast<std::int64_t>(ref.rows.size());
   const std::int64_t rows_out = opt.num_worst_tokens > 0 ? opt.num_worst_tokens : M;
@@ -241,7 +249,7 @@ std::vector<std::string> run_legacy_case(Group& g, const CaseSpec& case_spec, co
       fresh.back().topk = all[static_cast<size_t>(r)].topk;
     }
     RankInputs& mine = fresh[static_cast<size_t>(me)];
-    LegacyDispatchArgs again{.x = TensorView(mine.x.data(), spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {n, H}),
+    LegacyDispatchArgs again{.x = TensorView(mine.x.data(), x_dtype, {n, H}),
                              .handle = res.handle,
                              .config = dispatch_config,
                              .async_finish = opt.async};
@@ -323,10 +331,11 @@ std::vector<std::string> run_legacy_case(Group& g, const CaseSpec& case_spec, co
 std::string describe(const CaseSpec& s, const LegacyRunOptions& o) {
   return fmt::format(
       "V1 seed {} ranks {} topology {}x{} E {} k {} H {} fp8 {} P {} align {} weights {} bias {} mask {} skew {} "
-      "routing {} tokens [{}] async {} cached {} cached_new_inputs {} worst {} with_topk {} num_sms {}",
+      "routing {} tokens [{}] async {} cached {} cached_new_inputs {} worst {} with_topk {} num_sms {} payload {}",
       s.seed, s.ranks, s.scaleout, s.ranks / s.scaleout, s.num_experts, s.k, s.hidden, s.fp8, s.scale_cols, s.alignment,
       s.weights, s.num_bias, s.mask_ratio, s.skew, s.fixed_topk.empty() ? std::to_string(s.routing_style) : std::string("fixed"),
-      fmt::join(s.tokens, ","), o.async, o.cached, o.cached_new_inputs, o.num_worst_tokens, o.with_topk, o.num_sms);
+      fmt::join(s.tokens, ","), o.async, o.cached, o.cached_new_inputs, o.num_worst_tokens, o.with_topk, o.num_sms,
+      o.payload_dtype ? dtype_name(*o.payload_dtype) : "default");
 }
 
 }  // namespace moe_ep::testing

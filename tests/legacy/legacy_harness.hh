@@ -3,9 +3,11 @@
 // collected as strings (gtest assertions from rank threads would not stop the other ranks).
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "moe_ep/dtype.hpp"
 #include "moe_ep/group.hpp"
 #include "reference/dense_reference.hh"
 
@@ -20,6 +22,8 @@ struct LegacyRunOptions {
   bool async = false;
   bool with_topk = true;  // false: routed by is_token_in_rank alone
   int num_sms = 0;        // Config::num_sms of dispatch and combine (channels = num_sms / 2); 0: default config
+  // x's dtype when it is neither bfloat16 nor FP8; its size must be spec.payload_element_bytes.
+  std::optional<DType> payload_dtype;
 };
 
 // The reference a V1 case is checked against: V1 has no expanded layout and, across nodes,

@@ -41,7 +41,10 @@ RankInputs make_inputs(const CaseSpec& spec, int rank) {
   std::mt19937_64 rng(spec.seed * 1000003ULL + static_cast<std::uint64_t>(rank) * 7919ULL);
   const int n = in.num_tokens;
   in.x.resize(static_cast<size_t>(n) * spec.row_bytes());
-  if (spec.fp8) {
+  if (spec.payload_element_bytes > 0) {  // any bits: NaN patterns and all, they must arrive unchanged
+    std::uniform_int_distribution<int> byte(0, 255);
+    for (auto& b : in.x) b = static_cast<std::uint8_t>(byte(rng));
+  } else if (spec.fp8) {
     std::uniform_int_distribution<int> code(0, 255);
     for (auto& b : in.x) b = static_cast<std::uint8_t>(code(rng));
     in.scales.resize(static_cast<size_t>(n) * spec.scale_cols);

@@ -23,6 +23,9 @@ struct CaseSpec {
   bool multi = true;   // allow_multiple_reduction
   bool fp8 = false;
   int scale_cols = 0;  // P for FP8 (float32 scales)
+  // > 0: x holds random bits in elements of this many bytes (1, 2 or 4: a payload dtype other
+  // than bfloat16 and FP8, which moves bit for bit); 0: bfloat16, or FP8 codes with fp8.
+  int payload_element_bytes = 0;
   bool expand = false;
   int alignment = 1;
   bool weights = true;
@@ -52,7 +55,7 @@ struct CaseSpec {
   int reversed_levels = 0;
 
   int experts_per_rank() const { return num_experts / ranks; }
-  int row_bytes() const { return hidden * (fp8 ? 1 : 2); }
+  int row_bytes() const { return hidden * (payload_element_bytes > 0 ? payload_element_bytes : fp8 ? 1 : 2); }
   bool hybrid() const { return allow_hybrid && scaleout > 1; }
   int routing_nodes() const { return hybrid() ? scaleout : 1; }
   std::uint16_t value(int dest, int local_expert, int src_global, int h) const;

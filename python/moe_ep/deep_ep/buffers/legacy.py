@@ -107,7 +107,7 @@ class Buffer:
             x, native_handle(handle), num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert,
             topk_idx, topk_weights, expert_alignment, num_worst_tokens, config,
             _native(previous_event, "previous_event"), async_finish, allocate_on_comm_stream)
-        if isinstance(x, tuple):
+        if isinstance(x, tuple) and len(x) == 2:  # FP8; the NVFP4 triple comes back as a triple already
             recv_x = (recv_x, recv_sf)
         event = _overlap(ev, async_finish)
         if handle is not None:
