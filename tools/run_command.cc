@@ -181,11 +181,12 @@ int run_command(const RunOptions& options, Launch& launch) {
              api_name(options.api), launch.describe(), c.scaleout, c.ranks / c.scaleout,
              c.scaleout > 1 ? (c.allow_hybrid ? "hybrid: scale-out then scale-up" : "direct across nodes") : "one node",
              outcomes.front().workers);
-  fmt::print("layer: hidden {}, {} experts, top-{}, up to {} tokens per rank ({} in all), {} dispatch, {} layout{}, "
+  fmt::print("layer: hidden {}, {} experts, top-{}, up to {} tokens per rank ({} in all), {} dispatch{}, {} layout{}, "
              "seed {}\n\n",
              c.hidden, c.experts, c.topk, c.tokens, tokens,
              c.nvfp4 ? (c.nvfp4_ue8m0 ? "NVFP4 (per-16 UE8M0 scales)" : "NVFP4 (per-16 E4M3 scales)")
                      : c.fp8 ? "FP8 (per-128 scales)" : "BF16",
+             c.logfmt ? ", LogFMT-10 combine" : "",
              options.api == Api::kV1LowLatency ? "per-expert slab" : c.expand ? "expanded" : "compact",
              c.expand ? fmt::format(" (alignment {})", c.alignment) : "", c.seed);
   Table table({"phase", "time (ms)", "bytes (MB)", "GB/s", "x memcpy"});

@@ -48,7 +48,7 @@ class TokenDispatcher:
                  num_max_dispatch_tokens_per_rank=None, num_max_prefill_tokens_per_rank=None, dispatch_dtype=None,
                  num_workers=None, allow_hybrid_mode=None, allow_multiple_reduction=None,
                  v2_expanded_normal_layout=None, timeout_secs=None, provider_path=None, round_scale=False,
-                 use_ue8m0=False, expert_alignment=1):
+                 use_ue8m0=False, expert_alignment=1, nvfp4_global_scale=1.0, nvfp4_use_ue8m0=False):
         if not isinstance(cache, BufferCache):
             raise TypeError(f"cache must be a moe_ep.BufferCache, not {type(cache).__name__}")
         self.cache = cache
@@ -56,7 +56,7 @@ class TokenDispatcher:
                                           num_max_dispatch_tokens_per_rank, num_max_prefill_tokens_per_rank,
                                           dispatch_dtype, num_workers, allow_hybrid_mode, allow_multiple_reduction,
                                           v2_expanded_normal_layout, timeout_secs, provider_path, round_scale,
-                                          use_ue8m0, expert_alignment)
+                                          use_ue8m0, expert_alignment, nvfp4_global_scale, nvfp4_use_ue8m0)
 
     @property
     def generation(self):

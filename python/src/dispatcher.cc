@@ -41,7 +41,8 @@ BatchKind parse_kind(const std::string& s) {
 WireDType parse_dtype(const std::string& s) {
   if (s == "bf16" || s == "bfloat16") return WireDType::kBF16;
   if (s == "fp8") return WireDType::kFP8;
-  throw InvalidArgument(fmt::format("dispatch_dtype = '{}' is not one of bf16 | fp8", s));
+  if (s == "nvfp4") return WireDType::kNVFP4;
+  throw InvalidArgument(fmt::format("dispatch_dtype = '{}' is not one of bf16 | fp8 | nvfp4", s));
 }
 
 // What dispatch and dispatch_a take.
@@ -111,7 +112,7 @@ void register_dispatcher(py::module_& m) {
                        std::optional<bool> hybrid, std::optional<bool> multiple_reduction,
                        std::optional<bool> expanded_normal, std::optional<double> timeout,
                        std::optional<std::string> provider_path, bool round_scale, bool use_ue8m0,
-                       int expert_alignment) {
+                       int expert_alignment, float nvfp4_global_scale, bool nvfp4_use_ue8m0) {
              DispatcherOptions o;
              o.hidden = hidden;
              o.num_experts = num_experts;
@@ -130,6 +131,8 @@ void register_dispatcher(py::module_& m) {
              o.round_scale = round_scale;
              o.use_ue8m0 = use_ue8m0;
              o.expert_alignment = expert_alignment;
+             o.nvfp4_global_scale = nvfp4_global_scale;
+             o.nvfp4_use_ue8m0 = nvfp4_use_ue8m0;
              auto d = std::make_shared<PyDispatcher>();
              d->cache = cache;
              d->dispatcher = std::make_unique<TokenDispatcher>(cache->get(), o);
@@ -139,7 +142,8 @@ void register_dispatcher(py::module_& m) {
            py::arg("mode"), py::arg("num_max_dispatch_tokens_per_rank"), py::arg("num_max_prefill_tokens_per_rank"),
            py::arg("dispatch_dtype"), py::arg("num_workers"), py::arg("allow_hybrid_mode"),
            py::arg("allow_multiple_reduction"), py::arg("v2_expanded_normal_layout"), py::arg("timeout_secs"),
-           py::arg("provider_path"), py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("expert_alignment"))
+           py::arg("provider_path"), py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("expert_alignment"),
+           py::arg("nvfp4_global_scale"), py::arg("nvfp4_use_ue8m0"))
       .def("dispatch_a",
            [](PyDispatcher& d, py::handle x, py::handle topk_idx, py::handle topk_weights, const std::string& kind,
               int micro_batch) {
@@ -222,8 +226,12 @@ void register_dispatcher(py::module_& m) {
         r["mode"] = o.mode ? py::object(py::str(mode_name(*o.mode))) : py::object(py::none());
         r["num_max_dispatch_tokens_per_rank"] = o.num_max_dispatch_tokens_per_rank;
         r["num_max_prefill_tokens_per_rank"] = o.num_max_prefill_tokens_per_rank;
-        r["dispatch_dtype"] = o.dispatch_dtype ? py::object(py::str(*o.dispatch_dtype == WireDType::kFP8 ? "fp8" : "bf16"))
+        r["dispatch_dtype"] = o.dispatch_dtype ? py::object(py::str(*o.dispatch_dtype == WireDType::kFP8     ? "fp8"
+                                                                    : *o.dispatch_dtype == WireDType::kNVFP4 ? "nvfp4"
+                                                                                                             : "bf16"))
                                                : py::object(py::none());
+        r["nvfp4_global_scale"] = o.nvfp4_global_scale;
+        r["nvfp4_use_ue8m0"] = o.nvfp4_use_ue8m0;
         r["num_workers"] = o.num_workers;
         r["allow_hybrid_mode"] = o.allow_hybrid_mode;
         r["allow_multiple_reduction"] = o.allow_multiple_reduction;

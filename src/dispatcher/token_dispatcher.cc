@@ -171,10 +171,6 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
     if (o.hidden % 128 != 0)
       throw InvalidArgument(fmt::format("dispatcher: NVFP4 dispatch ({}) needs hidden to be a multiple of 128, got {}",
                                         from, o.hidden));
-    if (*o.use_v2 && o.hidden % 256 != 0)
-      throw InvalidArgument(fmt::format("dispatcher: NVFP4 dispatch ({}) on V2 sends the H/2 value bytes as FP8 rows, "
-                                        "which need H/2 to be a multiple of 128: hidden must be a multiple of 256, "
-                                        "got {}", from, o.hidden));
     if (*o.mode == DispatchMode::kNormal)
       throw InvalidArgument(fmt::format("dispatcher: NVFP4 dispatch ({}) is the low-latency wire format; mode = normal "
                                         "(MOE_EP_MODE or DispatcherOptions.mode) would send none: use low_latency or "

@@ -105,3 +105,35 @@ def test_logfmt_combine_within_deepep_tolerance(ranks, nodes):
         buf.destroy()
         return True
     assert moe_ep.LocalWorld(ranks, nodes).run(fn) == [True] * ranks
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_dispatcher_nvfp4_same_slab_on_both_generations(nodes):
+    gs = 448.0 * 6 / 4.0
+    slabs = {}
+    for use_v2 in (False, True):
+        def fn(g):
+            inputs = ref.make_inputs(g.size(), N, H, E, K, seed=23)
+            x, idx, w = inputs[g.rank()]
+            cache = moe_ep.BufferCache(g)
+            d = moe_ep.TokenDispatcher(cache, H, E, K, use_v2=use_v2, mode="low_latency",
+                                       num_max_dispatch_tokens_per_rank=CAP, dispatch_dtype="nvfp4",
+                                       provider_path="cpu", nvfp4_global_scale=gs)
+            out = d.dispatch(x, idx, w, kind="decode")
+            values, scales = out.hidden_states, out.hidden_states_scale
+            sc = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+            expected = ref.ll_expert_tokens(inputs, g.rank(), E)
+            for le, rows in enumerate(expected):
+                assert int(out.masked_m[le]) == len(rows)
+                for row, (s, t) in enumerate(rows):
+                    packed, codes = ref.nvfp4_cast(inputs[s][0][t], gs)
+                    assert np.array_equal(values[row, :, le].numpy(), packed)
+                    assert [int(sc[row % 32, (row % 128) // 32, row // 128, j % 4, j // 4, le]) for j in range(H // 16)] \
+                        == codes.tolist()
+            y = torch.zeros(E // g.size(), g.size() * CAP, H, dtype=torch.bfloat16)
+            d.combine(y)
+            cache.destroy()
+            return (tuple(values.shape), tuple(values.stride()), tuple(scales.shape), tuple(scales.stride()),
+                    sc.contiguous().numpy().tobytes(), out.masked_m.tolist())
+        slabs[use_v2] = moe_ep.LocalWorld(4, nodes).run(fn)
+    assert slabs[False] == slabs[True]
