@@ -6,9 +6,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "commands.hh"
+#include "core/npy.hh"
 #include "moe_ep/dispatcher.hpp"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
@@ -29,6 +33,95 @@ struct BatchRecord {
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
 bool env_is_set(const char* name) { return env::current(name).source != env::Source::kDefault; }
+
+// A view's storage as a contiguous tensor of `shape` (the layout a permuted view was made from).
+TensorView storage(const TensorView& v, std::initializer_list<std::int64_t> shape) {
+  return TensorView(v.data(), v.dtype(), shape);
+}
+
+// One rank's batch and what the dispatcher delivered for it (docs/dump-format.md).
+void dump_dispatch(const std::string& prefix, const LayerConfig& c, const RankBatch& in, const DispatchOutput& out) {
+  auto path = [&](const char* name) { return fmt::format("{}{}.npy", prefix, name); };
+  core::write_npy(path("x"), in.x);
+  core::write_npy(path("topk_idx"), in.topk_idx);
+  core::write_npy(path("topk_weights"), in.topk_weights);
+  const TensorView& x = out.hidden_states;
+  const TensorView& sf = out.hidden_states_scale;
+  if (out.format == OutputFormat::kLowLatency && x.dtype() == DType::kUInt8) {  // NVFP4: the storage of the permuted views
+    const std::int64_t El = x.size(2), RN = x.size(0);
+    core::write_npy(path("hidden_states"), storage(x, {El, RN, x.size(1)}));
+    core::write_npy(path("hidden_states_scale"), storage(sf, {El, (RN + 127) / 128, (c.hidden + 63) / 64, 32, 4, 4}));
+  } else {
+    core::write_npy(path("hidden_states"), x);
+    if (sf.defined()) {
+      if (out.format == OutputFormat::kLowLatency)  // [El, R*cap, S] with token stride 1
+        core::write_npy(path("hidden_states_scale"), storage(sf, {sf.size(0), sf.size(2), sf.size(1)}));
+      else
+        core::write_npy(path("hidden_states_scale"), sf);
+    }
+  }
+  if (out.format == OutputFormat::kNormal) core::write_npy(path("topk_ids"), out.topk_ids);
+  if (out.format != OutputFormat::kLowLatency) {
+    core::write_npy(path("recv_topk_weights"), out.topk_weights);
+    Tensor counts = Tensor::empty({static_cast<std::int64_t>(out.num_recv_tokens_per_expert.size())}, DType::kInt32);
+    std::copy(out.num_recv_tokens_per_expert.begin(), out.num_recv_tokens_per_expert.end(), counts.data_as<std::int32_t>());
+    core::write_npy(path("num_recv_tokens_per_expert"), counts);
+  }
+  if (out.format != OutputFormat::kNormal) core::write_npy(path("masked_m"), out.masked_m);
+}
+
+const char* wire_name(WireDType d) {
+  return d == WireDType::kFP8 ? "fp8" : d == WireDType::kNVFP4 ? "nvfp4" : "bf16";
+}
+
+// config.json of a dispatcher dump: the layer, the resolved options and one entry per batch.
+void write_manifest(const std::string& dir, const LayerConfig& c, const DispatcherOptions& o,
+                    const std::vector<BatchKind>& kinds, const std::vector<LayerConfig>& configs,
+                    const std::vector<std::vector<RankBatch>>& batches, const std::vector<std::vector<BatchRecord>>& records) {
+  nlohmann::json j = {{"api", "dispatcher"},
+                      {"ranks", c.ranks},
+                      {"nodes", c.scaleout},
+                      {"hidden", c.hidden},
+                      {"num_experts", c.experts},
+                      {"num_topk", c.topk},
+                      {"seed", c.seed},
+                      {"dispatch_dtype", wire_name(*o.dispatch_dtype)},
+                      {"allow_hybrid_mode", *o.allow_hybrid_mode},
+                      {"allow_multiple_reduction", *o.allow_multiple_reduction},
+                      {"expert_alignment", o.expert_alignment},
+                      {"round_scale", o.round_scale},
+                      {"use_ue8m0", o.use_ue8m0},
+                      {"nvfp4_global_scale", o.nvfp4_global_scale},
+                      {"nvfp4_ue8m0", o.nvfp4_use_ue8m0},
+                      {"nvfp4_rounding", env::get_string("MOE_EP_NVFP4_ROUNDING")},
+                      {"num_max_dispatch_tokens_per_rank", *o.num_max_dispatch_tokens_per_rank},
+                      {"num_max_prefill_tokens_per_rank", *o.num_max_prefill_tokens_per_rank}};
+  nlohmann::json list = nlohmann::json::array();
+  for (std::size_t b = 0; b < kinds.size(); ++b) {
+    const DispatchOutput& info = records[0][b].info;
+    std::vector<std::int64_t> tokens;
+    std::vector<int> expected_m;
+    for (std::size_t r = 0; r < batches[b].size(); ++r) {
+      tokens.push_back(batches[b][r].x.size(0));
+      expected_m.push_back(records[r][b].info.expected_m);
+    }
+    const WireDType wire = *o.dispatch_dtype == WireDType::kNVFP4 && info.mode != DispatchMode::kLowLatency
+                               ? WireDType::kBF16
+                               : *o.dispatch_dtype;
+    list.push_back({{"kind", kinds[b] == BatchKind::kPrefill ? "prefill" : "decode"},
+                    {"tokens", configs[b].tokens},
+                    {"tokens_per_rank", tokens},
+                    {"generation", info.generation == Generation::kV2 ? "v2" : "v1"},
+                    {"provider", info.provider},
+                    {"mode", mode_name(info.mode)},
+                    {"format", format_name(info.format)},
+                    {"wire_dtype", wire_name(wire)},
+                    {"seed", configs[b].seed},
+                    {"expected_m", expected_m}});
+  }
+  j["batches"] = list;
+  std::ofstream(dir + "/config.json") << j.dump(2) << "\n";
+}
 
 }  // namespace
 
@@ -87,6 +180,12 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
     for (int r = 0; r < c.ranks; ++r) batches.back().push_back(make_batch(cb, r));
   }
 
+  if (!options.dump_dir.empty()) {
+    std::filesystem::create_directories(options.dump_dir);
+    core::write_npy(options.dump_dir + "/expert_scale.npy", params.scale);
+    core::write_npy(options.dump_dir + "/expert_bias.npy", params.bias);
+  }
+
   std::vector<std::vector<BatchRecord>> records(static_cast<size_t>(c.ranks));
   DispatcherOptions resolved;
   BufferCacheStats stats;
@@ -101,11 +200,17 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
       const auto t0 = Clock::now();
       const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, kinds[b]);
       const auto t1 = Clock::now();
+      const std::string prefix = fmt::format("{}/batch{}_rank{}_", options.dump_dir, b, g.rank());
+      if (!options.dump_dir.empty()) dump_dispatch(prefix, configs[b], in, out);
       const Tensor y = run_experts(configs[b], params, g.rank(), out);
       g.barrier();
       const auto t2 = Clock::now();
       rec.combined = d.combine(y);
       const auto t3 = Clock::now();
+      if (!options.dump_dir.empty()) {
+        core::write_npy(prefix + "expert_out.npy", y);
+        core::write_npy(prefix + "combined_x.npy", rec.combined);
+      }
       rec.info = out;
       rec.info.hidden_states = rec.info.hidden_states_scale = rec.info.topk_ids = rec.info.topk_weights = rec.info.masked_m = Tensor();
       rec.dispatch_s = seconds(t0, t1);
@@ -116,6 +221,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
   });
 
   const Generation generation = *resolved.use_v2 ? Generation::kV2 : Generation::kV1;
+  if (!options.dump_dir.empty()) write_manifest(options.dump_dir, c, resolved, kinds, configs, batches, records);
   const ProbeReport& probe = probe_providers(*resolved.provider_path);
   fmt::print("moe-ep run --dispatcher: {} ranks as threads, topology {}x{}; hidden {}, {} experts, top-{}, {} dispatch\n",
              c.ranks, c.scaleout, c.ranks / c.scaleout, c.hidden, c.experts, c.topk,
@@ -163,6 +269,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
              "combine the reduction.\nEach batch is verified bit for bit against the single-threaded reference of its "
              "output format (docs/dispatcher.md).\n");
   fmt::print("verification: {}\n", all_ok ? "PASS" : "FAIL");
+  if (!options.dump_dir.empty()) fmt::print("inputs and outputs of every batch written to {} (docs/dump-format.md)\n", options.dump_dir);
   return all_ok ? 0 : 1;
 }
 

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--iters", run.iterations, "iterations (the best time per phase is reported)")->check(CLI::PositiveNumber);
   run_cmd->add_option("--workers", run.workers, "worker threads per rank (0 = the theoretical model)")->check(CLI::NonNegativeNumber);
   run_cmd->add_flag("--async", run.async, "run dispatch and combine on the communication workers, then wait");
-  run_cmd->add_option("--dump", run.dump_dir, "write every rank's inputs and outputs as .npy files here");
+  run_cmd->add_option("--dump", run.dump_dir, "write every rank's inputs and outputs as .npy files here (with --dispatcher: of every batch)");
   run_cmd->add_flag("--logfmt", run.layer.logfmt, "with --api v1 --low-latency: LogFMT-10 combine");
   std::string run_api = "v2";
   bool run_low_latency = false;
@@ -106,9 +106,9 @@ int main(int argc, char** argv) {
       if (run.layer.logfmt) throw moe_ep::InvalidArgument("--logfmt is a V1 low-latency combine option: use --api v1 --low-latency");
       if (run.launch.transport != "local" || run.launch.ranks_per_node > 0)
         throw moe_ep::InvalidArgument("--dispatcher runs its ranks as threads: drop --transport and --ranks-per-node");
-      if (run_cmd->count("--api") || run_low_latency || !run.dump_dir.empty() || run.async)
+      if (run_cmd->count("--api") || run_low_latency || run.async)
         throw moe_ep::InvalidArgument("--dispatcher chooses the API itself (MOE_EP_USE_V2, --mode): drop --api, "
-                                      "--low-latency, --dump and --async");
+                                      "--low-latency and --async");
       return dispatcher_command(run, dispatcher_run);
     }
     if (app.got_subcommand("run") && (!dispatcher_run.mode.empty() || run_cmd->count("--sequence") || run_cmd->count("--decode-tokens")))
