@@ -30,6 +30,20 @@ class PathBase : public LayerPath {
            const BufferConfigT& config)
       : c_(c), params_(p), batch_(b), options_(o), rank_(g.rank()), buffer_(g, config) {}
 
+  std::string npy_path(const std::string& dir, const char* name) const {
+    return fmt::format("{}/rank{}_{}.npy", dir, rank_, name);
+  }
+  // This rank's batch: x (and its FP8 cast), the routing.
+  void dump_inputs(const std::string& dir, bool fp8) const {
+    core::write_npy(npy_path(dir, "x"), batch_.x);
+    if (fp8) {
+      core::write_npy(npy_path(dir, "x_fp8"), batch_.x_fp8);
+      core::write_npy(npy_path(dir, "x_scales"), batch_.x_scales);
+    }
+    core::write_npy(npy_path(dir, "topk_idx"), batch_.topk_idx);
+    core::write_npy(npy_path(dir, "topk_weights"), batch_.topk_weights);
+  }
+
   const LayerConfig& c_;
   const ExpertParams& params_;
   const RankBatch& batch_;
@@ -87,14 +101,8 @@ class V2Path final : public PathBase<ElasticBuffer, DispatchResult, CombineResul
   }
   int workers() const override { return received_.handle->num_sms; }
   void dump(const std::string& dir) const override {
-    auto path = [&](const char* name) { return fmt::format("{}/rank{}_{}.npy", dir, rank_, name); };
-    core::write_npy(path("x"), batch_.x);
-    if (c_.fp8) {
-      core::write_npy(path("x_fp8"), batch_.x_fp8);
-      core::write_npy(path("x_scales"), batch_.x_scales);
-    }
-    core::write_npy(path("topk_idx"), batch_.topk_idx);
-    core::write_npy(path("topk_weights"), batch_.topk_weights);
+    auto path = [&](const char* name) { return npy_path(dir, name); };
+    dump_inputs(dir, c_.fp8);
     core::write_npy(path("recv_x"), received_.recv_x);
     if (c_.fp8) core::write_npy(path("recv_x_scales"), received_.recv_x_scales);
     if (!c_.expand) core::write_npy(path("recv_topk_idx"), received_.recv_topk_idx);
@@ -165,14 +173,8 @@ class V1Path final : public PathBase<Buffer, LegacyDispatchResult, CombineResult
   std::int64_t received_rows() const override { return received_.recv_x.size(0); }
   int workers() const override { return received_.handle->routing->num_sms; }
   void dump(const std::string& dir) const override {
-    auto path = [&](const char* name) { return fmt::format("{}/rank{}_{}.npy", dir, rank_, name); };
-    core::write_npy(path("x"), batch_.x);
-    if (c_.fp8) {
-      core::write_npy(path("x_fp8"), batch_.x_fp8);
-      core::write_npy(path("x_scales"), batch_.x_scales);
-    }
-    core::write_npy(path("topk_idx"), batch_.topk_idx);
-    core::write_npy(path("topk_weights"), batch_.topk_weights);
+    auto path = [&](const char* name) { return npy_path(dir, name); };
+    dump_inputs(dir, c_.fp8);
     core::write_npy(path("recv_x"), received_.recv_x);
     if (c_.fp8) core::write_npy(path("recv_x_scales"), received_.recv_x_scales);
     core::write_npy(path("recv_topk_idx"), received_.recv_topk_idx);
@@ -236,11 +238,9 @@ class LowLatencyPath final : public PathBase<Buffer, LowLatencyDispatchResult, L
   }
   int workers() const override { return 1; }
   void dump(const std::string& dir) const override {
-    auto path = [&](const char* name) { return fmt::format("{}/rank{}_{}.npy", dir, rank_, name); };
+    auto path = [&](const char* name) { return npy_path(dir, name); };
     const std::int64_t El = c_.experts / c_.ranks, RN = std::int64_t{c_.ranks} * c_.tokens, H = c_.hidden;
-    core::write_npy(path("x"), batch_.x);
-    core::write_npy(path("topk_idx"), batch_.topk_idx);
-    core::write_npy(path("topk_weights"), batch_.topk_weights);
+    dump_inputs(dir, false);  // the low-latency dispatch casts x itself
     const TensorView& sf = received_.recv_x_scales;
     if (c_.nvfp4) {  // the storage of the permuted views
       core::write_npy(path("recv_x"), storage(received_.recv_x, {El, RN, H / 2}));

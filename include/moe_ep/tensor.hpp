@@ -2,8 +2,8 @@
 // through DLPack.
 //
 // A TensorView describes memory it does not own: a data pointer, a dtype, up to six sizes and
-// element strides (none: a scalar, one element at the data pointer). Library calls read input views and never keep them past the call (or past
-// the returned Event, for asynchronous calls). Constructors refuse (InvalidArgument naming the
+// element strides (none: a scalar, one element at the data pointer). Library calls read input
+// views and never keep them past the call (or past the returned Event, for asynchronous calls). Constructors refuse (InvalidArgument naming the
 // shape) a view whose element count, byte count or byte range does not fit in int64, or whose
 // bytes would wrap around the address space, so numel(), nbytes() and byte_range() of any view
 // are exact. A Tensor is a view that also holds a reference on

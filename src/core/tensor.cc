@@ -321,7 +321,7 @@ TensorView view_from_dlpack(const DLTensor& tensor) {
   };
   const TensorView layout = make(nullptr);
   if (tensor.data == nullptr) {
-    if (layout.numel() > 0 || tensor.byte_offset != 0)
+    if (layout.numel() > 0 || tensor.ndim == 0 || tensor.byte_offset != 0)  // a scalar has an element
       throw InvalidArgument(fmt::format("DLPack tensor {} has a null data pointer (byte_offset {}): only a tensor "
                                         "without elements may, with byte_offset 0",
                                         layout.describe(), tensor.byte_offset));

@@ -197,7 +197,14 @@ TEST(DLPackImport, NullDataAndUnreadableDescriptorsAreRefused) {
   float data[16] = {};
   e = error_of([&] { view_from_dlpack(dl_tensor(data, kDLF32, 2, nullptr)); });
   EXPECT_TRUE(contains(e, "shape")) << e;
-  // Negative sizes, ranks outside [1, 4].
+  // A scalar (rank 0, no shape array needed) has one element: it needs data.
+  const TensorView scalar = view_from_dlpack(dl_tensor(data, kDLF32, 0, nullptr));
+  EXPECT_EQ(scalar.ndim(), 0);
+  EXPECT_EQ(scalar.numel(), 1);
+  EXPECT_EQ(scalar.nbytes(), 4u);
+  e = error_of([&] { view_from_dlpack(dl_tensor(nullptr, kDLF32, 0, nullptr)); });
+  EXPECT_TRUE(contains(e, "null data pointer")) << e;
+  // Negative sizes, ranks outside [0, 6].
   std::int64_t negative[] = {2, -3};
   EXPECT_FALSE(error_of([&] { view_from_dlpack(dl_tensor(data, kDLF32, 2, negative)); }).empty());
   std::int64_t seven[] = {1, 1, 1, 1, 1, 1, 1};  // beyond the 6 dimensions supported

@@ -9,7 +9,7 @@
 // an independent computation puts its bytes inside the imported ones.
 //
 // Input layout (missing bytes read as 0): ndim (int8), dtype code, bits, lanes (uint8),
-// flags, buffer size (uint16 LE), byte_offset (uint64 LE), 4 sizes and 4 strides (int64 LE);
+// flags, buffer size (uint16 LE), byte_offset (uint64 LE), 6 sizes and 6 strides (int64 LE);
 // then the second view: dtype index, rank - 1 (mod 4), flags (1: null data), its data's
 // offset in bytes from the imported bytes' first (int16 LE), 4 sizes (uint8), 4 strides (int8).
 // flags: 1 strides given, 2 data null, 4 shape null, 8 device not CPU, 16 also from_dlpack.
@@ -232,7 +232,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const auto flags = in.take<std::uint8_t>();
   const std::size_t buffer_bytes = in.take<std::uint16_t>() % 4097;
   t.byte_offset = in.take<std::uint64_t>();
-  std::int64_t shape[4], strides[4];
+  std::int64_t shape[TensorView::kMaxDims], strides[TensorView::kMaxDims];  // ranks above are refused unread
   for (auto& s : shape) s = in.take<std::int64_t>();
   for (auto& s : strides) s = in.take<std::int64_t>();
   std::vector<std::uint64_t> storage((buffer_bytes + 7) / 8 + 1);  // 8-byte aligned, never empty

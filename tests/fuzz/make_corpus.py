@@ -19,15 +19,16 @@ def write(target, name, data):
 def env():
     # The first byte indexes the registry in src/core/env.cc (0 MOE_EP_DEBUG, 1 MOE_EP_TIMEOUT_SECS,
     # 2 MOE_EP_NUM_WORKERS, 4 MOE_EP_MODE, 5 MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK,
-    # 11 MOE_EP_PROVIDER_PATH, 13 MOE_EP_MPI_CHUNK_BYTES, 14 MOE_EP_ALLOCATOR_CACHE_BYTES).
+    # 8 MOE_EP_NVFP4_ROUNDING, 12 MOE_EP_PROVIDER_PATH, 14 MOE_EP_MPI_CHUNK_BYTES,
+    # 15 MOE_EP_ALLOCATOR_CACHE_BYTES).
     seeds = {
         "workers_ok": (2, b"8"), "workers_wraps": (2, b"4294967297"), "workers_above_limit": (2, b"1025"),
         "workers_negative": (2, b"-1"), "workers_nul": (2, b"12\x009"), "workers_spaces": (2, b"  16"),
         "timeout_ok": (1, b"2.5"), "timeout_nan": (1, b"nan"), "timeout_overflow": (1, b"1e999"),
         "timeout_huge": (1, b"1e300"), "debug_yes": (0, b"YES"), "debug_bad": (0, b"maybe"),
         "mode_ok": (4, b"LOW_LATENCY"), "mode_bad": (4, b"fast"), "tokens_20_digits": (5, b"99999999999999999999"),
-        "tokens_zero": (5, b"0"), "provider_path": (11, b"cpu:/opt/lib/provider.so"),
-        "chunk_small": (13, b"100"), "cache_limit": (14, b"68719476736"), "cache_above_limit": (14, b"9223372036854775807"),
+        "tokens_zero": (5, b"0"), "rounding_ok": (8, b"sm90"), "rounding_bad": (8, b"nearest"), "provider_path": (12, b"cpu:/opt/lib/provider.so"),
+        "chunk_small": (14, b"100"), "cache_limit": (15, b"68719476736"), "cache_above_limit": (15, b"9223372036854775807"),
     }
     for name, (index, value) in seeds.items():
         write("env_fuzzer", name, bytes([index]) + value)
@@ -35,9 +36,9 @@ def env():
 
 def dlpack():
     def seed(ndim, code, bits, lanes, flags, buffer, offset, shape=(), strides=()):
-        shape = list(shape) + [0] * (4 - len(shape))
-        strides = list(strides) + [0] * (4 - len(strides))
-        return struct.pack("<bBBBBHQ4q4q", ndim, code, bits, lanes, flags, buffer, offset, *shape, *strides)
+        shape = list(shape) + [0] * (6 - len(shape))
+        strides = list(strides) + [0] * (6 - len(strides))
+        return struct.pack("<bBBBBHQ6q6q", ndim, code, bits, lanes, flags, buffer, offset, *shape, *strides)
 
     def subview(dtype_index, ndim, flags, offset, shape, strides):
         shape = list(shape) + [0] * (4 - len(shape))
@@ -61,7 +62,9 @@ def dlpack():
         "count_overflows": seed(2, FLOAT, 32, 1, IMPORT, 64, 0, (1 << 62, 8)),
         "stride_overflows": seed(1, FLOAT, 32, 1, STRIDES, 64, 0, (2,), ((1 << 63) - 1,)),
         "offset_wraps": seed(1, FLOAT, 32, 1, IMPORT, 64, (1 << 64) - 8, (4,)),
-        "rank_5": seed(5, FLOAT, 32, 1, 0, 64, 0, (1, 1, 1, 1)),
+        "rank_7": seed(7, FLOAT, 32, 1, 0, 64, 0, (1, 1, 1, 1, 1, 1)),
+        "rank_6": seed(6, FLOAT, 32, 1, IMPORT, 64, 0, (1, 2, 1, 2, 1, 2)),
+        "scalar": seed(0, FLOAT, 32, 1, NULL_SHAPE | IMPORT, 64, 0),
         "rank_negative": seed(-1, FLOAT, 32, 1, 0, 64, 0, (1,)),
         "device_cuda": seed(1, FLOAT, 32, 1, DEVICE, 64, 0, (4,)),
         "two_lanes": seed(1, FLOAT, 32, 2, 0, 64, 0, (4,)),
@@ -106,7 +109,7 @@ def npy():
         "fortran": (4, npy_file(padded("<u2", "(2,)").replace(b"False", b"True "), bytes(4))),
         "version_2": (4, npy_file(padded("<u2", "(2,)"), bytes(4), version=(2, 0))),
         "not_a_dict": (4, npy_file(b"hello\n", bytes(4))),
-        "five_dims": (4, npy_file(padded("<u2", "(1, 1, 1, 1, 1)"), bytes(2))),
+        "seven_dims": (4, npy_file(padded("<u2", "(1, 1, 1, 1, 1, 1, 1)"), bytes(2))),
         "short": (4, b"\x93NUMPY\x01"),
     }
     for name, (first, data) in seeds.items():
