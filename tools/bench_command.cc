@@ -12,6 +12,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
+#include "moe_ep/version.hpp"
 #include "commands.hh"
 #include "comm/transport.hh"
 #include "core/bandwidth.hh"
@@ -366,7 +367,7 @@ int bench_command(const BenchOptions& options, Launch& launch) {
                                       "floor (us)"};
   if (mpi) columns.push_back("speed-up vs alltoallv");
   Table table(columns);
-  nlohmann::json json = {{"api", o.api}, {"ranks", o.ranks}, {"nodes", o.nodes}, {"hidden", o.hidden},
+  nlohmann::json json = {{"version", moe_ep::version()}, {"api", o.api}, {"ranks", o.ranks}, {"nodes", o.nodes}, {"hidden", o.hidden},
                          {"experts", o.experts}, {"topk", o.topk}, {"memcpy_threads", threads}, {"memcpy_gbs", ceiling}};
   for (const auto& r : results) {
     for (const auto& op : r.operations) {

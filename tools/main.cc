@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <exception>
 
+#include "moe_ep/version.hpp"
 #include "commands.hh"
 #include "moe_ep/error.hpp"
 
@@ -39,6 +40,7 @@ int main(int argc, char** argv) {
   using namespace moe_ep::tools;
   CLI::App app{"moe-ep: expert-parallel dispatch and combine on CPU memory"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("moe-ep ") + moe_ep::version(), "print the version and exit");
 
   RunOptions run;
   CLI::App* run_cmd = app.add_subcommand("run", "run a DeepSeek-V3-shaped MoE layer on in-process ranks and verify it");

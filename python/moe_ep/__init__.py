@@ -15,7 +15,7 @@ from ._groups import LocalWorld, resolve_group
 from ._dispatcher import BufferCache, TokenDispatcher, env, probe_providers
 from ._memory import empty, empty_like, zeros
 
-__version__ = "0.1.0"
+__version__ = _C.__version__  # the C++ library's version (CMakeLists.txt's project version)
 
 __all__ = [
     "Error", "InvalidArgument", "CapacityError", "StateError", "ResourceError", "PeerError", "TimeoutError",

@@ -2,6 +2,7 @@
 // pure-Python package around it (python/moe_ep); this module binds the C++ classes one to one.
 #include <fmt/format.h>
 
+#include "moe_ep/version.hpp"
 #include "common.hh"
 #include "moe_ep/error.hpp"
 
@@ -79,6 +80,7 @@ PyObject* peer_error_class() { return g_classes.peer; }
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "moe-ep: expert-parallel dispatch and combine (C++ core)";
+  m.attr("__version__") = moe_ep::version();  // the loaded library's
   namespace mp = moe_ep::python;
   mp::register_errors(m);
   py::class_<mp::PyEvent, std::shared_ptr<mp::PyEvent>>(m, "Event")
