@@ -10,7 +10,13 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
+#include <optional>
+#include <thread>
+#include <charconv>
+#include <ctime>
 #include <nlohmann/json.hpp>
+
+#include <unistd.h>
 
 #include "moe_ep/version.hpp"
 #include "commands.hh"
@@ -37,6 +43,7 @@ struct Measured {
   std::string operation;
   std::string baseline_of;  // for a baseline operation: the operation of ours it stands beside
   double seconds = 0;
+  std::vector<double> samples;  // [iteration] seconds of the slowest rank
   double bytes = 0;  // logical bytes, all ranks
   std::vector<std::uint64_t> scaleout_bytes;  // [rank] bytes put to other nodes in one call
 };
@@ -139,7 +146,10 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
       result.node_pairs.push_back(static_cast<std::int64_t>(theirs[1]));
       result.rank_pairs.push_back(static_cast<std::int64_t>(theirs[2]));
     }
-    for (std::size_t i = 0; i < ops.size(); ++i) result.operations[i].seconds = median(slowest[i]);
+    for (std::size_t i = 0; i < ops.size(); ++i) {
+      result.operations[i].samples = slowest[i];
+      result.operations[i].seconds = median(slowest[i]);
+    }
   });
   return result;
 }
@@ -285,8 +295,6 @@ Setup low_latency_setup(const BenchOptions& o, int tokens) {
   };
 }
 
-}  // namespace
-
 // Scale-out bytes each rank put in one call of each of our operations, beside the (token, remote
 // node) and (token, remote rank) pairs of its routing: hybrid mode sends one record per
 // (token, destination node), direct mode one per (token, destination rank).
@@ -328,35 +336,272 @@ void print_scaleout(const std::vector<ShapeResult>& results, const BenchOptions&
              compact_dispatch_row(o));
 }
 
-int bench_command(const BenchOptions& options, Launch& launch) {
-  BenchOptions o = options;
-  o.ranks = launch.size();
-  o.nodes = launch.topology().num_scaleout;
-  const bool v1 = o.api == "v1";
-  const bool mpi = o.launch.transport != "local";  // under mpirun (MPI or host transport)
-  // The memcpy ceiling at the same thread count: one process copies with as many threads as the
-  // ranks of its host use (the others wait), times the number of hosts (all alike). Measured
-  // after each shape, the higher kept: a ceiling that other load on the machine pulled down in
-  // one measurement would make the ratios look better than they are.
-  double ceiling = 0;
+// The memcpy ceiling at the same thread count: one process copies with as many threads as the
+// ranks of its host use (the others wait), times the number of hosts (all alike). Measured after
+// each shape, the higher kept: a ceiling that other load on the machine pulled down in one
+// measurement would make the ratios look better than they are.
+struct Ceiling {
+  double gbs = 0;
   int threads = 0;
-  auto measure_ceiling = [&](int workers) {
+  void measure(Launch& launch, int workers) {
     launch.run([&](Group& g) {
       const int on_host = std::min(g.transport().ranks_on_host(), g.size());
       threads = g.size() * workers;
       if (g.rank() == 0)
-        ceiling = std::max(ceiling, core::measure_copy_bandwidth(on_host * workers, std::size_t{64} << 20, 5) *
-                                        (g.size() / on_host));
+        gbs = std::max(gbs, core::measure_copy_bandwidth(on_host * workers, std::size_t{64} << 20, 5) * (g.size() / on_host));
       g.barrier();
     });
+  }
+};
+
+// Our operation beside the baseline that does the same exchange: baseline time / our time; none
+// for the baselines themselves and where no baseline ran.
+std::optional<double> speedup(const ShapeResult& r, const Measured& op) {
+  for (const auto& base : r.operations)
+    if (base.baseline_of == op.operation) return base.seconds / op.seconds;
+  return std::nullopt;
+}
+
+nlohmann::json result_json(const ShapeResult& r, const Measured& op, double ceiling) {
+  const double gbs = op.bytes / op.seconds / 1e9;
+  const auto up = speedup(r, op);
+  return {{"shape", r.shape},
+          {"tokens_per_rank", r.tokens},
+          {"operation", op.operation},
+          {"baseline", !op.baseline_of.empty()},
+          {"seconds", op.seconds},
+          {"samples_seconds", op.samples},
+          {"bytes", op.bytes},
+          {"gbs", gbs},
+          {"ratio", gbs / ceiling},
+          {"floor_seconds", op.bytes / (ceiling * 1e9)},
+          {"speedup_vs_alltoallv", up ? nlohmann::json(*up) : nlohmann::json(nullptr)},
+          {"scaleout_bytes_per_rank", op.scaleout_bytes}};
+}
+
+std::string first_line_of(const char* path, std::string_view key) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);)
+    if (line.rfind(key, 0) == 0) {
+      const auto colon = line.find(':');
+      if (colon == std::string::npos) return {};
+      const auto begin = line.find_first_not_of(" \t", colon + 1);
+      return begin == std::string::npos ? std::string() : line.substr(begin);
+    }
+  return {};
+}
+
+// What a record needs to be read later: which build, where, when, and how it was started.
+nlohmann::json record_header(const BenchOptions& o, const Launch& launch) {
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) host[0] = 0;
+  std::vector<std::string> argv;
+  {
+    std::ifstream in("/proc/self/cmdline", std::ios::binary);
+    for (std::string arg; std::getline(in, arg, '\0');) argv.push_back(arg);
+  }
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  return {{"version", moe_ep::version()},
+          {"host", host},
+          {"cpu_model", first_line_of("/proc/cpuinfo", "model name")},
+          {"cores", std::thread::hardware_concurrency()},
+          {"date", date},
+          {"command_line", argv},
+          {"launch", launch.describe()},
+          {"transport", o.launch.transport},
+          {"api", o.api},
+          {"ranks", o.ranks},
+          {"nodes", o.nodes},
+          {"hybrid", o.allow_hybrid},
+          {"hidden", o.hidden},
+          {"experts", o.experts},
+          {"topk", o.topk},
+          {"seed", o.seed}};
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+  if (!out) throw InvalidArgument(fmt::format("cannot write '{}'", path));
+}
+
+void print_formulas(const BenchOptions& o, bool v1, bool mpi, int threads, bool sweep) {
+  fmt::print("\ntime: median over iterations of the slowest rank (each call starts after a barrier).\n");
+  fmt::print("GB/s = logical bytes / time, all ranks, local traffic included:\n");
+  fmt::print("  dispatch: received rows x {} B = hidden x 1 B + {} scales x 4 B + top-{} x (8 B id + 4 B weight)\n",
+             compact_dispatch_row(o), o.hidden / 128, o.topk);
+  fmt::print("  combine:  received rows x {} B = hidden x 2 B + top-{} x 4 B weights\n", compact_combine_row(o), o.topk);
+  if (v1)
+    fmt::print("  low-latency: (token, expert) pairs x {} B dispatch (hidden x 1 B + scales + 16 B header), x {} B "
+               "combine (hidden x 2 B)\n",
+               o.hidden + 4 * (o.hidden / 128) + 16, 2 * o.hidden);
+  fmt::print("memcpy: {} threads each copying its own 64 MiB buffer, best of 5, {}{}.\n", threads,
+             sweep ? "measured after each point at its thread count" : "measured after each shape of this run (the higher kept)",
+             mpi ? " (by one process per host, with the threads of that host's ranks)" : "");
+  fmt::print("ratio = GB/s / memcpy GB/s; floor = logical bytes / memcpy GB/s (one copy at the ceiling).\n");
+  if (mpi)
+    fmt::print("speed-up = time of the MPI_Alltoall + pack + MPI_Alltoallv + unpack baseline (bench/alltoallv_baseline) / "
+               "our time, same inputs, same run.\n");
+}
+
+// The values of --sweep KEY=LIST: a comma list, where "a,b,...,z" continues a, b geometrically
+// (by b / a, b a multiple of a) up to z.
+std::vector<int> sweep_values(const std::string& key, const std::string& list) {
+  std::vector<std::string> items;
+  for (std::size_t begin = 0;;) {
+    const auto comma = list.find(',', begin);
+    items.push_back(list.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin));
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  auto number = [&](const std::string& item) {
+    int v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (ec != std::errc() || end != item.data() + item.size() || v < 1)
+      throw InvalidArgument(fmt::format("--sweep {}: '{}' is not a positive integer", key, item));
+    return v;
   };
+  std::vector<int> values;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    if (items[i] != "...") {
+      values.push_back(number(items[i]));
+      continue;
+    }
+    if (i < 2 || i + 1 != items.size() - 1)
+      throw InvalidArgument(fmt::format("--sweep {}: '...' goes between two first values and the last, as in 128,256,...,8192", key));
+    const int a = values[0], b = values[1], last = number(items[i + 1]);
+    if (values.size() != 2 || b <= a || b % a != 0)
+      throw InvalidArgument(fmt::format("--sweep {}: '...' continues a geometric series: the second value ({}) must be a "
+                                        "multiple of the first ({}) and larger",
+                                        key, b, a));
+    for (std::int64_t v = std::int64_t{b} * (b / a); v <= last; v *= b / a) values.push_back(static_cast<int>(v));
+    if (values.back() != last)
+      throw InvalidArgument(fmt::format("--sweep {}: {} is not in the series {},{},... (it would end at {})", key, last,
+                                        a, b, values.back()));
+    break;
+  }
+  for (std::size_t i = 1; i < values.size(); ++i)
+    if (values[i] <= values[i - 1])
+      throw InvalidArgument(fmt::format("--sweep {}: values must increase ({} after {})", key, values[i], values[i - 1]));
+  return values;
+}
+
+// --sweep: one shape (the prefill path: V2 dispatch, cached dispatch and combine, or V1 normal
+// mode) measured at every value of one parameter, with the memcpy ceiling after each point.
+int sweep_command(const BenchOptions& options, Launch& launch) {
+  const auto eq = options.sweep.find('=');
+  const std::string key = options.sweep.substr(0, eq);
+  if (eq == std::string::npos || (key != "tokens" && key != "ranks" && key != "hidden"))
+    throw InvalidArgument(fmt::format("--sweep is '{}', expected tokens=LIST, ranks=LIST or hidden=LIST", options.sweep));
+  const std::vector<int> values = sweep_values(key, options.sweep.substr(eq + 1));
+  const bool v1 = options.api == "v1";
+  const bool mpi = options.launch.transport != "local";
+  if (key == "ranks" && mpi)
+    throw InvalidArgument("--sweep ranks=... runs ranks as threads of this process (--transport local): under mpirun the "
+                          "job's size sets the ranks");
+  BenchOptions base = options;
+  base.ranks = launch.size();
+  base.nodes = launch.topology().num_scaleout;
+  for (int v : values) {
+    if (key == "hidden" && v % 128 != 0)
+      throw InvalidArgument(fmt::format("--sweep hidden: {} is not a multiple of 128 (FP8 dispatch with per-128 scales)", v));
+    if (key == "ranks" && (base.experts % v != 0 || v % base.nodes != 0 || v > 1024))
+      throw InvalidArgument(fmt::format("--sweep ranks: {} ranks must divide --experts ({}), be a multiple of the {} "
+                                        "logical node(s) and be at most 1024",
+                                        v, base.experts, base.nodes));
+  }
+  const std::string json_path = options.json_path.empty() && options.csv_path.empty() ? "sweep-" + key + ".json" : options.json_path;
+  const std::string csv_path = options.json_path.empty() && options.csv_path.empty() ? "sweep-" + key + ".csv" : options.csv_path;
+
+  nlohmann::json json = record_header(base, launch);
+  json["sweep"] = {{"parameter", key}, {"values", values}};
+  json["points"] = nlohmann::json::array();
+  std::string csv = "parameter,value,ranks,tokens_per_rank,hidden,operation,baseline,seconds,bytes,gbs,memcpy_gbs,ratio,"
+                    "speedup_vs_alltoallv\n";
+  Table table({key, "operation", "time (us)", "GB/s", "memcpy GB/s", "ratio", "speed-up vs alltoallv"});
+  int threads = 0;
+  for (int v : values) {
+    BenchOptions o = base;
+    std::unique_ptr<Launch> own;
+    Launch* at = &launch;
+    if (key == "tokens") o.prefill_tokens = v;
+    if (key == "hidden") o.hidden = v;
+    if (key == "ranks") {
+      LaunchOptions lo = options.launch;
+      lo.ranks = v;
+      lo.ranks_given = true;
+      lo.nodes = base.nodes;
+      lo.ranks_per_node = 0;
+      own = make_launch(nullptr, nullptr, lo);
+      at = own.get();
+      o.ranks = v;
+    }
+    ShapeResult r = measure(*at, o, "sweep", o.prefill_tokens, o.prefill_iterations,
+                            v1 ? v1_setup(o, o.prefill_tokens) : v2_setup(o, o.prefill_tokens));
+    Ceiling ceiling;
+    ceiling.measure(*at, r.workers);
+    threads = ceiling.threads;
+    if (!at->reports()) continue;
+    nlohmann::json point = {{"value", v}, {"ranks", o.ranks}, {"tokens_per_rank", o.prefill_tokens}, {"hidden", o.hidden},
+                            {"workers", r.workers}, {"memcpy_threads", ceiling.threads}, {"memcpy_gbs", ceiling.gbs}};
+    for (const auto& op : r.operations) {
+      nlohmann::json one = result_json(r, op, ceiling.gbs);
+      point["results"].push_back(one);
+      const auto up = speedup(r, op);
+      csv += fmt::format("{},{},{},{},{},{},{},{:.9g},{:.17g},{:.6g},{:.6g},{:.6g},{}\n", key, v, o.ranks, o.prefill_tokens,
+                         o.hidden, op.operation, op.baseline_of.empty() ? 0 : 1, op.seconds, op.bytes,
+                         one["gbs"].get<double>(), ceiling.gbs, one["ratio"].get<double>(),
+                         up ? fmt::format("{:.6g}", *up) : "");
+      table.row({std::to_string(v), op.operation, fmt::format("{:.1f}", op.seconds * 1e6),
+                 fmt::format("{:.2f}", one["gbs"].get<double>()), fmt::format("{:.2f}", ceiling.gbs),
+                 fmt::format("{:.2f}", one["ratio"].get<double>()),
+                 up ? fmt::format("{:.2f}x", *up) : op.baseline_of.empty() ? "-" : "1 (baseline)"});
+    }
+    json["points"].push_back(point);
+  }
+  if (!launch.reports()) return 0;
+  fmt::print("moe-ep bench --sweep {} ({}): {}; hidden {}, {} experts, top-{}, {} tokens per rank unless swept; FP8 "
+             "dispatch (per-128 scales), BF16 combine\n\n",
+             options.sweep, v1 ? "V1 Buffer, normal mode" : "V2 ElasticBuffer", launch.describe(), base.hidden,
+             base.experts, base.topk, base.prefill_tokens);
+  table.print();
+  print_formulas(base, v1, mpi, threads, true);
+  if (!json_path.empty()) write_file(json_path, json.dump(2) + "\n");
+  if (!csv_path.empty()) write_file(csv_path, csv);
+  fmt::print("wrote{}{}{}{}\n", json_path.empty() ? "" : " ", json_path, csv_path.empty() ? "" : " ", csv_path);
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_record_options(CLI::App& bench, BenchOptions& o) {
+  bench.add_option("--sweep", o.sweep,
+                   "measure the prefill path at each value of one parameter: tokens=LIST, ranks=LIST (in-process) or "
+                   "hidden=LIST; LIST is a comma list, a,b,...,z continuing a geometric series "
+                   "(e.g. tokens=128,256,...,8192); writes JSON and CSV (default sweep-KEY.json and sweep-KEY.csv)");
+  bench.add_option("--csv", o.csv_path, "with --sweep: write the points as CSV to this file");
+}
+
+int bench_command(const BenchOptions& options, Launch& launch) {
+  if (!options.sweep.empty()) return sweep_command(options, launch);
+  BenchOptions o = options;
+  o.ranks = launch.size();
+  o.nodes = launch.topology().num_scaleout;
+  if (!o.csv_path.empty()) throw InvalidArgument("--csv needs --sweep (a single bench writes --json)");
+  const bool v1 = o.api == "v1";
+  const bool mpi = o.launch.transport != "local";  // under mpirun (MPI or host transport)
+  Ceiling ceiling;
   std::vector<ShapeResult> results;
   results.push_back(measure(launch, o, "prefill", o.prefill_tokens, o.prefill_iterations,
                             v1 ? v1_setup(o, o.prefill_tokens) : v2_setup(o, o.prefill_tokens)));
-  measure_ceiling(results.front().workers);
+  ceiling.measure(launch, results.front().workers);
   results.push_back(measure(launch, o, "decode", o.decode_tokens, o.decode_iterations,
                             v1 ? low_latency_setup(o, o.decode_tokens) : v2_setup(o, o.decode_tokens)));
-  measure_ceiling(results.front().workers);
+  ceiling.measure(launch, results.front().workers);
   if (!launch.reports()) return 0;
 
   fmt::print("moe-ep bench ({}): {}, topology {}x{}, {} worker thread(s) per rank; hidden {}, {} experts, "
@@ -367,48 +612,27 @@ int bench_command(const BenchOptions& options, Launch& launch) {
                                       "floor (us)"};
   if (mpi) columns.push_back("speed-up vs alltoallv");
   Table table(columns);
-  nlohmann::json json = {{"version", moe_ep::version()}, {"api", o.api}, {"ranks", o.ranks}, {"nodes", o.nodes}, {"hidden", o.hidden},
-                         {"experts", o.experts}, {"topk", o.topk}, {"memcpy_threads", threads}, {"memcpy_gbs", ceiling}};
+  nlohmann::json json = record_header(o, launch);
+  json["memcpy_threads"] = ceiling.threads;
+  json["memcpy_gbs"] = ceiling.gbs;
+  json["results"] = nlohmann::json::array();
   for (const auto& r : results) {
     for (const auto& op : r.operations) {
       const double gbs = op.bytes / op.seconds / 1e9;
-      const double floor_us = op.bytes / (ceiling * 1e9) * 1e6;  // one copy of the logical bytes at memcpy speed
       std::vector<std::string> row = {r.shape, std::to_string(r.tokens), op.operation,
                                       fmt::format("{:.1f}", op.seconds * 1e6), fmt::format("{:.2f}", gbs),
-                                      fmt::format("{:.2f}", ceiling), fmt::format("{:.2f}", gbs / ceiling),
-                                      fmt::format("{:.1f}", floor_us)};
-      // Our operation beside the baseline that does the same exchange: baseline time / our time.
-      double speedup = 0;
-      for (const auto& base : r.operations)
-        if (base.baseline_of == op.operation) speedup = base.seconds / op.seconds;
-      if (mpi) row.push_back(speedup > 0 ? fmt::format("{:.2f}x", speedup) : op.baseline_of.empty() ? "-" : "1 (baseline)");
+                                      fmt::format("{:.2f}", ceiling.gbs), fmt::format("{:.2f}", gbs / ceiling.gbs),
+                                      fmt::format("{:.1f}", op.bytes / (ceiling.gbs * 1e9) * 1e6)};
+      const auto up = speedup(r, op);
+      if (mpi) row.push_back(up ? fmt::format("{:.2f}x", *up) : op.baseline_of.empty() ? "-" : "1 (baseline)");
       table.row(row);
-      json["results"].push_back({{"shape", r.shape}, {"tokens_per_rank", r.tokens}, {"operation", op.operation},
-                                 {"seconds", op.seconds}, {"bytes", op.bytes}, {"gbs", gbs}, {"ratio", gbs / ceiling},
-                                 {"floor_seconds", floor_us / 1e6}, {"speedup_vs_alltoallv", speedup},
-                                 {"scaleout_bytes_per_rank", op.scaleout_bytes}});
+      json["results"].push_back(result_json(r, op, ceiling.gbs));
     }
   }
   table.print();
-  fmt::print("\ntime: median over iterations of the slowest rank (each call starts after a barrier).\n");
-  fmt::print("GB/s = logical bytes / time, all ranks, local traffic included:\n");
-  fmt::print("  dispatch: received rows x {} B = hidden x 1 B + {} scales x 4 B + top-{} x (8 B id + 4 B weight)\n",
-             compact_dispatch_row(o), o.hidden / 128, o.topk);
-  fmt::print("  combine:  received rows x {} B = hidden x 2 B + top-{} x 4 B weights\n", compact_combine_row(o), o.topk);
-  if (v1)
-    fmt::print("  low-latency: (token, expert) pairs x {} B dispatch (hidden x 1 B + scales + 16 B header), x {} B "
-               "combine (hidden x 2 B)\n",
-               o.hidden + 4 * (o.hidden / 128) + 16, 2 * o.hidden);
-  fmt::print("memcpy: {} threads each copying its own 64 MiB buffer, best of 5, measured after each shape of this run "
-             "(the higher kept){}.\n",
-             threads,
-             mpi ? " (by one process per host, with the threads of that host's ranks)" : "");
-  fmt::print("ratio = GB/s / memcpy GB/s; floor = logical bytes / memcpy GB/s (one copy at the ceiling).\n");
-  if (mpi)
-    fmt::print("speed-up = time of the MPI_Alltoall + pack + MPI_Alltoallv + unpack baseline (bench/alltoallv_baseline) / "
-               "our time, same inputs, same run.\n");
+  print_formulas(o, v1, mpi, ceiling.threads, false);
   print_scaleout(results, o, v1);
-  if (!o.json_path.empty()) std::ofstream(o.json_path) << json.dump(2) << "\n";
+  if (!o.json_path.empty()) write_file(o.json_path, json.dump(2) + "\n");
   return 0;
 }
 

@@ -43,10 +43,13 @@ struct BenchOptions {
   int decode_iterations = 50;
   std::uint64_t seed = 1;
   std::string json_path;
+  std::string sweep;     // KEY=LIST (tokens, ranks or hidden); empty = the two shapes
+  std::string csv_path;  // with sweep
   LaunchOptions launch;
 };
 
 void add_layer_options(CLI::App& app, LayerConfig& layer);
+void add_bench_record_options(CLI::App& bench, BenchOptions& options);  // --sweep, --csv
 
 int run_command(const RunOptions& options, Launch& launch);
 int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run);

@@ -82,6 +82,7 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--json", bench.json_path, "also write the results as JSON to this file");
   bench_cmd->add_option("--api", bench.api, "v2 (ElasticBuffer) or v1 (Buffer: normal mode prefill, low-latency decode)")
       ->check(CLI::IsMember({"v1", "v2"}));
+  add_bench_record_options(*bench_cmd, bench);
 
   for (auto [cmd, launch] : {std::pair{run_cmd, &run.launch}, std::pair{bench_cmd, &bench.launch}}) {
     cmd->add_option("--transport", launch->transport, "local: ranks are threads of this process; mpi: this process is "
