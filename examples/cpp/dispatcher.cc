@@ -123,6 +123,11 @@ int check(int rank, const Inputs& in, const moe_ep::Tensor& combined) {
   return mismatches;
 }
 
+void report(moe_ep::BatchKind kind, const moe_ep::DispatchOutput& out) {
+  std::printf("dispatcher: %s batch: %s, %s mode, %s output\n", kind == moe_ep::BatchKind::kPrefill ? "prefill" : "decode",
+              moe_ep::generation_name(out.generation), moe_ep::mode_name(out.mode), moe_ep::format_name(out.format));
+}
+
 }  // namespace
 
 int main() {
@@ -139,11 +144,7 @@ int main() {
         moe_ep::Tensor expert_output = run_experts(group.rank(), out);
         auto combined = layer.combine(expert_output);
         mismatches += check(group.rank(), in, combined);
-        if (group.rank() == 0) {
-          std::printf("dispatcher: %s batch: %s, %s mode, %s output\n",
-                      kind == moe_ep::BatchKind::kPrefill ? "prefill" : "decode", moe_ep::generation_name(out.generation),
-                      moe_ep::mode_name(out.mode), moe_ep::format_name(out.format));
-        }
+        if (group.rank() == 0) report(kind, out);
       }
     });
   } catch (const std::exception& e) {

@@ -1,9 +1,10 @@
 #!/usr/bin/python3
 """Checks that the README's C++ code is the examples' code.
 
-A fenced code block is tied to an example file by the last non-blank line before it, which names
+A fenced code block is tied to an example file by the paragraph just before it, which names
 the file (e.g. "[examples/cpp/dispatcher.cc](examples/cpp/dispatcher.cc):"). The block must equal
-the file, or, when that line says "excerpt", be a run of consecutive lines of the file, exactly.
+the file, or, when that paragraph says "excerpt", be a run of consecutive lines of the file, exactly
+but for a common indentation removed.
 Every ```cpp block must name a file, and every examples/cpp/*.cc file must be quoted at least
 once, so the README shows only code that is built and run by the test suite.
 
@@ -13,19 +14,23 @@ once, so the README shows only code that is built and run by the test suite.
 import pathlib
 import re
 import sys
+import textwrap
 
 
 def blocks(text):
-    """(fence info, block lines, the last non-blank line before the fence, line number) per block."""
+    """(fence info, block lines, the paragraph before the fence, line number) per block."""
     lines = text.split("\n")
-    i, previous = 0, ""
+    i, paragraph, last = 0, "", ""
     while i < len(lines):
         m = re.match(r"^```(\S*)\s*$", lines[i])
         if not m:
             if lines[i].strip():
-                previous = lines[i]
+                paragraph = paragraph + " " + lines[i]
+            elif paragraph:
+                last, paragraph = paragraph, ""
             i += 1
             continue
+        previous = paragraph or last
         start = i
         i += 1
         body = []
@@ -35,7 +40,7 @@ def blocks(text):
         if i == len(lines):
             raise SystemExit(f"README line {start + 1}: unterminated code block")
         yield m.group(1), body, previous, start + 1
-        previous = ""
+        paragraph = last = ""
         i += 1
 
 
@@ -58,8 +63,9 @@ def main():
         quoted.add(names[0])
         file_lines = path.read_text().rstrip("\n").split("\n")
         if "excerpt" in previous.lower():
-            n = len(body)
-            if n == 0 or not any(file_lines[k:k + n] == body for k in range(len(file_lines) - n + 1)):
+            n, excerpt = len(body), textwrap.dedent("\n".join(body))
+            if n == 0 or not any(textwrap.dedent("\n".join(file_lines[k:k + n])) == excerpt
+                                 for k in range(len(file_lines) - n + 1)):
                 errors.append(f"line {line}: the excerpt is not a run of lines of {names[0]}")
         elif body != file_lines:
             diff = next((k for k in range(min(len(body), len(file_lines))) if body[k] != file_lines[k]),
