@@ -64,11 +64,12 @@ endif()
 
 # The prefix is known only when installing (cmake --install --prefix P): the .pc files are
 # written then, from templates whose other fields are filled in now.
+set(MOE_EP_PC_PREFIX "%MOE_EP_INSTALL_PREFIX%")
 foreach(pc ${MOE_EP_PC_TEMPLATES})
   configure_file(${CMAKE_CURRENT_LIST_DIR}/${pc}.pc.in ${PROJECT_BINARY_DIR}/cmake/${pc}.pc.template @ONLY)
   install(CODE "
     file(READ \"${PROJECT_BINARY_DIR}/cmake/${pc}.pc.template\" pc)
-    string(REPLACE \"@MOE_EP_PC_PREFIX@\" \"\${CMAKE_INSTALL_PREFIX}\" pc \"\${pc}\")
+    string(REPLACE \"%MOE_EP_INSTALL_PREFIX%\" \"\${CMAKE_INSTALL_PREFIX}\" pc \"\${pc}\")
     file(WRITE \"${PROJECT_BINARY_DIR}/cmake/pkgconfig/${pc}.pc\" \"\${pc}\")")
   install(FILES ${PROJECT_BINARY_DIR}/cmake/pkgconfig/${pc}.pc DESTINATION ${MOE_EP_PKGCONFIG_DIR})
 endforeach()
