@@ -3,9 +3,11 @@
 # and with LD_LIBRARY_PATH unset: the installed `moe-ep --version`; the consumer project of
 # tests/consumer built once with find_package(moe_ep) and once by hand with pkg-config, each
 # program running a 2-rank dispatch + combine it checks itself; with MPI, consumer_mpi on 2 MPI
-# processes (moe_ep::mpi and moe_ep_mpi.pc); with Python, `import moe_ep` from the prefix. Every
+# processes (moe_ep::mpi and moe_ep_mpi.pc); with Python, `import moe_ep` and `import deep_ep`
+# (the alias) from the prefix. Every
 # installed program and library must resolve libmoe_ep from the prefix, not from the build tree.
 # Usage: install_check.sh BUILD SOURCE VERSION CXX CMAKE PKG_CONFIG WITH_MPI WITH_PYTHON PYTHON [MPIEXEC [MPIEXEC_FLAGS...]]
+# (WITH_MPI, WITH_PYTHON: ON or OFF; PYTHON: the interpreter, "none" without Python)
 set -euo pipefail
 build=$1 source=$2 version=$3 cxx=$4 cmake=$5 pkg_config=$6 with_mpi=$7 with_python=$8 python=$9
 shift 9
@@ -24,7 +26,7 @@ run_elsewhere() { (cd "$elsewhere" && env -u LD_LIBRARY_PATH "$@"); }
 # The libmoe_ep* a program or library loads must come from the prefix.
 check_resolves_into_prefix() {
   local file=$1 libs
-  libs=$(cd "$elsewhere" && env -u LD_LIBRARY_PATH ldd "$file" | grep 'libmoe_ep' || true)
+  libs=$(cd "$elsewhere" && { env -u LD_LIBRARY_PATH ldd "$file" | grep 'libmoe_ep' || true; })
   [ -n "$libs" ] || fail "$file does not load libmoe_ep"
   if grep -v "=> $prefix/" <<<"$libs"; then
     fail "$file loads the libraries above from outside $prefix"
@@ -91,12 +93,18 @@ if [ "$with_mpi" = ON ]; then
 fi
 
 if [ "$with_python" = ON ]; then
-  step "import moe_ep from the prefix"
+  step "import moe_ep and the deep_ep alias from the prefix"
   ext=$(find "$prefix" -path '*/moe_ep/_C*.so')
   [ -n "$ext" ] || fail "the Python extension moe_ep/_C is not installed"
   check_resolves_into_prefix "$ext"
   pkgdir=$(dirname "$(dirname "$ext")")
-  got=$(run_elsewhere env PYTHONPATH="$pkgdir" "$python" -c 'import moe_ep; print(moe_ep.__version__, moe_ep.__file__)')
+  alias=$(find "$prefix" -type d -name deep_ep_alias)
+  [ -n "$alias" ] || fail "the deep_ep alias folder is not installed"
+  got=$(run_elsewhere env PYTHONPATH="$pkgdir:$alias" "$python" -c '
+import moe_ep, moe_ep.deep_ep, deep_ep
+from deep_ep import ElasticBuffer
+assert deep_ep is moe_ep.deep_ep and ElasticBuffer is moe_ep.deep_ep.ElasticBuffer, "deep_ep is not moe_ep.deep_ep"
+print(moe_ep.__version__, moe_ep.__file__)')
   [ "$got" = "$version $pkgdir/moe_ep/__init__.py" ] || fail "import moe_ep gave '$got', expected version $version from $pkgdir"
 fi
 echo "install_check: OK"
