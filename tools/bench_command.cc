@@ -22,6 +22,7 @@
 #include "moe_ep/legacy_buffer.hpp"
 #include "launch.hh"
 #include "moe_ep/error.hpp"
+#include "progress.hh"
 #include "report.hh"
 #ifdef MOE_EP_WITH_MPI
 #include "alltoallv_baseline.hh"
@@ -96,6 +97,7 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
     std::vector<double> times(ops.size() * static_cast<size_t>(iterations));
     std::vector<std::uint64_t> scaleout(ops.size());
     for (int it = -2; it < iterations; ++it) {  // two warm-up rounds
+      if (g.rank() == 0) progress::show(it < 0 ? shape + " warm-up" : shape, std::max(it + 1, 1), it < 0 ? 2 : iterations);
       for (std::size_t i = 0; i < ops.size(); ++i) {
         g.barrier();
         const std::uint64_t sent = g.transport().scaleout_bytes_sent();
@@ -329,6 +331,7 @@ void print_scaleout(const std::vector<ShapeResult>& results, const BenchOptions&
 }
 
 int bench_command(const BenchOptions& options, Launch& launch) {
+  progress::Scope progress_line;  // the progress line (stderr, a terminal only) ends with the command
   BenchOptions o = options;
   o.ranks = launch.size();
   o.nodes = launch.topology().num_scaleout;
@@ -344,6 +347,7 @@ int bench_command(const BenchOptions& options, Launch& launch) {
     launch.run([&](Group& g) {
       const int on_host = std::min(g.transport().ranks_on_host(), g.size());
       threads = g.size() * workers;
+      if (g.rank() == 0) progress::show("memcpy ceiling");
       if (g.rank() == 0)
         ceiling = std::max(ceiling, core::measure_copy_bandwidth(on_host * workers, std::size_t{64} << 20, 5) *
                                         (g.size() / on_host));
@@ -358,6 +362,7 @@ int bench_command(const BenchOptions& options, Launch& launch) {
                             v1 ? low_latency_setup(o, o.decode_tokens) : v2_setup(o, o.decode_tokens)));
   measure_ceiling(results.front().workers);
   if (!launch.reports()) return 0;
+  progress::clear();
 
   fmt::print("moe-ep bench ({}): {}, topology {}x{}, {} worker thread(s) per rank; hidden {}, {} experts, "
              "top-{}; FP8 dispatch (per-128 scales), BF16 combine\n\n",

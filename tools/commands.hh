@@ -19,6 +19,7 @@ struct RunOptions {
   int workers = 0;  // num_sms; 0 = the theoretical model
   bool async = false;
   std::string dump_dir;
+  bool quiet = false;  // no progress line on a terminal's stderr
   LaunchOptions launch;
 };
 
@@ -43,6 +44,7 @@ struct BenchOptions {
   int decode_iterations = 50;
   std::uint64_t seed = 1;
   std::string json_path;
+  bool quiet = false;  // no progress line on a terminal's stderr
   LaunchOptions launch;
 };
 
