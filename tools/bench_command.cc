@@ -97,7 +97,7 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
     std::vector<double> times(ops.size() * static_cast<size_t>(iterations));
     std::vector<std::uint64_t> scaleout(ops.size());
     for (int it = -2; it < iterations; ++it) {  // two warm-up rounds
-      if (g.rank() == 0) progress::show(it < 0 ? shape + " warm-up" : shape, std::max(it + 1, 1), it < 0 ? 2 : iterations);
+      if (g.rank() == 0) progress::show(it < 0 ? shape + " warm-up" : shape, it < 0 ? it + 3 : it + 1, it < 0 ? 2 : iterations);
       for (std::size_t i = 0; i < ops.size(); ++i) {
         g.barrier();
         const std::uint64_t sent = g.transport().scaleout_bytes_sent();
