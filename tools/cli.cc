@@ -145,7 +145,14 @@ std::string lowercase_first(std::string s) {
 std::string check_command_word(const CLI::App& app, int argc, const char* const* argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string word = argv[i];
-    if (word.empty() || word[0] == '-') continue;  // the top level's options take no values
+    if (!word.empty() && word[0] == '-') {  // the top level's options take no values
+      const std::string name = word.substr(0, word.find('='));
+      if (has_option(app, name)) continue;
+      const std::string near = nearest(name, option_names(app));
+      return fmt::format("unknown option '{}' for '{}'{}", name, app.get_name(),
+                         near.empty() ? fmt::format(": give a command first ({})", joined_commands(app))
+                                      : fmt::format("; did you mean '{}'?", near));
+    }
     const auto names = subcommand_names(app);
     if (std::find(names.begin(), names.end(), word) != names.end()) return {};
     const std::string near = nearest(word, names);
