@@ -28,6 +28,7 @@
 #include "moe_ep/legacy_buffer.hpp"
 #include "launch.hh"
 #include "moe_ep/error.hpp"
+#include "progress.hh"
 #include "report.hh"
 #ifdef MOE_EP_WITH_MPI
 #include "alltoallv_baseline.hh"
@@ -103,6 +104,7 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
     std::vector<double> times(ops.size() * static_cast<size_t>(iterations));
     std::vector<std::uint64_t> scaleout(ops.size());
     for (int it = -2; it < iterations; ++it) {  // two warm-up rounds
+      if (g.rank() == 0) progress::show(it < 0 ? shape + " warm-up" : shape, it < 0 ? it + 3 : it + 1, it < 0 ? 2 : iterations);
       for (std::size_t i = 0; i < ops.size(); ++i) {
         g.barrier();
         const std::uint64_t sent = g.transport().scaleout_bytes_sent();
@@ -347,6 +349,7 @@ struct Ceiling {
     launch.run([&](Group& g) {
       const int on_host = std::min(g.transport().ranks_on_host(), g.size());
       threads = g.size() * workers;
+      if (g.rank() == 0) progress::show("memcpy ceiling");
       if (g.rank() == 0)
         gbs = std::max(gbs, core::measure_copy_bandwidth(on_host * workers, std::size_t{64} << 20, 5) * (g.size() / on_host));
       g.barrier();
@@ -493,6 +496,7 @@ std::vector<int> sweep_values(const std::string& key, const std::string& list) {
 // --sweep: one shape (the prefill path: V2 dispatch, cached dispatch and combine, or V1 normal
 // mode) measured at every value of one parameter, with the memcpy ceiling after each point.
 int sweep_command(const BenchOptions& options, Launch& launch) {
+  progress::Scope progress_line;  // the progress line (stderr, a terminal only) ends with the command
   const auto eq = options.sweep.find('=');
   const std::string key = options.sweep.substr(0, eq);
   if (eq == std::string::npos || (key != "tokens" && key != "ranks" && key != "hidden"))
@@ -540,7 +544,7 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
       at = own.get();
       o.ranks = v;
     }
-    ShapeResult r = measure(*at, o, "sweep", o.prefill_tokens, o.prefill_iterations,
+    ShapeResult r = measure(*at, o, key + "=" + std::to_string(v), o.prefill_tokens, o.prefill_iterations,
                             v1 ? v1_setup(o, o.prefill_tokens) : v2_setup(o, o.prefill_tokens));
     Ceiling ceiling;
     ceiling.measure(*at, r.workers);
@@ -564,6 +568,7 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
     json["points"].push_back(point);
   }
   if (!launch.reports()) return 0;
+  progress::clear();
   fmt::print("moe-ep bench --sweep {} ({}): {}; hidden {}, {} experts, top-{}, {} tokens per rank unless swept; FP8 "
              "dispatch (per-128 scales), BF16 combine\n\n",
              options.sweep, v1 ? "V1 Buffer, normal mode" : "V2 ElasticBuffer", launch.describe(), base.hidden,
@@ -588,6 +593,7 @@ void add_bench_record_options(CLI::App& bench, BenchOptions& o) {
 
 int bench_command(const BenchOptions& options, Launch& launch) {
   if (!options.sweep.empty()) return sweep_command(options, launch);
+  progress::Scope progress_line;  // the progress line (stderr, a terminal only) ends with the command
   BenchOptions o = options;
   o.ranks = launch.size();
   o.nodes = launch.topology().num_scaleout;
@@ -603,6 +609,7 @@ int bench_command(const BenchOptions& options, Launch& launch) {
                             v1 ? low_latency_setup(o, o.decode_tokens) : v2_setup(o, o.decode_tokens)));
   ceiling.measure(launch, results.front().workers);
   if (!launch.reports()) return 0;
+  progress::clear();
 
   fmt::print("moe-ep bench ({}): {}, topology {}x{}, {} worker thread(s) per rank; hidden {}, {} experts, "
              "top-{}; FP8 dispatch (per-128 scales), BF16 combine\n\n",

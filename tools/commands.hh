@@ -19,6 +19,7 @@ struct RunOptions {
   int workers = 0;  // num_sms; 0 = the theoretical model
   bool async = false;
   std::string dump_dir;
+  bool quiet = false;  // no progress line on a terminal's stderr
   LaunchOptions launch;
 };
 
@@ -45,6 +46,7 @@ struct BenchOptions {
   std::string json_path;
   std::string sweep;     // KEY=LIST (tokens, ranks or hidden); empty = the two shapes
   std::string csv_path;  // with sweep
+  bool quiet = false;  // no progress line on a terminal's stderr
   LaunchOptions launch;
 };
 

@@ -17,6 +17,7 @@
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/group.hpp"
+#include "progress.hh"
 #include "report.hh"
 
 namespace moe_ep::tools {
@@ -126,6 +127,7 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const Dispatch
 }  // namespace
 
 int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run) {
+  progress::Scope progress_line;
   const LayerConfig& c = options.layer;
   LocalWorld world(c.ranks, {.num_scaleout = c.scaleout});
   const ExpertParams params = make_experts(c);
@@ -168,6 +170,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
   if (!env_is_set("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")) o.num_max_dispatch_tokens_per_rank = ll_tokens;
   if (!env_is_set("MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK")) o.num_max_prefill_tokens_per_rank = normal_tokens;
 
+  progress::show("setup");
   std::vector<LayerConfig> configs;
   std::vector<std::vector<RankBatch>> batches;
   for (std::size_t b = 0; b < kinds.size(); ++b) {
@@ -195,6 +198,9 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
     if (g.rank() == 0) resolved = d.options();
     for (std::size_t b = 0; b < kinds.size(); ++b) {
       const RankBatch& in = batches[b][static_cast<size_t>(g.rank())];
+      const int n = static_cast<int>(kinds.size()), step = static_cast<int>(b) + 1;
+      const bool prefill = kinds[b] == BatchKind::kPrefill;
+      if (g.rank() == 0) progress::show(prefill ? "prefill dispatch" : "decode dispatch", step, n);
       BatchRecord rec;
       g.barrier();
       const auto t0 = Clock::now();
@@ -202,7 +208,9 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
       const auto t1 = Clock::now();
       const std::string prefix = fmt::format("{}/batch{}_rank{}_", options.dump_dir, b, g.rank());
       if (!options.dump_dir.empty()) dump_dispatch(prefix, configs[b], in, out);
+      if (g.rank() == 0) progress::show(prefill ? "prefill experts" : "decode experts", step, n);
       const Tensor y = run_experts(configs[b], params, g.rank(), out);
+      if (g.rank() == 0) progress::show(prefill ? "prefill combine" : "decode combine", step, n);
       g.barrier();
       const auto t2 = Clock::now();
       rec.combined = d.combine(y);
@@ -223,6 +231,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
   const Generation generation = *resolved.use_v2 ? Generation::kV2 : Generation::kV1;
   if (!options.dump_dir.empty()) write_manifest(options.dump_dir, c, resolved, kinds, configs, batches, records);
   const ProbeReport& probe = probe_providers(*resolved.provider_path);
+  progress::clear();  // before anything goes to stdout (the same terminal)
   fmt::print("moe-ep run --dispatcher: {} ranks as threads, topology {}x{}; hidden {}, {} experts, top-{}, {} dispatch\n",
              c.ranks, c.scaleout, c.ranks / c.scaleout, c.hidden, c.experts, c.topk,
              c.nvfp4 ? "NVFP4 (low-latency batches)" : c.fp8 ? "FP8" : "BF16");
@@ -236,6 +245,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
   bool all_ok = true;
   for (std::size_t b = 0; b < kinds.size(); ++b) {
     const DispatchOutput& info = records[0][b].info;
+    progress::show("verify", static_cast<int>(b) + 1, static_cast<int>(kinds.size()));
     LayerConfig ref = configs[b];
     ref.allow_hybrid = *resolved.allow_hybrid_mode;
     ref.multi = *resolved.allow_multiple_reduction;
@@ -262,6 +272,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
                fmt::format("{:.3f}", dispatch_s * 1e3), fmt::format("{:.3f}", combine_s * 1e3),
                bad == 0 ? fmt::format("PASS ({} tokens)", tokens) : fmt::format("FAIL ({} of {} tokens differ)", bad, tokens)});
   }
+  progress::clear();
   table.print();
   fmt::print("\nbuffer cache: {} build(s), {} reuse(s), {} V1 clean_low_latency_buffer call(s), {:.1f} MB buffer\n",
              stats.builds, stats.reuses, stats.clean_calls, static_cast<double>(stats.buffer_bytes) / 1e6);

@@ -2,6 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#include "cli.hh"
 #include "comm/transport.hh"
 #include "core/timeout.hh"
 #include "moe_ep/env.hpp"
@@ -13,6 +19,21 @@
 
 namespace moe_ep::tools {
 namespace {
+
+#ifdef MOE_EP_WITH_MPI
+constexpr bool kWithMpi = true;
+#else
+constexpr bool kWithMpi = false;
+#endif
+
+// A positive decimal number in the environment variable, or 0.
+int positive_env(const char* name) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return 0;
+  int value = 0;
+  const auto [end, ec] = std::from_chars(text, text + std::strlen(text), value);
+  return ec == std::errc() && *end == '\0' && value > 0 ? value : 0;
+}
 
 Topology local_topology(const LaunchOptions& o) {
   if (o.ranks_per_node > 0) {
@@ -68,6 +89,8 @@ class MpiLaunch final : public Launch {
       mpi::Session::abandon();
       throw;
     }
+    if (o.announce && group_->rank() == 0)
+      std::fprintf(stderr, "moe-ep: started by an MPI launcher as %d processes: using --transport mpi\n", size);
   }
   int size() const override { return group_->size(); }
   Topology topology() const override { return {group_->num_scaleout(), group_->num_scaleup()}; }
@@ -111,6 +134,41 @@ class MpiLaunch final : public Launch {
 #endif
 
 }  // namespace
+
+int launcher_size() {
+  // Open MPI's mpirun/mpiexec, then MPICH's and Intel MPI's Hydra (and srun with PMI).
+  if (const int n = positive_env("OMPI_COMM_WORLD_SIZE"); n > 0) return n;
+  return positive_env("PMI_SIZE");
+}
+
+void resolve_transport(LaunchOptions& o) {
+  const int job = launcher_size();
+  if (!o.transport_given) {
+    o.transport = "local";
+    if (job > 1) {
+      if (!kWithMpi)
+        throw UsageError(fmt::format("started by an MPI launcher as {} processes, but this moe-ep was built without "
+                                     "MPI (MOE_EP_WITH_MPI=OFF): run one process (ranks as threads)",
+                                     job));
+      o.transport = "mpi";
+      o.announce = true;
+    }
+    return;
+  }
+  if (o.transport == "local" && job > 1)
+    throw UsageError(fmt::format("started by an MPI launcher as {0} processes; --transport local would run {0} "
+                                 "independent jobs: use --transport mpi or host (or run one process)",
+                                 job));
+  if (o.transport == "mpi" || o.transport == "host") {
+    if (!kWithMpi)
+      throw UsageError(fmt::format("--transport {}: this moe-ep was built without MPI (MOE_EP_WITH_MPI=OFF)",
+                                   o.transport));
+    if (job == 0)
+      throw UsageError(fmt::format("--transport {0}: this process was not started by an MPI launcher: start it with "
+                                   "`mpirun -np N moe-ep ... --transport {0}`",
+                                   o.transport));
+  }
+}
 
 std::unique_ptr<Launch> make_launch(int* argc, char*** argv, const LaunchOptions& options) {
   if (options.transport == "local") return std::make_unique<ThreadLaunch>(options);

@@ -1,140 +1,256 @@
 // moe-ep: run a MoE layer end to end, benchmark dispatch/combine, list the configuration.
+// Every usage error (a parse error, a value out of range, flags that conflict or mean nothing
+// together, a transport that does not fit how the process was started) exits 2 with one line on
+// stderr, "moe-ep: <message>", before anything runs; --help and --version exit 0.
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <fmt/format.h>
 
-#include "moe_ep/version.hpp"
+#include "cli.hh"
 #include "commands.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/version.hpp"
+#include "progress.hh"
 
 namespace moe_ep::tools {
 
 void add_layer_options(CLI::App& app, LayerConfig& layer) {
-  app.add_option("--ranks", layer.ranks, "ranks (threads of this process)")->check(CLI::Range(1, 1024));
+  app.add_option("--ranks", layer.ranks, "ranks (threads of this process)")->check(integer_in(1, 1024));
   app.add_option("--nodes", layer.scaleout, "logical nodes the ranks are split into (scale-out x scale-up)")
-      ->check(CLI::PositiveNumber);
-  app.add_flag("!--no-hybrid", layer.allow_hybrid, "across nodes, send each token to each rank (direct mode)");
-  app.add_flag("!--no-multiple-reduction", layer.multi, "reduce only at the token's rank in combine");
+      ->check(integer_in(1, 1024));
+  app.add_flag("!--no-hybrid", layer.allow_hybrid, "across nodes, send each token to each rank (direct mode; V2)");
+  app.add_flag("!--no-multiple-reduction", layer.multi, "reduce only at the token's rank in combine (V2)");
   app.add_option("--tokens", layer.tokens, "max tokens per rank (ranks use between 7/8 of it and all of it)")
-      ->check(CLI::PositiveNumber);
-  app.add_option("--hidden", layer.hidden, "hidden size")->check(CLI::PositiveNumber);
-  app.add_option("--experts", layer.experts, "number of experts (a multiple of --ranks)")->check(CLI::PositiveNumber);
-  app.add_option("--topk", layer.topk, "experts per token")->check(CLI::Range(1, 32));
+      ->check(integer_in(1));
+  app.add_option("--hidden", layer.hidden, "hidden size")->check(integer_in(1));
+  app.add_option("--experts", layer.experts, "number of experts (a multiple of --ranks)")->check(integer_in(1));
+  app.add_option("--topk", layer.topk, "experts per token (at most --experts)")->check(integer_in(1, 32));
   app.add_flag("--fp8", layer.fp8, "dispatch FP8 E4M3 with per-128 block scales (hidden must be a multiple of 128)");
   app.add_flag("--nvfp4", layer.nvfp4,
                "dispatch NVFP4: E2M1 values with per-16 E4M3 scales (low-latency mode or the dispatcher; hidden a "
                "multiple of 128)");
   app.add_flag("--nvfp4-ue8m0", layer.nvfp4_ue8m0, "with --nvfp4: UE8M0 (power-of-two) block scales");
   app.add_option("--nvfp4-global-scale", layer.nvfp4_global_scale, "with --nvfp4: the global scale gs")
-      ->check(CLI::PositiveNumber);
+      ->check(number_from(0, true));
   app.add_flag("--expand", layer.expand, "receive one row per (token, local expert), grouped by expert");
-  app.add_option("--alignment", layer.alignment, "expert block alignment of the expanded layout")->check(CLI::PositiveNumber);
-  app.add_option("--skew", layer.skew, "Zipf exponent of expert popularity (0 = uniform)")->check(CLI::NonNegativeNumber);
-  app.add_option("--seed", layer.seed, "seed of inputs, routing and experts");
+  app.add_option("--alignment", layer.alignment,
+                 "expert block alignment of the expanded layout (with --expand; --api v1 and --dispatcher: of the "
+                 "per-expert counts)")
+      ->check(integer_in(1));
+  app.add_option("--skew", layer.skew, "Zipf exponent of expert popularity (0 = uniform)")->check(number_from(0, false));
+  app.add_option("--seed", layer.seed, "seed of inputs, routing and experts")->check(integer_in<std::uint64_t>(0));
 }
 
 }  // namespace moe_ep::tools
 
+namespace {
+
+using moe_ep::tools::UsageError;
+
+int usage_error(const std::string& message) {
+  std::fprintf(stderr, "moe-ep: %s\n", message.c_str());
+  return moe_ep::tools::kUsageExit;
+}
+
+void need(bool ok, const std::string& message) {
+  if (!ok) throw UsageError(message);
+}
+
+// Checks of a layer shape that hold whatever runs it. `ranks` is 0 when not known yet (an MPI job
+// before it started).
+void check_shape(int ranks, int experts, int topk, int hidden, bool needs_128, const char* why_128) {
+  need(topk <= experts, fmt::format("--topk {} is more than --experts {} (each token picks distinct experts)", topk, experts));
+  if (ranks > 0)
+    need(experts % ranks == 0,
+         fmt::format("--experts {} is not a multiple of --ranks {} (every rank holds as many experts)", experts, ranks));
+  if (needs_128)
+    need(hidden % 128 == 0, fmt::format("{} needs --hidden a multiple of 128 (per-128 block scales): --hidden is {}",
+                                        why_128, hidden));
+}
+
+// The experts over the processes of an MPI job (its size is known once it started).
+void check_job(int size, int experts) {
+  need(experts % size == 0, fmt::format("--experts {} is not a multiple of the {} ranks of the MPI job", experts, size));
+}
+
+// Nodes of ranks as threads of this process.
+void check_local_nodes(int ranks, int nodes, bool nodes_given, int ranks_per_node, bool rpn_given) {
+  need(!(nodes_given && rpn_given), "--nodes and --ranks-per-node both set the logical nodes: give one of them");
+  if (nodes_given) {
+    need(nodes <= ranks, fmt::format("--nodes {} is more than --ranks {}", nodes, ranks));
+    need(ranks % nodes == 0, fmt::format("--nodes {} does not divide --ranks {}", nodes, ranks));
+  }
+  if (rpn_given && ranks_per_node > 0)
+    need(ranks % ranks_per_node == 0, fmt::format("--ranks-per-node {} does not divide --ranks {}", ranks_per_node, ranks));
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   using namespace moe_ep::tools;
-  CLI::App app{"moe-ep: expert-parallel dispatch and combine on CPU memory"};
+  CLI::App app{"moe-ep: expert-parallel dispatch and combine on CPU memory", "moe-ep"};
+  app.option_defaults()->always_capture_default();  // every option's default in --help
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("moe-ep ") + moe_ep::version(), "print the version and exit");
 
   RunOptions run;
   CLI::App* run_cmd = app.add_subcommand("run", "run a DeepSeek-V3-shaped MoE layer on in-process ranks and verify it");
   add_layer_options(*run_cmd, run.layer);
-  run_cmd->add_option("--iters", run.iterations, "iterations (the best time per phase is reported)")->check(CLI::PositiveNumber);
-  run_cmd->add_option("--workers", run.workers, "worker threads per rank (0 = the theoretical model)")->check(CLI::NonNegativeNumber);
+  run_cmd->add_option("--iters", run.iterations, "iterations (the best time per phase is reported)")->check(integer_in(1));
+  run_cmd->add_option("--workers", run.workers, "worker threads per rank (0 = the theoretical model)")->check(integer_in(0));
   run_cmd->add_flag("--async", run.async, "run dispatch and combine on the communication workers, then wait");
   run_cmd->add_option("--dump", run.dump_dir, "write every rank's inputs and outputs as .npy files here (with --dispatcher: of every batch)");
   run_cmd->add_flag("--logfmt", run.layer.logfmt, "with --api v1 --low-latency: LogFMT-10 combine");
   std::string run_api = "v2";
   bool run_low_latency = false;
-  run_cmd->add_option("--api", run_api, "which API runs the layer: v2 (ElasticBuffer) or v1 (Buffer)")
-      ->check(CLI::IsMember({"v1", "v2"}));
+  run_cmd->add_option("--api", run_api, "which API runs the layer: v2 (ElasticBuffer) or v1 (Buffer)")->check(one_of({"v1", "v2"}));
   run_cmd->add_flag("--low-latency", run_low_latency, "with --api v1: low_latency_dispatch / low_latency_combine");
   bool run_dispatcher = false;
   DispatcherRunOptions dispatcher_run;
   run_cmd->add_flag("--dispatcher", run_dispatcher,
                     "through the token dispatcher (generation from MOE_EP_USE_V2), over a sequence of batches");
   run_cmd->add_option("--mode", dispatcher_run.mode, "with --dispatcher: normal, low_latency or auto (default: MOE_EP_MODE)")
-      ->check(CLI::IsMember({"normal", "low_latency", "auto"}));
+      ->check(one_of({"normal", "low_latency", "auto"}));
   run_cmd->add_option("--sequence", dispatcher_run.sequence, "with --dispatcher: batch kinds, P = prefill, D = decode");
   run_cmd->add_option("--decode-tokens", dispatcher_run.decode_tokens, "with --dispatcher: tokens per rank of decode batches")
-      ->check(CLI::PositiveNumber);
+      ->check(integer_in(1));
+  run_cmd->add_flag("--quiet", run.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
 
   BenchOptions bench;
   CLI::App* bench_cmd = app.add_subcommand("bench", "dispatch/combine bandwidth against the memcpy ceiling");
-  bench_cmd->add_option("--ranks", bench.ranks, "ranks (threads of this process)")->check(CLI::Range(1, 1024));
-  bench_cmd->add_option("--nodes", bench.nodes, "logical nodes")->check(CLI::PositiveNumber);
-  bench_cmd->add_flag("!--no-hybrid", bench.allow_hybrid, "direct mode across nodes");
-  bench_cmd->add_option("--hidden", bench.hidden, "hidden size")->check(CLI::PositiveNumber);
-  bench_cmd->add_option("--experts", bench.experts, "experts")->check(CLI::PositiveNumber);
-  bench_cmd->add_option("--topk", bench.topk, "experts per token")->check(CLI::Range(1, 32));
-  bench_cmd->add_option("--workers", bench.workers, "worker threads per rank (0 = model)")->check(CLI::NonNegativeNumber);
-  bench_cmd->add_option("--prefill-tokens", bench.prefill_tokens, "tokens per rank, prefill shape")->check(CLI::PositiveNumber);
-  bench_cmd->add_option("--decode-tokens", bench.decode_tokens, "tokens per rank, decode shape")->check(CLI::PositiveNumber);
-  bench_cmd->add_option("--prefill-iters", bench.prefill_iterations, "timed iterations, prefill")->check(CLI::PositiveNumber);
-  bench_cmd->add_option("--decode-iters", bench.decode_iterations, "timed iterations, decode")->check(CLI::PositiveNumber);
-  bench_cmd->add_option("--seed", bench.seed, "seed");
+  bench_cmd->add_option("--ranks", bench.ranks, "ranks (threads of this process)")->check(integer_in(1, 1024));
+  bench_cmd->add_option("--nodes", bench.nodes, "logical nodes")->check(integer_in(1, 1024));
+  bench_cmd->add_flag("!--no-hybrid", bench.allow_hybrid, "direct mode across nodes (V2)");
+  bench_cmd->add_option("--hidden", bench.hidden, "hidden size (a multiple of 128: FP8 dispatch)")->check(integer_in(1));
+  bench_cmd->add_option("--experts", bench.experts, "experts (a multiple of --ranks)")->check(integer_in(1));
+  bench_cmd->add_option("--topk", bench.topk, "experts per token (at most --experts)")->check(integer_in(1, 32));
+  bench_cmd->add_option("--workers", bench.workers, "worker threads per rank (0 = model)")->check(integer_in(0));
+  bench_cmd->add_option("--prefill-tokens", bench.prefill_tokens, "tokens per rank, prefill shape")->check(integer_in(1));
+  bench_cmd->add_option("--decode-tokens", bench.decode_tokens, "tokens per rank, decode shape")->check(integer_in(1));
+  bench_cmd->add_option("--prefill-iters", bench.prefill_iterations, "timed iterations, prefill")->check(integer_in(1));
+  bench_cmd->add_option("--decode-iters", bench.decode_iterations, "timed iterations, decode")->check(integer_in(1));
+  bench_cmd->add_option("--seed", bench.seed, "seed")->check(integer_in<std::uint64_t>(0));
   bench_cmd->add_option("--json", bench.json_path, "also write the results as JSON to this file");
   bench_cmd->add_option("--api", bench.api, "v2 (ElasticBuffer) or v1 (Buffer: normal mode prefill, low-latency decode)")
       ->check(CLI::IsMember({"v1", "v2"}));
   add_bench_record_options(*bench_cmd, bench);
+      ->check(one_of({"v1", "v2"}));
+  bench_cmd->add_flag("--quiet", bench.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
 
   for (auto [cmd, launch] : {std::pair{run_cmd, &run.launch}, std::pair{bench_cmd, &bench.launch}}) {
     cmd->add_option("--transport", launch->transport, "local: ranks are threads of this process; mpi: this process is "
-                                                      "one rank of an MPI job (start with mpirun); host: the same, "
-                                                      "over moe-ep's shared-memory host transport (one host; MPI only "
-                                                      "bootstraps it)")
-        ->check(CLI::IsMember({"local", "mpi", "host"}));
+                                                      "one rank of an MPI job (start with mpirun; the default when "
+                                                      "started by an MPI launcher); host: the same, over moe-ep's "
+                                                      "shared-memory host transport (one host; MPI only bootstraps it)")
+        ->check(one_of({"local", "mpi", "host"}));
     cmd->add_option("--ranks-per-node", launch->ranks_per_node,
-                    "ranks per logical node (instead of --nodes); with mpi, processes of one host in different logical "
-                    "nodes talk through MPI")
-        ->check(CLI::NonNegativeNumber);
+                    "ranks per logical node (instead of --nodes; 0 = from --nodes); with mpi, processes of one host in "
+                    "different logical nodes talk through MPI")
+        ->check(integer_in(0, 1024));
   }
 
   bool env_markdown = false;
   CLI::App* env_cmd = app.add_subcommand("env", "list moe-ep's environment variables with their current values and sources");
   env_cmd->add_flag("--markdown", env_markdown, "print the documentation table (docs/env.md)");
 
-  CLI11_PARSE(app, argc, argv);
+  if (const std::string unknown = check_command_word(app, argc, argv); !unknown.empty()) return usage_error(unknown);
   try {
-    if ((run.layer.nvfp4_ue8m0 || run_cmd->count("--nvfp4-global-scale")) && !run.layer.nvfp4)
-      throw moe_ep::InvalidArgument("--nvfp4-ue8m0 and --nvfp4-global-scale need --nvfp4");
-    if (run.layer.nvfp4 && run.layer.fp8) throw moe_ep::InvalidArgument("--nvfp4 and --fp8: pick one wire format");
-    if (app.got_subcommand("run") && run_dispatcher) {
-      if (run.layer.logfmt) throw moe_ep::InvalidArgument("--logfmt is a V1 low-latency combine option: use --api v1 --low-latency");
-      if (run.launch.transport != "local" || run.launch.ranks_per_node > 0)
-        throw moe_ep::InvalidArgument("--dispatcher runs its ranks as threads: drop --transport and --ranks-per-node");
-      if (run_cmd->count("--api") || run_low_latency || run.async)
-        throw moe_ep::InvalidArgument("--dispatcher chooses the API itself (MOE_EP_USE_V2, --mode): drop --api, "
-                                      "--low-latency and --async");
-      return dispatcher_command(run, dispatcher_run);
-    }
-    if (app.got_subcommand("run") && (!dispatcher_run.mode.empty() || run_cmd->count("--sequence") || run_cmd->count("--decode-tokens")))
-      throw moe_ep::InvalidArgument("--mode, --sequence and --decode-tokens need --dispatcher");
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help, --version
+    return usage_error(describe_parse_error(app, e));
+  }
+
+  try {
     if (app.got_subcommand("run")) {
-      if (run_low_latency && run_api != "v1") throw moe_ep::InvalidArgument("--low-latency needs --api v1");
-      if ((run.layer.nvfp4 || run.layer.logfmt) && !run_low_latency)
-        throw moe_ep::InvalidArgument("--nvfp4 and --logfmt need --api v1 --low-latency (or --dispatcher for --nvfp4)");
+      LayerConfig& c = run.layer;
+      auto given = [&](const char* flag) { return run_cmd->count(flag) > 0; };
+      run.launch.transport_given = given("--transport");
+      need(!((c.nvfp4_ue8m0 || given("--nvfp4-global-scale")) && !c.nvfp4),
+           "--nvfp4-ue8m0 and --nvfp4-global-scale need --nvfp4");
+      need(!(c.nvfp4 && c.fp8), "--nvfp4 and --fp8: pick one wire format");
+      if (run_dispatcher) {
+        need(!c.logfmt, "--logfmt is a V1 low-latency combine option: use --api v1 --low-latency");
+        need(!run.launch.transport_given && !given("--ranks-per-node"),
+             "--dispatcher runs its ranks as threads: drop --transport and --ranks-per-node");
+        need(!given("--api") && !run_low_latency && !run.async,
+             "--dispatcher chooses the API itself (MOE_EP_USE_V2, --mode): drop --api, --low-latency and --async");
+        need(!given("--workers"), "--workers is not used by --dispatcher (its buffers choose their workers)");
+        if (const int job = launcher_size(); job > 1)
+          throw UsageError(fmt::format("started by an MPI launcher as {0} processes; --dispatcher runs its ranks as "
+                                       "threads of one process and would run {0} independent jobs: run one process",
+                                       job));
+        check_shape(c.ranks, c.experts, c.topk, c.hidden, c.fp8 || c.nvfp4, c.fp8 ? "--fp8" : "--nvfp4");
+        check_local_nodes(c.ranks, c.scaleout, given("--nodes"), 0, false);
+        need(c.allow_hybrid || c.scaleout > 1, "--no-hybrid chooses how tokens cross nodes: it needs --nodes 2 or more");
+        progress::start(!run.quiet);
+        return dispatcher_command(run, dispatcher_run);
+      }
+      need(dispatcher_run.mode.empty() && !given("--sequence") && !given("--decode-tokens"),
+           "--mode, --sequence and --decode-tokens need --dispatcher");
+      need(!(run_low_latency && run_api != "v1"), "--low-latency needs --api v1");
+      need(!((c.nvfp4 || c.logfmt) && !run_low_latency),
+           "--nvfp4 and --logfmt need --api v1 --low-latency (or --dispatcher for --nvfp4)");
+      if (run_api == "v1") {
+        need(c.allow_hybrid && c.multi, "--no-hybrid and --no-multiple-reduction are V2 options: drop them with --api v1");
+        need(!c.expand, run_low_latency ? "--expand with --low-latency: the slab is already per expert (drop --expand)"
+                                        : "--expand with --api v1: V1's normal mode has no expanded layout (drop --expand)");
+      }
+      if (run_low_latency) {
+        need(!given("--alignment"), "--alignment with --low-latency: the slab is per expert, nothing is aligned");
+        need(!given("--workers"), "--workers with --low-latency: low-latency mode runs on one thread per rank");
+      } else if (run_api == "v2") {
+        need(!given("--alignment") || c.expand, "--alignment needs --expand (it aligns the expert blocks of the expanded layout)");
+      }
+      resolve_transport(run.launch);
+      const bool local = run.launch.transport == "local";
+      check_shape(local || given("--ranks") ? c.ranks : 0, c.experts, c.topk, c.hidden, c.fp8 || c.nvfp4,
+                  c.fp8 ? "--fp8" : "--nvfp4");
+      if (local) {
+        check_local_nodes(c.ranks, c.scaleout, given("--nodes"), run.launch.ranks_per_node, given("--ranks-per-node"));
+        need(c.allow_hybrid || c.scaleout > 1 || run.launch.ranks_per_node > 0,
+             "--no-hybrid chooses how tokens cross nodes: it needs --nodes (or --ranks-per-node) for 2 nodes or more");
+      } else {
+        need(!(given("--nodes") && given("--ranks-per-node")),
+             "--nodes and --ranks-per-node both set the logical nodes: give one of them");
+      }
       run.api = run_api == "v2" ? Api::kV2 : run_low_latency ? Api::kV1LowLatency : Api::kV1;
-      run.launch.ranks = run.layer.ranks;
-      run.launch.ranks_given = run_cmd->count("--ranks") > 0;
-      run.launch.nodes = run.layer.scaleout;
+      run.launch.ranks = c.ranks;
+      run.launch.ranks_given = given("--ranks");
+      run.launch.nodes = c.scaleout;
       auto launch = make_launch(&argc, &argv, run.launch);
+      check_job(launch->size(), c.experts);
+      progress::start(!run.quiet && launch->reports());
       return run_command(run, *launch);
     }
     if (app.got_subcommand("bench")) {
+      auto given = [&](const char* flag) { return bench_cmd->count(flag) > 0; };
+      bench.launch.transport_given = given("--transport");
+      need(!(bench.api == "v1" && !bench.allow_hybrid), "--no-hybrid is a V2 option: drop it with --api v1");
+      resolve_transport(bench.launch);
+      const bool local = bench.launch.transport == "local";
+      check_shape(local || given("--ranks") ? bench.ranks : 0, bench.experts, bench.topk, bench.hidden, true,
+                  "bench (FP8 dispatch)");
+      if (local) {
+        check_local_nodes(bench.ranks, bench.nodes, given("--nodes"), bench.launch.ranks_per_node, given("--ranks-per-node"));
+      } else {
+        need(!(given("--nodes") && given("--ranks-per-node")),
+             "--nodes and --ranks-per-node both set the logical nodes: give one of them");
+      }
       bench.launch.ranks = bench.ranks;
-      bench.launch.ranks_given = bench_cmd->count("--ranks") > 0;
+      bench.launch.ranks_given = given("--ranks");
       bench.launch.nodes = bench.nodes;
       auto launch = make_launch(&argc, &argv, bench.launch);
+      check_job(launch->size(), bench.experts);
+      progress::start(!bench.quiet && launch->reports());
       return bench_command(bench, *launch);
     }
     if (app.got_subcommand("env")) return env_command(env_markdown);
+  } catch (const UsageError& e) {
+    return usage_error(e.what());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe-ep: %s\n", e.what());
     return 2;

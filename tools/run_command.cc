@@ -19,6 +19,7 @@
 #include "moe_ep/group.hpp"
 #include "launch.hh"
 #include "layer_paths.hh"
+#include "progress.hh"
 #include "report.hh"
 
 namespace moe_ep::tools {
@@ -70,6 +71,7 @@ struct RankSummary {
 };
 
 int run_command(const RunOptions& options, Launch& launch) {
+  progress::Scope progress_line;
   LayerConfig c = options.layer;
   c.ranks = launch.size();
   c.scaleout = launch.topology().num_scaleout;
@@ -81,6 +83,11 @@ int run_command(const RunOptions& options, Launch& launch) {
   launch.run([&](Group& group) {
     const int me = group.rank();
     RankOutcome out;
+    // Progress: rank 0 only (a thread of this process, or the process of rank 0).
+    auto show = [&](const char* phase, int step = 0, int steps = 0) {
+      if (me == 0) progress::show(phase, step, steps);
+    };
+    show("setup");
     const RankBatch batch = make_batch(c, me);
     {
       auto path = make_path(options.api, group, c, params, batch, {.workers = options.workers, .async = options.async});
@@ -92,8 +99,11 @@ int run_command(const RunOptions& options, Launch& launch) {
         return seconds(start, Clock::now());
       };
       for (int it = 0; it < options.iterations; ++it) {
+        show("dispatch", it + 1, options.iterations);
         out.dispatch_s.push_back(timed([&] { path->dispatch(); }));
+        show("experts", it + 1, options.iterations);
         out.experts_s.push_back(timed([&] { path->experts(); }));
+        show("combine", it + 1, options.iterations);
         out.combine_s.push_back(timed([&] { path->combine(); }));
         const Tensor combined = path->combined_x();
         out.output_hashes.push_back(hash_bytes(combined.data(), combined.nbytes()));
@@ -109,6 +119,7 @@ int run_command(const RunOptions& options, Launch& launch) {
     }
 
     // This rank's verification against the single-threaded reference.
+    show("verify");
     RankSummary sum;
     const Tensor expected = options.api == Api::kV1LowLatency ? reference_low_latency_output(c, params, batch)
                                                               : reference_output(c, params, batch);
@@ -175,7 +186,9 @@ int run_command(const RunOptions& options, Launch& launch) {
   const std::int64_t dispatch_bytes_per_row = dispatch_row_bytes(options.api, c);
   const std::int64_t combine_bytes_per_row = combine_row_bytes(options.api, c);
   const int threads = c.ranks * outcomes.front().workers;
+  progress::show("memcpy ceiling");
   const double ceiling = core::measure_copy_bandwidth(threads, std::size_t{64} << 20, 3);
+  progress::clear();
 
   fmt::print("moe-ep run ({}): {}, topology {}x{} ({}), {} worker thread(s) per rank\n",
              api_name(options.api), launch.describe(), c.scaleout, c.ranks / c.scaleout,
