@@ -135,9 +135,8 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--seed", bench.seed, "seed")->check(integer_in<std::uint64_t>(0));
   bench_cmd->add_option("--json", bench.json_path, "also write the results as JSON to this file");
   bench_cmd->add_option("--api", bench.api, "v2 (ElasticBuffer) or v1 (Buffer: normal mode prefill, low-latency decode)")
-      ->check(CLI::IsMember({"v1", "v2"}));
-  add_bench_record_options(*bench_cmd, bench);
       ->check(one_of({"v1", "v2"}));
+  add_bench_record_options(*bench_cmd, bench);
   bench_cmd->add_flag("--quiet", bench.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
 
   for (auto [cmd, launch] : {std::pair{run_cmd, &run.launch}, std::pair{bench_cmd, &bench.launch}}) {
