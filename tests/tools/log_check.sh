@@ -9,6 +9,7 @@
 #   file      MOE_EP_DEBUG_FILE=DIR/log.%h.%p: the file named with host and pid holds the log, stderr nothing
 #   warn_efa  FI_PROVIDER=efa caps the 129 queue pairs of a hybrid-capable V2 buffer: a WARN at level WARN
 #   warn_provider  an unloadable provider before the built-in one: the dispatcher skips it with a WARN
+#   bad_level MOE_EP_DEBUG=maybe: one warning naming the value and the accepted ones; logging off
 set -euo pipefail
 moe_ep=$1 version=$2 case=$3
 dir=$(mktemp -d)
@@ -90,6 +91,11 @@ case $case in
     MOE_EP_DEBUG=WARN MOE_EP_PROVIDER_PATH="$dir/no-such-provider.so:cpu" run --dispatcher --ranks 2 --tokens 16 \
       --hidden 256 --experts 8 --topk 2 --sequence PD --decode-tokens 8
     has "$(who '([0-9]+|-)') WARN INIT dispatcher: provider $dir/no-such-provider.so skipped: $dir/no-such-provider.so: cannot load library"
+    ;;
+  bad_level)
+    MOE_EP_DEBUG=maybe run "${shape[@]}"
+    [ "$(wc -l <"$dir/err")" -eq 1 ] || fail "expected one line on stderr"
+    has "$(who '([0-9]+|-)') WARN ENV environment variable MOE_EP_DEBUG=\"maybe\" is invalid: accepted values are version \\| warn \\| info \\| trace \\| 0 \\| 1 \\| \\(empty\\); logging is off\$"
     ;;
   *)
     echo "log_check: unknown case $case" >&2
