@@ -132,7 +132,8 @@ int env_command(bool markdown) {
   const std::size_t value_width = std::max(kMinValueWidth, width > used ? width - used : 0);
   Table table({"variable", "type", "default", "value", "source"});
   for (const auto& r : rows)
-    table.row({std::string(r.v->name), r.type, std::string(r.v->default_value), shorten(r.value, value_width), r.source});
+    table.row(
+        {std::string(r.v->name), r.type, std::string(r.v->default_value), shorten(r.value, value_width), r.source});
   table.print();
   fmt::print("\n");
   for (const auto& r : rows) {

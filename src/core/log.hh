@@ -16,7 +16,8 @@
 // version line "host:pid:tid [rank] moe-ep version X.Y.Z". The rank is the calling thread's
 // (set_thread_rank: the in-process ranks' threads; worker threads inherit their creator's), else
 // the process's (set_process_rank: processes of the host and MPI transports), else "-".
-// enabled() costs two atomic loads and a comparison while the settings are unchanged.
+// While the settings are unchanged, enabled() costs a few relaxed or acquire atomic loads and
+// comparisons, and a disabled line is never formatted. Logging never throws.
 #pragma once
 
 #include <fmt/format.h>
@@ -30,7 +31,14 @@ namespace moe_ep::core {
 
 enum class Level : int { kOff = 0, kVersion = 1, kWarn = 2, kInfo = 3, kTrace = 4 };
 
-enum class Subsys : unsigned { kInit = 1u << 0, kColl = 1u << 1, kP2P = 1u << 2, kNet = 1u << 3, kAlloc = 1u << 4, kEnv = 1u << 5 };
+enum class Subsys : unsigned {
+  kInit = 1u << 0,
+  kColl = 1u << 1,
+  kP2P = 1u << 2,
+  kNet = 1u << 3,
+  kAlloc = 1u << 4,
+  kEnv = 1u << 5,
+};
 inline constexpr unsigned kAllSubsys = (1u << 6) - 1;
 inline constexpr unsigned kDefaultSubsys = static_cast<unsigned>(Subsys::kInit) | static_cast<unsigned>(Subsys::kEnv);
 

@@ -115,8 +115,8 @@ Probed probe(const std::string& path_list) {
   if (p.v2 == nullptr) p.report.v2.reason = join(v2_reasons);
   for (const auto* g : {&p.report.v1, &p.report.v2})
     if (g->available)
-      core::info(core::Subsys::kInit, "dispatcher: {} from provider '{}' ({})", g == &p.report.v1 ? "V1" : "V2", g->provider,
-                 g->origin);
+      core::info(core::Subsys::kInit, "dispatcher: {} from provider '{}' ({})", g == &p.report.v1 ? "V1" : "V2",
+                 g->provider, g->origin);
   return p;
 }
 

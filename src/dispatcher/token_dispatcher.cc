@@ -149,7 +149,8 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
   o.timeout_secs = in.timeout_secs ? *in.timeout_secs : core::timeout_from_env();
   o.provider_path = pick(in.provider_path, env::get_string("MOE_EP_PROVIDER_PATH"));
   if (!*o.use_v2)
-    for (const char* name : {"MOE_EP_V2_ALLOW_HYBRID_MODE", "MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION", "MOE_EP_V2_NORMAL_LAYOUT"})
+    for (const char* name :
+         {"MOE_EP_V2_ALLOW_HYBRID_MODE", "MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION", "MOE_EP_V2_NORMAL_LAYOUT"})
       if (env::current(name).source == env::Source::kEnvironment)
         core::warn(core::Subsys::kEnv, "dispatcher: {} is set but the dispatcher uses V1 (MOE_EP_USE_V2 / "
                    "DispatcherOptions.use_v2 off): ignored", name);

@@ -130,6 +130,9 @@ void Engine::leave(const std::exception_ptr& error) {
 }
 
 Event Engine::submit(const std::shared_ptr<Operation>& op, bool async) {
+  // Lines of this call (and of the communication worker, when it starts now) show this rank,
+  // also on threads that have none of their own (a Python thread holding a kept group).
+  core::ScopedThreadRank as_rank(rank);
   core::trace(core::Subsys::kColl, "{}: submitted ({})", op->error_context, async ? "async" : "inline");
   if (!async) {
     comm_worker_.drain();

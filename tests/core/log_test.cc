@@ -219,8 +219,8 @@ TEST(LogOutput, WholeLinesAfterTheVersionLine) {
   EXPECT_TRUE(std::regex_match(lines[1], std::regex(who + "INFO INIT first 1"))) << lines[1];
   EXPECT_TRUE(std::regex_match(lines[2], std::regex(who + "WARN NET a warning"))) << lines[2];
   std::set<std::string> seen;
-  const std::regex rank_line(fmt::format("{}:{}:[0-9]+ \\[([0-3])\\] moe-ep INFO COLL rank ([0-3]) line ([0-9]+) x{{200}}",
-                                         host(), getpid()));
+  const std::regex rank_line(
+      fmt::format("{}:{}:[0-9]+ \\[([0-3])\\] moe-ep INFO COLL rank ([0-3]) line ([0-9]+) x{{200}}", host(), getpid()));
   for (std::size_t i = 3; i < lines.size(); ++i) {
     std::smatch m;
     ASSERT_TRUE(std::regex_match(lines[i], m, rank_line)) << lines[i];
