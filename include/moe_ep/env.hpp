@@ -9,6 +9,7 @@
 // value for the lifetime of the object (process-wide, restored on destruction) so tests can
 // change configuration without touching the process environment; it validates the value when it
 // is made, as the reads do. Reading an undeclared name is a programming error (StateError).
+// A kChoice variable accepts the empty value only where its choices include it.
 #pragma once
 
 #include <cstdint>
@@ -64,6 +65,10 @@ std::string_view type_name(Type t);
 // "normal | low_latency | auto"...
 std::string accepted_values(const Variable& v);
 std::string_view source_name(Source s);
+
+// Changes whenever a ScopedOverride is made or restored: readers that keep a parsed value
+// (the log settings) read again when it changed.
+std::uint64_t override_generation();
 
 class ScopedOverride {
  public:

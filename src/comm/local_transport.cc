@@ -6,6 +6,7 @@
 // e+1, which each rank does only after reading every block of e), so two slots per rank suffice
 // and no trailing barrier is needed. Every counter sits on its own cache line.
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -20,6 +21,7 @@
 
 #include "comm/transport.hh"
 #include "comm/wait.hh"
+#include "core/log.hh"
 #include "core/timeout.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
@@ -510,8 +512,13 @@ void LocalWorld::run(const std::function<void(Group&)>& fn) {
   threads.reserve(static_cast<size_t>(num_ranks_));
   for (int r = 0; r < num_ranks_; ++r) {
     threads.emplace_back([&, r] {
+      core::ScopedThreadRank as_rank(r);
       try {
         Group group(std::make_shared<comm::LocalTransport>(r, world, root_id, root));
+        core::info(core::Subsys::kInit,
+                   "group: rank {} of {}, {} logical node(s) x {} ranks per node; transport local (ranks as threads "
+                   "of process {})",
+                   r, num_ranks_, topology_.num_scaleout, topology_.num_scaleup, getpid());
         fn(group);
         world->departures.leave(r, {"returned from its rank function", {}});
       } catch (...) {

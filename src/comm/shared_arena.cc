@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "core/host_allocator.hh"
+#include "core/log.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::comm {
@@ -149,7 +150,10 @@ std::vector<const void*> SharedSpans::share(std::span<const Transport::Span> spa
     b.fd = -1;
     total += slot_bytes(s.bytes);
   }
-  if (total == 0) return published;
+  if (total == 0) {
+    core::trace(core::Subsys::kP2P, "share: {} span(s) published as memfd blocks", spans.size());
+    return published;
+  }
   std::byte* base = arena_.reserve(total);
   std::size_t at = 0;
   for (std::size_t i = 0; i < spans.size(); ++i) {
@@ -159,6 +163,7 @@ std::vector<const void*> SharedSpans::share(std::span<const Transport::Span> spa
     at += slot_bytes(spans[i].bytes);
   }
   copied.fetch_add(at, std::memory_order_relaxed);
+  core::trace(core::Subsys::kP2P, "share: {} bytes copied into the shared arena (tensors not in memfd blocks)", at);
   return published;
 }
 

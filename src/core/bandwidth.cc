@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "core/log.hh"
+
 namespace moe_ep::core {
 namespace {
 
@@ -76,6 +78,11 @@ const MachineBandwidth& machine_bandwidth() {
     const std::size_t bytes = std::size_t{64} << 20;
     MachineBandwidth m{measure_copy_bandwidth(1, bytes, 2), measure_copy_bandwidth(cores, bytes, 2), cores};
     g_measured = true;
+    if (m.single_thread_gbs <= 0 || m.all_cores_gbs <= 0)
+      warn(Subsys::kInit, "copy bandwidth: the measurement failed ({} GB/s on one thread, {} GB/s on {} cores): the "
+           "worker-count model has no bandwidth to work with", m.single_thread_gbs, m.all_cores_gbs, cores);
+    info(Subsys::kInit, "copy bandwidth: {:.1f} GB/s on one thread, {:.1f} GB/s on {} cores (the worker-count model's "
+         "inputs)", m.single_thread_gbs, m.all_cores_gbs, cores);
     return m;
   }();
   return measured;

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
@@ -19,8 +20,10 @@ namespace {
 const std::vector<Variable>& variables() {
   constexpr std::int64_t kKiB = 1024, kGiB = kKiB * kKiB * kKiB;
   static const std::vector<Variable> vars = {
-      {"MOE_EP_DEBUG", Type::kBool, "0", {},
-       "Print debug information to stderr (buffer sizes, worker counts, sizing decisions)."},
+      {"MOE_EP_DEBUG", Type::kChoice, "0", {"version", "warn", "info", "trace", "0", "1", ""},
+       "Log level (docs/logging.md), case-insensitive: VERSION (the version line only), WARN (fallbacks and ignored "
+       "settings), INFO (set-up: version, topology, transport, buffer sizes, workers), TRACE (every operation); "
+       "0 or empty = off, 1 = INFO."},
       {"MOE_EP_TIMEOUT_SECS", Type::kFloat, "300", {},
        "Timeout in seconds of every wait: Group::barrier when none is given, MPI group creation, the buffers the "
        "dispatcher and the moe-ep tool build (buffers built directly use their num_cpu_timeout_secs). Positive and "
@@ -62,9 +65,28 @@ const std::vector<Variable>& variables() {
       {"MOE_EP_ALLOCATOR_CACHE_BYTES", Type::kInt, "68719476736", {},
        "Bytes of freed tensor storage (address space) kept mapped for reuse by the caching host allocator.",
        {0, std::int64_t{1} << 47}},
+      {"MOE_EP_DEBUG_SUBSYS", Type::kString, "INIT,ENV", {},
+       "Subsystems of INFO and TRACE log lines: a comma list of INIT, COLL, P2P, NET, ALLOC, ENV, ALL; a leading ^ "
+       "selects all but the listed ones; empty = INIT,ENV. WARN lines are never filtered."},
+      {"MOE_EP_DEBUG_FILE", Type::kString, "", {},
+       "File the log lines are appended to (%h = host name, %p = process id, %% = %); empty = stderr, also when the "
+       "file cannot be opened (with a warning)."},
+      {"FI_PROVIDER", Type::kString, "", {},
+       "Libfabric's provider selection, read (not set) by moe-ep: efa means an EFA fabric (as does an rdmap* device in "
+       "/sys/class/infiniband), which caps num_allocated_qps and in-flight scale-out requests per peer at 128."},
+      {"OMPI_COMM_WORLD_SIZE", Type::kInt, "0", {},
+       "Set by Open MPI's launcher (mpirun): read by the moe-ep tool to detect that an MPI launcher started it; "
+       "0 = not set.",
+       {0, std::numeric_limits<std::int32_t>::max()}},
+      {"PMI_SIZE", Type::kInt, "0", {},
+       "Set by MPICH's and other PMI launchers (mpiexec, srun): read by the moe-ep tool to detect that an MPI "
+       "launcher started it; 0 = not set.",
+       {0, std::numeric_limits<std::int32_t>::max()}},
   };
   return vars;
 }
+
+std::atomic<std::uint64_t> g_override_generation{0};
 
 std::mutex& override_mutex() {
   static std::mutex m;
@@ -201,8 +223,11 @@ std::string accepted_values(const Variable& v) {
         return v.float_range.min == 0 ? std::string("a non-negative number")
                                       : fmt::format("numbers from {} up", v.float_range.min);
       return fmt::format("numbers from {} to {}", v.float_range.min, v.float_range.max);
-    case Type::kChoice:
-      return fmt::format("{}", fmt::join(v.choices, " | "));
+    case Type::kChoice: {
+      std::vector<std::string> shown;
+      for (const auto c : v.choices) shown.push_back(c.empty() ? std::string("(empty)") : std::string(c));
+      return fmt::format("{}", fmt::join(shown, " | "));
+    }
     case Type::kString:
       return "any text without NUL bytes";
   }
@@ -228,6 +253,7 @@ ScopedOverride::ScopedOverride(std::string_view name, std::string value) : name_
   had_previous_ = it != overrides().end();
   if (had_previous_) previous_ = it->second;
   overrides()[name_] = std::move(value);
+  g_override_generation.fetch_add(1, std::memory_order_release);
 }
 
 ScopedOverride::~ScopedOverride() {
@@ -237,6 +263,9 @@ ScopedOverride::~ScopedOverride() {
   } else {
     overrides().erase(name_);
   }
+  g_override_generation.fetch_add(1, std::memory_order_release);
 }
+
+std::uint64_t override_generation() { return g_override_generation.load(std::memory_order_acquire); }
 
 }  // namespace moe_ep::env

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "core/log.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::core {
@@ -19,7 +20,10 @@ void SerialWorker::submit(std::function<void()> task) {
   {
     std::lock_guard lock(mutex_);
     tasks_.push_back(std::move(task));
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    if (!thread_.joinable()) thread_ = std::thread([this, rank = thread_rank()] {
+      set_thread_rank(rank);  // the lines of the rank's worker show its rank
+      loop();
+    });
   }
   wake_.notify_one();
 }
@@ -67,7 +71,11 @@ void WorkerPool::resize(int size) {
   if (size == size_ && static_cast<int>(helpers_.size()) == size - 1) return;
   stop_helpers();
   size_ = size;
-  for (int i = 1; i < size_; ++i) helpers_.emplace_back([this, i] { helper_loop(i); });
+  for (int i = 1; i < size_; ++i)
+    helpers_.emplace_back([this, i, rank = thread_rank()] {
+      set_thread_rank(rank);
+      helper_loop(i);
+    });
 }
 
 void WorkerPool::run_items() {

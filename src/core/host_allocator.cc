@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -11,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "core/log.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 
@@ -46,6 +49,9 @@ class LargeBlockCache {
         close(fd);
         fd = -1;
       }
+      if (fd < 0)
+        warn(Subsys::kAlloc, "host allocator: no shareable memfd block of {} bytes ({}): private memory instead, which "
+             "node peers read through copies", rounded, std::strerror(errno));
     }
     void* p = fd >= 0 ? mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
                       : mmap(nullptr, rounded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -55,6 +61,8 @@ class LargeBlockCache {
     }
     // No MADV_HUGEPAGE: outputs such as the low-latency slab are sparse (rows at the start of
     // each expert's block); huge pages would zero 2 MiB for every touched row.
+    trace(Subsys::kAlloc, "host allocator: {} bytes mapped ({}) for {} bytes", rounded, fd >= 0 ? "memfd" : "private",
+          bytes);
     std::lock_guard lock(mutex_);
     if (fd >= 0) shared_[reinterpret_cast<std::uintptr_t>(p)] = {rounded, fd};
     stats_.mapped_bytes += rounded;
@@ -69,7 +77,9 @@ class LargeBlockCache {
     std::size_t limit = 0;
     try {
       limit = cache_limit();
-    } catch (const Error&) {
+    } catch (const Error& e) {
+      warn(Subsys::kAlloc, "host allocator: {}; a freed block of {} bytes is unmapped, not cached", e.what(),
+           block_bytes);
     }
     {
       std::lock_guard lock(mutex_);

@@ -198,10 +198,11 @@ void CacheState::rebuild(const BufferKey& want, const provider::Table& table) {
   ++buffer_id_;
   if (want.generation == Generation::kV1) {
     const BufferConfig config = legacy_config(want, table, group);
-    core::debug("[rank {}] dispatcher: building V1 Buffer (provider '{}'): num_nvl_bytes={} num_rdma_bytes={} "
-                "low_latency_mode={} num_qps_per_rank={}",
-                group.rank(), table.name, config.num_nvl_bytes, config.num_rdma_bytes, config.low_latency_mode,
-                config.num_qps_per_rank);
+    core::info(core::Subsys::kInit,
+               "dispatcher: building V1 Buffer (provider '{}'): num_nvl_bytes={} num_rdma_bytes={} "
+               "low_latency_mode={} num_qps_per_rank={}",
+               table.name, config.num_nvl_bytes, config.num_rdma_bytes, config.low_latency_mode,
+               config.num_qps_per_rank);
     legacy_.reset(table.create_legacy(group, config));
     stats.buffer_bytes = config.num_nvl_bytes + config.num_rdma_bytes;
   } else {
@@ -213,6 +214,11 @@ void CacheState::rebuild(const BufferKey& want, const provider::Table& table) {
                    "num_topk=%d use_fp8_dispatch=%d allow_hybrid_mode=%d allow_multiple_reduction=%d\n",
                    table.name, config.num_max_tokens_per_rank, config.hidden, config.num_topk,
                    config.use_fp8_dispatch, config.allow_hybrid_mode, config.allow_multiple_reduction);
+    core::info(core::Subsys::kInit,
+               "dispatcher: building V2 ElasticBuffer (provider '{}'): num_max_tokens_per_rank={} hidden={} "
+               "num_topk={} use_fp8_dispatch={} allow_hybrid_mode={} allow_multiple_reduction={}",
+               table.name, config.num_max_tokens_per_rank, config.hidden, config.num_topk, config.use_fp8_dispatch,
+               config.allow_hybrid_mode, config.allow_multiple_reduction);
     elastic_.reset(table.create_elastic(group, config));
     stats.buffer_bytes = elastic_->num_bytes();
   }
@@ -232,7 +238,8 @@ BufferCache::~BufferCache() {
   try {
     destroy();
   } catch (const std::exception& e) {
-    core::debug("[rank {}] BufferCache: destroy failed in the destructor: {}", state_->group.rank(), e.what());
+    core::warn(core::Subsys::kAlloc, "BufferCache: destroy failed in the destructor ({}); the buffer is released "
+               "without it", e.what());
   }
 }
 

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <string_view>
 
+#include "core/log.hh"
 #include "dispatcher/provider_registry.hh"
 #include "moe_ep/dispatcher.hpp"
 #include "moe_ep/provider.hpp"
@@ -97,6 +98,12 @@ Probed probe(const std::string& path_list) {
     };
     take(p.report.v1, p.v1, probe.offers_v1, v1_reasons);
     take(p.report.v2, p.v2, probe.offers_v2, v2_reasons);
+    if (table == nullptr) {
+      core::warn(core::Subsys::kInit, "dispatcher: provider {} skipped: {}", entry, probe.error);
+    } else {
+      core::info(core::Subsys::kInit, "dispatcher: provider {} ('{}') offers {}", origin, probe.name,
+                 offers(probe.offers_v1, probe.offers_v2));
+    }
     p.report.providers.push_back(std::move(probe));
   }
   auto join = [](const std::vector<std::string>& reasons) {
@@ -106,6 +113,10 @@ Probed probe(const std::string& path_list) {
   };
   if (p.v1 == nullptr) p.report.v1.reason = join(v1_reasons);
   if (p.v2 == nullptr) p.report.v2.reason = join(v2_reasons);
+  for (const auto* g : {&p.report.v1, &p.report.v2})
+    if (g->available)
+      core::info(core::Subsys::kInit, "dispatcher: {} from provider '{}' ({})", g == &p.report.v1 ? "V1" : "V2",
+                 g->provider, g->origin);
   return p;
 }
 

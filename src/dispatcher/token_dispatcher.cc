@@ -7,6 +7,7 @@
 
 #include "core/checks.hh"
 #include "core/failure.hh"
+#include "core/log.hh"
 #include "core/timeout.hh"
 #include "dispatcher/provider_registry.hh"
 #include "dispatcher/state.hh"
@@ -147,6 +148,12 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
   o.v2_expanded_normal_layout = pick(in.v2_expanded_normal_layout, env::get_string("MOE_EP_V2_NORMAL_LAYOUT") == "expanded");
   o.timeout_secs = in.timeout_secs ? *in.timeout_secs : core::timeout_from_env();
   o.provider_path = pick(in.provider_path, env::get_string("MOE_EP_PROVIDER_PATH"));
+  if (!*o.use_v2)
+    for (const char* name :
+         {"MOE_EP_V2_ALLOW_HYBRID_MODE", "MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION", "MOE_EP_V2_NORMAL_LAYOUT"})
+      if (env::current(name).source == env::Source::kEnvironment)
+        core::warn(core::Subsys::kEnv, "dispatcher: {} is set but the dispatcher uses V1 (MOE_EP_USE_V2 / "
+                   "DispatcherOptions.use_v2 off): ignored", name);
 
   const int R = group.size();
   check_range("DispatcherOptions.hidden", o.hidden, 1, 1 << 24);

@@ -105,12 +105,16 @@ ElasticBuffer::ElasticBuffer(Group& group, const ElasticBufferConfig& config) : 
             .field("allow_multiple_reduction", config.allow_multiple_reduction);
       });
   const auto& e = *engine_;
-  if (config.num_topk == 0) core::debug("{}: num_topk = 0, sizing conservatively for k = {}", ctx, kMaxTopk);
-  core::debug("{}: {} bytes of symmetric memory (physical {}x{}, logical {}x{}, {} path), {} allocated qps", ctx,
-              e.config.pool_bytes, e.physical.num_scaleout, e.physical.num_scaleup, e.logical_scaleout,
-              e.logical_scaleup,
-              e.paths.hybrid() ? "hybrid" : e.paths.direct_remote() ? "direct (with scale-out)" : "direct (scale-up only)",
-              e.config.num_allocated_qps);
+  if (config.num_topk == 0)
+    core::info(core::Subsys::kInit, "ElasticBuffer #{}: num_topk = 0, sizing conservatively for k = {}", engine_->id,
+               kMaxTopk);
+  core::info(core::Subsys::kInit,
+             "ElasticBuffer #{}: num_bytes {} ({}), num_max_tokens_per_rank {}, hidden {}, num_topk {}, {}, hybrid mode "
+             "{}, multiple reduction {}, {} allocated qps",
+             e.id, e.config.pool_bytes, config.num_bytes == 0 ? "from the shape" : "given",
+             config.num_max_tokens_per_rank, config.hidden, config.num_topk,
+             config.use_fp8_dispatch ? "FP8 dispatch" : "BF16 dispatch", config.allow_hybrid_mode ? "allowed" : "off",
+             config.allow_multiple_reduction ? "allowed" : "off", e.config.num_allocated_qps);
 }
 
 ElasticBuffer::~ElasticBuffer() = default;

@@ -18,6 +18,7 @@
 #include "comm/agreement.hh"
 #include "core/checks.hh"
 #include "core/failure.hh"
+#include "core/log.hh"
 #include "core/reduce.hh"
 #include "engine/engine.hh"
 #include "moe_ep/error.hpp"
@@ -197,7 +198,10 @@ void Combine::run(const std::function<void()>& outputs_ready) {
     error = core::attempt(ctx_, [&] {
       engine_.wait_for_event(previous_event, ctx_, "previous_event");
       if (!result.combined_x.defined()) allocate_outputs_early();
-      engine_.set_workers(req_.workers(geo_.num_experts, k_));
+      const int workers = req_.workers(geo_.num_experts, k_);
+      engine_.set_workers(workers);
+      core::trace(core::Subsys::kColl, "{}: hidden {}, {} experts, top-{}, {} workers", ctx_, H_, geo_.num_experts, k_,
+                  workers);
       engine_.limit_inflight(req_.num_qps);
       mine.x = static_cast<const std::byte*>(req_.x.data());
       mine.x_row_bytes = req_.x.stride(0) * 2;

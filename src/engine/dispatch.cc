@@ -8,6 +8,7 @@
 #include "comm/agreement.hh"
 #include "core/checks.hh"
 #include "core/failure.hh"
+#include "core/log.hh"
 #include "core/reduce.hh"
 #include "engine/engine.hh"
 #include "moe_ep/error.hpp"
@@ -331,6 +332,8 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
       engine_.wait_for_event(previous_event, ctx_, "previous_event");
       workers_ = req_.workers(E_, k_);
       engine_.set_workers(workers_);
+      core::trace(core::Subsys::kColl, "{}: {} tokens, hidden {}, {} experts, top-{}, {} workers{}", ctx_, N_, H_, E_,
+                  k_, workers_, cached_ ? ", cached layout" : "");
       engine_.limit_inflight(req_.num_qps);
       if (cached_) {
         plan_ = cached_state_;

@@ -4,12 +4,12 @@
 
 #include <atomic>
 #include <cmath>
-#include <cstdio>
 #include <future>
 
 #include "core/bandwidth.hh"
 #include "core/checks.hh"
 #include "core/failure.hh"
+#include "core/log.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::engine {
@@ -41,25 +41,53 @@ Engine::Engine(Group& group, EngineConfig cfg, std::exception_ptr config_error,
   const auto bytes = static_cast<std::size_t>(std::max<std::int64_t>(config.pool_bytes, 4096));
   memory_ = transport_->allocate_symmetric(bytes, wait("construction: allocation"), config.pool_bytes <= kPrefaultLimit);
   signals_expected_.assign(static_cast<size_t>(num_ranks), 0);
+  core::info(core::Subsys::kInit,
+             "{} #{}: {} bytes of symmetric memory per rank; {} ranks, {} node(s) x {} ranks per node (logical {} x "
+             "{}), {} path; {} queue pairs; {} cores per rank for workers; timeout {} s",
+             config.name, id, config.pool_bytes, num_ranks, physical.num_scaleout, physical.num_scaleup,
+             logical_scaleout, logical_scaleup,
+             paths.hybrid() ? "hybrid" : paths.direct_remote() ? "direct (with scale-out)" : "direct (scale-up only)",
+             config.num_allocated_qps, cores_per_rank(), config.timeout_secs);
+  core::trace(core::Subsys::kAlloc, "{} #{}: symmetric pool of {} bytes mapped, {}", config.name, id, bytes,
+              config.pool_bytes <= kPrefaultLimit ? "faulted in now" : "faulted in on first use");
+}
+
+void Engine::set_workers(int workers) {
+  if (workers != last_workers_) {
+    if (last_workers_ == 0) {
+      core::info(core::Subsys::kInit, "{} #{}: {} worker thread(s) per rank for the copies", config.name, id, workers);
+    } else {
+      core::info(core::Subsys::kInit, "{} #{}: {} worker thread(s) per rank for the copies (was {})", config.name, id,
+                 workers, last_workers_);
+    }
+    last_workers_ = workers;
+  }
+  pool_.resize(workers);
 }
 
 Engine::~Engine() {
   comm_worker_.drain();
-  bool keep_memory = !broken_reason().empty();  // peers may still read it
+  const std::string broken = broken_reason();
+  bool keep_memory = !broken.empty();  // peers may still read it
   if (!destroyed_ && !keep_memory) {
     if (config.explicitly_destroy) {
-      std::fprintf(stderr, "[moe-ep] warning: %s on rank %d was not destroyed explicitly; its memory stays mapped\n",
-                   config.name.c_str(), rank);
+      core::warn_always(core::Subsys::kAlloc, "{} #{} on rank {} was not destroyed explicitly; its memory stays mapped",
+                 config.name, id, rank);
       keep_memory = true;
     } else {
       // Peers may still read this rank's memory (a receive hook not yet run): free it only once
       // every rank got here.
       try {
         simple_collective("destruction");
-      } catch (const std::exception&) {
+      } catch (const std::exception& e) {
+        core::warn(core::Subsys::kAlloc, "{} #{} on rank {}: the destruction collective failed ({}); its memory stays "
+                   "mapped", config.name, id, rank, e.what());
         keep_memory = true;
       }
     }
+  } else if (keep_memory && memory_) {
+    core::warn(core::Subsys::kAlloc, "{} #{} on rank {} is unusable ({}); its memory stays mapped", config.name, id,
+               rank, broken);
   }
   if (keep_memory) comm::retire(std::move(memory_));
 }
@@ -102,6 +130,10 @@ void Engine::leave(const std::exception_ptr& error) {
 }
 
 Event Engine::submit(const std::shared_ptr<Operation>& op, bool async) {
+  // Lines of this call (and of the communication worker, when it starts now) show this rank,
+  // also on threads that have none of their own (a Python thread holding a kept group).
+  core::ScopedThreadRank as_rank(rank);
+  core::trace(core::Subsys::kColl, "{}: submitted ({})", op->error_context, async ? "async" : "inline");
   if (!async) {
     comm_worker_.drain();
     run_guarded(*op, [] {});

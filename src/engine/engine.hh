@@ -116,7 +116,7 @@ class Engine {
   int routing_node_of(int r) const { return r / logical_scaleup; }
   // Counts one more signal expected from `source`; returns the cumulative target.
   std::uint64_t expect_signal(int source) { return ++signals_expected_[static_cast<size_t>(source)]; }
-  void set_workers(int workers) { pool_.resize(workers); }
+  void set_workers(int workers);  // logs changes of the count
   int ranks_on_host() const;  // ranks sharing this host's cores
   int cores_per_rank() const;
   void check_num_qps(const std::string& context, int num_qps) const;
@@ -138,6 +138,7 @@ class Engine {
   std::unique_ptr<comm::SymmetricMemory> memory_;
   core::SerialWorker comm_worker_;
   core::WorkerPool pool_;
+  int last_workers_ = 0;  // the count last logged; 0 = none yet
   std::vector<std::uint64_t> signals_expected_;
   std::uint64_t sequence_ = 0;
   mutable std::mutex state_mutex_;

@@ -13,6 +13,7 @@
 #include "core/checks.hh"
 #include "core/executor.hh"
 #include "core/fabric.hh"
+#include "core/log.hh"
 #include "core/timeout.hh"
 #include "legacy/buffer_core.hh"
 #include "moe_ep/error.hpp"
@@ -145,7 +146,13 @@ BufferCore::BufferCore(Group& group, const BufferConfig& cfg)
                    .field("num_rdma_bytes", cfg.num_rdma_bytes)
                    .field("low_latency_mode", cfg.low_latency_mode)
                    .field("num_qps_per_rank", cfg.num_qps_per_rank);
-             }) {}
+             }) {
+  core::info(core::Subsys::kInit,
+             "Buffer #{}: num_nvl_bytes {}, num_rdma_bytes {} (the symmetric pool), low_latency_mode {}, "
+             "num_qps_per_rank {} ({} used)",
+             engine.id, cfg.num_nvl_bytes, cfg.num_rdma_bytes, cfg.low_latency_mode, cfg.num_qps_per_rank,
+             engine.config.num_allocated_qps);
+}
 
 }  // namespace legacy
 

@@ -49,6 +49,7 @@
 #include "comm/transport.hh"
 #include "comm/wait.hh"
 #include "core/host_allocator.hh"
+#include "core/log.hh"
 #include "core/timeout.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
@@ -563,6 +564,7 @@ std::unique_ptr<Group> make_group(int rank, int size, const AllGather& all_gathe
     throw InvalidArgument(fmt::format("[rank {}] host::make_group: rank = {} is outside [0, {}) (size = {})", rank,
                                       rank, size, size));
   if (!all_gather) throw InvalidArgument(fmt::format("[rank {}] host::make_group: all_gather is empty", rank));
+  core::set_process_rank(rank);
   const double timeout = core::timeout_or_env(fmt::format("[rank {}] host::make_group", rank), options.timeout_secs);
   const comm::Wait wait{"group creation", timeout};
   const int requested = options.ranks_per_node ? *options.ranks_per_node
@@ -645,6 +647,10 @@ std::unique_ptr<Group> make_group(int rank, int size, const AllGather& all_gathe
       info->pids.push_back(rec.pid);
       fds.push_back(rec.fds);
     }
+    core::info(core::Subsys::kInit,
+               "group: rank {} of {}, {} logical node(s) x {} ranks per node; transport host shared memory (processes "
+               "of host {}, memfd regions)",
+               rank, size, info->topology.num_scaleout, info->topology.num_scaleup, host_name());
     // Every check above gives every rank the same answer; only mapping can fail on one rank alone,
     // and the transport then abandons its own channel, so its peers learn it at once.
     return std::make_unique<Group>(std::make_shared<HostTransport>(rank, info, std::move(own), fds, wait));

@@ -63,12 +63,17 @@ Messenger::Messenger(MPI_Comm comm, int rank, int size)
       chunk_bytes_(static_cast<std::size_t>(std::max<std::int64_t>(env::get_int("MOE_EP_MPI_CHUNK_BYTES"), 4096))),
       chunks_(static_cast<size_t>(size)),
       sent_records_(static_cast<size_t>(size), 0),
-      sources_(static_cast<size_t>(size)) {}
+      sources_(static_cast<size_t>(size)) {
+  const std::int64_t requested = env::get_int("MOE_EP_MPI_CHUNK_BYTES");
+  if (requested < 4096)
+    core::warn(core::Subsys::kNet, "MOE_EP_MPI_CHUNK_BYTES = {} is below 4096: 4096 bytes per scale-out message",
+               requested);
+}
 
 Messenger::~Messenger() {
   if (received_in_place_ + received_copied_ > 0)
-    core::debug("[rank {}] scale-out record messages received: {} in place, {} copied into place", rank_,
-                received_in_place_, received_copied_);
+    core::info(core::Subsys::kNet, "scale-out record messages received: {} in place, {} copied into place",
+               received_in_place_, received_copied_);
   drain(1.0);
 }
 

@@ -76,8 +76,8 @@ const ControlPage* map_peer_control(pid_t pid, int fd, int peer, int rank) {
   std::string error;
   void* p = map_peer_region(pid, fd, ControlPage::kBytes, false, &error);
   if (p == nullptr)
-    core::debug("[rank {}] the control page of rank {} cannot be mapped ({}): reads of its memory are unguarded", rank,
-                peer, error);
+    core::warn(core::Subsys::kP2P, "the control page of rank {} cannot be mapped ({}): reads of its memory are unguarded",
+               peer, error);
   return static_cast<const ControlPage*>(p);
 }
 
@@ -278,7 +278,7 @@ class MpiTransport final : public Transport {
       if (r == rank() || peer == nullptr) continue;
       while (peer->reading.load(std::memory_order_seq_cst) != 0) {
         if (!backoff.pause() || process_gone(r)) {
-          core::debug("[rank {}] rank {} still reads this rank's memory while it leaves the channel", rank(), r);
+          core::warn(core::Subsys::kP2P, "rank {} still reads this rank's memory while it leaves the channel", r);
           break;
         }
       }
@@ -315,7 +315,7 @@ class MpiTransport final : public Transport {
       std::lock_guard lock(mpi_mutex());
       MPI_Win_free(&window);
     } catch (const std::exception& e) {
-      core::debug("[rank {}] symmetric memory kept mapped: {}", rank(), e.what());
+      core::warn(core::Subsys::kAlloc, "symmetric memory kept mapped: {}", e.what());
     }
   }
 
@@ -408,6 +408,7 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
                                       "one intracommunicator (merge it with MPI_Intercomm_merge first)",
                                       rank));
   MPI_Comm_size(comm, &size);
+  core::set_process_rank(rank);
   const double timeout = core::timeout_or_env(fmt::format("[rank {}] mpi::make_group", rank), options.timeout_secs);
   const comm::Wait wait{"group creation", timeout};
   const int requested = options.ranks_per_node ? *options.ranks_per_node
@@ -457,8 +458,12 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
   // different containers may not see each other): a peer whose pid is not visible is watched by
   // the timeout alone.
   for (int r = 0; r < size; ++r)
-    if (r != rank && hosts->same_host(r, rank) && kill(hosts->pids[static_cast<size_t>(r)], 0) != 0 && errno == ESRCH)
+    if (r != rank && hosts->same_host(r, rank) && kill(hosts->pids[static_cast<size_t>(r)], 0) != 0 && errno == ESRCH) {
+      core::warn(core::Subsys::kInit, "mpi::make_group: the process of rank {} (pid {}) on this host is not visible "
+                 "from here (another pid namespace): its liveness is watched by the timeout alone", r,
+                 hosts->pids[static_cast<size_t>(r)]);
       hosts->pids[static_cast<size_t>(r)] = 0;
+    }
   hosts->host_size = facts.host_size;
   messenger.drain(timeout);
 
@@ -496,6 +501,12 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
                                        rank, r / per_node, r / per_node * per_node, r / per_node * per_node + per_node - 1,
                                        r, r / per_node * per_node)));
   const Topology topology{.num_scaleout = size / per_node, .num_scaleup = per_node};
+  core::info(core::Subsys::kInit,
+             "group: rank {} of {}, {} logical node(s) x {} ranks per node ({}), {} host(s); transport MPI "
+             "(shared memory in a node, MPI messages across nodes, {} bytes per scale-out message)",
+             rank, size, topology.num_scaleout, topology.num_scaleup,
+             requested == 0 ? "the ranks of each host" : "MOE_EP_RANKS_PER_NODE / ranks_per_node", host_members.size(),
+             std::max<std::int64_t>(env::get_int("MOE_EP_MPI_CHUNK_BYTES"), 4096));
   return std::make_unique<Group>(std::make_shared<MpiTransport>(dup, rank, size, topology, hosts, wait));
 }
 
