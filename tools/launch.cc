@@ -26,14 +26,9 @@ constexpr bool kWithMpi = true;
 constexpr bool kWithMpi = false;
 #endif
 
-// A positive decimal number in the environment variable, or 0.
-int positive_env(const char* name) {
-  const char* text = std::getenv(name);
-  if (text == nullptr) return 0;
-  int value = 0;
-  const auto [end, ec] = std::from_chars(text, text + std::strlen(text), value);
-  return ec == std::errc() && *end == '\0' && value > 0 ? value : 0;
-}
+// A launcher's process count (a registry variable, 0 when unset); a value that is not a number is
+// an InvalidArgument naming the variable.
+int positive_env(const char* name) { return static_cast<int>(env::get_int(name)); }
 
 Topology local_topology(const LaunchOptions& o) {
   if (o.ranks_per_node > 0) {

@@ -20,15 +20,18 @@ def env():
     # The first byte indexes the registry in src/core/env.cc (0 MOE_EP_DEBUG, 1 MOE_EP_TIMEOUT_SECS,
     # 2 MOE_EP_NUM_WORKERS, 4 MOE_EP_MODE, 5 MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK,
     # 8 MOE_EP_NVFP4_ROUNDING, 12 MOE_EP_PROVIDER_PATH, 14 MOE_EP_MPI_CHUNK_BYTES,
-    # 15 MOE_EP_ALLOCATOR_CACHE_BYTES).
+    # 15 MOE_EP_ALLOCATOR_CACHE_BYTES, 16 MOE_EP_DEBUG_SUBSYS, 17 MOE_EP_DEBUG_FILE, 18 FI_PROVIDER,
+    # 19 OMPI_COMM_WORLD_SIZE, 20 PMI_SIZE).
     seeds = {
         "workers_ok": (2, b"8"), "workers_wraps": (2, b"4294967297"), "workers_above_limit": (2, b"1025"),
         "workers_negative": (2, b"-1"), "workers_nul": (2, b"12\x009"), "workers_spaces": (2, b"  16"),
         "timeout_ok": (1, b"2.5"), "timeout_nan": (1, b"nan"), "timeout_overflow": (1, b"1e999"),
-        "timeout_huge": (1, b"1e300"), "debug_yes": (0, b"YES"), "debug_bad": (0, b"maybe"),
+        "timeout_huge": (1, b"1e300"), "debug_yes": (0, b"YES"), "debug_info": (0, b"INFO"), "debug_alias": (0, b"1"), "debug_bad": (0, b"maybe"),
         "mode_ok": (4, b"LOW_LATENCY"), "mode_bad": (4, b"fast"), "tokens_20_digits": (5, b"99999999999999999999"),
         "tokens_zero": (5, b"0"), "rounding_ok": (8, b"sm90"), "rounding_bad": (8, b"nearest"), "provider_path": (12, b"cpu:/opt/lib/provider.so"),
         "chunk_small": (14, b"100"), "cache_limit": (15, b"68719476736"), "cache_above_limit": (15, b"9223372036854775807"),
+        "subsys_exclude": (16, b"^INIT,COLL"), "subsys_bad": (16, b"INIT,FOO"), "log_file": (17, b"/nonexistent/log.%h.%p"),
+        "fi_provider": (18, b"efa"), "launcher_size": (19, b"4"), "launcher_size_bad": (19, b"four"), "pmi_size": (20, b"-3"),
     }
     for name, (index, value) in seeds.items():
         write("env_fuzzer", name, bytes([index]) + value)
