@@ -541,6 +541,9 @@ TEST_F(HostTransportTest, ElasticTwoNodesOfTwoMatchesInProcess) { elastic_matche
 Body leaving_body(int victim, bool kill_it) {
   return [=](int rank, int size, const host::AllGather& ag, std::string*) -> std::string {
     auto group = host::make_group(rank, size, ag, options(2, 20));
+    // Every rank has finished its set-up before the victim goes: its departure is then met in the
+    // barrier below, never in a peer's make_group.
+    group->barrier(20);
     if (rank == victim) {
       if (kill_it) raise(SIGKILL);
       _exit(0);
@@ -581,6 +584,7 @@ TEST_F(HostTransportTest, KilledProcessIsNamedInSignalWait) {
                                     [](int rank, int size, const host::AllGather& ag, std::string*) -> std::string {
                                       auto group = host::make_group(rank, size, ag, options(1, 20));
                                       Transport& t = group->transport();
+                                      group->barrier(20);  // both set up before rank 0 goes
                                       if (rank == 0) raise(SIGKILL);
                                       Failures f;
                                       const int peer = 0;
