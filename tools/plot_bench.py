@@ -63,21 +63,24 @@ def main(argv):
     os.makedirs(a.out, exist_ok=True)
     written = []
 
+    def save(fig, ax, ylabel, name):
+        log_x(ax, xs)
+        ax.set_xlabel(LABELS.get(key, key))
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+        path = os.path.join(a.out, f"sweep-{key}-{name}.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, (x, gbs, _, baseline) in ops.items():
         ax.plot(x, gbs, marker="o", linestyle="--" if baseline else "-", label=name)
     ax.plot(xs, ceiling, color="black", linestyle=":", marker="x", label="memcpy ceiling (same threads)")
-    log_x(ax, xs)
-    ax.set_xlabel(LABELS.get(key, key))
-    ax.set_ylabel("logical GB/s (all ranks)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    path = os.path.join(a.out, f"sweep-{key}-bandwidth.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, ax, "logical GB/s (all ranks)", "bandwidth")
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, (x, _, secs, baseline) in ops.items():
@@ -89,18 +92,8 @@ def main(argv):
         r = next(r for r in p["results"] if r["operation"] == first)
         floor.append(r["bytes"] / (p["memcpy_gbs"] * 1e9) * 1e3)
     ax.plot(xs, floor, color="black", linestyle=":", marker="x", label=f"{first}: one copy at the memcpy ceiling")
-    ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel(LABELS.get(key, key))
-    ax.set_ylabel("time per call (ms, slowest rank, median)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    path = os.path.join(a.out, f"sweep-{key}-time.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+    save(fig, ax, "time per call (ms, slowest rank, median)", "time")
     for p in written:
         print(p)
 
