@@ -136,8 +136,11 @@ def local_world(n, fn, num_scaleout=1):
 
 
 def shm_listing():
+    """/dev/shm's entries, less Python multiprocessing's semaphores (sem.mp-*): those of other
+    programs running at the same time (tests run in parallel) come and go there, and moe-ep
+    creates none."""
     try:
-        return set(os.listdir("/dev/shm"))
+        return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-")}
     except FileNotFoundError:
         return set()
 
