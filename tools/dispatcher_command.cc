@@ -128,7 +128,17 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const Dispatch
 
 int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run) {
   progress::Scope progress_line;
-  const LayerConfig& c = options.layer;
+  // The layer's reference must know the wire format the dispatcher casts to: without --fp8 or
+  // --nvfp4 it is the one MOE_EP_DISPATCH_DTYPE gives the dispatcher (the flags win over it).
+  LayerConfig c = options.layer;
+  if (!c.fp8 && !c.nvfp4) {
+    const std::string wire = env::get_string("MOE_EP_DISPATCH_DTYPE");
+    c.fp8 = wire == "fp8";
+    c.nvfp4 = wire == "nvfp4";
+    if (c.fp8 && c.hidden % 128 != 0)
+      throw InvalidArgument(fmt::format("MOE_EP_DISPATCH_DTYPE=fp8 needs --hidden a multiple of 128 (per-128 scales); "
+                                        "--hidden is {}", c.hidden));
+  }
   LocalWorld world(c.ranks, {.num_scaleout = c.scaleout});
   const ExpertParams params = make_experts(c);
   std::vector<BatchKind> kinds;
