@@ -24,7 +24,7 @@
 #include <vector>
 
 #include "moe_ep/dtype.hpp"
-#include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/dispatch_types.hpp"
 #include "moe_ep/event.hpp"
 #include "moe_ep/group.hpp"
 #include "moe_ep/tensor.hpp"

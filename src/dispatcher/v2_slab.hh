@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/dispatch_types.hpp"
 
 namespace moe_ep::dispatcher {
 

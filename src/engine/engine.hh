@@ -29,7 +29,7 @@
 #include "comm/transport.hh"
 #include "core/executor.hh"
 #include "engine/sizing.hh"
-#include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/dispatch_types.hpp"
 #include "moe_ep/error.hpp"
 #include "routing/plan.hh"
 
