@@ -63,7 +63,8 @@ class Route {
 // The route of one batch: `mode` is the batch's resolved mode (normal or low-latency, never auto).
 std::unique_ptr<Route> make_route(Generation generation, DispatchMode mode, const RouteContext& context);
 
-// FP8 E4M3 with per-128 block scales, the rule of every path that quantizes before sending.
+// FP8 E4M3 with per-128 block scales, quantized before sending by every path but V1 low-latency
+// (which casts inside the buffer, with the same rule).
 void quantize_fp8_input(const RouteContext& context, const Tensor& x, Tensor& data, Tensor& scales);
 // The expert output of the row formats (kNormal, kV2Expanded): BF16 [rows, H], rows contiguous.
 void check_row_input(std::string_view context, const RouteContext& c, std::int64_t rows, const Tensor& y);

@@ -19,6 +19,7 @@ class V2LowLatencyRoute final : public Route {
     if (c_.fp8()) quantize_fp8_input(c_, in.x, x_wire_, x_scales_);
     TensorView x = c_.fp8() ? x_wire_.view() : in.x.view();
     if (c_.nvfp4()) {
+      // V2 moves bytes: the E2M1 pairs as H/2 one-byte elements, the scale bytes as H/64 words.
       const int H = c_.options.hidden;
       const Nvfp4Tensor q = quantize_nvfp4(in.x, {.global_scale = c_.options.nvfp4_global_scale,
                                                   .use_ue8m0_for_sf = c_.options.nvfp4_use_ue8m0});
