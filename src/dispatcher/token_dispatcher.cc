@@ -1,5 +1,5 @@
-// TokenDispatcher: options, the per-micro-batch stage machine, and the four paths (V1 normal,
-// V1 low-latency, V2 normal, V2 low-latency) behind one set of output formats.
+// TokenDispatcher: options and the per-micro-batch stage machine. The four paths (V1 normal,
+// V1 low-latency, V2 normal, V2 low-latency) are routes (dispatcher/route.hh), one per batch.
 #include <fmt/format.h>
 
 #include <cmath>
@@ -10,8 +10,8 @@
 #include "core/log.hh"
 #include "core/timeout.hh"
 #include "dispatcher/provider_registry.hh"
+#include "dispatcher/route.hh"
 #include "dispatcher/state.hh"
-#include "dispatcher/v2_slab.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/dispatcher.hpp"
 #include "moe_ep/env.hpp"
@@ -81,25 +81,17 @@ const char* expected_call(Stage s) {
   return "?";
 }
 
-// One micro-batch: its stage, the tensors it keeps alive and the buffer results it holds.
+// One micro-batch: its stage, the tensors it keeps alive and the route holding its buffer state.
 struct Slot {
   Stage stage = Stage::kIdle;
   bool holds = false;  // counted in CacheState::holders
   std::uint64_t buffer_id = 0;
   DispatchMode mode = DispatchMode::kNormal;
-  OutputFormat format = OutputFormat::kNormal;
   Generation generation = Generation::kV1;
   std::string provider;
-  int num_tokens = 0;
-  Tensor x, topk_idx, topk_weights, x_fp8, x_scales, global_scale;
-  DispatchLayout layout;  // V1 normal: read by the asynchronous dispatch
-  LegacyDispatchResult v1;
-  LowLatencyDispatchResult ll;
-  DispatchResult v2;
-  V2Slab slab;
-  Tensor combine_input, expanded;
-  CombineResult combined;
-  LowLatencyCombineResult ll_combined;
+  RouteInputs in;
+  Tensor combine_input;
+  std::unique_ptr<Route> route;  // set from dispatch_a until the slot is released
 };
 
 // ---- Options ----------------------------------------------------------------------------------
@@ -204,11 +196,12 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
 class DispatcherState {
  public:
   DispatcherState(BufferCache& c, CacheState& cs, const DispatcherOptions& o)
-      : cache(c), shared(cs), options(resolve_options(o, cs.group)) {}
+      : cache(c), shared(cs), options(resolve_options(o, cs.group)), context{options, shared} {}
 
   BufferCache& cache;
   CacheState& shared;
   DispatcherOptions options;  // resolved
+  RouteContext context;       // what the routes read
   Slot slots[TokenDispatcher::kMicroBatches];
   std::vector<std::pair<HookPoint, std::function<void(const HookInfo&)>>> hooks;
 
@@ -219,10 +212,7 @@ class DispatcherState {
   }
   int cap() const { return *options.num_max_dispatch_tokens_per_rank; }
   bool fp8() const { return *options.dispatch_dtype == WireDType::kFP8; }
-  // NVFP4 applies to low-latency batches only.
-  bool nvfp4(const Slot& s) const { return *options.dispatch_dtype == WireDType::kNVFP4 && s.mode == DispatchMode::kLowLatency; }
   int ranks() const { return shared.group.size(); }
-  int local_experts() const { return options.num_experts / ranks(); }
 
   BufferKey key() const {
     BufferKey k;
@@ -276,11 +266,8 @@ class DispatcherState {
   }
 
   void validate_dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, DispatchMode mode) const;
-  void start_dispatch(Slot& s);
   DispatchOutput finish_dispatch(Slot& s, int micro_batch);
   void validate_combine(const Slot& s, const Tensor& y) const;
-  void start_combine(Slot& s);
-  Tensor finish_combine(Slot& s);
 };
 
 void DispatcherState::validate_dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
@@ -304,192 +291,21 @@ void DispatcherState::validate_dispatch(const Tensor& x, const Tensor& topk_idx,
                          options.num_experts);
 }
 
-void DispatcherState::start_dispatch(Slot& s) {
-  const int E = options.num_experts, H = options.hidden;
-  if (fp8() && !(s.generation == Generation::kV1 && s.mode == DispatchMode::kLowLatency)) {
-    // Quantized before sending (V1 low-latency casts inside the buffer, with the same rule).
-    Fp8Tensor q = quantize_fp8(s.x, {.round_scale = options.round_scale, .use_ue8m0 = options.use_ue8m0});
-    s.x_fp8 = q.data;
-    s.x_scales = q.scales;
-  }
-  TensorView x = fp8() ? s.x_fp8.view() : s.x.view();
-  if (nvfp4(s) && s.generation == Generation::kV2) {
-    // V2 moves bytes: the E2M1 pairs as H/2 one-byte elements, the scale bytes as H/64 words.
-    const Nvfp4Tensor q = quantize_nvfp4(s.x, {.global_scale = options.nvfp4_global_scale,
-                                               .use_ue8m0_for_sf = options.nvfp4_use_ue8m0});
-    const std::int64_t n = s.x.size(0);
-    s.x_fp8 = q.data.with_view(TensorView(q.data.data(), DType::kFP8E4M3, {n, H / 2}));
-    s.x_scales = q.scales.with_view(TensorView(q.scales.data(), DType::kInt32, {n, H / 64}));
-    x = s.x_fp8;
-  }
-  if (s.generation == Generation::kV1) {
-    provider::LegacyBackend& b = *shared.legacy();
-    if (s.mode == DispatchMode::kNormal) {
-      s.layout = b.get_dispatch_layout(s.topk_idx, E);
-      const DispatchLayout& layout = s.layout;
-      Config config = Buffer::get_dispatch_config(ranks());
-      if (*options.num_workers > 0) config.num_sms = 2 * *options.num_workers;
-      LegacyDispatchArgs a{.x = x,
-                           .num_tokens_per_rank = layout.num_tokens_per_rank,
-                           .num_tokens_per_rdma_rank = layout.num_tokens_per_rdma_rank,
-                           .is_token_in_rank = layout.is_token_in_rank,
-                           .num_tokens_per_expert = layout.num_tokens_per_expert,
-                           .topk_idx = s.topk_idx,
-                           .topk_weights = s.topk_weights,
-                           .expert_alignment = options.expert_alignment,
-                           .config = config,
-                           .async_finish = true};
-      if (fp8()) a.x_scales = s.x_scales;
-      shared.normal_since_clean = true;
-      s.v1 = b.dispatch(a);
-    } else {
-      if (shared.normal_since_clean) {  // normal -> low-latency transition
-        b.clean_low_latency_buffer(cap(), H, E);
-        shared.normal_since_clean = false;
-        ++shared.stats.clean_calls;
-      }
-      LowLatencyDispatchArgs a{.x = s.x,
-                               .topk_idx = s.topk_idx,
-                               .num_max_dispatch_tokens_per_rank = cap(),
-                               .num_experts = E,
-                               .use_fp8 = fp8(),
-                               .round_scale = options.round_scale,
-                               .use_ue8m0 = options.use_ue8m0,
-                               .use_nvfp4 = nvfp4(s),
-                               .use_ue8m0_for_sf = nvfp4(s) && options.nvfp4_use_ue8m0,
-                               .return_recv_hook = true};
-      if (nvfp4(s)) {
-        s.global_scale = Tensor::empty({}, DType::kFP32);
-        *s.global_scale.data_as<float>() = options.nvfp4_global_scale;
-        a.x_global_scale = s.global_scale;
-      }
-      s.ll = b.low_latency_dispatch(a);
-    }
-    return;
-  }
-  provider::ElasticBackend& b = *shared.elastic();
-  DispatchArgs a{.x = x,
-                 .topk_idx = s.topk_idx,
-                 .topk_weights = s.topk_weights,
-                 .num_experts = E,
-                 .expert_alignment = options.expert_alignment,
-                 .num_sms = *options.num_workers,
-                 .async_with_compute_stream = true,
-                 .do_cpu_sync = true,
-                 .do_expand = s.format == OutputFormat::kV2Expanded};
-  if (fp8() || nvfp4(s)) a.x_scales = s.x_scales;
-  if (s.mode == DispatchMode::kLowLatency) {
-    // No host wait, static shapes: one aligned group of R x cap rows per non-empty expert.
-    a.num_max_tokens_per_rank = cap();
-    a.expert_alignment = ranks() * cap();
-    a.do_cpu_sync = false;
-    a.do_expand = true;
-  }
-  s.v2 = b.dispatch(a);
-}
-
 DispatchOutput DispatcherState::finish_dispatch(Slot& s, int micro_batch) {
   DispatchOutput out;
-  out.format = s.format;
+  out.format = s.route->format();
   out.generation = s.generation;
   out.mode = s.mode;
   out.provider = s.provider;
   out.micro_batch = micro_batch;
-  const int R = ranks(), E = options.num_experts, k = options.num_topk;
-  if (s.generation == Generation::kV1) {
-    if (s.mode == DispatchMode::kNormal) {
-      s.v1.event.wait();
-      out.hidden_states = s.v1.recv_x;
-      out.hidden_states_scale = s.v1.recv_x_scales;
-      out.topk_ids = s.v1.recv_topk_idx;
-      out.topk_weights = s.v1.recv_topk_weights;
-      out.num_recv_tokens_per_expert = s.v1.num_recv_tokens_per_expert_list;
-    } else {
-      s.ll.hook();
-      out.hidden_states = s.ll.recv_x;
-      out.hidden_states_scale = s.ll.recv_x_scales;
-      out.masked_m = s.ll.packed_recv_count;
-      out.expected_m = (s.num_tokens * R * k + E) / E;
-    }
-    return out;
-  }
-  s.v2.event.wait();
-  if (s.mode == DispatchMode::kNormal) {
-    out.hidden_states = s.v2.recv_x;
-    out.hidden_states_scale = s.v2.recv_x_scales;
-    out.topk_ids = s.v2.recv_topk_idx;
-    out.topk_weights = s.v2.recv_topk_weights;
-    out.num_recv_tokens_per_expert = s.v2.handle->num_recv_tokens_per_expert_list;
-    if (s.format == OutputFormat::kV2Expanded) out.masked_m = s.v2.handle->num_unaligned_recv_tokens_per_expert;
-    if (s.format == OutputFormat::kNormal) {
-      // V2's compact rows carry the token's full weight row; the normal format (V1's) has 0
-      // where the expert lives elsewhere.
-      const std::int64_t n = out.topk_ids.size(0) * out.topk_ids.size(1);
-      for (std::int64_t i = 0; i < n; ++i)
-        if (out.topk_ids.data_as<const std::int64_t>()[i] < 0) out.topk_weights.data_as<float>()[i] = 0.0f;
-    }
-    return out;
-  }
-  s.slab = make_slab(s.v2, local_experts(), R * cap());
-  if (nvfp4(s)) to_nvfp4_layout(s.slab, options.hidden, options.nvfp4_use_ue8m0);
-  out.hidden_states = s.slab.hidden_states;
-  out.hidden_states_scale = s.slab.scales;
-  out.masked_m = s.slab.masked_m;
-  out.expected_m = (s.num_tokens * R * k + E) / E;
+  s.route->finish_dispatch(s.in, out);
   return out;
 }
 
 void DispatcherState::validate_combine(const Slot& s, const Tensor& y) const {
-  const std::string ctx = fmt::format("[rank {}] dispatcher: combine ({} format)", shared.group.rank(), format_name(s.format));
-  std::int64_t rows = 0;
-  switch (s.format) {
-    case OutputFormat::kNormal:
-      rows = s.generation == Generation::kV1 ? s.v1.recv_x.size(0) : s.v2.recv_x.size(0);
-      break;
-    case OutputFormat::kV2Expanded:
-      rows = s.v2.recv_x.size(0);
-      break;
-    case OutputFormat::kLowLatency:
-      core::expect_tensor(ctx, "expert_output", y, DType::kBF16, {local_experts(), std::int64_t{ranks()} * cap(), options.hidden});
-      core::expect_rows_contiguous(ctx, "expert_output", y);
-      return;
-  }
-  core::expect_tensor(ctx, "expert_output", y, DType::kBF16, {rows, options.hidden});
-  core::expect_rows_contiguous(ctx, "expert_output", y);
-}
-
-void DispatcherState::start_combine(Slot& s) {
-  if (s.generation == Generation::kV1) {
-    provider::LegacyBackend& b = *shared.legacy();
-    if (s.mode == DispatchMode::kNormal) {
-      Config config = Buffer::get_combine_config(ranks());
-      if (*options.num_workers > 0) config.num_sms = 2 * *options.num_workers;
-      s.combined = b.combine({.x = s.combine_input, .handle = s.v1.handle, .config = config, .async_finish = true});
-    } else {
-      s.ll_combined = b.low_latency_combine({.x = s.combine_input,
-                                             .topk_idx = s.topk_idx,
-                                             .topk_weights = s.topk_weights,
-                                             .handle = s.ll.handle,
-                                             .return_recv_hook = true});
-    }
-    return;
-  }
-  provider::ElasticBackend& b = *shared.elastic();
-  TensorView x = s.combine_input;
-  if (s.mode == DispatchMode::kLowLatency) {
-    s.expanded = slab_to_expanded(s.slab, s.v2, s.combine_input);
-    x = s.expanded;
-  }
-  s.combined = b.combine({.x = x, .handle = s.v2.handle, .num_sms = *options.num_workers, .async_with_compute_stream = true});
-}
-
-Tensor DispatcherState::finish_combine(Slot& s) {
-  if (s.generation == Generation::kV1 && s.mode == DispatchMode::kLowLatency) {
-    s.ll_combined.hook();
-    return s.ll_combined.combined_x;
-  }
-  s.combined.event.wait();
-  return s.combined.combined_x;
+  const std::string ctx =
+      fmt::format("[rank {}] dispatcher: combine ({} format)", shared.group.rank(), format_name(s.route->format()));
+  s.route->check_combine_input(ctx, y);
 }
 
 }  // namespace dispatcher
@@ -526,10 +342,8 @@ void TokenDispatcher::dispatch_a(const Tensor& x, const Tensor& topk_idx, const 
     }
     st.validate_dispatch(x, topk_idx, topk_weights, mode);
   });
-  const OutputFormat format = mode == DispatchMode::kLowLatency ? OutputFormat::kLowLatency
-                              : (generation == Generation::kV2 && *st.options.v2_expanded_normal_layout)
-                                  ? OutputFormat::kV2Expanded
-                                  : OutputFormat::kNormal;
+  std::unique_ptr<dispatcher::Route> route = dispatcher::make_route(generation, mode, st.context);
+  const OutputFormat format = route->format();
   const dispatcher::Agreed agreed =
       st.shared.agree("dispatch",
                       {{"micro_batch", micro_batch}, {"mode", static_cast<std::int64_t>(mode)},
@@ -545,15 +359,12 @@ void TokenDispatcher::dispatch_a(const Tensor& x, const Tensor& topk_idx, const 
   ++st.shared.holders;
   s.buffer_id = st.shared.buffer_id();
   s.mode = mode;
-  s.format = format;
   s.generation = generation;
   s.provider = table->name;
-  s.num_tokens = static_cast<int>(x.size(0));
-  s.x = x;
-  s.topk_idx = topk_idx;
-  s.topk_weights = topk_weights;
+  s.in = {.x = x, .topk_idx = topk_idx, .topk_weights = topk_weights, .num_tokens = static_cast<int>(x.size(0))};
+  s.route = std::move(route);
   try {
-    st.start_dispatch(s);
+    s.route->start_dispatch(s.in);
   } catch (...) {
     st.release(s);
     throw;
@@ -585,11 +396,12 @@ void TokenDispatcher::combine_a(const Tensor& expert_output, int micro_batch) {
     const std::exception_ptr local_error =
         core::attempt(fmt::format("[rank {}] dispatcher: combine_a", st.shared.group.rank()),
                       [&] { st.validate_combine(s, expert_output); });
-    st.shared.agree("combine", {{"micro_batch", micro_batch}, {"format", static_cast<std::int64_t>(s.format)}}, nullptr,
-                    local_error);
+    st.shared.agree("combine",
+                    {{"micro_batch", micro_batch}, {"format", static_cast<std::int64_t>(s.route->format())}},
+                    nullptr, local_error);
     s.stage = dispatcher::Stage::kCombining;
     s.combine_input = expert_output;
-    st.start_combine(s);
+    s.route->start_combine(s.in, s.combine_input);
   } catch (...) {
     st.release(s);  // the handle goes with a failed combine too
     throw;
@@ -601,7 +413,7 @@ Tensor TokenDispatcher::combine_b(int micro_batch) {
   dispatcher::Slot& s = st.slot(micro_batch, "combine_b");
   st.expect_stage(s, micro_batch, dispatcher::Stage::kCombining, "combine_b");
   try {
-    Tensor out = st.finish_combine(s);
+    Tensor out = s.route->finish_combine();
     st.release(s);
     return out;
   } catch (...) {
