@@ -16,12 +16,11 @@
 #include <ctime>
 #include <nlohmann/json.hpp>
 
-#include <unistd.h>
-
 #include "moe_ep/version.hpp"
 #include "commands.hh"
 #include "comm/transport.hh"
 #include "core/bandwidth.hh"
+#include "core/host_name.hh"
 #include "core/timeout.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/group.hpp"
@@ -396,8 +395,6 @@ std::string first_line_of(const char* path, std::string_view key) {
 
 // What a record needs to be read later: which build, where, when, and how it was started.
 nlohmann::json record_header(const BenchOptions& o, const Launch& launch) {
-  char host[256] = {};
-  if (gethostname(host, sizeof host - 1) != 0) host[0] = 0;
   std::vector<std::string> argv;
   {
     std::ifstream in("/proc/self/cmdline", std::ios::binary);
@@ -409,7 +406,7 @@ nlohmann::json record_header(const BenchOptions& o, const Launch& launch) {
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%dT%H:%M:%SZ", &utc);
   return {{"version", moe_ep::version()},
-          {"host", host},
+          {"host", core::host_name()},
           {"cpu_model", first_line_of("/proc/cpuinfo", "model name")},
           {"cores", std::thread::hardware_concurrency()},
           {"date", date},

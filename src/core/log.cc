@@ -12,6 +12,7 @@
 #include <set>
 #include <vector>
 
+#include "core/host_name.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/version.hpp"
@@ -31,15 +32,6 @@ std::string_view trim(std::string_view s) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
   return s;
-}
-
-const std::string& host_name() {
-  static const std::string name = [] {
-    char buffer[256] = {};
-    if (gethostname(buffer, sizeof(buffer) - 1) != 0) return std::string("unknown-host");
-    return std::string(buffer);
-  }();
-  return name;
 }
 
 thread_local int t_rank = -1;

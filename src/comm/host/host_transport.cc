@@ -49,6 +49,7 @@
 #include "comm/transport.hh"
 #include "comm/wait.hh"
 #include "core/host_allocator.hh"
+#include "core/host_name.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
 #include "moe_ep/env.hpp"
@@ -492,11 +493,7 @@ std::string read_boot_id() {
   return id;
 }
 
-std::string host_name() {
-  char name[256] = {};
-  if (gethostname(name, sizeof name - 1) != 0) return "?";
-  return name;
-}
+using core::host_name;
 
 // A rank's bootstrap record.
 struct Record {
