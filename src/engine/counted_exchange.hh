@@ -1,0 +1,50 @@
+// A counted exchange: this rank puts records into peers' symmetric regions, signals each peer it
+// wrote to once, and waits for the signals of the peers that write to it, under a phase name.
+//
+// The completion rules live here once:
+//  - a peer is signalled once per exchange, after every put to it (signal() orders them: the peer
+//    that sees the signal sees every byte put before it);
+//  - a peer that writes nothing is not signalled, and a source expected to write nothing is not
+//    waited for: both sides derive "writes to me" from the same agreed counts;
+//  - expectations are cumulative per source over the engine's life (Engine::expect_signal), so
+//    they must be counted in call order on every rank: expect() at the point of the operation
+//    where its peers signal, never later;
+//  - wait() may run later than the puts (a receive hook), but at most once.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace moe_ep::engine {
+
+class Engine;
+
+class CountedExchange {
+ public:
+  // `phase` names the wait in timeouts and peer errors ("dispatch: scale-out records").
+  CountedExchange(Engine& engine, std::string phase);
+
+  // This rank receives from `source` in this exchange: one more signal expected from it.
+  void expect(int source);
+  // Copies `bytes` from `src` into `peer`'s symmetric memory at `offset`; the peer is signalled
+  // by signal_written().
+  void put(int peer, std::size_t offset, const void* src, std::size_t bytes);
+  // Signals every peer put() wrote to since the last call, once each, in rank order.
+  void signal_written();
+  // Waits until every expected signal arrived. At most once; nothing to do without expectations.
+  void wait();
+
+  bool expects_any() const { return !sources_.empty(); }
+
+ private:
+  Engine& engine_;
+  std::string phase_;
+  std::vector<int> sources_;
+  std::vector<std::uint64_t> targets_;
+  std::vector<bool> written_;  // [ranks]
+  bool waited_ = false;
+};
+
+}  // namespace moe_ep::engine
