@@ -20,8 +20,11 @@
 #include "core/failure.hh"
 #include "core/log.hh"
 #include "core/reduce.hh"
+#include "engine/call_shape.hh"
+#include "engine/counted_exchange.hh"
 #include "engine/engine.hh"
 #include "moe_ep/error.hpp"
+#include "routing/combine_order.hh"
 
 namespace moe_ep::engine {
 namespace {
@@ -76,9 +79,23 @@ class Combine final : public CombineOperation {
 
  private:
   void validate();
-  void put_contributions();
-  void wait_contributions();
+  void put_contributions(CountedExchange& contributions);
+  // The records of one token to `peer`: its units on this node (level-2 sum keyed by routing node
+  // when node_unit_key, else one per unit keyed by its lane).
+  void send_token(CountedExchange& contributions, int peer, std::int32_t token, const std::int64_t* ids,
+                  const std::int32_t* rows, const std::int32_t* expanded, bool node_unit_key);
+  // The record's weights: the unit's whole weight row (weights summed over ranks), or the
+  // weights of the lanes selected by keep, 0 elsewhere (in send_weights_).
+  template <class Keep>
+  const float* record_weights(const Unit& unit, const std::int64_t* ids, const std::int32_t* rows,
+                              const std::int32_t* expanded, Keep keep);
+  void wait_contributions(CountedExchange& contributions);
   void reduce_tokens();
+  void reduce_token(int t);
+  routing::ReductionScheme scheme() const {
+    return {.expand = expand_, .multiple_reduction = multi_, .hybrid = engine_.paths.hybrid(),
+            .physical_scaleup = engine_.physical.num_scaleup};
+  }
 
   // Row r of rank d's combine input (d on this node).
   const std::uint16_t* row_of(int d, std::int32_t r) const {
@@ -98,7 +115,7 @@ class Combine final : public CombineOperation {
     const PeerTensors& p = peers_[static_cast<size_t>(d)];
     const float* w = p.weights;
     if (expand_) return w[expanded[j]];
-    for (int l = k_ - 1; l >= 0; --l)
+    for (int l = shape_.topk - 1; l >= 0; --l)
       if (ids[l] >= 0 && geo_.rank_of_expert(ids[l]) == d) return w[rows[l] * p.weights_row + j];
     return 0.0f;
   }
@@ -114,10 +131,14 @@ class Combine final : public CombineOperation {
   // its weights are the sum of theirs (compact layout).
   Unit node_sum(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int node,
                 int& scratch) const;
+  // The unit a reference of this node names (kLane, kRank or kNode).
+  Unit local_unit(const routing::UnitRef& ref, const std::int64_t* ids, const std::int32_t* rows,
+                  const std::int32_t* expanded, int& scratch) const;
   std::byte* combine_record(int key, std::int32_t token) {
-    return engine_.memory().local() + (static_cast<std::int64_t>(key) * max_tokens_ + token) * record_.bytes;
+    return engine_.memory().local() + (static_cast<std::int64_t>(key) * shape_.max_tokens + token) * record_.bytes;
   }
-  void put_record(int peer, int key, std::int32_t token, const std::uint16_t* payload, const float* weights);
+  void put_record(CountedExchange& contributions, int peer, int key, std::int32_t token, const std::uint16_t* payload,
+                  const float* weights);
 
   Engine& engine_;
   CombineRequest req_;
@@ -125,7 +146,8 @@ class Combine final : public CombineOperation {
   std::string ctx_;
   const HandleState* plan_ = nullptr;
   bool expand_ = false, multi_ = true, has_weights_ = false;
-  int N_ = 0, H_ = 0, k_ = 0, max_tokens_ = 0;
+  CallShape shape_;
+  std::array<float, kMaxTopk> send_weights_{};
   CombineRecord record_{1, 1};
   routing::Geometry geo_;
   std::vector<PeerTensors> peers_;
@@ -140,9 +162,12 @@ void Combine::validate() {
   const HandleFacts& h = plan_->facts;
   expand_ = h.do_expand;
   multi_ = engine_.config.allow_multiple_reduction;
-  N_ = h.num_tokens;
-  k_ = h.num_topk;
-  max_tokens_ = h.num_max_tokens_per_rank;
+  shape_.tokens = h.num_tokens;
+  shape_.topk = h.num_topk;
+  shape_.max_tokens = h.num_max_tokens_per_rank;
+  shape_.experts = h.num_experts;
+  shape_.local_experts = h.num_experts / engine_.num_ranks;
+  shape_.alignment = h.expert_alignment;
   geo_ = routing::Geometry{engine_.num_ranks, h.num_experts, engine_.logical_scaleout};
   const std::int64_t rows = expand_ ? h.num_expanded_tokens : h.num_recv_tokens;
   if (a.x.defined() && a.x.dtype() != DType::kBF16)
@@ -156,38 +181,38 @@ void Combine::validate() {
   // values, packed tuples) come back as BF16 rows of the model's hidden size.
   if (a.x.size(1) <= 0 || a.x.size(1) > kMaxHidden)
     core::fail(ctx_, "x has hidden size {}, expected 1 to {}", a.x.size(1), kMaxHidden);
-  H_ = static_cast<int>(a.x.size(1));
+  shape_.hidden = static_cast<int>(a.x.size(1));
   has_weights_ = a.topk_weights.defined();
   if (has_weights_) {
     if (expand_) {
       core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {rows});
     } else {
-      core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {rows, k_});
+      core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {rows, shape_.topk});
     }
     core::expect_rows_contiguous(ctx_, "topk_weights", a.topk_weights);
   }
   if (a.bias.size() > 2) core::fail(ctx_, "{} bias tensors given, at most 2 are accepted", a.bias.size());
   for (std::size_t b = 0; b < a.bias.size(); ++b) {
     const std::string name = fmt::format("bias[{}]", b);
-    core::expect_tensor(ctx_, name, a.bias[b], DType::kBF16, {N_, H_});
+    core::expect_tensor(ctx_, name, a.bias[b], DType::kBF16, {shape_.tokens, shape_.hidden});
     core::expect_rows_contiguous(ctx_, name, a.bias[b]);
   }
   if (req_.sum_weights_over_ranks && expand_)
     core::fail(ctx_, "summing weights over ranks needs the compact layout");
   engine_.check_num_qps(ctx_, a.num_qps);
-  record_ = CombineRecord(H_, k_);
-  const RegionSizes need = region_sizes(engine_.paths, max_tokens_, H_, 0, 0, k_, multi_);
+  record_ = CombineRecord(shape_.hidden, shape_.topk);
+  const RegionSizes need = region_sizes(engine_.paths, shape_.max_tokens, shape_.hidden, 0, 0, shape_.topk, multi_);
   if (need.combine_bytes > engine_.config.pool_bytes) {
     const std::int64_t bytes = align_to(need.combine_bytes, engine_.config.pool_alignment);
     throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer ({} tokens per rank, hidden = {}, k = {}), "
-                                    "the buffer holds {}", ctx_, bytes, max_tokens_, H_, k_, engine_.config.pool_bytes),
+                                    "the buffer holds {}", ctx_, bytes, shape_.max_tokens, shape_.hidden, shape_.topk, engine_.config.pool_bytes),
                         bytes, engine_.config.pool_bytes);
   }
 }
 
 void Combine::allocate_outputs_early() {
-  result.combined_x = Tensor::empty({N_, H_}, DType::kBF16);
-  if (has_weights_) result.combined_topk_weights = Tensor::empty({N_, k_}, DType::kFP32);
+  result.combined_x = Tensor::empty({shape_.tokens, shape_.hidden}, DType::kBF16);
+  if (has_weights_) result.combined_topk_weights = Tensor::empty({shape_.tokens, shape_.topk}, DType::kFP32);
 }
 
 void Combine::run(const std::function<void()>& outputs_ready) {
@@ -198,9 +223,9 @@ void Combine::run(const std::function<void()>& outputs_ready) {
     error = core::attempt(ctx_, [&] {
       engine_.wait_for_event(previous_event, ctx_, "previous_event");
       if (!result.combined_x.defined()) allocate_outputs_early();
-      const int workers = req_.workers(geo_.num_experts, k_);
+      const int workers = req_.workers(geo_.num_experts, shape_.topk);
       engine_.set_workers(workers);
-      core::trace(core::Subsys::kColl, "{}: hidden {}, {} experts, top-{}, {} workers", ctx_, H_, geo_.num_experts, k_,
+      core::trace(core::Subsys::kColl, "{}: hidden {}, {} experts, top-{}, {} workers", ctx_, shape_.hidden, geo_.num_experts, shape_.topk,
                   workers);
       engine_.limit_inflight(req_.num_qps);
       mine.x = static_cast<const std::byte*>(req_.x.data());
@@ -209,7 +234,7 @@ void Combine::run(const std::function<void()>& outputs_ready) {
         mine.weights = req_.topk_weights.data_as<const float>();
         mine.weights_row = expand_ ? 1 : req_.topk_weights.stride(0);
       }
-      mine.num_tokens = N_;
+      mine.num_tokens = shape_.tokens;
     });
   }
   PeerTensors shared;
@@ -225,17 +250,18 @@ void Combine::run(const std::function<void()>& outputs_ready) {
       .field("handle's dispatch number", error ? 0 : static_cast<std::int64_t>(plan_->dispatch_sequence))
       .field("do_expand (handle)", expand_)
       .field("topk_weights given", has_weights_)
-      .field("hidden", H_);
+      .field("hidden", shape_.hidden);
   peers_ = agree_on(*this, agreement, engine_, "combine: agreement", shared, ctx_);
   resolve_tensors(engine_, peers_, mine);
   outputs_ready();
   engine_.wait_for_event(req_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
+  CountedExchange contributions(engine_, "combine: scale-out contributions");
   {
     // The forwarder of a hybrid combine sums its node peers' rows (and may wait for room to send).
     comm::PeerReads reads(engine_.transport(), "combine: forwarding");
-    put_contributions();
+    put_contributions(contributions);
   }
-  wait_contributions();
+  wait_contributions(contributions);
   {
     comm::PeerReads reads(engine_.transport(), "combine: reduction");  // node peers' rows and weights
     reduce_tokens();
@@ -246,37 +272,26 @@ void Combine::run(const std::function<void()>& outputs_ready) {
 const std::uint16_t* Combine::rank_unit(int d, const std::int64_t* ids, const std::int32_t* rows,
                                         const std::int32_t* expanded, int& scratch) const {
   if (!expand_) {
-    for (int j = k_ - 1; j >= 0; --j)
+    for (int j = shape_.topk - 1; j >= 0; --j)
       if (ids[j] >= 0 && geo_.rank_of_expert(ids[j]) == d) return row_of(d, rows[j]);
     return nullptr;
   }
   std::array<const std::uint16_t*, kMaxTopk> lanes;
   int n = 0;
-  for (int j = 0; j < k_; ++j)
+  for (int j = 0; j < shape_.topk; ++j)
     if (ids[j] >= 0 && geo_.rank_of_expert(ids[j]) == d) lanes[static_cast<size_t>(n++)] = row_of(d, expanded[j]);
   if (n == 1) return lanes[0];
-  std::uint16_t* out = scratch_row(scratch++, H_);
-  core::sum_bf16_rows({lanes.data(), static_cast<size_t>(n)}, out, H_);
+  std::uint16_t* out = scratch_row(scratch++, shape_.hidden);
+  core::sum_bf16_rows({lanes.data(), static_cast<size_t>(n)}, out, shape_.hidden);
   return out;
 }
 
 int Combine::node_units(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int node,
                         std::array<Unit, kMaxTopk>& units, int& scratch) const {
-  int n = 0;
-  if (expand_ && !multi_) {
-    for (int j = 0; j < k_; ++j)
-      if (ids[j] >= 0 && engine_.node_of(geo_.rank_of_expert(ids[j])) == node)
-        units[static_cast<size_t>(n++)] = {j, row_of(geo_.rank_of_expert(ids[j]), expanded[j])};
-    return n;
-  }
-  std::array<routing::Destination, kMaxTopk> dests;
-  const int nd = routing::token_ranks(ids, k_, geo_, dests);
-  for (int i = 0; i < nd; ++i) {
-    const auto& d = dests[static_cast<size_t>(i)];
-    if (engine_.node_of(d.target) != node) continue;
-    units[static_cast<size_t>(n++)] = {d.master_lane, rank_unit(d.target, ids, rows, expanded, scratch),
-                                       expand_ ? nullptr : weight_row(d.target, rows[d.master_lane])};
-  }
+  std::array<routing::UnitRef, kMaxTopk> refs;
+  const int n = routing::node_unit_refs(ids, shape_.topk, geo_, scheme(), node, refs);
+  for (int i = 0; i < n; ++i)
+    units[static_cast<size_t>(i)] = local_unit(refs[static_cast<size_t>(i)], ids, rows, expanded, scratch);
   return n;
 }
 
@@ -292,75 +307,89 @@ Unit Combine::node_sum(const std::int64_t* ids, const std::int32_t* rows, const 
     weights_in[static_cast<size_t>(i)] = units[static_cast<size_t>(i)].weights;
   }
   const int index = scratch++;
-  std::uint16_t* sum = scratch_row(index, H_);
-  core::sum_bf16_rows({rows_in.data(), static_cast<size_t>(n)}, sum, H_);
+  std::uint16_t* sum = scratch_row(index, shape_.hidden);
+  core::sum_bf16_rows({rows_in.data(), static_cast<size_t>(n)}, sum, shape_.hidden);
   float* weights = nullptr;
   if (units[0].weights) {
     weights = scratch_weights.data() + static_cast<std::size_t>(index) * kMaxTopk;
-    sum_weight_rows({weights_in.data(), static_cast<size_t>(n)}, k_, weights);
+    sum_weight_rows({weights_in.data(), static_cast<size_t>(n)}, shape_.topk, weights);
   }
   return {units[0].key, sum, weights};
 }
 
-void Combine::put_record(int peer, int key, std::int32_t token, const std::uint16_t* payload, const float* weights) {
-  const std::int64_t offset = (static_cast<std::int64_t>(key) * max_tokens_ + token) * record_.bytes;
-  engine_.transport().put(peer, engine_.memory(), static_cast<std::size_t>(offset), payload,
-                          static_cast<std::size_t>(H_) * 2);
-  engine_.transport().put(peer, engine_.memory(), static_cast<std::size_t>(offset + record_.weights_offset), weights,
-                          sizeof(float) * static_cast<std::size_t>(k_));
+Unit Combine::local_unit(const routing::UnitRef& ref, const std::int64_t* ids, const std::int32_t* rows,
+                         const std::int32_t* expanded, int& scratch) const {
+  switch (ref.kind) {
+    case routing::UnitKind::kLane:
+      return {ref.key, row_of(geo_.rank_of_expert(ids[ref.target]), expanded[ref.target])};
+    case routing::UnitKind::kRank:
+      return {ref.key, rank_unit(ref.target, ids, rows, expanded, scratch),
+              expand_ ? nullptr : weight_row(ref.target, rows[ref.key])};
+    default: {
+      Unit unit = node_sum(ids, rows, expanded, ref.target, scratch);
+      unit.key = ref.key;
+      return unit;
+    }
+  }
+}
+
+void Combine::put_record(CountedExchange& contributions, int peer, int key, std::int32_t token,
+                         const std::uint16_t* payload, const float* weights) {
+  const std::int64_t offset = (static_cast<std::int64_t>(key) * shape_.max_tokens + token) * record_.bytes;
+  contributions.put(peer, static_cast<std::size_t>(offset), payload, static_cast<std::size_t>(shape_.hidden) * 2);
+  contributions.put(peer, static_cast<std::size_t>(offset + record_.weights_offset), weights,
+                    sizeof(float) * static_cast<std::size_t>(shape_.topk));
+}
+
+template <class Keep>
+const float* Combine::record_weights(const Unit& unit, const std::int64_t* ids, const std::int32_t* rows,
+                                     const std::int32_t* expanded, Keep keep) {
+  if (req_.sum_weights_over_ranks && unit.weights) return unit.weights;
+  send_weights_.fill(0.0f);
+  if (!has_weights_) return send_weights_.data();
+  for (int j = 0; j < shape_.topk; ++j)
+    if (ids[j] >= 0 && keep(j)) send_weights_[static_cast<size_t>(j)] = lane_weight(ids, rows, expanded, j);
+  return send_weights_.data();
+}
+
+void Combine::send_token(CountedExchange& contributions, int peer, std::int32_t token, const std::int64_t* ids,
+                         const std::int32_t* rows, const std::int32_t* expanded, bool node_unit_key) {
+  const int me = engine_.rank, my_node = engine_.node_of(me);
+  int scratch = 0;
+  if (node_unit_key) {
+    // Hybrid with multiple reduction: one level-2 unit for this node, keyed by node.
+    const Unit unit = node_sum(ids, rows, expanded, my_node, scratch);
+    if (unit.row == nullptr) return;
+    const float* w = record_weights(unit, ids, rows, expanded,
+                                    [&](int j) { return engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node; });
+    put_record(contributions, peer, engine_.routing_node_of(me), token, unit.row, w);
+    return;
+  }
+  std::array<Unit, kMaxTopk> units;
+  const int n = node_units(ids, rows, expanded, my_node, units, scratch);
+  for (int i = 0; i < n; ++i) {
+    const Unit& unit = units[static_cast<size_t>(i)];
+    const int unit_rank = geo_.rank_of_expert(ids[unit.key]);
+    const float* w = record_weights(unit, ids, rows, expanded, [&](int j) {
+      return expand_ && !multi_ ? j == unit.key : geo_.rank_of_expert(ids[j]) == unit_rank;
+    });
+    put_record(contributions, peer, unit.key, token, unit.row, w);
+  }
 }
 
 // Contributions for tokens whose source is on another node: from each destination rank (direct
 // mode) or from the forwarder of the destination node (hybrid mode).
-void Combine::put_contributions() {
+void Combine::put_contributions(CountedExchange& contributions) {
   if (!engine_.paths.hybrid() && !engine_.paths.direct_remote()) return;
-  const int me = engine_.rank, my_node = engine_.node_of(me);
-  std::array<float, kMaxTopk> weights{};
-  std::array<Unit, kMaxTopk> units;
-  std::vector<bool> signalled(static_cast<size_t>(geo_.num_ranks), false);
-  // The record's weights: the unit's whole weight row (weights summed over ranks), or the
-  // weights of the lanes selected by keep, 0 elsewhere.
-  auto record_weights = [&](const Unit& unit, const std::int64_t* ids, const std::int32_t* rows,
-                            const std::int32_t* expanded, auto keep) -> const float* {
-    if (req_.sum_weights_over_ranks && unit.weights) return unit.weights;
-    weights.fill(0.0f);
-    if (!has_weights_) return weights.data();
-    for (int j = 0; j < k_; ++j)
-      if (ids[j] >= 0 && keep(j)) weights[static_cast<size_t>(j)] = lane_weight(ids, rows, expanded, j);
-    return weights.data();
-  };
-  prepare_scratch(H_);
-  auto send_token = [&](int peer, std::int32_t token, const std::int64_t* ids, const std::int32_t* rows,
-                        const std::int32_t* expanded, bool node_unit_key) {
-    int scratch = 0;
-    if (node_unit_key) {
-      // Hybrid with multiple reduction: one level-2 unit for this node, keyed by node.
-      const Unit unit = node_sum(ids, rows, expanded, my_node, scratch);
-      if (unit.row == nullptr) return;
-      const float* w = record_weights(unit, ids, rows, expanded,
-                                      [&](int j) { return engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node; });
-      put_record(peer, engine_.routing_node_of(me), token, unit.row, w);
-    } else {
-      const int n = node_units(ids, rows, expanded, my_node, units, scratch);
-      if (n == 0) return;
-      for (int i = 0; i < n; ++i) {
-        const Unit& unit = units[static_cast<size_t>(i)];
-        const int unit_rank = geo_.rank_of_expert(ids[unit.key]);
-        const float* w = record_weights(unit, ids, rows, expanded, [&](int j) {
-          return expand_ && !multi_ ? j == unit.key : geo_.rank_of_expert(ids[j]) == unit_rank;
-        });
-        put_record(peer, unit.key, token, unit.row, w);
-      }
-    }
-    signalled[static_cast<size_t>(peer)] = true;
-  };
-
+  const int me = engine_.rank, k = shape_.topk;
+  prepare_scratch(shape_.hidden);
   if (engine_.paths.hybrid()) {
     for (const ForwardPlan& f : plan_->forward) {
       if (f.source < 0) continue;
       for (std::int32_t slot = 0; slot < f.count; ++slot) {
-        const std::size_t base = static_cast<size_t>(slot) * k_;
-        send_token(f.source, f.token[static_cast<size_t>(slot)], &f.ids[base], &f.rows[base], &f.expanded[base], multi_);
+        const std::size_t base = static_cast<size_t>(slot) * k;
+        send_token(contributions, f.source, f.token[static_cast<size_t>(slot)], &f.ids[base], &f.rows[base],
+                   &f.expanded[base], multi_);
       }
     }
   } else {
@@ -371,129 +400,91 @@ void Combine::put_contributions() {
       const int src = plan_->rows[i].source;
       if (engine_.same_node(src)) continue;
       // Rebuild the token's lanes as seen from here: local lanes carry this rank's rows.
-      for (int j = 0; j < k_; ++j) {
-        const std::int32_t local = plan_->local_ids[i * k_ + j];
+      for (int j = 0; j < k; ++j) {
+        const std::int32_t local = plan_->local_ids[i * k + j];
         ids[static_cast<size_t>(j)] = local >= 0 ? std::int64_t{me} * geo_.experts_per_rank() + local : -1;
         rows[static_cast<size_t>(j)] = static_cast<std::int32_t>(i);
-        expanded[static_cast<size_t>(j)] = expand_ ? plan_->expanded_rows[i * k_ + j] : -1;
+        expanded[static_cast<size_t>(j)] = expand_ ? plan_->expanded_rows[i * k + j] : -1;
       }
       // Keys must be the lanes of the original token: the local lanes are the token's lanes.
-      send_token(src, plan_->row_token[i], ids.data(), rows.data(), expanded.data(), false);
+      send_token(contributions, src, plan_->row_token[i], ids.data(), rows.data(), expanded.data(), false);
     }
   }
-  for (int peer = 0; peer < geo_.num_ranks; ++peer)
-    if (signalled[static_cast<size_t>(peer)]) engine_.transport().signal(peer);
+  contributions.signal_written();
 }
 
-void Combine::wait_contributions() {
+void Combine::wait_contributions(CountedExchange& contributions) {
   if (!engine_.paths.hybrid() && !engine_.paths.direct_remote()) return;
-  const auto& layout = plan_->layout;
-  const int me = engine_.rank;
-  std::vector<int> peers;
-  std::vector<std::uint64_t> targets;
-  if (engine_.paths.hybrid()) {
-    const int my_node = engine_.routing_node_of(me), SU = engine_.logical_scaleup;
-    for (int node = 0; node < geo_.num_nodes; ++node) {
-      if (node == my_node || layout.node_count(me, node) == 0) continue;
-      const int forwarder = node * SU + me % SU;
-      peers.push_back(forwarder);
-      targets.push_back(engine_.expect_signal(forwarder));
-    }
-  } else {
-    for (int d = 0; d < geo_.num_ranks; ++d) {
-      if (engine_.same_node(d) || layout.count(me, d) == 0) continue;
-      peers.push_back(d);
-      targets.push_back(engine_.expect_signal(d));
-    }
-  }
-  if (!peers.empty()) engine_.transport().wait_signals(peers, targets, engine_.wait("combine: scale-out contributions"));
+  const routing::PlanningRank me{.rank = engine_.rank, .physical_scaleup = engine_.physical.num_scaleup,
+                                 .hybrid = engine_.paths.hybrid(), .expand = expand_};
+  for (const int sender : routing::contribution_senders(plan_->layout, me)) contributions.expect(sender);
+  contributions.wait();
 }
 
 void Combine::reduce_tokens() {
-  const HandleState& plan = *plan_;
-  const int my_node = engine_.node_of(engine_.rank);
-  const std::int64_t* topk = plan.topk.data_as<const std::int64_t>();
-  const std::int64_t topk_row = plan.topk.defined() ? plan.topk.stride(0) : k_;
-  auto* out = result.combined_x.data_as<std::uint16_t>();
-  auto* out_w = has_weights_ ? result.combined_topk_weights.data_as<float>() : nullptr;
-  const bool hybrid = engine_.paths.hybrid();
-
-  engine_.pool().parallel_for((N_ + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
-    prepare_scratch(H_);
-    const int end = static_cast<int>(std::min<std::int64_t>(N_, (task + 1) * kTokensPerTask));
-    std::array<Unit, kMaxTopk> units;
-    std::array<const std::uint16_t*, kMaxTopk + 2> inputs;
-    std::array<routing::Destination, kMaxTopk> dests;
-    for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t) {
-      const std::int64_t* ids = topk + t * topk_row;
-      const std::int32_t* rows = &plan.dst_row[static_cast<size_t>(t) * k_];
-      const std::int32_t* expanded = &plan.dst_expanded[static_cast<size_t>(t) * k_];
-      int scratch = 0, n = 0;
-      float* w = out_w ? out_w + static_cast<std::int64_t>(t) * k_ : nullptr;
-      if (w) std::fill(w, w + k_, 0.0f);
-      auto take_remote_weights = [&](const float* rw, auto keep) {
-        if (!w || req_.sum_weights_over_ranks) return;
-        for (int j = 0; j < k_; ++j)
-          if (ids[j] >= 0 && keep(j)) w[j] = rw[j];
-      };
-      // Units on this node are read in place; units of other nodes arrived as records.
-      auto record_unit = [&](int key, int region) {
-        const std::byte* record = combine_record(region, t);
-        return Unit{key, reinterpret_cast<const std::uint16_t*>(record),
-                    reinterpret_cast<const float*>(record + record_.weights_offset)};
-      };
-      if (hybrid && multi_) {
-        const int nn = routing::token_nodes(ids, k_, geo_, dests);
-        for (int i = 0; i < nn; ++i) {
-          const int node = dests[static_cast<size_t>(i)].target, key = dests[static_cast<size_t>(i)].master_lane;
-          if (node == my_node) {
-            Unit unit = node_sum(ids, rows, expanded, node, scratch);
-            unit.key = key;
-            units[static_cast<size_t>(n++)] = unit;
-          } else {
-            units[static_cast<size_t>(n++)] = record_unit(key, node);
-            take_remote_weights(units[static_cast<size_t>(n - 1)].weights,
-                                [&](int j) { return geo_.node_of_rank(geo_.rank_of_expert(ids[j])) == node; });
-          }
-        }
-      } else {
-        n = node_units(ids, rows, expanded, my_node, units, scratch);
-        if (expand_ && !multi_) {
-          for (int j = 0; j < k_; ++j) {
-            if (ids[j] < 0 || engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node) continue;
-            units[static_cast<size_t>(n++)] = record_unit(j, j);
-            take_remote_weights(units[static_cast<size_t>(n - 1)].weights, [&](int l) { return l == j; });
-          }
-        } else {
-          const int nd = routing::token_ranks(ids, k_, geo_, dests);
-          for (int i = 0; i < nd; ++i) {
-            const auto& d = dests[static_cast<size_t>(i)];
-            if (engine_.node_of(d.target) == my_node) continue;
-            units[static_cast<size_t>(n++)] = record_unit(d.master_lane, d.master_lane);
-            take_remote_weights(units[static_cast<size_t>(n - 1)].weights,
-                                [&](int j) { return geo_.rank_of_expert(ids[j]) == d.target; });
-          }
-        }
-        std::sort(units.begin(), units.begin() + n, [](const Unit& a, const Unit& b) { return a.key < b.key; });
-      }
-      if (w && req_.sum_weights_over_ranks) {
-        // Every unit's whole weight row, summed in unit order.
-        std::array<const float*, kMaxTopk> rows_w;
-        for (int u = 0; u < n; ++u) rows_w[static_cast<size_t>(u)] = units[static_cast<size_t>(u)].weights;
-        sum_weight_rows({rows_w.data(), static_cast<size_t>(n)}, k_, w);
-      } else {
-        // Lanes served on this node: the weight their rank returned for them.
-        for (int j = 0; j < k_ && w; ++j)
-          if (ids[j] >= 0 && engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node)
-            w[j] = lane_weight(ids, rows, expanded, j);
-      }
-      int count = 0;
-      for (const TensorView& b : req_.bias)
-        inputs[static_cast<size_t>(count++)] = b.data_as<const std::uint16_t>() + t * b.stride(0);
-      for (int u = 0; u < n; ++u) inputs[static_cast<size_t>(count++)] = units[static_cast<size_t>(u)].row;
-      core::sum_bf16_rows({inputs.data(), static_cast<size_t>(count)}, out + static_cast<std::int64_t>(t) * H_, H_);
-    }
+  const int N = shape_.tokens;
+  engine_.pool().parallel_for((N + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
+    prepare_scratch(shape_.hidden);
+    const int end = static_cast<int>(std::min<std::int64_t>(N, (task + 1) * kTokensPerTask));
+    for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t) reduce_token(t);
   });
+}
+
+// Token t's result: the biases, then its units in reduction order (routing::reduction_units);
+// units on this node are read in place, units of other nodes arrived as records.
+void Combine::reduce_token(int t) {
+  const HandleState& plan = *plan_;
+  const int k = shape_.topk, my_node = engine_.node_of(engine_.rank);
+  const std::int64_t topk_row = plan.topk.defined() ? plan.topk.stride(0) : k;
+  const std::int64_t* ids = plan.topk.data_as<const std::int64_t>() + t * topk_row;
+  const std::int32_t* rows = &plan.dst_row[static_cast<size_t>(t) * k];
+  const std::int32_t* expanded = &plan.dst_expanded[static_cast<size_t>(t) * k];
+  float* w = has_weights_ ? result.combined_topk_weights.data_as<float>() + static_cast<std::int64_t>(t) * k : nullptr;
+  if (w) std::fill(w, w + k, 0.0f);
+  auto take_remote_weights = [&](const float* rw, auto keep) {
+    if (!w || req_.sum_weights_over_ranks) return;
+    for (int j = 0; j < k; ++j)
+      if (ids[j] >= 0 && keep(j)) w[j] = rw[j];
+  };
+  std::array<routing::UnitRef, kMaxTopk> refs;
+  std::array<Unit, kMaxTopk> units;
+  const int n = routing::reduction_units(ids, k, geo_, scheme(), engine_.rank, refs);
+  int scratch = 0;
+  for (int u = 0; u < n; ++u) {
+    const routing::UnitRef& ref = refs[static_cast<size_t>(u)];
+    Unit& unit = units[static_cast<size_t>(u)];
+    if (ref.kind == routing::UnitKind::kLane || ref.kind == routing::UnitKind::kRank ||
+        ref.kind == routing::UnitKind::kNode) {
+      unit = local_unit(ref, ids, rows, expanded, scratch);
+      continue;
+    }
+    const std::byte* record = combine_record(ref.region, t);
+    unit = {ref.key, reinterpret_cast<const std::uint16_t*>(record),
+            reinterpret_cast<const float*>(record + record_.weights_offset)};
+    if (ref.kind == routing::UnitKind::kRemoteNode)
+      take_remote_weights(unit.weights, [&](int j) { return geo_.node_of_rank(geo_.rank_of_expert(ids[j])) == ref.target; });
+    else if (ref.kind == routing::UnitKind::kRemoteLane)
+      take_remote_weights(unit.weights, [&](int j) { return j == ref.target; });
+    else
+      take_remote_weights(unit.weights, [&](int j) { return geo_.rank_of_expert(ids[j]) == ref.target; });
+  }
+  if (w && req_.sum_weights_over_ranks) {
+    // Every unit's whole weight row, summed in unit order.
+    std::array<const float*, kMaxTopk> rows_w;
+    for (int u = 0; u < n; ++u) rows_w[static_cast<size_t>(u)] = units[static_cast<size_t>(u)].weights;
+    sum_weight_rows({rows_w.data(), static_cast<size_t>(n)}, k, w);
+  } else {
+    // Lanes served on this node: the weight their rank returned for them.
+    for (int j = 0; j < k && w; ++j)
+      if (ids[j] >= 0 && engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node) w[j] = lane_weight(ids, rows, expanded, j);
+  }
+  std::array<const std::uint16_t*, kMaxTopk + 2> inputs;
+  int count = 0;
+  for (const TensorView& b : req_.bias) inputs[static_cast<size_t>(count++)] = b.data_as<const std::uint16_t>() + t * b.stride(0);
+  for (int u = 0; u < n; ++u) inputs[static_cast<size_t>(count++)] = units[static_cast<size_t>(u)].row;
+  core::sum_bf16_rows({inputs.data(), static_cast<size_t>(count)}, result.combined_x.data_as<std::uint16_t>() +
+                                                                       static_cast<std::int64_t>(t) * shape_.hidden,
+                      shape_.hidden);
 }
 
 }  // namespace

@@ -31,6 +31,7 @@
 #include "engine/sizing.hh"
 #include "moe_ep/dispatch_types.hpp"
 #include "moe_ep/error.hpp"
+#include "routing/handle_plan.hh"
 #include "routing/plan.hh"
 
 namespace moe_ep::engine {
@@ -150,20 +151,8 @@ class Engine {
 int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk, int num_scaleout_topk,
                             double rdma_gbs, double nvlink_gbs, double sm_read_gbs, double sm_write_gbs);
 
-struct RowSource {
-  std::int32_t source;  // source rank
-  std::int32_t index;   // token index (same node) or record slot (remote)
-};
-
-// Tokens of one source that a forwarder holds for its node.
-struct ForwardPlan {
-  int source = -1;
-  std::int32_t count = 0;
-  std::vector<std::int32_t> token;     // [count]
-  std::vector<std::int64_t> ids;       // [count * k] global expert ids
-  std::vector<std::int32_t> rows;      // [count * k] row at the lane's rank if master lane, else -1
-  std::vector<std::int32_t> expanded;  // [count * k] expanded row of the lane, or -1
-};
+using routing::ForwardPlan;
+using routing::RowSource;
 
 // EPHandle's scalar fields as the dispatch produced them. EPHandle's public fields are copies
 // that callers can change; cached dispatch and combine check them against these.
@@ -173,27 +162,14 @@ struct HandleFacts {
   std::int64_t num_recv_tokens = 0, num_expanded_tokens = 0;
 };
 
-// Routing state of a dispatch: everything cached dispatch and combine need.
-struct HandleState {
+// Routing state of a dispatch: everything cached dispatch and combine need. The rows, counts and
+// forwarding plans are the routing plan (routing/handle_plan.hh); the rest identifies the call.
+struct HandleState : routing::RoutingPlan {
   std::uint64_t engine_id = 0;
   std::uint64_t dispatch_sequence = 0;  // the creating dispatch's operation number (same on all ranks)
   HandleFacts facts;
   int max_tokens = 0;                   // T of the call
-  routing::GlobalLayout layout;
-  std::vector<std::int32_t> source_tokens;  // [R]: token count of every rank in the call
-  // As destination.
-  std::vector<RowSource> rows;              // [real rows]
-  std::vector<std::int32_t> row_token;      // [real rows] token index at the source
-  std::vector<std::int32_t> master_lane;    // [real rows]
-  std::vector<std::int32_t> local_ids;      // [real rows * k]
-  std::vector<std::int32_t> expanded_rows;  // [real rows * k], expand only
-  // As source.
-  Tensor topk;                              // [N, k] int64
-  std::vector<std::int32_t> dst_row;        // [N * k]
-  std::vector<std::int32_t> dst_expanded;   // [N * k]
-  std::vector<std::int32_t> node_slot;      // [N * k] hybrid: forwarder slot at node master lanes
-  // As forwarder (hybrid): one plan per source node (index = node; own node unused).
-  std::vector<ForwardPlan> forward;
+  Tensor topk;                          // [N, k] int64: this rank's top-k ids (as source)
 };
 
 // The state of a handle given to this engine: made by it (not another buffer), its public fields

@@ -1,0 +1,113 @@
+// The dispatch operation (private to the engine): its validation (dispatch_validate.cc), its
+// sequence of steps around the agreement (dispatch.cc) and its data path (dispatch_records.cc).
+// The routing plan itself is computed by routing/handle_plan.hh; this class moves the data.
+//
+// Guarantees: the constructor validates on the calling thread and never throws (a rejection is
+// kept in local_error and reported through the agreement); run() executes the steps in a fixed
+// order on every rank, so that the puts, signals and barriers of all ranks match.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "comm/agreement.hh"
+#include "engine/call_shape.hh"
+#include "engine/counted_exchange.hh"
+#include "engine/engine.hh"
+#include "routing/handle_plan.hh"
+
+namespace moe_ep::engine::dispatch_detail {
+
+inline constexpr std::int64_t kRowsPerTask = 32;
+
+class Dispatch final : public DispatchOperation {
+ public:
+  Dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequence);
+
+  bool outputs_known_early() const override { return cached_ || !cpu_sync_; }
+  void allocate_outputs_early() override { allocate_outputs(worst_rows(), worst_expanded_rows()); }
+  void run(const std::function<void()>& outputs_ready) override;
+
+ private:
+  // Validation (dispatch_validate.cc).
+  void validate();
+  void take_sizes();
+  void check_payload();
+  void check_routing();
+  void check_options();
+  void check_capacity(int tokens_bound) const;
+  void check_gathered(const std::vector<PeerTensors>& peers);
+  std::int64_t worst_rows() const;
+  std::int64_t worst_expanded_rows() const;
+
+  // Steps of run() (dispatch.cc).
+  void start_handle();
+  void prepare();
+  void publish(std::vector<std::byte>& payload, PeerTensors& mine);
+  std::vector<std::span<const std::byte>> agree(comm::Agreement& agreement, const std::exception_ptr& error,
+                                                const std::vector<std::byte>& payload);
+  std::vector<PeerTensors> unpack_peers(const std::vector<std::span<const std::byte>>& payloads,
+                                        const PeerTensors& mine);
+  void take_layout(const std::vector<std::span<const std::byte>>& payloads, const std::vector<PeerTensors>& peers);
+  void plan_local(const std::vector<PeerTensors>& peers);
+  void make_outputs();
+  void move_rows(const std::vector<PeerTensors>& peers);
+  void finish();
+  void allocate_outputs(std::int64_t rows, std::int64_t expanded_rows);
+  void allocate_outputs_unnamed(std::int64_t rows, std::int64_t expanded_rows);
+  PeerTensors my_tensors() const;
+  void fill_handle();
+  routing::PlanningRank planning_rank() const;
+
+  // Data path (dispatch_records.cc).
+  void put_records(const std::vector<PeerTensors>& peers, CountedExchange& records);
+  void fill_record_meta(const PeerTensors& mine, int token);
+  void wait_records(CountedExchange& records);
+  void plan_forwarding();
+  void plan_receive_remote();
+  void copy_rows(const std::vector<PeerTensors>& peers);
+  void copy_row(const std::vector<PeerTensors>& peers, std::int64_t row, std::int32_t* metadata);
+  void zero_padding();
+  void add_expert_stats();
+
+  // The record of (source, slot) in this rank's region (direct) or its forwarder's (hybrid).
+  std::byte* region_record(int source, std::int32_t slot);
+  std::int64_t region_offset(int source, std::int32_t slot) const {
+    const int region = engine_.paths.hybrid() ? engine_.routing_node_of(source) : source;
+    return (static_cast<std::int64_t>(region) * shape_.max_tokens + slot) * record_.bytes;
+  }
+  // The ids (as int64) and token index of a record of this rank's symmetric memory or a node peer's.
+  void read_record(const std::byte* record, std::int64_t* ids, std::int32_t* token) const;
+
+  Engine& engine_;
+  DispatchRequest req_;
+  std::uint64_t sequence_;
+  std::string ctx_;
+
+  bool fp8_ = false, cached_ = false, cpu_sync_ = true, expand_ = false, has_weights_ = false;
+  CallShape shape_;
+  int workers_ = 1;
+  int handle_hidden_ = 0;  // the handle's hidden: shape_.hidden, or the request's handle_hidden
+  DType x_dtype_ = DType::kBF16, scale_dtype_ = DType::kFP32;
+  std::int64_t row_bytes_ = 0;
+  DispatchRecord record_{0, 0, 1};
+  routing::Geometry geo_;
+  const HandleState* cached_state_ = nullptr;
+  std::shared_ptr<HandleState> state_;  // the new handle's state (non-cached)
+  const HandleState* plan_ = nullptr;   // state_ or cached_state_
+  routing::LocalCounts counts_;
+  std::vector<std::byte> record_scratch_;
+  // copy_rows' output pointers, set before the parallel loop.
+  struct Outputs {
+    std::byte* x = nullptr;
+    std::uint32_t* scales = nullptr;
+    std::int64_t scale_row = 0, scale_col = 0;
+    std::int64_t* ids = nullptr;
+    float* weights = nullptr;
+  } out_;
+};
+
+}  // namespace moe_ep::engine::dispatch_detail
