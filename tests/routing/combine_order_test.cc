@@ -32,7 +32,9 @@ void expect_units(const ReductionScheme& scheme, int rank, const std::vector<Exp
     EXPECT_EQ(u.key, e.key) << i;
     EXPECT_EQ(u.kind, e.kind) << i;
     EXPECT_EQ(u.target, e.target) << i;
-    if (e.region >= 0) EXPECT_EQ(u.region, e.region) << i;
+    if (e.region >= 0) {
+      EXPECT_EQ(u.region, e.region) << i;
+    }
   }
 }
 
