@@ -87,6 +87,183 @@ void check_local_nodes(int ranks, int nodes, bool nodes_given, int ranks_per_nod
     need(ranks % ranks_per_node == 0, fmt::format("--ranks-per-node {} does not divide --ranks {}", ranks_per_node, ranks));
 }
 
+// The `run` subcommand's options, and what it needs to tell its paths apart.
+struct RunCommand {
+  moe_ep::tools::RunOptions options;
+  moe_ep::tools::DispatcherRunOptions dispatcher;
+  std::string api = "v2";
+  bool low_latency = false;
+  bool through_dispatcher = false;
+  CLI::App* app = nullptr;
+  bool given(const char* flag) const { return app->count(flag) > 0; }
+};
+
+struct BenchCommand {
+  moe_ep::tools::BenchOptions options;
+  CLI::App* app = nullptr;
+  bool given(const char* flag) const { return app->count(flag) > 0; }
+};
+
+void add_run_command(CLI::App& app, RunCommand& run) {
+  using namespace moe_ep::tools;
+  RunOptions& o = run.options;
+  CLI::App* cmd = app.add_subcommand("run", "run a DeepSeek-V3-shaped MoE layer on in-process ranks and verify it");
+  run.app = cmd;
+  add_layer_options(*cmd, o.layer);
+  cmd->add_option("--iters", o.iterations, "iterations (the best time per phase is reported)")->check(integer_in(1));
+  cmd->add_option("--workers", o.workers, "worker threads per rank (0 = the theoretical model)")->check(integer_in(0));
+  cmd->add_flag("--async", o.async, "run dispatch and combine on the communication workers, then wait");
+  cmd->add_option("--dump", o.dump_dir, "write every rank's inputs and outputs as .npy files here (with --dispatcher: of every batch)");
+  cmd->add_flag("--logfmt", o.layer.logfmt, "with --api v1 --low-latency: LogFMT-10 combine");
+  cmd->add_option("--api", run.api, "which API runs the layer: v2 (ElasticBuffer) or v1 (Buffer)")->check(one_of({"v1", "v2"}));
+  cmd->add_flag("--low-latency", run.low_latency, "with --api v1: low_latency_dispatch / low_latency_combine");
+  cmd->add_flag("--dispatcher", run.through_dispatcher,
+                "through the token dispatcher (generation from MOE_EP_USE_V2), over a sequence of batches");
+  cmd->add_option("--mode", run.dispatcher.mode, "with --dispatcher: normal, low_latency or auto (default: MOE_EP_MODE)")
+      ->check(one_of({"normal", "low_latency", "auto"}));
+  cmd->add_option("--sequence", run.dispatcher.sequence, "with --dispatcher: batch kinds, P = prefill, D = decode");
+  cmd->add_option("--decode-tokens", run.dispatcher.decode_tokens, "with --dispatcher: tokens per rank of decode batches")
+      ->check(integer_in(1));
+  cmd->add_flag("--quiet", o.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
+}
+
+void add_bench_command(CLI::App& app, BenchCommand& bench) {
+  using namespace moe_ep::tools;
+  BenchOptions& o = bench.options;
+  CLI::App* cmd = app.add_subcommand("bench", "dispatch/combine bandwidth against the memcpy ceiling");
+  bench.app = cmd;
+  cmd->add_option("--ranks", o.ranks, "ranks (threads of this process)")->check(integer_in(1, 1024));
+  cmd->add_option("--nodes", o.nodes, "logical nodes")->check(integer_in(1, 1024));
+  cmd->add_flag("!--no-hybrid", o.allow_hybrid, "direct mode across nodes (V2)");
+  cmd->add_option("--hidden", o.hidden, "hidden size (a multiple of 128: FP8 dispatch)")->check(integer_in(1));
+  cmd->add_option("--experts", o.experts, "experts (a multiple of --ranks)")->check(integer_in(1));
+  cmd->add_option("--topk", o.topk, "experts per token (at most --experts)")->check(integer_in(1, 32));
+  cmd->add_option("--workers", o.workers, "worker threads per rank (0 = model)")->check(integer_in(0));
+  cmd->add_option("--prefill-tokens", o.prefill_tokens, "tokens per rank, prefill shape")->check(integer_in(1));
+  cmd->add_option("--decode-tokens", o.decode_tokens, "tokens per rank, decode shape")->check(integer_in(1));
+  cmd->add_option("--prefill-iters", o.prefill_iterations, "timed iterations, prefill")->check(integer_in(1));
+  cmd->add_option("--decode-iters", o.decode_iterations, "timed iterations, decode")->check(integer_in(1));
+  cmd->add_option("--seed", o.seed, "seed")->check(integer_in<std::uint64_t>(0));
+  cmd->add_option("--json", o.json_path, "also write the results as JSON to this file");
+  cmd->add_option("--api", o.api, "v2 (ElasticBuffer) or v1 (Buffer: normal mode prefill, low-latency decode)")
+      ->check(one_of({"v1", "v2"}));
+  add_bench_record_options(*cmd, o);
+  cmd->add_flag("--quiet", o.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
+}
+
+void add_launch_options(CLI::App& cmd, moe_ep::tools::LaunchOptions& launch) {
+  using namespace moe_ep::tools;
+  cmd.add_option("--transport", launch.transport, "local: ranks are threads of this process; mpi: this process is "
+                                                  "one rank of an MPI job (start with mpirun; the default when "
+                                                  "started by an MPI launcher); host: the same, over moe-ep's "
+                                                  "shared-memory host transport (one host; MPI only bootstraps it)")
+      ->check(one_of({"local", "mpi", "host"}));
+  cmd.add_option("--ranks-per-node", launch.ranks_per_node,
+                 "ranks per logical node (instead of --nodes; 0 = from --nodes); with mpi, processes of one host in "
+                 "different logical nodes talk through MPI")
+      ->check(integer_in(0, 1024));
+}
+
+// The logical nodes of a launch: threads of this process are checked against --ranks; processes
+// of an MPI job only for the one conflict (their count is known once the job started).
+void check_launch_nodes(bool local, int ranks, int nodes, bool nodes_given, int ranks_per_node, bool rpn_given) {
+  if (local) {
+    check_local_nodes(ranks, nodes, nodes_given, ranks_per_node, rpn_given);
+  } else {
+    need(!(nodes_given && rpn_given), "--nodes and --ranks-per-node both set the logical nodes: give one of them");
+  }
+}
+
+int run_through_dispatcher(RunCommand& run) {
+  using namespace moe_ep::tools;
+  const LayerConfig& c = run.options.layer;
+  need(!c.logfmt, "--logfmt is a V1 low-latency combine option: use --api v1 --low-latency");
+  need(!run.options.launch.transport_given && !run.given("--ranks-per-node"),
+       "--dispatcher runs its ranks as threads: drop --transport and --ranks-per-node");
+  need(!run.given("--api") && !run.low_latency && !run.options.async,
+       "--dispatcher chooses the API itself (MOE_EP_USE_V2, --mode): drop --api, --low-latency and --async");
+  need(!run.given("--workers"), "--workers is not used by --dispatcher (its buffers choose their workers)");
+  if (const int job = launcher_size(); job > 1)
+    throw UsageError(fmt::format("started by an MPI launcher as {0} processes; --dispatcher runs its ranks as "
+                                 "threads of one process and would run {0} independent jobs: run one process",
+                                 job));
+  check_shape(c.ranks, c.experts, c.topk, c.hidden, c.fp8 || c.nvfp4, c.fp8 ? "--fp8" : "--nvfp4");
+  check_local_nodes(c.ranks, c.scaleout, run.given("--nodes"), 0, false);
+  need(c.allow_hybrid || c.scaleout > 1, "--no-hybrid chooses how tokens cross nodes: it needs --nodes 2 or more");
+  progress::start(!run.options.quiet);
+  return dispatcher_command(run.options, run.dispatcher);
+}
+
+// Flags that belong to one API or mode only.
+void check_run_api_flags(const RunCommand& run) {
+  const moe_ep::tools::LayerConfig& c = run.options.layer;
+  need(run.dispatcher.mode.empty() && !run.given("--sequence") && !run.given("--decode-tokens"),
+       "--mode, --sequence and --decode-tokens need --dispatcher");
+  need(!(run.low_latency && run.api != "v1"), "--low-latency needs --api v1");
+  need(!((c.nvfp4 || c.logfmt) && !run.low_latency),
+       "--nvfp4 and --logfmt need --api v1 --low-latency (or --dispatcher for --nvfp4)");
+  if (run.api == "v1") {
+    need(c.allow_hybrid && c.multi, "--no-hybrid and --no-multiple-reduction are V2 options: drop them with --api v1");
+    need(!c.expand, run.low_latency ? "--expand with --low-latency: the slab is already per expert (drop --expand)"
+                                    : "--expand with --api v1: V1's normal mode has no expanded layout (drop --expand)");
+  }
+  if (run.low_latency) {
+    need(!run.given("--alignment"), "--alignment with --low-latency: the slab is per expert, nothing is aligned");
+    need(!run.given("--workers"), "--workers with --low-latency: low-latency mode runs on one thread per rank");
+  } else if (run.api == "v2") {
+    need(!run.given("--alignment") || c.expand,
+         "--alignment needs --expand (it aligns the expert blocks of the expanded layout)");
+  }
+}
+
+int run_main(RunCommand& run, int& argc, char**& argv) {
+  using namespace moe_ep::tools;
+  RunOptions& o = run.options;
+  LayerConfig& c = o.layer;
+  o.launch.transport_given = run.given("--transport");
+  need(!((c.nvfp4_ue8m0 || run.given("--nvfp4-global-scale")) && !c.nvfp4),
+       "--nvfp4-ue8m0 and --nvfp4-global-scale need --nvfp4");
+  need(!(c.nvfp4 && c.fp8), "--nvfp4 and --fp8: pick one wire format");
+  if (run.through_dispatcher) return run_through_dispatcher(run);
+  check_run_api_flags(run);
+  resolve_transport(o.launch);
+  const bool local = o.launch.transport == "local";
+  check_shape(local || run.given("--ranks") ? c.ranks : 0, c.experts, c.topk, c.hidden, c.fp8 || c.nvfp4,
+              c.fp8 ? "--fp8" : "--nvfp4");
+  check_launch_nodes(local, c.ranks, c.scaleout, run.given("--nodes"), o.launch.ranks_per_node,
+                     run.given("--ranks-per-node"));
+  if (local)
+    need(c.allow_hybrid || c.scaleout > 1 || o.launch.ranks_per_node > 0,
+         "--no-hybrid chooses how tokens cross nodes: it needs --nodes (or --ranks-per-node) for 2 nodes or more");
+  o.api = run.api == "v2" ? Api::kV2 : run.low_latency ? Api::kV1LowLatency : Api::kV1;
+  o.launch.ranks = c.ranks;
+  o.launch.ranks_given = run.given("--ranks");
+  o.launch.nodes = c.scaleout;
+  auto launch = make_launch(&argc, &argv, o.launch);
+  check_job(launch->size(), c.experts);
+  progress::start(!o.quiet && launch->reports());
+  return run_command(o, *launch);
+}
+
+int bench_main(BenchCommand& bench, int& argc, char**& argv) {
+  using namespace moe_ep::tools;
+  BenchOptions& o = bench.options;
+  o.launch.transport_given = bench.given("--transport");
+  need(!(o.api == "v1" && !o.allow_hybrid), "--no-hybrid is a V2 option: drop it with --api v1");
+  resolve_transport(o.launch);
+  const bool local = o.launch.transport == "local";
+  check_shape(local || bench.given("--ranks") ? o.ranks : 0, o.experts, o.topk, o.hidden, true, "bench (FP8 dispatch)");
+  check_launch_nodes(local, o.ranks, o.nodes, bench.given("--nodes"), o.launch.ranks_per_node,
+                     bench.given("--ranks-per-node"));
+  o.launch.ranks = o.ranks;
+  o.launch.ranks_given = bench.given("--ranks");
+  o.launch.nodes = o.nodes;
+  auto launch = make_launch(&argc, &argv, o.launch);
+  check_job(launch->size(), o.experts);
+  progress::start(!o.quiet && launch->reports());
+  return bench_command(o, *launch);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -95,62 +272,12 @@ int main(int argc, char** argv) {
   app.option_defaults()->always_capture_default();  // every option's default in --help
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("moe-ep ") + moe_ep::version(), "print the version and exit");
-
-  RunOptions run;
-  CLI::App* run_cmd = app.add_subcommand("run", "run a DeepSeek-V3-shaped MoE layer on in-process ranks and verify it");
-  add_layer_options(*run_cmd, run.layer);
-  run_cmd->add_option("--iters", run.iterations, "iterations (the best time per phase is reported)")->check(integer_in(1));
-  run_cmd->add_option("--workers", run.workers, "worker threads per rank (0 = the theoretical model)")->check(integer_in(0));
-  run_cmd->add_flag("--async", run.async, "run dispatch and combine on the communication workers, then wait");
-  run_cmd->add_option("--dump", run.dump_dir, "write every rank's inputs and outputs as .npy files here (with --dispatcher: of every batch)");
-  run_cmd->add_flag("--logfmt", run.layer.logfmt, "with --api v1 --low-latency: LogFMT-10 combine");
-  std::string run_api = "v2";
-  bool run_low_latency = false;
-  run_cmd->add_option("--api", run_api, "which API runs the layer: v2 (ElasticBuffer) or v1 (Buffer)")->check(one_of({"v1", "v2"}));
-  run_cmd->add_flag("--low-latency", run_low_latency, "with --api v1: low_latency_dispatch / low_latency_combine");
-  bool run_dispatcher = false;
-  DispatcherRunOptions dispatcher_run;
-  run_cmd->add_flag("--dispatcher", run_dispatcher,
-                    "through the token dispatcher (generation from MOE_EP_USE_V2), over a sequence of batches");
-  run_cmd->add_option("--mode", dispatcher_run.mode, "with --dispatcher: normal, low_latency or auto (default: MOE_EP_MODE)")
-      ->check(one_of({"normal", "low_latency", "auto"}));
-  run_cmd->add_option("--sequence", dispatcher_run.sequence, "with --dispatcher: batch kinds, P = prefill, D = decode");
-  run_cmd->add_option("--decode-tokens", dispatcher_run.decode_tokens, "with --dispatcher: tokens per rank of decode batches")
-      ->check(integer_in(1));
-  run_cmd->add_flag("--quiet", run.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
-
-  BenchOptions bench;
-  CLI::App* bench_cmd = app.add_subcommand("bench", "dispatch/combine bandwidth against the memcpy ceiling");
-  bench_cmd->add_option("--ranks", bench.ranks, "ranks (threads of this process)")->check(integer_in(1, 1024));
-  bench_cmd->add_option("--nodes", bench.nodes, "logical nodes")->check(integer_in(1, 1024));
-  bench_cmd->add_flag("!--no-hybrid", bench.allow_hybrid, "direct mode across nodes (V2)");
-  bench_cmd->add_option("--hidden", bench.hidden, "hidden size (a multiple of 128: FP8 dispatch)")->check(integer_in(1));
-  bench_cmd->add_option("--experts", bench.experts, "experts (a multiple of --ranks)")->check(integer_in(1));
-  bench_cmd->add_option("--topk", bench.topk, "experts per token (at most --experts)")->check(integer_in(1, 32));
-  bench_cmd->add_option("--workers", bench.workers, "worker threads per rank (0 = model)")->check(integer_in(0));
-  bench_cmd->add_option("--prefill-tokens", bench.prefill_tokens, "tokens per rank, prefill shape")->check(integer_in(1));
-  bench_cmd->add_option("--decode-tokens", bench.decode_tokens, "tokens per rank, decode shape")->check(integer_in(1));
-  bench_cmd->add_option("--prefill-iters", bench.prefill_iterations, "timed iterations, prefill")->check(integer_in(1));
-  bench_cmd->add_option("--decode-iters", bench.decode_iterations, "timed iterations, decode")->check(integer_in(1));
-  bench_cmd->add_option("--seed", bench.seed, "seed")->check(integer_in<std::uint64_t>(0));
-  bench_cmd->add_option("--json", bench.json_path, "also write the results as JSON to this file");
-  bench_cmd->add_option("--api", bench.api, "v2 (ElasticBuffer) or v1 (Buffer: normal mode prefill, low-latency decode)")
-      ->check(one_of({"v1", "v2"}));
-  add_bench_record_options(*bench_cmd, bench);
-  bench_cmd->add_flag("--quiet", bench.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
-
-  for (auto [cmd, launch] : {std::pair{run_cmd, &run.launch}, std::pair{bench_cmd, &bench.launch}}) {
-    cmd->add_option("--transport", launch->transport, "local: ranks are threads of this process; mpi: this process is "
-                                                      "one rank of an MPI job (start with mpirun; the default when "
-                                                      "started by an MPI launcher); host: the same, over moe-ep's "
-                                                      "shared-memory host transport (one host; MPI only bootstraps it)")
-        ->check(one_of({"local", "mpi", "host"}));
-    cmd->add_option("--ranks-per-node", launch->ranks_per_node,
-                    "ranks per logical node (instead of --nodes; 0 = from --nodes); with mpi, processes of one host in "
-                    "different logical nodes talk through MPI")
-        ->check(integer_in(0, 1024));
-  }
-
+  RunCommand run;
+  add_run_command(app, run);
+  BenchCommand bench;
+  add_bench_command(app, bench);
+  add_launch_options(*run.app, run.options.launch);
+  add_launch_options(*bench.app, bench.options.launch);
   bool env_markdown = false;
   CLI::App* env_cmd = app.add_subcommand("env", "list moe-ep's environment variables with their current values and sources");
   env_cmd->add_flag("--markdown", env_markdown, "print the documentation table (docs/env.md)");
@@ -162,91 +289,9 @@ int main(int argc, char** argv) {
     if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);  // --help, --version
     return usage_error(describe_parse_error(app, e));
   }
-
   try {
-    if (app.got_subcommand("run")) {
-      LayerConfig& c = run.layer;
-      auto given = [&](const char* flag) { return run_cmd->count(flag) > 0; };
-      run.launch.transport_given = given("--transport");
-      need(!((c.nvfp4_ue8m0 || given("--nvfp4-global-scale")) && !c.nvfp4),
-           "--nvfp4-ue8m0 and --nvfp4-global-scale need --nvfp4");
-      need(!(c.nvfp4 && c.fp8), "--nvfp4 and --fp8: pick one wire format");
-      if (run_dispatcher) {
-        need(!c.logfmt, "--logfmt is a V1 low-latency combine option: use --api v1 --low-latency");
-        need(!run.launch.transport_given && !given("--ranks-per-node"),
-             "--dispatcher runs its ranks as threads: drop --transport and --ranks-per-node");
-        need(!given("--api") && !run_low_latency && !run.async,
-             "--dispatcher chooses the API itself (MOE_EP_USE_V2, --mode): drop --api, --low-latency and --async");
-        need(!given("--workers"), "--workers is not used by --dispatcher (its buffers choose their workers)");
-        if (const int job = launcher_size(); job > 1)
-          throw UsageError(fmt::format("started by an MPI launcher as {0} processes; --dispatcher runs its ranks as "
-                                       "threads of one process and would run {0} independent jobs: run one process",
-                                       job));
-        check_shape(c.ranks, c.experts, c.topk, c.hidden, c.fp8 || c.nvfp4, c.fp8 ? "--fp8" : "--nvfp4");
-        check_local_nodes(c.ranks, c.scaleout, given("--nodes"), 0, false);
-        need(c.allow_hybrid || c.scaleout > 1, "--no-hybrid chooses how tokens cross nodes: it needs --nodes 2 or more");
-        progress::start(!run.quiet);
-        return dispatcher_command(run, dispatcher_run);
-      }
-      need(dispatcher_run.mode.empty() && !given("--sequence") && !given("--decode-tokens"),
-           "--mode, --sequence and --decode-tokens need --dispatcher");
-      need(!(run_low_latency && run_api != "v1"), "--low-latency needs --api v1");
-      need(!((c.nvfp4 || c.logfmt) && !run_low_latency),
-           "--nvfp4 and --logfmt need --api v1 --low-latency (or --dispatcher for --nvfp4)");
-      if (run_api == "v1") {
-        need(c.allow_hybrid && c.multi, "--no-hybrid and --no-multiple-reduction are V2 options: drop them with --api v1");
-        need(!c.expand, run_low_latency ? "--expand with --low-latency: the slab is already per expert (drop --expand)"
-                                        : "--expand with --api v1: V1's normal mode has no expanded layout (drop --expand)");
-      }
-      if (run_low_latency) {
-        need(!given("--alignment"), "--alignment with --low-latency: the slab is per expert, nothing is aligned");
-        need(!given("--workers"), "--workers with --low-latency: low-latency mode runs on one thread per rank");
-      } else if (run_api == "v2") {
-        need(!given("--alignment") || c.expand, "--alignment needs --expand (it aligns the expert blocks of the expanded layout)");
-      }
-      resolve_transport(run.launch);
-      const bool local = run.launch.transport == "local";
-      check_shape(local || given("--ranks") ? c.ranks : 0, c.experts, c.topk, c.hidden, c.fp8 || c.nvfp4,
-                  c.fp8 ? "--fp8" : "--nvfp4");
-      if (local) {
-        check_local_nodes(c.ranks, c.scaleout, given("--nodes"), run.launch.ranks_per_node, given("--ranks-per-node"));
-        need(c.allow_hybrid || c.scaleout > 1 || run.launch.ranks_per_node > 0,
-             "--no-hybrid chooses how tokens cross nodes: it needs --nodes (or --ranks-per-node) for 2 nodes or more");
-      } else {
-        need(!(given("--nodes") && given("--ranks-per-node")),
-             "--nodes and --ranks-per-node both set the logical nodes: give one of them");
-      }
-      run.api = run_api == "v2" ? Api::kV2 : run_low_latency ? Api::kV1LowLatency : Api::kV1;
-      run.launch.ranks = c.ranks;
-      run.launch.ranks_given = given("--ranks");
-      run.launch.nodes = c.scaleout;
-      auto launch = make_launch(&argc, &argv, run.launch);
-      check_job(launch->size(), c.experts);
-      progress::start(!run.quiet && launch->reports());
-      return run_command(run, *launch);
-    }
-    if (app.got_subcommand("bench")) {
-      auto given = [&](const char* flag) { return bench_cmd->count(flag) > 0; };
-      bench.launch.transport_given = given("--transport");
-      need(!(bench.api == "v1" && !bench.allow_hybrid), "--no-hybrid is a V2 option: drop it with --api v1");
-      resolve_transport(bench.launch);
-      const bool local = bench.launch.transport == "local";
-      check_shape(local || given("--ranks") ? bench.ranks : 0, bench.experts, bench.topk, bench.hidden, true,
-                  "bench (FP8 dispatch)");
-      if (local) {
-        check_local_nodes(bench.ranks, bench.nodes, given("--nodes"), bench.launch.ranks_per_node, given("--ranks-per-node"));
-      } else {
-        need(!(given("--nodes") && given("--ranks-per-node")),
-             "--nodes and --ranks-per-node both set the logical nodes: give one of them");
-      }
-      bench.launch.ranks = bench.ranks;
-      bench.launch.ranks_given = given("--ranks");
-      bench.launch.nodes = bench.nodes;
-      auto launch = make_launch(&argc, &argv, bench.launch);
-      check_job(launch->size(), bench.experts);
-      progress::start(!bench.quiet && launch->reports());
-      return bench_command(bench, *launch);
-    }
+    if (app.got_subcommand("run")) return run_main(run, argc, argv);
+    if (app.got_subcommand("bench")) return bench_main(bench, argc, argv);
     if (app.got_subcommand("env")) return env_command(env_markdown);
   } catch (const UsageError& e) {
     return usage_error(e.what());

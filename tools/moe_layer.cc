@@ -265,6 +265,45 @@ Tensor run_experts(const LayerConfig& c, const ExpertParams& params, int rank, c
   return Tensor();
 }
 
+namespace {
+
+// Token t's input row in FP32 as the experts see it: dequantized from the wire format.
+void reference_input_row(const LayerConfig& c, const RankBatch& b, const Tensor& dequantized, std::int64_t t, float* x) {
+  if (c.nvfp4) {
+    std::memcpy(x, dequantized.data_as<const float>() + t * c.hidden, sizeof(float) * static_cast<size_t>(c.hidden));
+  } else if (c.fp8) {
+    load_row(c, b.x_fp8, b.x_scales, t, x);
+  } else {
+    load_row(c, b.x, TensorView(), t, x);
+  }
+}
+
+// Expanded layouts: one BF16 row per selected lane, bf16(w * f(x)) (or bf16(w * bf16(f(x))) where
+// the lanes are weighted after rounding); empty rows for unselected lanes.
+std::vector<std::vector<std::uint16_t>> reference_lane_rows(const LayerConfig& c, const ExpertParams& params,
+                                                            const float* x, const std::int64_t* ids, const float* w) {
+  const int H = c.hidden, k = c.topk;
+  std::vector<std::vector<std::uint16_t>> lane_rows(static_cast<size_t>(k));
+  std::vector<float> acc(static_cast<size_t>(H));
+  for (int j = 0; j < k && c.expand; ++j) {
+    if (ids[j] < 0) continue;
+    lane_rows[static_cast<size_t>(j)].resize(static_cast<size_t>(H));
+    if (c.lanes_weighted_after_rounding) {  // bf16(w * bf16(f(x))): the dispatcher's V2 low-latency lanes
+      std::vector<std::uint16_t> unweighted(static_cast<size_t>(H));
+      expert_row(x, params, ids[j], H, unweighted.data());
+      for (int h = 0; h < H; ++h)
+        lane_rows[static_cast<size_t>(j)][static_cast<size_t>(h)] = float_to_bf16(w[j] * bf16_to_float(unweighted[static_cast<size_t>(h)]));
+      continue;
+    }
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    accumulate_expert(x, params, ids[j], w[j], H, acc.data());
+    round_row(acc.data(), H, lane_rows[static_cast<size_t>(j)].data());
+  }
+  return lane_rows;
+}
+
+}  // namespace
+
 Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const RankBatch& b) {
   const int H = c.hidden, k = c.topk, El = c.experts / c.ranks;
   const int nodes = c.allow_hybrid ? c.scaleout : 1;
@@ -278,18 +317,12 @@ Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const 
     dequantized = dequantize_nvfp4(q.data, q.scales, c.nvfp4_global_scale, c.nvfp4_ue8m0);
   }
   for (std::int64_t t = 0; t < n; ++t) {
-    if (c.nvfp4) {
-      std::memcpy(x.data(), dequantized.data_as<const float>() + t * H, sizeof(float) * static_cast<size_t>(H));
-    } else if (c.fp8) {
-      load_row(c, b.x_fp8, b.x_scales, t, x.data());
-    } else {
-      load_row(c, b.x, TensorView(), t, x.data());
-    }
+    reference_input_row(c, b, dequantized, t, x.data());
     const std::int64_t* ids = b.topk_idx.data_as<const std::int64_t>() + t * k;
     const float* w = b.topk_weights.data_as<const float>() + t * k;
     auto rank_of = [&](int j) { return static_cast<int>(ids[j] / El); };
     // One BF16 row per lane (expanded) or per destination rank (compact).
-    std::vector<std::vector<std::uint16_t>> lane_rows(static_cast<size_t>(k));
+    const auto lane_rows = reference_lane_rows(c, params, x.data(), ids, w);
     std::vector<int> master(static_cast<size_t>(c.ranks), -1);
     for (int j = 0; j < k; ++j)
       if (ids[j] >= 0) master[static_cast<size_t>(rank_of(j))] = j;  // highest lane wins
@@ -301,20 +334,6 @@ Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const 
       round_row(acc.data(), H, row.data());
       return row;
     };
-    for (int j = 0; j < k && c.expand; ++j) {
-      if (ids[j] < 0) continue;
-      lane_rows[static_cast<size_t>(j)].resize(static_cast<size_t>(H));
-      if (c.lanes_weighted_after_rounding) {  // bf16(w * bf16(f(x))): the dispatcher's V2 low-latency lanes
-        std::vector<std::uint16_t> unweighted(static_cast<size_t>(H));
-        expert_row(x.data(), params, ids[j], H, unweighted.data());
-        for (int h = 0; h < H; ++h)
-          lane_rows[static_cast<size_t>(j)][static_cast<size_t>(h)] = float_to_bf16(w[j] * bf16_to_float(unweighted[static_cast<size_t>(h)]));
-        continue;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      accumulate_expert(x.data(), params, ids[j], w[j], H, acc.data());
-      round_row(acc.data(), H, lane_rows[static_cast<size_t>(j)].data());
-    }
     std::vector<std::vector<std::uint16_t>> storage;
     storage.reserve(static_cast<size_t>(4 * k));
     auto contribution = [&](int d) -> const std::uint16_t* {  // rank d's unit

@@ -80,6 +80,7 @@ py::dict generation_dict(const GenerationProbe& g) {
 
 }  // namespace
 
+// Long: the declarative table of this module's Python classes and functions (one statement per binding).
 void register_dispatcher(py::module_& m) {
   py::class_<CacheBox, std::shared_ptr<CacheBox>>(m, "BufferCache")
       .def(py::init([](std::shared_ptr<Group> group) {

@@ -28,6 +28,7 @@ void keep_inputs(PyEvent& ev, std::initializer_list<const Tensor*> tensors) {
 
 }  // namespace
 
+// Long: the declarative table of this module's Python classes and functions (one statement per binding).
 void register_elastic(py::module_& m) {
   py::class_<EPHandle, std::shared_ptr<EPHandle>>(m, "EPHandle")
       .def_readonly("do_expand", &EPHandle::do_expand)

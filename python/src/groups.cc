@@ -71,6 +71,7 @@ py::list run_local_world(int ranks, int num_scaleout, int num_scaleup, py::funct
 
 }  // namespace
 
+// Long: the declarative table of this module's Python classes and functions (one statement per binding).
 void register_groups(py::module_& m) {
   py::class_<Group, std::shared_ptr<Group>>(m, "Group", "One rank's handle on a group of ranks.")
       .def("rank", &Group::rank)

@@ -40,6 +40,7 @@ py::object hook_of(const ReceiveHook& hook, std::vector<Tensor> keep) {
 
 }  // namespace
 
+// Long: the declarative table of this module's Python classes and functions (one statement per binding).
 void register_legacy(py::module_& m) {
   py::class_<Config, std::shared_ptr<Config>>(m, "Config")
       .def(py::init(&Config::make), py::arg("num_sms") = 20, py::arg("num_max_nvl_chunked_send_tokens") = 6,
