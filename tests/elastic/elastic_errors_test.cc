@@ -13,7 +13,7 @@
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
 #include "reference/dense_reference.hh"
-#include "reference/errors.hh"
+#include "support/errors.hh"
 
 namespace moe_ep {
 namespace {

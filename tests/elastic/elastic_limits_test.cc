@@ -12,8 +12,8 @@
 
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
-#include "reference/env_scope.hh"
-#include "reference/errors.hh"
+#include "support/env_scope.hh"
+#include "support/errors.hh"
 
 namespace moe_ep {
 namespace {

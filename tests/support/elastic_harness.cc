@@ -1,4 +1,4 @@
-#include "elastic/elastic_harness.hh"
+#include "support/elastic_harness.hh"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -369,6 +369,22 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
     *opt.digest = d;
   }
   return std::move(bad.list());
+}
+
+RankProblems run_elastic_case_in_process(const CaseSpec& spec, const RunOptions& options) {
+  return collect_on_ranks(spec.ranks, {.num_scaleout = spec.scaleout},
+                          [&](Group& g, std::vector<std::string>& problems) { problems = run_elastic_case(g, spec, options); });
+}
+
+std::vector<std::uint64_t> in_process_digests(const CaseSpec& spec, RunOptions options) {
+  std::vector<std::uint64_t> digests(static_cast<size_t>(spec.ranks), 0);
+  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
+  world.run([&](Group& g) {
+    RunOptions o = options;
+    o.digest = &digests[static_cast<size_t>(g.rank())];
+    run_elastic_case(g, spec, o);
+  });
+  return digests;
 }
 
 CaseSpec random_case(std::uint64_t seed, RunOptions* options) { return random_case(seed, 0, 0, options); }
