@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "core/log.hh"
+#include "support/temp_dir.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 
@@ -43,15 +44,7 @@ std::vector<std::string> lines_of(const std::string& path) {
 }
 
 // A fresh directory under the system's temporary one, removed at the end of the test.
-struct TempDir {
-  std::filesystem::path path;
-  TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "moe-ep-log-XXXXXX").string();
-    EXPECT_NE(mkdtemp(pattern.data()), nullptr);
-    path = pattern;
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
-};
+using testing::TempDir;
 
 TEST(LogLevel, NamesAliasesAndCase) {
   EXPECT_EQ(core::parse_level(""), Level::kOff);
@@ -193,9 +186,9 @@ TEST(LogFilter, LevelsAndSubsystems) {
 }
 
 TEST(LogOutput, WholeLinesAfterTheVersionLine) {
-  TempDir dir;
-  const std::string pattern = (dir.path / "log.%h.%p").string();
-  const std::string path = (dir.path / fmt::format("log.{}.{}", host(), getpid())).string();
+  TempDir dir("moe-ep-log");
+  const std::string pattern = (dir.path() / "log.%h.%p").string();
+  const std::string path = (dir.path() / fmt::format("log.{}.{}", host(), getpid())).string();
   {
     env::ScopedOverride level("MOE_EP_DEBUG", "INFO");
     env::ScopedOverride subsys("MOE_EP_DEBUG_SUBSYS", "INIT,COLL");
@@ -231,8 +224,8 @@ TEST(LogOutput, WholeLinesAfterTheVersionLine) {
 }
 
 TEST(LogOutput, AFileThatCannotBeOpenedLeavesStderr) {
-  TempDir dir;
-  const std::string pattern = (dir.path / "missing" / "log.%p").string();
+  TempDir dir("moe-ep-log");
+  const std::string pattern = (dir.path() / "missing" / "log.%p").string();
   ::testing::internal::CaptureStderr();
   {
     env::ScopedOverride level("MOE_EP_DEBUG", "WARN");
@@ -243,7 +236,7 @@ TEST(LogOutput, AFileThatCannotBeOpenedLeavesStderr) {
   EXPECT_NE(err.find("WARN ENV MOE_EP_DEBUG_FILE=\"" + pattern + "\": cannot open"), std::string::npos) << err;
   EXPECT_NE(err.find("logging to stderr"), std::string::npos) << err;
   EXPECT_NE(err.find("WARN ALLOC still seen"), std::string::npos) << err;
-  EXPECT_FALSE(std::filesystem::exists(dir.path / "missing"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "missing"));
 }
 
 TEST(LogOutput, BadSubsystemsWarnAndTheDefaultApplies) {

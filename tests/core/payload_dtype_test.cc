@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/npy.hh"
+#include "support/temp_dir.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/tensor.hpp"
 
@@ -51,12 +52,11 @@ TEST(PayloadDtype, SizesNamesAndDlpackCodes) {
 }
 
 TEST(PayloadDtype, NpyRoundTrip) {
-  const std::string dir = std::filesystem::temp_directory_path() / ("moe_ep_payload_npy_" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
+  const testing::TempDir dir("moe_ep_payload_npy");
   for (const auto& e : kPayloads) {
     Tensor t = Tensor::empty({3, 16}, e.dtype);
     for (std::size_t i = 0; i < t.nbytes(); ++i) static_cast<unsigned char*>(t.data())[i] = static_cast<unsigned char>(255 - i);
-    const std::string path = dir + "/" + e.name + ".npy";
+    const std::string path = dir.file(std::string(e.name) + ".npy");
     core::write_npy(path, t);
     std::ifstream in(path, std::ios::binary);
     const std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -68,7 +68,6 @@ TEST(PayloadDtype, NpyRoundTrip) {
     // A file of another dtype is refused by name.
     EXPECT_THROW(core::read_npy(path, e.dtype == DType::kInt8 ? DType::kUInt8 : DType::kBF16), Error) << e.name;
   }
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

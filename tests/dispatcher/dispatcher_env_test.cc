@@ -5,9 +5,9 @@
 
 #include <cstdlib>
 
-#include "fixture.hh"
+#include "support/dispatcher_fixture.hh"
 #include "moe_ep/env.hpp"
-#include "reference/env_scope.hh"
+#include "support/env_scope.hh"
 
 namespace moe_ep::testing {
 namespace {

@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "reference/env_scope.hh"
-#include "fixture.hh"
+#include "support/env_scope.hh"
+#include "support/dispatcher_fixture.hh"
 
 namespace moe_ep::testing {
 namespace {

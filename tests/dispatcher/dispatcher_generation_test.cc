@@ -7,8 +7,8 @@
 #include <optional>
 #include <string>
 
-#include "reference/env_scope.hh"
-#include "fixture.hh"
+#include "support/env_scope.hh"
+#include "support/dispatcher_fixture.hh"
 #include "moe_ep/env.hpp"
 
 namespace moe_ep::testing {

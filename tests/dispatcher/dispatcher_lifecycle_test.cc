@@ -8,7 +8,7 @@
 
 #include <cstring>
 
-#include "fixture.hh"
+#include "support/dispatcher_fixture.hh"
 
 namespace moe_ep::testing {
 namespace {

@@ -10,7 +10,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "fixture.hh"
+#include "support/dispatcher_fixture.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/low_latency_reference.hh"

@@ -9,8 +9,8 @@
 
 #include <cstring>
 
-#include "fixture.hh"
-#include "reference/env_scope.hh"
+#include "support/dispatcher_fixture.hh"
+#include "support/env_scope.hh"
 #include "reference/low_latency_reference.hh"
 #include "reference/numeric_reference.hh"
 

@@ -10,7 +10,7 @@
 #include <stdexcept>
 
 #include "dispatcher/provider_registry.hh"
-#include "fixture.hh"
+#include "support/dispatcher_fixture.hh"
 #include "moe_ep/provider.hpp"
 
 namespace moe_ep::testing {

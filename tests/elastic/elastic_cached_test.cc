@@ -2,21 +2,17 @@
 // handle is routing only"): the outputs are the new inputs placed by the first call's layout, on
 // one node, across nodes (hybrid and direct), compact and expanded (with zero padding), BF16 and
 // FP8 (row-major and column-major scales), with and without CPU sync, sync and async. The checks
-// are those of elastic_harness.cc (RunOptions::cached_new_inputs).
+// are those of tests/support/elastic_harness.cc (RunOptions::cached_new_inputs).
 #include <gtest/gtest.h>
 
-#include "elastic/elastic_harness.hh"
+#include "support/elastic_harness.hh"
 
 namespace moe_ep::testing {
 namespace {
 
 void run(const reference::CaseSpec& spec, const RunOptions& options) {
   SCOPED_TRACE(describe(spec, options));
-  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_elastic_case(g, spec, options); });
-  for (const auto& per_rank : failures)
-    for (const auto& f : per_rank) ADD_FAILURE() << f;
+  report_problems(run_elastic_case_in_process(spec, options));
 }
 
 reference::CaseSpec spec_for(int ranks, int scaleout, bool hybrid, bool expand, bool fp8, std::uint64_t seed) {

@@ -13,7 +13,8 @@
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
 #include "reference/dense_reference.hh"
-#include "reference/errors.hh"
+#include "support/errors.hh"
+#include "support/rank_runner.hh"
 
 namespace moe_ep {
 namespace {
@@ -51,16 +52,14 @@ constexpr auto capture = testing::catch_error;
 // Runs `call` on every rank of a fresh world with one buffer; returns each rank's outcome.
 // Afterwards every rank dispatches valid input once more, which must succeed.
 std::vector<Outcome> on_all_ranks(const std::function<void(ElasticBuffer&, int rank)>& call, Topology topology = {}) {
-  std::vector<Outcome> outcomes(kRanks);
-  LocalWorld world(kRanks, topology);
-  world.run([&](Group& g) {
+  return testing::results_on_ranks<Outcome>(kRanks, topology, [&](Group& g) {
     ElasticBuffer buffer(g, config());
-    outcomes[static_cast<size_t>(g.rank())] = capture([&] { call(buffer, g.rank()); });
+    const Outcome outcome = capture([&] { call(buffer, g.rank()); });
     Inputs in(g.rank());
     auto result = buffer.dispatch(in.args());  // the buffer is still usable
     EXPECT_EQ(result.handle->num_tokens, kTokens);
+    return outcome;
   });
-  return outcomes;
 }
 
 void expect_rejected_by(const std::vector<Outcome>& outcomes, int bad_rank, const std::string& type,

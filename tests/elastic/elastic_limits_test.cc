@@ -12,8 +12,9 @@
 
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
-#include "reference/env_scope.hh"
-#include "reference/errors.hh"
+#include "support/env_scope.hh"
+#include "support/errors.hh"
+#include "support/rank_runner.hh"
 
 namespace moe_ep {
 namespace {
@@ -42,18 +43,17 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 // Every rank calls `call` on a fresh buffer; afterwards each dispatches and combines valid input
 // with one explicit worker (so the environment is not read), which must succeed.
 std::vector<testing::Caught> on_all_ranks(const std::function<void(ElasticBuffer&, int rank)>& call) {
-  std::vector<testing::Caught> outcomes(kRanks);
-  LocalWorld(kRanks).run([&](Group& g) {
+  return testing::results_on_ranks<testing::Caught>(kRanks, {}, [&](Group& g) {
     ElasticBuffer buffer(g, config());
-    outcomes[static_cast<size_t>(g.rank())] = testing::catch_error([&] { call(buffer, g.rank()); });
+    const testing::Caught outcome = testing::catch_error([&] { call(buffer, g.rank()); });
     Inputs in(g.rank());
     DispatchArgs args = in.args();
     args.num_sms = 1;
     auto d = buffer.dispatch(args);
     auto c = buffer.combine({.x = d.recv_x, .handle = d.handle, .num_sms = 1});
     EXPECT_EQ(c.combined_x.size(0), kTokens);
+    return outcome;
   });
-  return outcomes;
 }
 
 TEST(ElasticLimits, WorkerCountsFromTheEnvironmentAreChecked) {

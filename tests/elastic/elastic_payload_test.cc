@@ -11,18 +11,14 @@
 #include <string>
 #include <vector>
 
-#include "elastic/elastic_harness.hh"
-#include "reference/errors.hh"
+#include "support/elastic_harness.hh"
+#include "support/errors.hh"
 
 namespace moe_ep::testing {
 namespace {
 
 void run(const reference::CaseSpec& spec, const RunOptions& options) {
-  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_elastic_case(g, spec, options); });
-  for (const auto& per_rank : failures)
-    for (const auto& f : per_rank) ADD_FAILURE() << describe(spec, options) << "\n  " << f;
+  report_problems(run_elastic_case_in_process(spec, options), {.context = describe(spec, options)});
 }
 
 struct Payload {
@@ -114,9 +110,7 @@ DispatchArgs base_args(const TensorView& x, std::vector<std::int64_t>& topk) {
 
 // x of `dtype` [kTokens, hidden] on rank `bad_rank`, BF16 [kTokens, 64] on the others.
 std::vector<Outcome> dispatch_with(DType dtype, int hidden, int bad_rank) {
-  std::vector<Outcome> out(kRanks);
-  LocalWorld world(kRanks);
-  world.run([&](Group& g) {
+  return results_on_ranks<Outcome>(kRanks, {}, [&](Group& g) {
     ElasticBuffer b(g, {.num_bytes = 2 << 20, .num_max_tokens_per_rank = kTokens, .num_cpu_timeout_secs = 30});
     std::vector<std::uint8_t> bytes(static_cast<size_t>(kTokens) * 64 * 8, 0);
     std::vector<std::int64_t> topk;
@@ -125,9 +119,8 @@ std::vector<Outcome> dispatch_with(DType dtype, int hidden, int bad_rank) {
                                     : TensorView(bytes.data(), DType::kBF16, {kTokens, 64}),
                                topk);
     const Caught c = catch_error([&] { b.dispatch(a); });
-    out[static_cast<size_t>(g.rank())] = {c.type, c.message};
+    return Outcome{c.type, c.message};
   });
-  return out;
 }
 
 TEST(PayloadDtypes, RowRuleNamesTheArgumentValueAndRule) {
@@ -154,9 +147,7 @@ TEST(PayloadDtypes, RowRuleNamesTheArgumentValueAndRule) {
     EXPECT_EQ(out[0].type, "PeerError") << out[0].message;
   }
   // Scales only go with FP8.
-  std::vector<Outcome> out(kRanks);
-  LocalWorld world(kRanks);
-  world.run([&](Group& g) {
+  const std::vector<Outcome> out = results_on_ranks<Outcome>(kRanks, {}, [&](Group& g) {
     ElasticBuffer b(g, {.num_bytes = 2 << 20, .num_max_tokens_per_rank = kTokens, .num_cpu_timeout_secs = 30});
     std::vector<std::uint16_t> x(kTokens * 16);
     std::vector<float> scales(kTokens);
@@ -164,7 +155,7 @@ TEST(PayloadDtypes, RowRuleNamesTheArgumentValueAndRule) {
     DispatchArgs a = base_args(TensorView(x.data(), DType::kFP16, {kTokens, 16}), topk);
     a.x_scales = TensorView(scales.data(), DType::kFP32, {kTokens, 1});
     const Caught c = catch_error([&] { b.dispatch(a); });
-    out[static_cast<size_t>(g.rank())] = {c.type, c.message};
+    return Outcome{c.type, c.message};
   });
   for (const auto& o : out) {
     EXPECT_EQ(o.type, "InvalidArgument");

@@ -6,17 +6,13 @@
 
 #include <fmt/format.h>
 
-#include "elastic/elastic_harness.hh"
+#include "support/elastic_harness.hh"
 
 namespace moe_ep::testing {
 namespace {
 
 void run(const reference::CaseSpec& spec, const RunOptions& options) {
-  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_elastic_case(g, spec, options); });
-  for (const auto& per_rank : failures)
-    for (const auto& f : per_rank) ADD_FAILURE() << describe(spec, options) << "\n  " << f;
+  report_problems(run_elastic_case_in_process(spec, options), {.context = describe(spec, options)});
 }
 
 class RandomCases : public ::testing::TestWithParam<int> {};

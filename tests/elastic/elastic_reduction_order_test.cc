@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "elastic/elastic_harness.hh"
+#include "support/elastic_harness.hh"
 #include "reference/order_sensitive_case.hh"
 
 namespace moe_ep::testing {
@@ -26,11 +26,7 @@ void run(const reference::CaseSpec& spec, const RunOptions& options) {
   } else {
     EXPECT_TRUE(reference::order_matters(spec, kFinal)) << "final sum";
   }
-  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_elastic_case(g, spec, options); });
-  for (const auto& per_rank : failures)
-    for (const auto& f : per_rank) ADD_FAILURE() << f;
+  report_problems(run_elastic_case_in_process(spec, options));
 }
 
 TEST(ReductionOrder, EveryLevelSumsInAscendingKeyOrder) {

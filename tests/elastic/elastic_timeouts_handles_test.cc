@@ -10,7 +10,7 @@
 #include "core/bandwidth.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
-#include "reference/errors.hh"
+#include "support/errors.hh"
 
 namespace moe_ep {
 namespace {

@@ -1,10 +1,8 @@
 // The host transport (include/moe_ep/host.hpp): every test forks N processes that bootstrap
-// through an all-gather the test implements itself (pipes to and from this process), run a
-// scenario and report by exit code, with their failures written to a result pipe. Children never
-// return into gtest: they _exit. Expected values are computed here independently; the elastic
+// through an all-gather served by this process (tests/support/processes.hh), run a scenario and
+// report by exit code, with their failures written to a result pipe. Expected values are computed here independently; the elastic
 // case compares with the in-process transport (LocalWorld) on the same inputs. After every test,
 // /dev/shm holds what it held before.
-#include <dirent.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -24,7 +22,9 @@
 #include <vector>
 
 #include "comm/transport.hh"
-#include "elastic/elastic_harness.hh"
+#include "support/dev_shm.hh"
+#include "support/elastic_harness.hh"
+#include "support/processes.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/group.hpp"
 #include "moe_ep/host.hpp"
@@ -37,185 +37,14 @@ using comm::Gathered;
 using comm::Scope;
 using comm::Transport;
 using comm::Wait;
-
-// ---- Pipes ----------------------------------------------------------------------------------
-
-bool write_all(int fd, const void* data, std::size_t bytes) {
-  const char* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = write(fd, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    bytes -= static_cast<std::size_t>(n);
-  }
-  return true;
-}
-
-bool read_all(int fd, void* data, std::size_t bytes) {
-  char* p = static_cast<char*>(data);
-  while (bytes > 0) {
-    const ssize_t n = read(fd, p, bytes);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return false;
-    p += n;
-    bytes -= static_cast<std::size_t>(n);
-  }
-  return true;
-}
-
-bool write_string(int fd, const std::string& s) {
-  const std::uint64_t n = s.size();
-  return write_all(fd, &n, sizeof n) && write_all(fd, s.data(), s.size());
-}
-
-bool read_string(int fd, std::string* s) {
-  std::uint64_t n = 0;
-  if (!read_all(fd, &n, sizeof n)) return false;
-  s->resize(n);
-  return read_all(fd, s->data(), n);
-}
-
-// ---- Processes ------------------------------------------------------------------------------
-
-// A child's scenario: returns its failures (empty: success); may write what the parent needs to
-// `output`.
-using Body = std::function<std::string(int rank, int size, const host::AllGather& all_gather, std::string* output)>;
-// Rewrites the blocks of a gather before they go back (to fake what make_group must refuse).
-using Rewrite = std::function<void(std::vector<std::string>&)>;
-
-struct Child {
-  int status = 0;  // waitpid
-  std::string failures;
-  std::string output;
-  bool exited_ok() const { return WIFEXITED(status) && WEXITSTATUS(status) == 0; }
-};
-
-std::string describe(const std::vector<Child>& children) {
-  std::string s;
-  for (std::size_t r = 0; r < children.size(); ++r) {
-    const Child& c = children[r];
-    s += "rank " + std::to_string(r) + ": ";
-    if (WIFEXITED(c.status))
-      s += "exit " + std::to_string(WEXITSTATUS(c.status));
-    else if (WIFSIGNALED(c.status))
-      s += "signal " + std::to_string(WTERMSIG(c.status));
-    s += c.failures.empty() ? "\n" : " (" + c.failures + ")\n";
-  }
-  return s;
-}
-
-// Forks `size` children running `body`; serves their all-gathers (rounds until a child stops
-// taking part) and returns how each ended.
-std::vector<Child> run_processes(int size, const Body& body, const Rewrite& rewrite = {}) {
-  struct Pipes {
-    int up[2], down[2], result[2];
-  };
-  std::vector<Pipes> pipes(static_cast<size_t>(size));
-  for (auto& p : pipes)
-    if (pipe(p.up) != 0 || pipe(p.down) != 0 || pipe(p.result) != 0) std::abort();
-  std::vector<pid_t> pids;
-  for (int r = 0; r < size; ++r) {
-    const pid_t pid = fork();
-    if (pid < 0) std::abort();
-    if (pid == 0) {
-      alarm(60);  // never hang the suite
-      for (int q = 0; q < size; ++q) {
-        Pipes& p = pipes[static_cast<size_t>(q)];
-        close(p.up[0]);
-        close(p.down[1]);
-        close(p.result[0]);
-        if (q != r) close(p.up[1]), close(p.down[0]), close(p.result[1]);
-      }
-      Pipes& mine = pipes[static_cast<size_t>(r)];
-      int calls = 0;
-      host::AllGather gather = [&](const std::string& block) {
-        ++calls;
-        if (!write_string(mine.up[1], block)) throw std::runtime_error("test all-gather: the parent is gone");
-        std::uint64_t n = 0;
-        if (!read_all(mine.down[0], &n, sizeof n)) throw std::runtime_error("test all-gather: a peer left");
-        std::vector<std::string> all(n);
-        for (auto& s : all)
-          if (!read_string(mine.down[0], &s)) throw std::runtime_error("test all-gather: truncated");
-        return all;
-      };
-      std::string failures, output;
-      try {
-        failures = body(r, size, gather, &output);
-      } catch (const std::exception& e) {
-        failures = std::string("uncaught exception: ") + e.what();
-      }
-      if (calls > 1) failures += "; all_gather was called " + std::to_string(calls) + " times";
-      write_string(mine.result[1], failures);
-      write_string(mine.result[1], output);
-      _exit(failures.empty() ? 0 : 1);
-    }
-    pids.push_back(pid);
-  }
-  for (auto& p : pipes) close(p.up[1]), close(p.down[0]), close(p.result[1]);
-  // Gather rounds: one block from every child, then every block to every child.
-  for (bool serving = true; serving;) {
-    std::vector<std::string> blocks(static_cast<size_t>(size));
-    for (int r = 0; r < size && serving; ++r) serving = read_string(pipes[static_cast<size_t>(r)].up[0], &blocks[static_cast<size_t>(r)]);
-    if (!serving) break;
-    if (rewrite) rewrite(blocks);
-    for (int r = 0; r < size; ++r) {
-      const int fd = pipes[static_cast<size_t>(r)].down[1];
-      const std::uint64_t n = blocks.size();
-      write_all(fd, &n, sizeof n);
-      for (const auto& b : blocks) write_string(fd, b);
-    }
-  }
-  for (auto& p : pipes) close(p.down[1]), close(p.up[0]);  // a child still in a gather learns it failed
-  std::vector<Child> children(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) {
-    Child& c = children[static_cast<size_t>(r)];
-    const int fd = pipes[static_cast<size_t>(r)].result[0];
-    read_string(fd, &c.failures);
-    read_string(fd, &c.output);
-    close(fd);
-    waitpid(pids[static_cast<size_t>(r)], &c.status, 0);
-  }
-  return children;
-}
-
-// ---- Checks inside children -----------------------------------------------------------------
-
-class Failures {
- public:
-  void check(bool ok, const std::string& what) {
-    if (!ok && count_++ < 8) text_ += (text_.empty() ? "" : "; ") + what;
-  }
-  std::string str() const { return text_; }
-
- private:
-  std::string text_;
-  int count_ = 0;
-};
-
-std::string ranks_text(const std::vector<int>& ranks) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? "," : "") + std::to_string(ranks[i]);
-  return s + "]";
-}
-
-// Runs `fn`, expects it to throw E with ranks() == `ranks` (when given) and a message containing
-// `needle`.
-template <class E, class Fn>
-void expect_throw(Failures& f, const std::string& what, Fn fn, const std::vector<int>* ranks = nullptr,
-                  const std::string& needle = "") {
-  try {
-    fn();
-    f.check(false, what + ": did not throw");
-  } catch (const E& e) {
-    if constexpr (std::is_base_of_v<PeerError, E>) {
-      if (ranks) f.check(e.ranks() == *ranks, what + ": names ranks " + ranks_text(e.ranks()) + ", expected " + ranks_text(*ranks));
-    }
-    f.check(std::string(e.what()).find(needle) != std::string::npos, what + ": message lacks '" + needle + "': " + e.what());
-  } catch (const std::exception& e) {
-    f.check(false, what + ": threw another error: " + e.what());
-  }
-}
+using testing::Body;
+using testing::Child;
+using testing::describe;
+using testing::expect_throw;
+using testing::Failures;
+using testing::ranks_text;
+using testing::Rewrite;
+using testing::run_processes;
 
 host::GroupOptions options(int ranks_per_node, double timeout = 10) {
   host::GroupOptions o;
@@ -252,29 +81,13 @@ void check_gathered(Failures& f, const Gathered& g, int first, int members, int 
   }
 }
 
-// ---- /dev/shm -------------------------------------------------------------------------------
+// ---- Every test leaves /dev/shm as it found it ----------------------------------------------
 
-std::set<std::string> dev_shm() {
-  std::set<std::string> names;
-  if (DIR* d = opendir("/dev/shm")) {
-    while (dirent* e = readdir(d)) names.insert(e->d_name);
-    closedir(d);
-  }
-  return names;
-}
-
-class HostTransportTest : public ::testing::Test {
+class HostTransportTest : public testing::DevShmUnchanged {
  protected:
-  void SetUp() override { before_ = dev_shm(); }
-  void TearDown() override {
-    for (const auto& name : dev_shm()) EXPECT_TRUE(before_.count(name)) << "left in /dev/shm: " << name;
-  }
   void expect_all_ok(const std::vector<Child>& children) {
     for (const Child& c : children) EXPECT_TRUE(c.exited_ok()) << describe(children);
   }
-
- private:
-  std::set<std::string> before_;
 };
 
 // ---- Collectives ----------------------------------------------------------------------------
@@ -496,13 +309,7 @@ void elastic_matches_local(int rpn, const std::vector<Child>& children) {
   for (const Child& c : children) ASSERT_TRUE(c.exited_ok()) << describe(children);
   for (std::size_t v = 0; v < std::size(kVariants); ++v) {
     const auto spec = elastic_spec(size, scaleout, kVariants[v]);
-    std::vector<std::uint64_t> expected(static_cast<size_t>(size), 0);
-    LocalWorld world(size, Topology{scaleout, 0});
-    world.run([&](Group& g) {
-      testing::RunOptions o;
-      o.digest = &expected[static_cast<size_t>(g.rank())];
-      testing::run_elastic_case(g, spec, o);
-    });
+    const std::vector<std::uint64_t> expected = testing::in_process_digests(spec, {});
     for (int r = 0; r < size; ++r) {
       std::istringstream in(children[static_cast<size_t>(r)].output);
       std::vector<std::uint64_t> digests;

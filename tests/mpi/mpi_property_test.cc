@@ -18,8 +18,8 @@
 
 #include "comm/transport.hh"
 #include "alltoallv_baseline.hh"
-#include "dispatcher/fixture.hh"
-#include "elastic/elastic_harness.hh"
+#include "support/dispatcher_fixture.hh"
+#include "support/elastic_harness.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
@@ -38,18 +38,6 @@ std::vector<std::uint64_t> gather_u64(Group& group, std::uint64_t mine) {
   std::vector<std::uint64_t> out;
   for (int r = 0; r < all.size(); ++r) out.push_back(all.as<std::uint64_t>(r));
   return out;
-}
-
-// The in-process transport's digests of the same case, one per rank.
-std::vector<std::uint64_t> in_process_digests(const reference::CaseSpec& spec, RunOptions options) {
-  std::vector<std::uint64_t> digests(static_cast<size_t>(spec.ranks), 0);
-  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-  world.run([&](Group& g) {
-    RunOptions o = options;
-    o.digest = &digests[static_cast<size_t>(g.rank())];
-    run_elastic_case(g, spec, o);
-  });
-  return digests;
 }
 
 TEST(MpiTransport, GroupMatchesTheJob) {

@@ -4,7 +4,7 @@
 // counts (ranks with no tokens, ranks with N = T) and a routing (drawn per token with -1 masks and
 // skew, the same ids for every token, or every token to one rank; k up to beyond the experts per
 // rank), runs dispatch, cached dispatch with the same inputs and with new ones, and combine, and
-// checks every output (elastic_harness.cc, legacy_harness.cc).
+// checks every output (tests/support/elastic_harness.cc, tests/legacy/legacy_harness.cc).
 //
 // MOE_EP_PROPERTY_CASES sets the number of cases of each suite (default below, sized to keep the
 // binary well under a minute in a Release build on two cores); MOE_EP_PROPERTY_SEED the first
@@ -19,7 +19,7 @@
 #include <random>
 #include <string>
 
-#include "elastic/elastic_harness.hh"
+#include "support/elastic_harness.hh"
 #include "legacy/legacy_harness.hh"
 
 namespace moe_ep::testing {
@@ -133,9 +133,10 @@ void run_cases(const char* test, int default_cases, CaseSpec (*make)(std::uint64
     const std::uint64_t seed = p.first_seed + i;
     Options options;
     const CaseSpec spec = make(seed, &options);
-    std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-    LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-    world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_case(g, spec, options); });
+    const RankProblems failures = collect_on_ranks(spec.ranks, {.num_scaleout = spec.scaleout},
+                                                   [&](Group& g, std::vector<std::string>& problems) {
+                                                     problems = run_case(g, spec, options);
+                                                   });
     std::string lines;
     int shown = 0;
     for (const auto& per_rank : failures)

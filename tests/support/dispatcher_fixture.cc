@@ -1,4 +1,4 @@
-#include "fixture.hh"
+#include "support/dispatcher_fixture.hh"
 
 #include <fmt/format.h>
 
@@ -185,11 +185,7 @@ void check_combined(const std::vector<std::uint16_t>& expected, const Tensor& go
 }
 
 void run_ranks(int ranks, Topology topology, const std::function<void(Group&, std::vector<std::string>&)>& fn) {
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(ranks));
-  LocalWorld(ranks, topology).run([&](Group& g) { fn(g, failures[static_cast<size_t>(g.rank())]); });
-  for (int r = 0; r < ranks; ++r)
-    for (std::size_t i = 0; i < std::min<std::size_t>(failures[static_cast<size_t>(r)].size(), 8); ++i)
-      ADD_FAILURE() << "rank " << r << ": " << failures[static_cast<size_t>(r)][i];
+  report_problems(collect_on_ranks(ranks, topology, fn), {.name_rank = true, .max_per_rank = 8});
 }
 
 Expectation expectation(const DispatcherOptions& o) {

@@ -1,4 +1,4 @@
-#include "elastic/elastic_harness.hh"
+#include "support/elastic_harness.hh"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -40,10 +40,10 @@ std::uint32_t scale_at(const TensorView& t, std::int64_t row, int col) {
   return t.data_as<const std::uint32_t>()[row * t.stride(0) + col * t.stride(1)];
 }
 
-// Compares a dispatch result with the reference. `rows_real` is the real row count.
-void verify_dispatch(const CaseSpec& spec, const RunOptions& opt, const std::vector<RankInputs>& all,
-                     const reference::RefDispatch& ref, const DispatchResult& res, int me, Mismatches& bad) {
-  const int k = spec.k, El = spec.experts_per_rank(), rb = spec.row_bytes();
+// The handle's counts: per scale-up rank, per expert (aligned and not), num_recv_tokens.
+void verify_counts(const CaseSpec& spec, const RunOptions& opt, const std::vector<RankInputs>& all,
+                   const reference::RefDispatch& ref, const DispatchResult& res, int me, Mismatches& bad) {
+  const int El = spec.experts_per_rank();
   const EPHandle& h = *res.handle;
   const auto real = static_cast<std::int64_t>(ref.rows.size());
   const std::int64_t worst = std::int64_t{spec.max_tokens} * spec.ranks;
@@ -71,7 +71,14 @@ void verify_dispatch(const CaseSpec& spec, const RunOptions& opt, const std::vec
   if (opt.cpu_sync ? h.num_recv_tokens_per_expert_list != aligned : !h.num_recv_tokens_per_expert_list.empty())
     bad.add("num_recv_tokens_per_expert_list = [{}], expected [{}]", fmt::join(h.num_recv_tokens_per_expert_list, ","),
             fmt::join(aligned, ","));
+}
 
+// The metadata of every received row and, in the compact layout, its bytes, scales, ids and weights.
+void verify_received_rows(const CaseSpec& spec, const RunOptions& opt, const std::vector<RankInputs>& all,
+                          const reference::RefDispatch& ref, const DispatchResult& res, int me, Mismatches& bad) {
+  const int k = spec.k, rb = spec.row_bytes();
+  const EPHandle& h = *res.handle;
+  const auto real = static_cast<std::int64_t>(ref.rows.size());
   // Metadata and compact rows.
   const auto* meta = h.recv_src_metadata.data_as<const std::int32_t>();
   for (std::int64_t i = 0; i < real; ++i) {
@@ -101,6 +108,14 @@ void verify_dispatch(const CaseSpec& spec, const RunOptions& opt, const std::vec
         bad.add("recv_topk_weights[{}, {}] wrong", i, j);
     }
   }
+}
+
+// The rows beyond the real ones (compact), or the expanded layout's rows and padding.
+void verify_layout_rows(const CaseSpec& spec, const RunOptions& opt, const std::vector<RankInputs>& all,
+                        const reference::RefDispatch& ref, const DispatchResult& res, int me, Mismatches& bad) {
+  const int k = spec.k, El = spec.experts_per_rank(), rb = spec.row_bytes();
+  const auto real = static_cast<std::int64_t>(ref.rows.size());
+  const std::int64_t worst = std::int64_t{spec.max_tokens} * spec.ranks;
   if (!spec.expand) {
     if (res.recv_x.size(0) != (opt.cpu_sync ? real : worst)) bad.add("recv_x has {} rows", res.recv_x.size(0));
     for (std::int64_t i = real; i < res.recv_topk_idx.size(0); ++i)
@@ -135,7 +150,13 @@ void verify_dispatch(const CaseSpec& spec, const RunOptions& opt, const std::vec
     }
   }
 
-  // Source side: slots at the destinations' master lanes.
+}
+
+// Source side: slots at the destinations' master lanes.
+void verify_source_slots(const CaseSpec& spec, const RunOptions& opt, const std::vector<RankInputs>& all,
+                         const reference::RefDispatch& ref, const DispatchResult& res, int me, Mismatches& bad) {
+  const int k = spec.k, El = spec.experts_per_rank();
+  const EPHandle& h = *res.handle;
   const RankInputs& mine = all[static_cast<size_t>(me)];
   std::vector<int> next(static_cast<size_t>(spec.ranks), 0);
   for (int t = 0; t < mine.num_tokens; ++t) {
@@ -157,6 +178,15 @@ void verify_dispatch(const CaseSpec& spec, const RunOptions& opt, const std::vec
       if (master) ++next[static_cast<size_t>(e / El)];
     }
   }
+}
+
+// Compares a dispatch result with the reference.
+void verify_dispatch(const CaseSpec& spec, const RunOptions& opt, const std::vector<RankInputs>& all,
+                     const reference::RefDispatch& ref, const DispatchResult& res, int me, Mismatches& bad) {
+  verify_counts(spec, opt, all, ref, res, me, bad);
+  verify_received_rows(spec, opt, all, ref, res, me, bad);
+  verify_layout_rows(spec, opt, all, ref, res, me, bad);
+  verify_source_slots(spec, opt, all, ref, res, me, bad);
 }
 
 void expect_same_tensor(const Tensor& a, const Tensor& b, std::int64_t rows, const char* name, Mismatches& bad) {
@@ -181,6 +211,158 @@ void expect_same_tensor(const Tensor& a, const Tensor& b, std::int64_t rows, con
         return;
       }
     }
+}
+
+// The handle's topk_idx: a copy of the caller's (do_handle_copy) or the caller's tensor itself.
+void check_handle_topk(const CaseSpec& spec, const RunOptions& opt, const RankInputs& in, const TensorView& topk,
+                       const DispatchResult& res, Mismatches& bad) {
+  const std::int64_t n = in.num_tokens;
+  const int k = spec.k;
+  const Tensor& held = res.handle->topk_idx;
+  if (!held.defined() || held.size(0) != n || held.size(1) != k) {
+    bad.add("handle.topk_idx is not [N, k]");
+  } else if (opt.handle_copy) {
+    if (held.data() == topk.data()) bad.add("do_handle_copy = true, but handle.topk_idx is the caller's tensor");
+    for (std::int64_t t = 0; t < n; ++t)
+      for (int j = 0; j < k; ++j)
+        if (held.data_as<const std::int64_t>()[t * held.stride(0) + j * held.stride(1)] != in.topk[static_cast<size_t>(t * k + j)])
+          bad.add("handle.topk_idx[{}, {}] differs from topk_idx", t, j);
+  } else if (held.data() != topk.data()) {
+    bad.add("do_handle_copy = false, but handle.topk_idx is not the caller's tensor");
+  }
+}
+
+// A cached dispatch of these x, scales and weights with the first call's handle.
+DispatchArgs cached_args(const CaseSpec& spec, const RunOptions& opt, const DispatchResult& res, const TensorView& cx,
+                         const TensorView& cscales, const TensorView& cweights) {
+  DispatchArgs again{.x = cx,
+                     .num_max_tokens_per_rank = spec.max_tokens,
+                     .expert_alignment = spec.alignment,
+                     .async_with_compute_stream = opt.async,
+                     .handle = res.handle,
+                     .do_expand = spec.expand,
+                     .do_zero_padding = opt.zero_padding,
+                     .use_tma_aligned_col_major_sf = opt.col_major_scales};
+  if (spec.fp8) again.x_scales = cscales;
+  if (spec.weights) again.topk_weights = cweights;
+  return again;
+}
+
+// A cached dispatch of the same inputs returns the first call's handle and rows.
+void check_cached_replay(ElasticBuffer& buffer, const CaseSpec& spec, const RunOptions& opt, DType x_dtype,
+                         const reference::RefDispatch& ref, const DispatchResult& res, const TensorView& x,
+                         const TensorView& scales, const TensorView& weights, Mismatches& bad) {
+  DispatchResult cached = buffer.dispatch(cached_args(spec, opt, res, x, scales, weights));
+  cached.event.wait();
+  if (cached.handle != res.handle) bad.add("cached dispatch must return the same handle");
+  if (cached.recv_x.dtype() != x_dtype) bad.add("cached recv_x has dtype {}", dtype_name(cached.recv_x.dtype()));
+  const std::int64_t rows = spec.expand ? (opt.zero_padding ? ref.expanded_rows : 0) : std::int64_t(ref.rows.size());
+  expect_same_tensor(cached.recv_x, res.recv_x, rows, "recv_x", bad);
+  expect_same_tensor(cached.recv_x_scales, res.recv_x_scales, rows, "recv_x_scales", bad);
+  expect_same_tensor(cached.recv_topk_idx, res.recv_topk_idx, rows, "recv_topk_idx", bad);
+  expect_same_tensor(cached.recv_topk_weights, res.recv_topk_weights, rows, "recv_topk_weights", bad);
+  if (spec.expand && !opt.zero_padding) {
+    for (int r = 0; r < ref.expanded_rows; ++r)  // padding rows are unspecified without zero padding
+      if (ref.expanded_owner[static_cast<size_t>(r)].first >= 0 &&
+          !same_bytes(static_cast<const char*>(cached.recv_x.data()) + std::int64_t{r} * spec.row_bytes(),
+                      static_cast<const char*>(res.recv_x.data()) + std::int64_t{r} * spec.row_bytes(),
+                      static_cast<size_t>(spec.row_bytes())))
+        bad.add("cached expanded recv_x row {} differs", r);
+  }
+}
+
+// New x, scales and weights for the same routing: the handle places them, nothing of the first
+// call's data may show.
+void check_replay_with_new_inputs(ElasticBuffer& buffer, const CaseSpec& spec, const RunOptions& opt, DType x_dtype,
+                                  const std::vector<RankInputs>& all, int me, const DispatchResult& res, Mismatches& bad) {
+  const int k = spec.k, H = spec.hidden;
+  const std::int64_t n = all[static_cast<size_t>(me)].num_tokens;
+  CaseSpec fresh_spec = spec;
+  fresh_spec.seed = spec.seed * 0x9e3779b97f4a7c15ULL + 0x632be59bd9b4e019ULL;
+  std::vector<RankInputs> fresh;
+  for (int r = 0; r < spec.ranks; ++r) {
+    fresh.push_back(reference::make_inputs(fresh_spec, r));
+    fresh.back().topk = all[static_cast<size_t>(r)].topk;
+  }
+  RankInputs& mine = fresh[static_cast<size_t>(me)];
+  DispatchResult replay = buffer.dispatch(
+      cached_args(spec, opt, res, TensorView(mine.x.data(), x_dtype, {n, H}),
+                  spec.fp8 ? TensorView(mine.scales.data(), DType::kFP32, {n, spec.scale_cols}) : TensorView(),
+                  spec.weights ? TensorView(mine.weights.data(), DType::kFP32, {n, k}) : TensorView()));
+  replay.event.wait();
+  if (replay.handle != res.handle) bad.add("cached dispatch must return the same handle");
+  bad.set_context("cached dispatch with new inputs: ");
+  verify_dispatch(spec, opt, fresh, reference::reference_dispatch(spec, fresh, me), replay, me, bad);
+  bad.set_context("");
+}
+
+// Combine: expert outputs depend on (this rank, local expert, source token), so a row routed to
+// the wrong place shows up in the combined result.
+CombineResult check_combine(ElasticBuffer& buffer, const CaseSpec& spec, const RunOptions& opt,
+                            std::vector<RankInputs>& all, int me, const reference::RefDispatch& ref,
+                            const DispatchResult& res, Mismatches& bad) {
+  const int k = spec.k, H = spec.hidden;
+  RankInputs& in = all[static_cast<size_t>(me)];
+  const std::int64_t n = in.num_tokens;
+  const auto* meta = res.handle->recv_src_metadata.data_as<const std::int32_t>();
+  const std::int64_t rows = res.recv_x.size(0);
+  Tensor y = Tensor::empty({rows, H}, DType::kBF16);
+  std::fill(y.data_as<std::uint16_t>(), y.data_as<std::uint16_t>() + rows * H, kPoison);
+  Tensor y_weights = spec.weights ? Tensor::empty(res.recv_topk_weights.shape(), DType::kFP32) : Tensor();
+  if (spec.weights)
+    for (std::int64_t i = 0; i < y_weights.numel(); ++i)
+      y_weights.data_as<float>()[i] = res.recv_topk_weights.data_as<const float>()[i] * kWeightScale;
+  for (std::size_t i = 0; i < ref.rows.size(); ++i) {
+    const int src_global = meta[i * static_cast<size_t>(k + 2)];
+    for (int j = 0; j < k; ++j) {
+      const int r = spec.expand ? meta[i * static_cast<size_t>(k + 2) + 2 + static_cast<size_t>(j)] : static_cast<int>(i);
+      if (r < 0) continue;
+      const int local = spec.expand ? static_cast<int>(ref.rows[i].local_ids[static_cast<size_t>(j)]) : -1;
+      for (int h = 0; h < H; ++h) y.data_as<std::uint16_t>()[std::int64_t{r} * H + h] = spec.value(me, local, src_global, h);
+    }
+  }
+  CombineArgs cargs{.x = y, .handle = res.handle, .async_with_compute_stream = opt.async};
+  if (spec.weights) cargs.topk_weights = y_weights;
+  for (auto& b : in.bias) cargs.bias.push_back(TensorView(b.data(), DType::kBF16, {n, H}));
+  CombineResult combined = buffer.combine(cargs);
+  combined.event.wait();
+  const auto ref_combined = reference::reference_combine(spec, all, me, kWeightScale);
+  for (std::int64_t t = 0; t < n; ++t) {
+    if (!same_bytes(combined.combined_x.data_as<const std::uint16_t>() + t * H, &ref_combined.x[static_cast<size_t>(t * H)],
+                    sizeof(std::uint16_t) * static_cast<size_t>(H))) {
+      int h = 0;
+      while (combined.combined_x.data_as<const std::uint16_t>()[t * H + h] == ref_combined.x[static_cast<size_t>(t * H + h)]) ++h;
+      bad.add("combined_x[{}] differs first at h={}: {} vs reference {}", t, h,
+              reference::float_from_bf16(combined.combined_x.data_as<const std::uint16_t>()[t * H + h]),
+              reference::float_from_bf16(ref_combined.x[static_cast<size_t>(t * H + h)]));
+    }
+    for (int j = 0; j < k && spec.weights; ++j)
+      if (combined.combined_topk_weights.data_as<const float>()[t * k + j] != ref_combined.weights[static_cast<size_t>(t * k + j)])
+        bad.add("combined_topk_weights[{}, {}] = {}, expected {}", t, j,
+                combined.combined_topk_weights.data_as<const float>()[t * k + j], ref_combined.weights[static_cast<size_t>(t * k + j)]);
+  }
+  if (!spec.weights && combined.combined_topk_weights.defined()) bad.add("combined_topk_weights defined without weights");
+  return combined;
+}
+
+// A digest of this rank's outputs (received rows, handle counts, combined rows and weights).
+std::uint64_t outputs_digest(const CaseSpec& spec, const reference::RefDispatch& ref, const DispatchResult& res,
+                             const CombineResult& combined) {
+  const int k = spec.k;
+  std::uint64_t d = 1469598103934665603ULL;
+  auto mix = [&](const void* data, std::size_t bytes) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (std::size_t i = 0; i < bytes; ++i) d = (d ^ p[i]) * 1099511628211ULL;
+  };
+  const std::int64_t real_rows = spec.expand ? ref.expanded_rows : static_cast<std::int64_t>(ref.rows.size());
+  for (std::int64_t r = 0; r < real_rows; ++r)  // padding rows are unspecified without zero padding
+    if (!spec.expand || ref.expanded_owner[static_cast<size_t>(r)].first >= 0)
+      mix(static_cast<const std::byte*>(res.recv_x.data()) + r * spec.row_bytes(), static_cast<std::size_t>(spec.row_bytes()));
+  mix(res.handle->recv_src_metadata.data(), static_cast<std::size_t>(ref.rows.size()) * (k + 2) * sizeof(std::int32_t));
+  mix(res.handle->psum_num_recv_tokens_per_expert.data(), res.handle->psum_num_recv_tokens_per_expert.nbytes());
+  mix(combined.combined_x.data(), combined.combined_x.nbytes());
+  if (spec.weights) mix(combined.combined_topk_weights.data(), combined.combined_topk_weights.nbytes());
+  return d;
 }
 
 }  // namespace
@@ -235,20 +417,7 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
   res.event.wait();
   if (res.recv_x.dtype() != x_dtype)
     bad.add("recv_x has dtype {}, x has {}", dtype_name(res.recv_x.dtype()), dtype_name(x_dtype));
-  if (n > 0) {
-    const Tensor& held = res.handle->topk_idx;
-    if (!held.defined() || held.size(0) != n || held.size(1) != k) {
-      bad.add("handle.topk_idx is not [N, k]");
-    } else if (opt.handle_copy) {
-      if (held.data() == topk.data()) bad.add("do_handle_copy = true, but handle.topk_idx is the caller's tensor");
-      for (std::int64_t t = 0; t < n; ++t)
-        for (int j = 0; j < k; ++j)
-          if (held.data_as<const std::int64_t>()[t * held.stride(0) + j * held.stride(1)] != in.topk[static_cast<size_t>(t * k + j)])
-            bad.add("handle.topk_idx[{}, {}] differs from topk_idx", t, j);
-    } else if (held.data() != topk.data()) {
-      bad.add("do_handle_copy = false, but handle.topk_idx is not the caller's tensor");
-    }
-  }
+  if (n > 0) check_handle_topk(spec, opt, in, topk, res, bad);
   const auto ref = reference::reference_dispatch(spec, all, me);
   verify_dispatch(spec, opt, all, ref, res, me, bad);
   for (int i = 0; i < spec.experts_per_rank(); ++i)
@@ -256,119 +425,27 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
       bad.add("cumulative_local_expert_recv_stats[{}] = {}, expected {}", i, stats.data_as<std::int32_t>()[i],
               ref.unaligned[static_cast<size_t>(i)]);
 
-  // A cached dispatch of these x, scales and weights with the first call's handle.
-  auto cached_args = [&](const TensorView& cx, const TensorView& cscales, const TensorView& cweights) {
-    DispatchArgs again{.x = cx,
-                       .num_max_tokens_per_rank = spec.max_tokens,
-                       .expert_alignment = spec.alignment,
-                       .async_with_compute_stream = opt.async,
-                       .handle = res.handle,
-                       .do_expand = spec.expand,
-                       .do_zero_padding = opt.zero_padding,
-                       .use_tma_aligned_col_major_sf = opt.col_major_scales};
-    if (spec.fp8) again.x_scales = cscales;
-    if (spec.weights) again.topk_weights = cweights;
-    return again;
-  };
-  if (opt.cached) {
-    DispatchResult cached = buffer.dispatch(cached_args(x, scales, weights));
-    cached.event.wait();
-    if (cached.handle != res.handle) bad.add("cached dispatch must return the same handle");
-    if (cached.recv_x.dtype() != x_dtype) bad.add("cached recv_x has dtype {}", dtype_name(cached.recv_x.dtype()));
-    const std::int64_t rows = spec.expand ? (opt.zero_padding ? ref.expanded_rows : 0) : std::int64_t(ref.rows.size());
-    expect_same_tensor(cached.recv_x, res.recv_x, rows, "recv_x", bad);
-    expect_same_tensor(cached.recv_x_scales, res.recv_x_scales, rows, "recv_x_scales", bad);
-    expect_same_tensor(cached.recv_topk_idx, res.recv_topk_idx, rows, "recv_topk_idx", bad);
-    expect_same_tensor(cached.recv_topk_weights, res.recv_topk_weights, rows, "recv_topk_weights", bad);
-    if (spec.expand && !opt.zero_padding) {
-      for (int r = 0; r < ref.expanded_rows; ++r)  // padding rows are unspecified without zero padding
-        if (ref.expanded_owner[static_cast<size_t>(r)].first >= 0 &&
-            !same_bytes(static_cast<const char*>(cached.recv_x.data()) + std::int64_t{r} * spec.row_bytes(),
-                        static_cast<const char*>(res.recv_x.data()) + std::int64_t{r} * spec.row_bytes(),
-                        static_cast<size_t>(spec.row_bytes())))
-          bad.add("cached expanded recv_x row {} differs", r);
-    }
-  }
-
-  if (opt.cached && opt.cached_new_inputs) {
-    // New x, scales and weights for the same routing: the handle places them, nothing of the
-    // first call's data may show.
-    CaseSpec fresh_spec = spec;
-    fresh_spec.seed = spec.seed * 0x9e3779b97f4a7c15ULL + 0x632be59bd9b4e019ULL;
-    std::vector<RankInputs> fresh;
-    for (int r = 0; r < spec.ranks; ++r) {
-      fresh.push_back(reference::make_inputs(fresh_spec, r));
-      fresh.back().topk = all[static_cast<size_t>(r)].topk;
-    }
-    RankInputs& mine = fresh[static_cast<size_t>(me)];
-    DispatchResult replay = buffer.dispatch(
-        cached_args(TensorView(mine.x.data(), x_dtype, {n, H}),
-                    spec.fp8 ? TensorView(mine.scales.data(), DType::kFP32, {n, spec.scale_cols}) : TensorView(),
-                    spec.weights ? TensorView(mine.weights.data(), DType::kFP32, {n, k}) : TensorView()));
-    replay.event.wait();
-    if (replay.handle != res.handle) bad.add("cached dispatch must return the same handle");
-    bad.set_context("cached dispatch with new inputs: ");
-    verify_dispatch(spec, opt, fresh, reference::reference_dispatch(spec, fresh, me), replay, me, bad);
-    bad.set_context("");
-  }
-
-  // Combine: expert outputs depend on (this rank, local expert, source token), so a row routed
-  // to the wrong place shows up in the combined result.
-  const auto* meta = res.handle->recv_src_metadata.data_as<const std::int32_t>();
-  const std::int64_t rows = res.recv_x.size(0);
-  Tensor y = Tensor::empty({rows, H}, DType::kBF16);
-  std::fill(y.data_as<std::uint16_t>(), y.data_as<std::uint16_t>() + rows * H, kPoison);
-  Tensor y_weights = spec.weights ? Tensor::empty(res.recv_topk_weights.shape(), DType::kFP32) : Tensor();
-  if (spec.weights)
-    for (std::int64_t i = 0; i < y_weights.numel(); ++i)
-      y_weights.data_as<float>()[i] = res.recv_topk_weights.data_as<const float>()[i] * kWeightScale;
-  for (std::size_t i = 0; i < ref.rows.size(); ++i) {
-    const int src_global = meta[i * static_cast<size_t>(k + 2)];
-    for (int j = 0; j < k; ++j) {
-      const int r = spec.expand ? meta[i * static_cast<size_t>(k + 2) + 2 + static_cast<size_t>(j)] : static_cast<int>(i);
-      if (r < 0) continue;
-      const int local = spec.expand ? static_cast<int>(ref.rows[i].local_ids[static_cast<size_t>(j)]) : -1;
-      for (int h = 0; h < H; ++h) y.data_as<std::uint16_t>()[std::int64_t{r} * H + h] = spec.value(me, local, src_global, h);
-    }
-  }
-  CombineArgs cargs{.x = y, .handle = res.handle, .async_with_compute_stream = opt.async};
-  if (spec.weights) cargs.topk_weights = y_weights;
-  for (auto& b : in.bias) cargs.bias.push_back(TensorView(b.data(), DType::kBF16, {n, H}));
-  CombineResult combined = buffer.combine(cargs);
-  combined.event.wait();
-  const auto ref_combined = reference::reference_combine(spec, all, me, kWeightScale);
-  for (std::int64_t t = 0; t < n; ++t) {
-    if (!same_bytes(combined.combined_x.data_as<const std::uint16_t>() + t * H, &ref_combined.x[static_cast<size_t>(t * H)],
-                    sizeof(std::uint16_t) * static_cast<size_t>(H))) {
-      int h = 0;
-      while (combined.combined_x.data_as<const std::uint16_t>()[t * H + h] == ref_combined.x[static_cast<size_t>(t * H + h)]) ++h;
-      bad.add("combined_x[{}] differs first at h={}: {} vs reference {}", t, h,
-              reference::float_from_bf16(combined.combined_x.data_as<const std::uint16_t>()[t * H + h]),
-              reference::float_from_bf16(ref_combined.x[static_cast<size_t>(t * H + h)]));
-    }
-    for (int j = 0; j < k && spec.weights; ++j)
-      if (combined.combined_topk_weights.data_as<const float>()[t * k + j] != ref_combined.weights[static_cast<size_t>(t * k + j)])
-        bad.add("combined_topk_weights[{}, {}] = {}, expected {}", t, j,
-                combined.combined_topk_weights.data_as<const float>()[t * k + j], ref_combined.weights[static_cast<size_t>(t * k + j)]);
-  }
-  if (!spec.weights && combined.combined_topk_weights.defined()) bad.add("combined_topk_weights defined without weights");
-  if (opt.digest) {
-    std::uint64_t d = 1469598103934665603ULL;
-    auto mix = [&](const void* data, std::size_t bytes) {
-      const auto* p = static_cast<const unsigned char*>(data);
-      for (std::size_t i = 0; i < bytes; ++i) d = (d ^ p[i]) * 1099511628211ULL;
-    };
-    const std::int64_t real_rows = spec.expand ? ref.expanded_rows : static_cast<std::int64_t>(ref.rows.size());
-    for (std::int64_t r = 0; r < real_rows; ++r)  // padding rows are unspecified without zero padding
-      if (!spec.expand || ref.expanded_owner[static_cast<size_t>(r)].first >= 0)
-        mix(static_cast<const std::byte*>(res.recv_x.data()) + r * spec.row_bytes(), static_cast<std::size_t>(spec.row_bytes()));
-    mix(res.handle->recv_src_metadata.data(), static_cast<std::size_t>(ref.rows.size()) * (k + 2) * sizeof(std::int32_t));
-    mix(res.handle->psum_num_recv_tokens_per_expert.data(), res.handle->psum_num_recv_tokens_per_expert.nbytes());
-    mix(combined.combined_x.data(), combined.combined_x.nbytes());
-    if (spec.weights) mix(combined.combined_topk_weights.data(), combined.combined_topk_weights.nbytes());
-    *opt.digest = d;
-  }
+  if (opt.cached) check_cached_replay(buffer, spec, opt, x_dtype, ref, res, x, scales, weights, bad);
+  if (opt.cached && opt.cached_new_inputs) check_replay_with_new_inputs(buffer, spec, opt, x_dtype, all, me, res, bad);
+  const CombineResult combined = check_combine(buffer, spec, opt, all, me, ref, res, bad);
+  if (opt.digest) *opt.digest = outputs_digest(spec, ref, res, combined);
   return std::move(bad.list());
+}
+
+RankProblems run_elastic_case_in_process(const CaseSpec& spec, const RunOptions& options) {
+  return collect_on_ranks(spec.ranks, {.num_scaleout = spec.scaleout},
+                          [&](Group& g, std::vector<std::string>& problems) { problems = run_elastic_case(g, spec, options); });
+}
+
+std::vector<std::uint64_t> in_process_digests(const CaseSpec& spec, RunOptions options) {
+  std::vector<std::uint64_t> digests(static_cast<size_t>(spec.ranks), 0);
+  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
+  world.run([&](Group& g) {
+    RunOptions o = options;
+    o.digest = &digests[static_cast<size_t>(g.rank())];
+    run_elastic_case(g, spec, o);
+  });
+  return digests;
 }
 
 CaseSpec random_case(std::uint64_t seed, RunOptions* options) { return random_case(seed, 0, 0, options); }

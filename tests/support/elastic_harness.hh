@@ -1,6 +1,7 @@
-// Runs one randomized dispatch -> combine case on in-process ranks and checks every output
-// against the dense reference (tests/reference). Failures are collected as strings (gtest assertions from rank
-// threads would not stop the other ranks).
+// The case runner of ElasticBuffer: one dispatch -> cached dispatch -> combine case on a group's
+// rank (any transport), every output checked against the dense reference (tests/reference); the
+// same case on in-process ranks; random cases from a seed. Failures are collected as strings (gtest
+// assertions from rank threads would not stop the other ranks).
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/group.hpp"
 #include "reference/dense_reference.hh"
+#include "support/rank_runner.hh"
 
 namespace moe_ep::testing {
 
@@ -36,6 +38,12 @@ struct RunOptions {
 
 // Returns the mismatches found on `group`'s rank (empty when everything matched).
 std::vector<std::string> run_elastic_case(Group& group, const reference::CaseSpec& spec, const RunOptions& options);
+
+// The case on LocalWorld(spec.ranks, spec.scaleout nodes): every rank's mismatches.
+RankProblems run_elastic_case_in_process(const reference::CaseSpec& spec, const RunOptions& options);
+
+// The digests (RunOptions::digest) of the case's outputs on in-process ranks, one per rank.
+std::vector<std::uint64_t> in_process_digests(const reference::CaseSpec& spec, RunOptions options);
 
 // A random case from a seed, covering the parameter space of the property tests.
 reference::CaseSpec random_case(std::uint64_t seed, RunOptions* options);

@@ -1,4 +1,4 @@
-#include "reference/errors.hh"
+#include "support/errors.hh"
 
 #include "moe_ep/error.hpp"
 

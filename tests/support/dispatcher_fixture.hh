@@ -1,6 +1,6 @@
-// Shared helpers of the dispatcher tests: inputs from the dense reference, expert outputs for
-// each output format, and the checks of dispatch outputs and combined results against the
-// references in tests/reference (independent of src/).
+// The case runner of the token dispatcher (dispatcher and MPI suites): inputs from the dense
+// reference, expert outputs for each output format, and the checks of dispatch outputs and
+// combined results against the references in tests/reference (independent of src/).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -12,7 +12,8 @@
 #include "moe_ep/dispatcher.hpp"
 #include "moe_ep/error.hpp"
 #include "reference/dense_reference.hh"
-#include "reference/errors.hh"
+#include "support/errors.hh"
+#include "support/rank_runner.hh"
 
 namespace moe_ep::testing {
 
@@ -41,7 +42,7 @@ struct Expectation {
 void check_dispatch(const CaseSpec& s, const Expectation& e, const std::vector<RankInputs>& all, int me,
                     const DispatchOutput& out, std::vector<std::string>& bad);
 
-// The expert code of the tests, per format: rows of expert_value (unweighted; see fixture.cc).
+// The expert code of the tests, per format: rows of expert_value (unweighted; see dispatcher_fixture.cc).
 Tensor expert_outputs(const CaseSpec& s, const Expectation& e, const std::vector<RankInputs>& all, int me,
                       const DispatchOutput& out);
 
