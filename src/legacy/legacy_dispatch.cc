@@ -225,14 +225,16 @@ void set_options(engine::DispatchRequest& r, const LegacyDispatchArgs& args, con
   r.cpu_sync = !cached && args.num_worst_tokens == 0;
 }
 
-// Whether is_token_in_rank and num_tokens_per_expert can be read to route by is_token_in_rank
-// alone: the types and sizes the reads need. The rest (the token count of x, a positive multiple
-// of R experts, at most kMaxTopk ranks) is checked by the V1 checks, which the engine runs before
-// it uses the routing: a call they reject never uses what was built from the tensors.
+// Whether the routing can be read from is_token_in_rank and num_tokens_per_expert before the V1
+// checks run: the types and sizes its reads and its allocation rely on (a view may claim more
+// rows than x has). What the routing must be to be used (a positive multiple of R experts, at most
+// kMaxTopk ranks) is left to the V1 checks, which the engine runs first: a call they reject never
+// uses what was built here.
 bool rank_mask_readable(const LegacyDispatchArgs& args, int R) {
   const TensorView& in_rank = args.is_token_in_rank;
   const TensorView& per_expert = args.num_tokens_per_expert;
   return in_rank.defined() && in_rank.dtype() == DType::kBool && in_rank.ndim() == 2 && in_rank.size(1) == R &&
+         args.x.defined() && in_rank.size(0) == args.x.size(0) && args.x.size(0) <= kMaxInt &&
          per_expert.defined() && per_expert.dtype() == DType::kInt32 && per_expert.ndim() == 1 &&
          per_expert.size(0) <= kMaxInt;
 }
