@@ -12,6 +12,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -114,7 +115,12 @@ class BufferCore {
   std::atomic<std::int64_t> slot_stride_{0};  // bytes per slot for shape_
 };
 
-// Low-latency operations (low_latency.cc).
+// Worker threads of a normal-mode call: num_sms / 2 channels, capped by the cores per rank
+// (legacy_buffer.cc).
+std::function<int(int, int)> normal_mode_workers(const engine::Engine& e, const Config& config);
+
+// Low-latency operations (low_latency_dispatch.cc, low_latency_combine.cc; the slots and the
+// clean in low_latency.cc).
 LowLatencyDispatchResult low_latency_dispatch(BufferCore& core, const LowLatencyDispatchArgs& args);
 LowLatencyCombineResult low_latency_combine(BufferCore& core, const LowLatencyCombineArgs& args);
 void clean_low_latency_buffer(BufferCore& core, int max_tokens, int hidden, int num_experts);

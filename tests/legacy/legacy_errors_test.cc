@@ -113,6 +113,40 @@ TEST(LegacyErrors, LayoutMustMatchTheRouting) {
   });
 }
 
+// Routed by is_token_in_rank alone: a layout the V1 checks refuse is named on the rank that
+// passed it (its peers learn of it), and the next call routes as the mask says.
+TEST(LegacyErrors, RankMaskRoutingIsCheckedBeforeUse) {
+  LocalWorld(2).run([&](Group& g) {
+    Buffer b(g, {});
+    Tokens in(g.rank());
+    std::vector<std::uint8_t> mask(12, 1);      // every token to both ranks
+    std::vector<std::int32_t> per_rank = {6, 6};
+    std::vector<std::int32_t> per_expert = {6, 0, 6, 0};  // lane d names rank d's first expert
+    LegacyDispatchArgs args{.x = in.xv(), .num_tokens_per_rank = TensorView(per_rank.data(), DType::kInt32, {2}),
+                            .is_token_in_rank = TensorView(mask.data(), DType::kBool, {6, 2}),
+                            .num_tokens_per_expert = TensorView(per_expert.data(), DType::kInt32, {4})};
+    auto a = args;
+    if (g.rank() == 0) a.num_tokens_per_expert = TensorView(per_expert.data(), DType::kInt32, {3});
+    testing::Caught e = testing::catch_error([&] { b.dispatch(a); });
+    if (g.rank() == 0) {
+      EXPECT_EQ(e.type, "InvalidArgument") << e.message;
+      EXPECT_NE(e.message.find("num_tokens_per_expert has 3 entries, expected a positive multiple of 2"),
+                std::string::npos) << e.message;
+    } else {
+      EXPECT_NE(e.message.find("rank [0] rejected its arguments"), std::string::npos) << e.message;
+    }
+    a = args;
+    a.is_token_in_rank = TensorView(mask.data(), DType::kBool, {5, 2});  // one row short of x
+    EXPECT_NE(error_of([&] { b.dispatch(a); }).find("is_token_in_rank"), std::string::npos);
+    a = args;
+    a.num_tokens_per_expert = TensorView(per_expert.data(), DType::kInt32, {0});
+    EXPECT_NE(error_of([&] { b.dispatch(a); }).find("num_tokens_per_expert has 0 entries"), std::string::npos);
+    // Both ranks send all 6 tokens to each other: 12 rows arrive on each.
+    const LegacyDispatchResult d = b.dispatch(args);
+    EXPECT_EQ(d.recv_x.size(0), 12);
+  });
+}
+
 // A caller's own refusal (the Python binding's, for an argument it could not convert) reaches
 // every rank through the call, in normal and low-latency mode; the next calls pair up as usual.
 TEST(LegacyErrors, CallerRejectionReachesEveryRank) {

@@ -1,0 +1,388 @@
+// Low-latency combine of the V1 Buffer (docs/legacy.md §4).
+//
+// Each token's rank reads the expert outputs of its (token, expert) pairs straight from the
+// experts' ranks (or from their slots, when staged for a hook or written in place with
+// zero_copy) and sums them weighted, in top-k order. Rows for tokens of ranks of other nodes
+// travel through one counted exchange (engine/counted_exchange.hh), LogFMT-encoded when asked.
+#include <fmt/format.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <optional>
+
+#include "comm/wait.hh"
+#include "core/checks.hh"
+#include "core/failure.hh"
+#include "core/logfmt_rows.hh"
+#include "core/reduce.hh"
+#include "engine/call_shape.hh"
+#include "engine/counted_exchange.hh"
+#include "legacy/buffer_core.hh"
+#include "legacy/low_latency_steps.hh"
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::legacy {
+namespace {
+
+using std::int32_t;
+using std::int64_t;
+
+// Where a rank's combine input slab lives (published in the agreement).
+struct Slab {
+  const std::byte* data = nullptr;
+  std::int64_t expert_bytes = 0;  // between experts
+  std::int64_t row_bytes = 0;     // between rows
+};
+
+class LowLatencyCombine final : public engine::Operation {
+ public:
+  LowLatencyCombine(BufferCore& core, const LowLatencyCombineArgs& args, std::uint64_t sequence)
+      : core_(core),
+        args_(args),
+        sequence_(sequence),
+        ctx_(core.engine.context("low_latency_combine")),
+        remote_rows_(core.engine, "low_latency_combine: rows of other nodes") {
+    error_context = ctx_;
+    local_error = core::attempt(ctx_, [&] { validate(); });
+  }
+  const std::string& context() const { return ctx_; }
+  // Checks that need the slot: a zero-copy slab must be the buffer of this call's slot.
+  void check_zero_copy();
+
+  bool outputs_known_early() const override { return true; }
+  void allocate_outputs_early() override {
+    result.combined_x = args_.out.defined() ? Tensor().with_view(args_.out)
+                                            : Tensor::empty({shape_.tokens, shape_.hidden}, DType::kBF16);
+  }
+  void run(const std::function<void()>& outputs_ready) override;
+  void receive(bool parallel);
+
+  LowLatencyCombineResult result;
+  BufferCore::SlotUse use;
+
+ private:
+  int ranks() const { return core_.engine.num_ranks; }
+  int64_t slab_rows() const { return static_cast<int64_t>(ranks()) * shape_.max_tokens; }
+  void validate();
+  void validate_tensors();
+  void agree_on_slabs(std::exception_ptr error, const Slab& mine);
+  void stage_and_publish();
+  int32_t rows_from(int expert_rank) const;
+  void expect_remote_rows();
+  void put_remote_rows();
+  std::vector<int64_t> wait_for_experts();
+  void combine_token(int64_t t);
+
+  BufferCore& core_;
+  LowLatencyCombineArgs args_;
+  std::uint64_t sequence_;
+  std::string ctx_;
+  const LowLatencyState* state_ = nullptr;
+  engine::CallShape shape_;
+  bool staged_ = false;
+  std::optional<SlotLayout> layout_;
+  std::vector<Slab> peers_;
+  engine::CountedExchange remote_rows_;  // rows of experts on other nodes, into this rank's receive area
+  std::atomic<bool> received_{false};
+};
+
+void LowLatencyCombine::validate() {
+  auto& e = core_.engine;
+  const auto& a = args_;
+  if (!a.rejection.empty()) core::fail(ctx_, "{}", a.rejection);
+  if (!core_.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
+  if (!a.handle || !a.handle->state || a.handle->state->engine_id != e.id)
+    core::fail(ctx_, "handle is missing or was created by another buffer");
+  state_ = a.handle->state.get();
+  const std::string stale = core_.slot_problem(state_->slot, state_->slot_generation, "handle");
+  if (!stale.empty()) core::fail(ctx_, "{}", stale);
+  if (state_->src_info.empty())
+    core::fail(ctx_, "the handle's dispatch has not received its tokens yet: call its receive hook first");
+  if (a.use_logfmt && a.zero_copy)
+    core::fail(ctx_, "use_logfmt = true cannot be combined with zero_copy = true (LogFMT rows are encoded while "
+               "they are sent, zero-copy rows are not sent)");
+  if (a.async_finish && a.return_recv_hook) core::fail(ctx_, "async_finish and return_recv_hook cannot both be true");
+  shape_.max_tokens = state_->max_tokens;
+  shape_.hidden = state_->hidden;
+  shape_.experts = state_->num_experts;
+  shape_.local_experts = shape_.experts / ranks();
+  shape_.topk = state_->num_topk;
+  shape_.tokens = state_->num_tokens;
+  if (a.use_logfmt && shape_.hidden % 128 != 0)
+    core::fail(ctx_, "use_logfmt = true needs a hidden size that is a multiple of 128 (128-channel blocks), got {}",
+               shape_.hidden);
+  layout_.emplace(shape_.max_tokens, shape_.hidden, ranks(), shape_.experts, shape_.topk, RowFormat{});
+  validate_tensors();
+  staged_ = a.zero_copy || a.return_recv_hook;
+}
+
+// x, topk_idx (the dispatched one), topk_weights, out and the wait statistics.
+void LowLatencyCombine::validate_tensors() {
+  const auto& a = args_;
+  const int n = shape_.tokens, k = shape_.topk;
+  core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {shape_.local_experts, slab_rows(), shape_.hidden});
+  core::expect_rows_contiguous(ctx_, "x", a.x);
+  core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {n, k});
+  core::expect_rows_contiguous(ctx_, "topk_idx", a.topk_idx);
+  for (int t = 0; t < n; ++t)
+    for (int j = 0; j < k; ++j)
+      if (a.topk_idx.data_as<const int64_t>()[t * a.topk_idx.stride(0) + j] != state_->topk.data_as<const int64_t>()[t * k + j])
+        core::fail(ctx_, "topk_idx[{}, {}] = {} differs from the dispatched {}", t, j,
+                   a.topk_idx.data_as<const int64_t>()[t * a.topk_idx.stride(0) + j], state_->topk.data_as<const int64_t>()[t * k + j]);
+  core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {n, k});
+  core::expect_rows_contiguous(ctx_, "topk_weights", a.topk_weights);
+  if (a.out.defined()) {
+    core::expect_tensor(ctx_, "out", a.out, DType::kBF16, {n, shape_.hidden});
+    core::expect_rows_contiguous(ctx_, "out", a.out);
+  }
+  if (a.combine_wait_recv_cost_stats.defined()) {
+    core::expect_tensor(ctx_, "combine_wait_recv_cost_stats", a.combine_wait_recv_cost_stats, DType::kInt64, {ranks()});
+    core::expect_contiguous(ctx_, "combine_wait_recv_cost_stats", a.combine_wait_recv_cost_stats);
+  }
+}
+
+void LowLatencyCombine::check_zero_copy() {
+  if (local_error || !args_.zero_copy) return;
+  try {
+    const auto* expected = core_.slot_base(core_.engine.rank, use.slot) + SlotLayout::kHeaderBytes;
+    if (args_.x.data() != static_cast<const void*>(expected))
+      core::fail(ctx_, "zero_copy = true but x is not get_next_low_latency_combine_buffer(handle) for this call");
+  } catch (...) {
+    local_error = std::current_exception();
+  }
+}
+
+void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
+  auto& e = core_.engine;
+  Slab mine;
+  std::exception_ptr error = local_error;
+  if (!error) {
+    error = core::attempt(ctx_, [&] {
+      e.limit_inflight(0);  // num_qps_per_rank
+      if (!result.combined_x.defined()) allocate_outputs_early();
+      mine = {static_cast<const std::byte*>(args_.x.data()), args_.x.stride(0) * 2, args_.x.stride(1) * 2};
+    });
+  }
+  agree_on_slabs(error, mine);
+  stage_and_publish();
+  expect_remote_rows();
+  put_remote_rows();
+  outputs_ready();
+  if (args_.return_recv_hook) return;
+  {
+    // Without staging, the rows of node peers are read straight from their x.
+    std::optional<comm::PeerReads> reads;
+    if (!staged_) reads.emplace(e.transport(), "low_latency_combine: reduction");
+    receive(true);
+  }
+  // Without staging, peers read this rank's x directly: keep it until they are done.
+  if (!staged_) e.transport().barrier(comm::Scope::kNode, e.wait("low_latency_combine: exit"));
+}
+
+// The agreement, with every rank's slab (peers_): without staging, node peers read x itself, so
+// it is shared (Transport::share) and mapped.
+void LowLatencyCombine::agree_on_slabs(std::exception_ptr error, const Slab& mine) {
+  auto& e = core_.engine;
+  Slab shared = mine;
+  if (!error && !staged_) {
+    error = core::attempt(ctx_, [&] {
+      const comm::Transport::Span span{mine.data, engine::view_extent(args_.x)};
+      shared.data = static_cast<const std::byte*>(e.transport().share({&span, 1})[0]);
+    });
+  }
+  comm::Agreement agreement(ctx_, "low_latency_combine");
+  agreement.local_error(error)
+      .field("operation number", static_cast<int64_t>(sequence_))
+      .field("low-latency call number", static_cast<int64_t>(use.number))
+      .field("handle's dispatch", state_ ? static_cast<int64_t>(state_->dispatch_number) : 0)
+      .field("zero_copy", args_.zero_copy)
+      .field("use_logfmt", args_.use_logfmt)
+      .field("return_recv_hook", args_.return_recv_hook);
+  peers_ = engine::agree_on(*this, agreement, e, "low_latency_combine: agreement", shared, ctx_);
+  for (std::size_t r = 0; r < peers_.size(); ++r) {
+    if (static_cast<int>(r) == e.rank)
+      peers_[r] = mine;
+    else if (!staged_ && e.same_node(static_cast<int>(r)))
+      peers_[r].data = static_cast<const std::byte*>(e.transport().node_address(static_cast<int>(r), peers_[r].data));
+  }
+}
+
+// Staged (hook or zero_copy): the valid rows of every local expert in this rank's slot, in the
+// zero-copy layout (zero_copy wrote them there already), then published.
+void LowLatencyCombine::stage_and_publish() {
+  if (!staged_) return;
+  if (!args_.zero_copy) {
+    auto& e = core_.engine;
+    const SlotLayout& L = *layout_;
+    const int R = ranks();
+    std::byte* area = core_.slot_base(e.rank, use.slot) + SlotLayout::kHeaderBytes;
+    const auto* ranges = state_->layout_range.data();
+    const int64_t rows = slab_rows();
+    e.pool().parallel_for(shape_.local_experts, [&](int64_t i) {
+      int64_t valid = 0;
+      for (int s = 0; s < R; ++s) valid += ranges[i * R + s] & 0xffffffff;
+      for (int64_t row = 0; row < valid; ++row)
+        std::memcpy(area + ((i * rows + row) * L.combine_row_elements) * 2,
+                    args_.x.data_as<const std::uint16_t>() + i * args_.x.stride(0) + row * args_.x.stride(1),
+                    static_cast<size_t>(shape_.hidden) * 2);
+    });
+  }
+  publish(core_, use.slot, use.number);
+}
+
+// Rows the experts of `expert_rank` send back for this rank's tokens.
+int32_t LowLatencyCombine::rows_from(int expert_rank) const {
+  const int El = shape_.local_experts, me = core_.engine.rank;
+  int32_t outgoing = 0;
+  for (int i = 0; i < El; ++i) outgoing += state_->counts[static_cast<size_t>(me) * shape_.experts + expert_rank * El + i];
+  return outgoing;
+}
+
+// Expectations, in call order: one signal from each rank of another node with rows for this one.
+void LowLatencyCombine::expect_remote_rows() {
+  for (int d = 0; d < ranks(); ++d)
+    if (!core_.engine.same_node(d) && rows_from(d) > 0) remote_rows_.expect(d);
+}
+
+// Rows for tokens of other nodes' ranks: one put per (token, expert) into the token's rank's
+// receive area [global expert][token], then one signal per source.
+void LowLatencyCombine::put_remote_rows() {
+  auto& e = core_.engine;
+  const SlotLayout& L = *layout_;
+  const int R = ranks(), El = shape_.local_experts, me = e.rank;
+  const auto* ranges = state_->layout_range.data();
+  const auto* src_info = state_->src_info.data();
+  const int64_t rows = slab_rows();
+  for (int src = 0; src < R; ++src) {
+    if (e.same_node(src)) continue;
+    for (int i = 0; i < El; ++i) {
+      const int64_t begin = ranges[i * R + src] >> 32, count = ranges[i * R + src] & 0xffffffff;
+      for (int64_t c = 0; c < count; ++c) {
+        const int32_t token = src_info[i * rows + begin + c];
+        const int64_t offset = core_.slot_offset(use.slot) + L.recv_offset +
+                               ((static_cast<int64_t>(me) * El + i) * shape_.max_tokens + token) * L.combine_recv_row_bytes;
+        const auto* row = args_.x.data_as<const std::uint16_t>() + i * args_.x.stride(0) + (begin + c) * args_.x.stride(1);
+        if (args_.use_logfmt) {
+          // Encoded into this row's place in the send area (rows of other nodes' tokens are never
+          // read there), then sent.
+          std::byte* encoded = core_.slot_base(me, use.slot) + SlotLayout::kHeaderBytes +
+                               ((i * rows + begin + c) * L.combine_row_elements) * 2;
+          const int64_t bytes = core::logfmt_encode_row(row, shape_.hidden, encoded);
+          remote_rows_.put(src, static_cast<size_t>(offset), encoded, static_cast<size_t>(bytes));
+        } else {
+          remote_rows_.put(src, static_cast<size_t>(offset), row, static_cast<size_t>(shape_.hidden) * 2);
+        }
+      }
+    }
+    remote_rows_.signal_written();
+  }
+}
+
+void LowLatencyCombine::receive(bool parallel) {
+  if (received_.exchange(true)) throw StateError(fmt::format("{}: the receive hook was already called", ctx_));
+  const std::string problem = core_.slot_problem(use.slot, use.generation, "receive hook");
+  if (!problem.empty()) throw StateError(fmt::format("{}: {}", ctx_, problem));
+  const std::vector<int64_t> waited = wait_for_experts();
+  if (parallel) {
+    core_.engine.pool().parallel_for(shape_.tokens, [&](int64_t t) { combine_token(t); });
+  } else {
+    for (int64_t t = 0; t < shape_.tokens; ++t) combine_token(t);
+  }
+  if (args_.combine_wait_recv_cost_stats.defined())
+    for (int d = 0; d < ranks(); ++d) args_.combine_wait_recv_cost_stats.data_as<int64_t>()[d] += waited[static_cast<size_t>(d)];
+  core_.hook_done(use.slot, use.generation);
+}
+
+// Waits for every expert rank's rows: the publications of this node's ranks (when staged), the
+// signals of the others. Returns the nanoseconds waited for each rank.
+std::vector<int64_t> LowLatencyCombine::wait_for_experts() {
+  auto& e = core_.engine;
+  std::vector<int64_t> waited(static_cast<size_t>(ranks()), 0);
+  for (int d = 0; d < ranks() && staged_; ++d)
+    if (e.same_node(d)) waited[static_cast<size_t>(d)] = wait_published(core_, d, use.slot, use.number, "combine receive");
+  if (!remote_rows_.expects_any()) return waited;
+  const auto start = std::chrono::steady_clock::now();
+  remote_rows_.wait();
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+  for (int d = 0; d < ranks(); ++d)
+    if (!e.same_node(d) && rows_from(d) > 0) waited[static_cast<size_t>(d)] = ns;
+  return waited;
+}
+
+// Token t's combined row: its experts' rows weighted, in top-k order.
+void LowLatencyCombine::combine_token(int64_t t) {
+  auto& e = core_.engine;
+  const SlotLayout& L = *layout_;
+  const int k = shape_.topk, El = shape_.local_experts, H = shape_.hidden;
+  const std::byte* recv = core_.slot_base(e.rank, use.slot) + L.recv_offset;
+  const auto* ids = state_->topk.data_as<const int64_t>();
+  const auto* weights = args_.topk_weights.data_as<const float>();
+  auto* out = result.combined_x.data_as<std::uint16_t>();
+  const bool logfmt = args_.use_logfmt;
+  std::array<const std::uint16_t*, engine::kMaxTopk> rows;
+  std::array<float, engine::kMaxTopk> w;
+  std::array<bool, engine::kMaxTopk> encoded{};  // LogFMT rows that arrived encoded
+  int n = 0;
+  for (int j = 0; j < k; ++j) {
+    const int64_t id = ids[t * k + j];
+    if (id < 0) continue;
+    const int d = static_cast<int>(id / El);
+    const int64_t local = id % El, row = state_->rows[static_cast<size_t>(t) * k + j];
+    if (!e.same_node(d)) {
+      rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(recv + (id * shape_.max_tokens + t) * L.combine_recv_row_bytes);
+      encoded[static_cast<size_t>(n)] = logfmt;
+    } else if (staged_) {
+      const std::byte* area = core_.slot_base(d, use.slot) + SlotLayout::kHeaderBytes;
+      rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(area + ((local * slab_rows() + row) * L.combine_row_elements) * 2);
+    } else {
+      const Slab& p = peers_[static_cast<size_t>(d)];
+      rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(p.data + local * p.expert_bytes + row * p.row_bytes);
+    }
+    w[static_cast<size_t>(n++)] = weights[t * args_.topk_weights.stride(0) + j];
+  }
+  if (!logfmt) {
+    core::weighted_sum_bf16_rows({rows.data(), static_cast<size_t>(n)}, {w.data(), static_cast<size_t>(n)},
+                                 out + t * result.combined_x.stride(0), H);
+    return;
+  }
+  // LogFMT: every row is what its encoding decodes to, whether it traveled encoded or is read
+  // in place from a rank of this node (encoded here the same way).
+  thread_local std::vector<float> decoded;
+  thread_local std::vector<std::byte> scratch;
+  decoded.resize(static_cast<size_t>(n) * H);
+  scratch.resize(static_cast<size_t>(core::logfmt_max_row_bytes(H)));
+  std::array<const float*, engine::kMaxTopk> values;
+  for (int r = 0; r < n; ++r) {
+    float* dst = decoded.data() + static_cast<size_t>(r) * H;
+    const std::byte* bytes = reinterpret_cast<const std::byte*>(rows[static_cast<size_t>(r)]);
+    if (!encoded[static_cast<size_t>(r)]) {
+      core::logfmt_encode_row(rows[static_cast<size_t>(r)], H, scratch.data());
+      bytes = scratch.data();
+    }
+    core::logfmt_decode_row(bytes, H, dst);
+    values[static_cast<size_t>(r)] = dst;
+  }
+  core::weighted_sum_fp32_rows({values.data(), static_cast<size_t>(n)}, {w.data(), static_cast<size_t>(n)},
+                               out + t * result.combined_x.stride(0), H);
+}
+
+}  // namespace
+
+LowLatencyCombineResult low_latency_combine(BufferCore& core, const LowLatencyCombineArgs& args) {
+  auto& e = core.engine;
+  e.check_usable("low_latency_combine");
+  const auto* state = args.handle ? args.handle->state.get() : nullptr;
+  auto op = std::make_shared<LowLatencyCombine>(core, args, e.next_sequence());
+  take_slot(core, *op, state ? state->max_tokens : 0, state ? state->hidden : 0, state ? state->num_experts : 0,
+            args.return_recv_hook);
+  op->check_zero_copy();
+  auto result = e.execute(op, args.async_finish);
+  if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive] {
+    if (!*alive) throw StateError("low_latency_combine: the receive hook was called after its buffer was destroyed");
+    op->receive(false);
+  });
+  return result;
+}
+}  // namespace moe_ep::legacy
