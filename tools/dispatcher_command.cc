@@ -14,7 +14,7 @@
 #include "commands.hh"
 #include "core/npy.hh"
 #include "moe_ep/dispatcher.hpp"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/group.hpp"
 #include "progress.hh"
@@ -33,7 +33,8 @@ struct BatchRecord {
 
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
 
-bool env_is_set(const char* name) { return env::current(name).source != env::Source::kDefault; }
+template <env::Type T>
+bool env_is_set(env::Var<T> variable) { return env::current(variable).source != env::Source::kDefault; }
 
 // A view's storage as a contiguous tensor of `shape` (the layout a permuted view was made from).
 TensorView storage(const TensorView& v, std::initializer_list<std::int64_t> shape) {
@@ -94,7 +95,7 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const Dispatch
                       {"use_ue8m0", o.use_ue8m0},
                       {"nvfp4_global_scale", o.nvfp4_global_scale},
                       {"nvfp4_ue8m0", o.nvfp4_use_ue8m0},
-                      {"nvfp4_rounding", env::get_string("MOE_EP_NVFP4_ROUNDING")},
+                      {"nvfp4_rounding", env::get(env::kNvfp4Rounding)},
                       {"num_max_dispatch_tokens_per_rank", *o.num_max_dispatch_tokens_per_rank},
                       {"num_max_prefill_tokens_per_rank", *o.num_max_prefill_tokens_per_rank}};
   nlohmann::json list = nlohmann::json::array();
@@ -132,7 +133,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
   // --nvfp4 it is the one MOE_EP_DISPATCH_DTYPE gives the dispatcher (the flags win over it).
   LayerConfig c = options.layer;
   if (!c.fp8 && !c.nvfp4) {
-    const std::string wire = env::get_string("MOE_EP_DISPATCH_DTYPE");
+    const std::string wire = env::get(env::kDispatchDtype);
     c.fp8 = wire == "fp8";
     c.nvfp4 = wire == "nvfp4";
     if (c.fp8 && c.hidden % 128 != 0)
@@ -168,8 +169,8 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
   if (!c.multi) o.allow_multiple_reduction = false;
   // The batches of this run: prefill batches of --tokens, decode batches of --decode-tokens per
   // rank. Unless the environment sets them, the caps are sized to fit.
-  const DispatchMode mode = o.mode.value_or(env::get_string("MOE_EP_MODE") == "normal"        ? DispatchMode::kNormal
-                                            : env::get_string("MOE_EP_MODE") == "low_latency" ? DispatchMode::kLowLatency
+  const DispatchMode mode = o.mode.value_or(env::get(env::kMode) == "normal"        ? DispatchMode::kNormal
+                                            : env::get(env::kMode) == "low_latency" ? DispatchMode::kLowLatency
                                                                                               : DispatchMode::kAuto);
   auto tokens_of = [&](BatchKind k) { return k == BatchKind::kPrefill ? c.tokens : run.decode_tokens; };
   auto resolves_to_ll = [&](BatchKind k) {
@@ -177,8 +178,8 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
   };
   int ll_tokens = 1, normal_tokens = 1;
   for (BatchKind k : kinds) (resolves_to_ll(k) ? ll_tokens : normal_tokens) = std::max(resolves_to_ll(k) ? ll_tokens : normal_tokens, tokens_of(k));
-  if (!env_is_set("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")) o.num_max_dispatch_tokens_per_rank = ll_tokens;
-  if (!env_is_set("MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK")) o.num_max_prefill_tokens_per_rank = normal_tokens;
+  if (!env_is_set(env::kNumMaxDispatchTokensPerRank)) o.num_max_dispatch_tokens_per_rank = ll_tokens;
+  if (!env_is_set(env::kNumMaxPrefillTokensPerRank)) o.num_max_prefill_tokens_per_rank = normal_tokens;
 
   progress::show("setup");
   std::vector<LayerConfig> configs;
@@ -246,7 +247,7 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
              c.ranks, c.scaleout, c.ranks / c.scaleout, c.hidden, c.experts, c.topk,
              c.nvfp4 ? "NVFP4 (low-latency batches)" : c.fp8 ? "FP8" : "BF16");
   fmt::print("generation {} ({}), provider '{}' ({}), mode {} ({}); caps: low-latency {} tokens, normal {} tokens per rank\n\n",
-             generation_name(generation), env_is_set("MOE_EP_USE_V2") ? "MOE_EP_USE_V2 from the environment" : "MOE_EP_USE_V2 default",
+             generation_name(generation), env_is_set(env::kUseV2) ? "MOE_EP_USE_V2 from the environment" : "MOE_EP_USE_V2 default",
              probe[generation].provider, probe[generation].origin, mode_name(*resolved.mode),
              run.mode.empty() ? "MOE_EP_MODE" : "--mode", *resolved.num_max_dispatch_tokens_per_rank,
              *resolved.num_max_prefill_tokens_per_rank);

@@ -10,7 +10,7 @@
 #include "cli.hh"
 #include "comm/transport.hh"
 #include "core/timeout.hh"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/host.hpp"
 #ifdef MOE_EP_WITH_MPI
@@ -28,7 +28,7 @@ constexpr bool kWithMpi = false;
 
 // A launcher's process count (a registry variable, 0 when unset); a value that is not a number is
 // an InvalidArgument naming the variable.
-int positive_env(const char* name) { return static_cast<int>(env::get_int(name)); }
+int positive_env(env::IntVar variable) { return static_cast<int>(env::get(variable)); }
 
 Topology local_topology(const LaunchOptions& o) {
   if (o.ranks_per_node > 0) {
@@ -132,8 +132,8 @@ class MpiLaunch final : public Launch {
 
 int launcher_size() {
   // Open MPI's mpirun/mpiexec, then MPICH's and Intel MPI's Hydra (and srun with PMI).
-  if (const int n = positive_env("OMPI_COMM_WORLD_SIZE"); n > 0) return n;
-  return positive_env("PMI_SIZE");
+  if (const int n = positive_env(env::kOmpiCommWorldSize); n > 0) return n;
+  return positive_env(env::kPmiSize);
 }
 
 void resolve_transport(LaunchOptions& o) {

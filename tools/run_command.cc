@@ -14,7 +14,7 @@
 #include "core/bandwidth.hh"
 #include "core/npy.hh"
 #include "moe_ep/elastic_buffer.hpp"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/group.hpp"
 #include "launch.hh"
@@ -55,7 +55,7 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const ExpertPa
                       {"fp8", c.fp8},             {"expand", c.expand},    {"expert_alignment", c.alignment},
                       {"seed", c.seed},           {"nvfp4", c.nvfp4},      {"nvfp4_ue8m0", c.nvfp4_ue8m0},
                       {"nvfp4_global_scale", c.nvfp4_global_scale},
-                      {"nvfp4_rounding", env::get_string("MOE_EP_NVFP4_ROUNDING")}, {"logfmt", c.logfmt}};
+                      {"nvfp4_rounding", env::get(env::kNvfp4Rounding)}, {"logfmt", c.logfmt}};
   j["api"] = api == Api::kV2 ? "v2" : api == Api::kV1 ? "v1" : "v1_low_latency";
   std::vector<int> tokens;
   for (int r = 0; r < c.ranks; ++r) tokens.push_back(c.tokens_on(r));

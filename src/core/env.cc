@@ -10,81 +10,33 @@
 #include <map>
 #include <mutex>
 
+#include "core/env_vars.hh"
 #include "core/executor.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::env {
 namespace {
 
-// The one place where moe-ep's environment variables are declared.
+// The registry, built from the table of src/core/env_table.inc (its one place of declaration).
+#define MOE_EP_ENV_BOOL(constant, name, default_value, doc) {name, Type::kBool, default_value, {}, doc},
+#define MOE_EP_ENV_INT(constant, name, default_value, min, max, doc) \
+  {name, Type::kInt, default_value, {}, doc, IntRange{min, max}},
+#define MOE_EP_ENV_FLOAT(constant, name, default_value, min, max, doc) \
+  {name, Type::kFloat, default_value, {}, doc, {}, FloatRange{min, max}},
+#define MOE_EP_ENV_CHOICE(constant, name, default_value, doc, ...) \
+  {name, Type::kChoice, default_value, {__VA_ARGS__}, doc},
+#define MOE_EP_ENV_STRING(constant, name, default_value, doc) {name, Type::kString, default_value, {}, doc},
 const std::vector<Variable>& variables() {
-  constexpr std::int64_t kKiB = 1024, kGiB = kKiB * kKiB * kKiB;
   static const std::vector<Variable> vars = {
-      {"MOE_EP_DEBUG", Type::kChoice, "0", {"version", "warn", "info", "trace", "0", "1", ""},
-       "Log level (docs/logging.md), case-insensitive: VERSION (the version line only), WARN (fallbacks and ignored "
-       "settings), INFO (set-up: version, topology, transport, buffer sizes, workers), TRACE (every operation); "
-       "0 or empty = off, 1 = INFO."},
-      {"MOE_EP_TIMEOUT_SECS", Type::kFloat, "300", {},
-       "Timeout in seconds of every wait: Group::barrier when none is given, MPI group creation, the buffers the "
-       "dispatcher and the moe-ep tool build (buffers built directly use their num_cpu_timeout_secs). Positive and "
-       "finite; 1e9 and more never expire.", {}, {}},
-      {"MOE_EP_NUM_WORKERS", Type::kInt, "0", {},
-       "Worker threads per rank for dispatch/combine copies; 0 = the theoretical model. The limit is that of num_sms.",
-       {0, core::kMaxWorkers}},
-      {"MOE_EP_USE_V2", Type::kBool, "0", {},
-       "Dispatcher: use the V2 ElasticBuffer instead of the V1 Buffer (opt-in)."},
-      {"MOE_EP_MODE", Type::kChoice, "auto", {"normal", "low_latency", "auto"},
-       "Dispatcher mode: normal, low_latency, or auto (prefill batches normal, decode batches low_latency)."},
-      {"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", Type::kInt, "128", {},
-       "Dispatcher: token cap per rank of low-latency batches (the slab height per source rank).",
-       {1, std::int64_t{1} << 20}},
-      {"MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK", Type::kInt, "4096", {},
-       "Dispatcher: largest normal-mode batch per rank that its buffers are sized for.", {1, std::int64_t{1} << 24}},
-      {"MOE_EP_DISPATCH_DTYPE", Type::kChoice, "bf16", {"bf16", "fp8", "nvfp4"},
-       "Dispatcher: wire format of dispatched tokens (fp8 = E4M3 with per-128 scales, nvfp4 = E2M1 with per-16 "
-       "E4M3 scales; cast before sending)."},
-      {"MOE_EP_NVFP4_ROUNDING", Type::kChoice, "nearest_even", {"nearest_even", "sm90"},
-       "NVFP4 casts: E2M1 rounding, nearest_even (round to nearest, ties to even, as SM100 hardware) or sm90 "
-       "(the software fallback of GPUs before SM100: thresholds at the geometric midpoints)."},
-      {"MOE_EP_V2_ALLOW_HYBRID_MODE", Type::kBool, "1", {},
-       "Dispatcher, V2: send a token once per destination node and forward it inside the node."},
-      {"MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION", Type::kBool, "1", {},
-       "Dispatcher, V2: reduce partial sums on the way back (per rank, per node) before the final sum."},
-      {"MOE_EP_V2_NORMAL_LAYOUT", Type::kChoice, "compact", {"compact", "expanded"},
-       "Dispatcher, V2 normal mode: compact rows (one per token and rank) or expanded (one per token and expert)."},
-      {"MOE_EP_PROVIDER_PATH", Type::kString, "", {},
-       "Dispatcher: provider libraries to probe, colon-separated; 'cpu' is the built-in provider; empty = cpu."},
-      {"MOE_EP_RANKS_PER_NODE", Type::kInt, "0", {},
-       "MPI groups: ranks per logical node (scale-up domain over shared memory); 0 = the ranks of each host. "
-       "Smaller values make processes of one host talk through MPI as if on different nodes.",
-       {0, std::int64_t{1} << 16}},
-      {"MOE_EP_MPI_CHUNK_BYTES", Type::kInt, "262144", {},
-       "MPI transport: bytes of scale-out records aggregated into one message per peer (values below 4096 count "
-       "as 4096).",
-       {0, kGiB}},
-      {"MOE_EP_ALLOCATOR_CACHE_BYTES", Type::kInt, "68719476736", {},
-       "Bytes of freed tensor storage (address space) kept mapped for reuse by the caching host allocator.",
-       {0, std::int64_t{1} << 47}},
-      {"MOE_EP_DEBUG_SUBSYS", Type::kString, "INIT,ENV", {},
-       "Subsystems of INFO and TRACE log lines: a comma list of INIT, COLL, P2P, NET, ALLOC, ENV, ALL; a leading ^ "
-       "selects all but the listed ones; empty = INIT,ENV. WARN lines are never filtered."},
-      {"MOE_EP_DEBUG_FILE", Type::kString, "", {},
-       "File the log lines are appended to (%h = host name, %p = process id, %% = %); empty = stderr, also when the "
-       "file cannot be opened (with a warning)."},
-      {"FI_PROVIDER", Type::kString, "", {},
-       "Libfabric's provider selection, read (not set) by moe-ep: efa means an EFA fabric (as does an rdmap* device in "
-       "/sys/class/infiniband), which caps num_allocated_qps and in-flight scale-out requests per peer at 128."},
-      {"OMPI_COMM_WORLD_SIZE", Type::kInt, "0", {},
-       "Set by Open MPI's launcher (mpirun): read by the moe-ep tool to detect that an MPI launcher started it; "
-       "0 = not set.",
-       {0, std::numeric_limits<std::int32_t>::max()}},
-      {"PMI_SIZE", Type::kInt, "0", {},
-       "Set by MPICH's and other PMI launchers (mpiexec, srun): read by the moe-ep tool to detect that an MPI "
-       "launcher started it; 0 = not set.",
-       {0, std::numeric_limits<std::int32_t>::max()}},
+#include "core/env_table.inc"
   };
   return vars;
 }
+#undef MOE_EP_ENV_BOOL
+#undef MOE_EP_ENV_INT
+#undef MOE_EP_ENV_FLOAT
+#undef MOE_EP_ENV_CHOICE
+#undef MOE_EP_ENV_STRING
 
 std::atomic<std::uint64_t> g_override_generation{0};
 

@@ -7,14 +7,14 @@
 #include <string>
 
 #include "core/log.hh"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 
 namespace moe_ep::core {
 
 bool fabric_is_efa() {
   std::string provider;
   try {
-    provider = env::get_string("FI_PROVIDER");
+    provider = env::get(env::kFiProvider);
   } catch (const std::exception& e) {  // a NUL byte cannot come from the environment; an override is checked
     warn(Subsys::kNet, "{}; FI_PROVIDER ignored", e.what());
   }

@@ -14,7 +14,7 @@
 #include <fmt/format.h>
 
 #include "core/log.hh"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::core {
@@ -25,7 +25,7 @@ constexpr std::size_t kLargeGranule = std::size_t{2} << 20;
 constexpr std::size_t kSmallAlignment = 64;
 
 // MOE_EP_ALLOCATOR_CACHE_BYTES (its range keeps it within the address space).
-std::size_t cache_limit() { return static_cast<std::size_t>(env::get_int("MOE_EP_ALLOCATOR_CACHE_BYTES")); }
+std::size_t cache_limit() { return static_cast<std::size_t>(env::get(env::kAllocatorCacheBytes)); }
 
 class LargeBlockCache {
  public:

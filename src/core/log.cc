@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "core/host_name.hh"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/version.hpp"
 
@@ -142,7 +142,7 @@ Level parse_level(std::string_view value) {
   if (s == "WARN") return Level::kWarn;
   if (s == "TRACE") return Level::kTrace;
   throw InvalidArgument(fmt::format("environment variable MOE_EP_DEBUG={:?} is invalid: accepted values are {}", value,
-                                    env::accepted_values(env::lookup("MOE_EP_DEBUG"))));
+                                    env::accepted_values(env::lookup(env::kDebug))));
 }
 
 unsigned parse_subsys(std::string_view value) {
@@ -215,19 +215,19 @@ void load() {
     std::vector<std::string> problems;
     Level lv = Level::kOff;
     try {
-      lv = parse_level(env::current("MOE_EP_DEBUG").value);
+      lv = parse_level(env::current(env::kDebug).value);
     } catch (const std::exception& e) {
       problems.push_back(fmt::format("{}; logging is off", e.what()));
     }
     unsigned m = kDefaultSubsys;
     try {
-      m = parse_subsys(env::get_string("MOE_EP_DEBUG_SUBSYS"));
+      m = parse_subsys(env::get(env::kDebugSubsys));
     } catch (const std::exception& e) {
       problems.push_back(fmt::format("{}; the default INIT,ENV applies", e.what()));
     }
     std::string pattern;
     try {
-      pattern = env::get_string("MOE_EP_DEBUG_FILE");
+      pattern = env::get(env::kDebugFile);
     } catch (const std::exception& e) {
       problems.push_back(fmt::format("{}; logging to stderr", e.what()));
     }

@@ -2,13 +2,13 @@
 
 #include <cmath>
 
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 
 namespace moe_ep::core {
 
 E2M1Rounding nvfp4_rounding(std::optional<E2M1Rounding> asked) {
   if (asked) return *asked;
-  return env::get_string("MOE_EP_NVFP4_ROUNDING") == "sm90" ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven;
+  return env::get(env::kNvfp4Rounding) == "sm90" ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven;
 }
 
 void cast_row_nvfp4(const std::uint16_t* bf16, std::int64_t hidden, const Nvfp4Cast& cast, std::uint8_t* packed,

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <string>
 
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::core {
@@ -31,10 +31,10 @@ double checked_timeout(std::string_view context, std::string_view name, double v
 }
 
 double timeout_from_env() {
-  const double value = env::get_float("MOE_EP_TIMEOUT_SECS");
+  const double value = env::get(env::kTimeoutSecs);
   if (!valid(value))
     throw InvalidArgument(fmt::format("environment variable MOE_EP_TIMEOUT_SECS={:?} {}",
-                                      env::current("MOE_EP_TIMEOUT_SECS").value, rule()));
+                                      env::current(env::kTimeoutSecs).value, rule()));
   return value;
 }
 

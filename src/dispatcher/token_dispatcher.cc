@@ -14,7 +14,7 @@
 #include "dispatcher/state.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/dispatcher.hpp"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 #include "routing/plan.hh"
 
@@ -112,37 +112,37 @@ void check_range(const std::string& name, std::int64_t value, std::int64_t lo, s
 }
 
 // An option that sets the same quantity as an environment variable has the variable's range.
-void check_variable_range(bool from_field, const char* field, const char* variable, std::int64_t value) {
+void check_variable_range(bool from_field, const char* field, env::IntVar variable, std::int64_t value) {
   const env::IntRange& range = env::lookup(variable).int_range;
-  check_range(origin(from_field, field, variable), value, range.min, range.max);
+  check_range(origin(from_field, field, variable.name.data()), value, range.min, range.max);
 }
 
 DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& group) {
   DispatcherOptions o = in;
-  o.use_v2 = pick(in.use_v2, env::get_bool("MOE_EP_USE_V2"));
+  o.use_v2 = pick(in.use_v2, env::get(env::kUseV2));
   if (!in.mode) {
-    const std::string m = env::get_string("MOE_EP_MODE");
+    const std::string m = env::get(env::kMode);
     o.mode = m == "normal" ? DispatchMode::kNormal : m == "low_latency" ? DispatchMode::kLowLatency : DispatchMode::kAuto;
   }
   // The variables' ranges are the limits of these options (checked below for option fields);
   // values read from the environment are in range.
   o.num_max_dispatch_tokens_per_rank = pick(
-      in.num_max_dispatch_tokens_per_rank, static_cast<int>(env::get_int("MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK")));
+      in.num_max_dispatch_tokens_per_rank, static_cast<int>(env::get(env::kNumMaxDispatchTokensPerRank)));
   o.num_max_prefill_tokens_per_rank = pick(
-      in.num_max_prefill_tokens_per_rank, static_cast<int>(env::get_int("MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK")));
+      in.num_max_prefill_tokens_per_rank, static_cast<int>(env::get(env::kNumMaxPrefillTokensPerRank)));
   if (!in.dispatch_dtype) {
-    const std::string d = env::get_string("MOE_EP_DISPATCH_DTYPE");
+    const std::string d = env::get(env::kDispatchDtype);
     o.dispatch_dtype = d == "fp8" ? WireDType::kFP8 : d == "nvfp4" ? WireDType::kNVFP4 : WireDType::kBF16;
   }
-  o.num_workers = pick(in.num_workers, static_cast<int>(env::get_int("MOE_EP_NUM_WORKERS")));
-  o.allow_hybrid_mode = pick(in.allow_hybrid_mode, env::get_bool("MOE_EP_V2_ALLOW_HYBRID_MODE"));
-  o.allow_multiple_reduction = pick(in.allow_multiple_reduction, env::get_bool("MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION"));
-  o.v2_expanded_normal_layout = pick(in.v2_expanded_normal_layout, env::get_string("MOE_EP_V2_NORMAL_LAYOUT") == "expanded");
+  o.num_workers = pick(in.num_workers, static_cast<int>(env::get(env::kNumWorkers)));
+  o.allow_hybrid_mode = pick(in.allow_hybrid_mode, env::get(env::kV2AllowHybridMode));
+  o.allow_multiple_reduction = pick(in.allow_multiple_reduction, env::get(env::kV2AllowMultipleReduction));
+  o.v2_expanded_normal_layout = pick(in.v2_expanded_normal_layout, env::get(env::kV2NormalLayout) == "expanded");
   o.timeout_secs = in.timeout_secs ? *in.timeout_secs : core::timeout_from_env();
-  o.provider_path = pick(in.provider_path, env::get_string("MOE_EP_PROVIDER_PATH"));
+  o.provider_path = pick(in.provider_path, env::get(env::kProviderPath));
   if (!*o.use_v2)
-    for (const char* name :
-         {"MOE_EP_V2_ALLOW_HYBRID_MODE", "MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION", "MOE_EP_V2_NORMAL_LAYOUT"})
+    for (const std::string_view name :
+         {env::kV2AllowHybridMode.name, env::kV2AllowMultipleReduction.name, env::kV2NormalLayout.name})
       if (env::current(name).source == env::Source::kEnvironment)
         core::warn(core::Subsys::kEnv, "dispatcher: {} is set but the dispatcher uses V1 (MOE_EP_USE_V2 / "
                    "DispatcherOptions.use_v2 off): ignored", name);
@@ -155,10 +155,10 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
     throw InvalidArgument(fmt::format("dispatcher: DispatcherOptions.num_experts = {} is not divisible by the {} ranks",
                                       o.num_experts, R));
   check_variable_range(in.num_max_dispatch_tokens_per_rank.has_value(), "num_max_dispatch_tokens_per_rank",
-                       "MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", *o.num_max_dispatch_tokens_per_rank);
+                       env::kNumMaxDispatchTokensPerRank, *o.num_max_dispatch_tokens_per_rank);
   check_variable_range(in.num_max_prefill_tokens_per_rank.has_value(), "num_max_prefill_tokens_per_rank",
-                       "MOE_EP_NUM_MAX_PREFILL_TOKENS_PER_RANK", *o.num_max_prefill_tokens_per_rank);
-  check_variable_range(in.num_workers.has_value(), "num_workers", "MOE_EP_NUM_WORKERS", *o.num_workers);
+                       env::kNumMaxPrefillTokensPerRank, *o.num_max_prefill_tokens_per_rank);
+  check_variable_range(in.num_workers.has_value(), "num_workers", env::kNumWorkers, *o.num_workers);
   check_range("DispatcherOptions.expert_alignment", o.expert_alignment, 1, 1 << 20);
   core::checked_timeout("dispatcher", "DispatcherOptions.timeout_secs", *o.timeout_secs);
   if (*o.dispatch_dtype == WireDType::kFP8 && o.hidden % kFp8BlockSize != 0)

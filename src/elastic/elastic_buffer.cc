@@ -10,7 +10,7 @@
 #include "core/timeout.hh"
 #include "core/fabric.hh"
 #include "engine/engine.hh"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep {
@@ -78,7 +78,7 @@ engine::EngineConfig engine_config(const Group& group, const ElasticBufferConfig
 std::function<int(int, int)> worker_choice(engine::Engine& e, int num_sms) {
   return [&e, num_sms](int num_experts, int num_topk) {
     if (num_sms > 0) return num_sms;
-    const std::int64_t forced = env::get_int("MOE_EP_NUM_WORKERS");  // in [0, core::kMaxWorkers]
+    const std::int64_t forced = env::get(env::kNumWorkers);  // in [0, core::kMaxWorkers]
     if (forced > 0) return static_cast<int>(forced);
     return engine::theoretical_num_workers(e, num_experts, num_topk, 0, 0, 0, 0, 0);
   };

@@ -52,7 +52,7 @@
 #include "core/host_name.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/host.hpp"
 
@@ -565,7 +565,7 @@ std::unique_ptr<Group> make_group(int rank, int size, const AllGather& all_gathe
   const double timeout = core::timeout_or_env(fmt::format("[rank {}] host::make_group", rank), options.timeout_secs);
   const comm::Wait wait{"group creation", timeout};
   const int requested = options.ranks_per_node ? *options.ranks_per_node
-                                               : static_cast<int>(env::get_int("MOE_EP_RANKS_PER_NODE"));
+                                               : static_cast<int>(env::get(env::kRanksPerNode));
   // Tensors this process allocates from now on can be mapped by node peers instead of copied.
   core::share_new_blocks();
   auto own = std::make_unique<OwnChannel>(size);

@@ -15,7 +15,7 @@
 #include "comm/control_page.hh"
 #include "comm/wait.hh"
 #include "core/log.hh"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::comm::mpi {
@@ -60,11 +60,11 @@ Messenger::Messenger(MPI_Comm comm, int rank, int size)
       rank_(rank),
       size_(size),
       inflight_(static_cast<size_t>(size), 0),
-      chunk_bytes_(static_cast<std::size_t>(std::max<std::int64_t>(env::get_int("MOE_EP_MPI_CHUNK_BYTES"), 4096))),
+      chunk_bytes_(static_cast<std::size_t>(std::max<std::int64_t>(env::get(env::kMpiChunkBytes), 4096))),
       chunks_(static_cast<size_t>(size)),
       sent_records_(static_cast<size_t>(size), 0),
       sources_(static_cast<size_t>(size)) {
-  const std::int64_t requested = env::get_int("MOE_EP_MPI_CHUNK_BYTES");
+  const std::int64_t requested = env::get(env::kMpiChunkBytes);
   if (requested < 4096)
     core::warn(core::Subsys::kNet, "MOE_EP_MPI_CHUNK_BYTES = {} is below 4096: 4096 bytes per scale-out message",
                requested);

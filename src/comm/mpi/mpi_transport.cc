@@ -30,7 +30,7 @@
 #include "core/host_allocator.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
-#include "moe_ep/env.hpp"
+#include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/mpi.hpp"
 
@@ -381,13 +381,8 @@ struct HostFacts {
   std::int32_t host_size;
 };
 
-}  // namespace
-}  // namespace comm::mpi
-
-namespace mpi {
-
-std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
-  using namespace comm::mpi;
+// MPI is initialized, not finalized, and runs at MPI_THREAD_SERIALIZED or above.
+void check_mpi_ready() {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) throw StateError("mpi::make_group: MPI is not initialized (use moe_ep::mpi::Session or MPI_Init_thread)");
@@ -399,115 +394,171 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
     throw StateError(fmt::format("mpi::make_group: MPI was initialized with thread level {}; moe-ep needs at least "
                                  "MPI_THREAD_SERIALIZED (initialize with MPI_Init_thread)",
                                  level));
+}
+
+// This process's rank in comm, an intracommunicator.
+int intracomm_rank(MPI_Comm comm) {
   if (comm == MPI_COMM_NULL) throw InvalidArgument("mpi::make_group: comm is MPI_COMM_NULL");
-  int rank = 0, size = 0, inter = 0;
+  int rank = 0, inter = 0;
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_test_inter(comm, &inter);
   if (inter)
     throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: comm is an intercommunicator; a group is the ranks of "
                                       "one intracommunicator (merge it with MPI_Intercomm_merge first)",
                                       rank));
-  MPI_Comm_size(comm, &size);
-  core::set_process_rank(rank);
-  const double timeout = core::timeout_or_env(fmt::format("[rank {}] mpi::make_group", rank), options.timeout_secs);
-  const comm::Wait wait{"group creation", timeout};
+  return rank;
+}
+
+// The ranks per node this rank asks for: the option, else MOE_EP_RANKS_PER_NODE (0 = per host).
+int requested_ranks_per_node(const moe_ep::mpi::GroupOptions& options, int rank) {
   const int requested = options.ranks_per_node ? *options.ranks_per_node
-                                               : static_cast<int>(env::get_int("MOE_EP_RANKS_PER_NODE"));
+                                               : static_cast<int>(env::get(env::kRanksPerNode));
   if (requested < 0)
     throw InvalidArgument(fmt::format("[rank {}] ranks_per_node = {} is negative (0 = the ranks of each host)", rank, requested));
+  return requested;
+}
 
-  MPI_Comm dup = duplicate_comm(comm, rank, wait);
-  // Tensors this process allocates from now on can be mapped by node peers instead of copied.
-  core::share_new_blocks();
-  // Who is here, what each asks for, and which host each runs on.
-  Messenger messenger(dup, rank, size);
+// The lowest rank of dup on this rank's host, and how many ranks the host runs.
+HostFacts local_host_facts(MPI_Comm dup, int rank) {
+  HostFacts facts{};
+  std::lock_guard lock(mpi_mutex());
+  MPI_Comm host_comm = MPI_COMM_NULL;
+  check_mpi(MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host_comm), "MPI_Comm_split_type", rank);
+  MPI_Comm_size(host_comm, &facts.host_size);
+  MPI_Group host_group, dup_group;
+  MPI_Comm_group(host_comm, &host_group);
+  MPI_Comm_group(dup, &dup_group);
+  const int zero = 0;
+  MPI_Group_translate_ranks(host_group, 1, &zero, dup_group, &facts.host);
+  MPI_Group_free(&host_group);
+  MPI_Group_free(&dup_group);
+  MPI_Comm_free(&host_comm);
+  return facts;
+}
+
+// What the ranks told each other: pids and hosts, the ranks by requested ranks per node, the
+// ranks of each host.
+struct Census {
+  std::shared_ptr<HostInfo> hosts = std::make_shared<HostInfo>();
+  std::map<int, std::vector<int>> by_request;
+  std::map<int, std::vector<int>> host_members;
+};
+
+// Liveness checks need the peers' pids in this pid namespace (processes of one host in
+// different containers may not see each other): a peer whose pid is not visible is watched by
+// the timeout alone.
+void forget_invisible_pids(HostInfo& hosts, int rank, int size) {
+  for (int r = 0; r < size; ++r)
+    if (r != rank && hosts.same_host(r, rank) && kill(hosts.pids[static_cast<size_t>(r)], 0) != 0 && errno == ESRCH) {
+      core::warn(core::Subsys::kInit, "mpi::make_group: the process of rank {} (pid {}) on this host is not visible "
+                 "from here (another pid namespace): its liveness is watched by the timeout alone", r,
+                 hosts.pids[static_cast<size_t>(r)]);
+      hosts.pids[static_cast<size_t>(r)] = 0;
+    }
+}
+
+// Who is here, what each asks for, and which host each runs on (two gathers over dup).
+Census take_census(Messenger& messenger, MPI_Comm dup, int rank, int size, int requested, const Wait& wait) {
+  Census census;
   const Arrival mine{requested, static_cast<std::int32_t>(getpid())};
   std::vector<int> members(static_cast<size_t>(size));
   for (int r = 0; r < size; ++r) members[static_cast<size_t>(r)] = r;
   const auto arrivals = messenger.gather(members, kTagWorld, 1, std::as_bytes(std::span(&mine, 1)), wait);
-  auto hosts = std::make_shared<HostInfo>();
-  std::map<int, std::vector<int>> by_request;
   for (int r = 0; r < size; ++r) {
     const auto a = decode<Arrival>(arrivals[static_cast<size_t>(r)], r, rank);
-    hosts->pids.push_back(a.pid);
-    by_request[a.ranks_per_node].push_back(r);
+    census.hosts->pids.push_back(a.pid);
+    census.by_request[a.ranks_per_node].push_back(r);
   }
-  HostFacts facts{};
-  {
-    std::lock_guard lock(mpi_mutex());
-    MPI_Comm host_comm = MPI_COMM_NULL;
-    check_mpi(MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host_comm), "MPI_Comm_split_type", rank);
-    MPI_Comm_size(host_comm, &facts.host_size);
-    MPI_Group host_group, dup_group;
-    MPI_Comm_group(host_comm, &host_group);
-    MPI_Comm_group(dup, &dup_group);
-    const int zero = 0;
-    MPI_Group_translate_ranks(host_group, 1, &zero, dup_group, &facts.host);
-    MPI_Group_free(&host_group);
-    MPI_Group_free(&dup_group);
-    MPI_Comm_free(&host_comm);
-  }
+  const HostFacts facts = local_host_facts(dup, rank);
   const auto host_facts = messenger.gather(members, kTagWorld, 2, std::as_bytes(std::span(&facts, 1)), wait);
-  std::map<int, std::vector<int>> host_members;
   for (int r = 0; r < size; ++r) {
     const auto f = decode<HostFacts>(host_facts[static_cast<size_t>(r)], r, rank);
-    hosts->host.push_back(f.host);
-    host_members[f.host].push_back(r);
+    census.hosts->host.push_back(f.host);
+    census.host_members[f.host].push_back(r);
   }
-  // Liveness checks need the peers' pids in this pid namespace (processes of one host in
-  // different containers may not see each other): a peer whose pid is not visible is watched by
-  // the timeout alone.
-  for (int r = 0; r < size; ++r)
-    if (r != rank && hosts->same_host(r, rank) && kill(hosts->pids[static_cast<size_t>(r)], 0) != 0 && errno == ESRCH) {
-      core::warn(core::Subsys::kInit, "mpi::make_group: the process of rank {} (pid {}) on this host is not visible "
-                 "from here (another pid namespace): its liveness is watched by the timeout alone", r,
-                 hosts->pids[static_cast<size_t>(r)]);
-      hosts->pids[static_cast<size_t>(r)] = 0;
-    }
-  hosts->host_size = facts.host_size;
-  messenger.drain(timeout);
+  forget_invisible_pids(*census.hosts, rank, size);
+  census.hosts->host_size = facts.host_size;
+  return census;
+}
 
-  auto fail = [&](auto error) {
-    MPI_Comm_free(&dup);
-    throw error;
-  };
-  if (by_request.size() > 1) {
-    std::string held;
-    std::vector<int> ranks;
-    for (const auto& [value, rs] : by_request) {
-      held += fmt::format("{}ranks [{}] ask for {}", held.empty() ? "" : "; ", fmt::join(rs, ", "), value);
-      ranks.insert(ranks.end(), rs.begin(), rs.end());
-    }
-    fail(PeerError(fmt::format("[rank {}] mpi::make_group: the ranks disagree on ranks_per_node: {}", rank, held), ranks));
+// All ranks ask for the same ranks per node.
+void check_requests_agree(const Census& census, int rank) {
+  if (census.by_request.size() <= 1) return;
+  std::string held;
+  std::vector<int> ranks;
+  for (const auto& [value, rs] : census.by_request) {
+    held += fmt::format("{}ranks [{}] ask for {}", held.empty() ? "" : "; ", fmt::join(rs, ", "), value);
+    ranks.insert(ranks.end(), rs.begin(), rs.end());
   }
+  throw PeerError(fmt::format("[rank {}] mpi::make_group: the ranks disagree on ranks_per_node: {}", rank, held), ranks);
+}
+
+// The ranks per node: the request, or (0) the ranks of each host, which all hosts must share;
+// it divides the ranks, and each node's ranks are consecutive ranks of one host.
+int agreed_ranks_per_node(const Census& census, int rank, int size, int requested) {
+  check_requests_agree(census, rank);
+  const auto& host_members = census.host_members;
   int per_node = requested;
   if (per_node == 0) {
     per_node = static_cast<int>(host_members.begin()->second.size());
     for (const auto& [host, rs] : host_members)
       if (static_cast<int>(rs.size()) != per_node)
-        fail(InvalidArgument(fmt::format("[rank {}] mpi::make_group: hosts run different numbers of ranks ({} on the "
-                                         "host of rank {}, {} on the host of rank {}); set ranks_per_node",
-                                         rank, per_node, host_members.begin()->first, rs.size(), host)));
+        throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: hosts run different numbers of ranks ({} on the "
+                                          "host of rank {}, {} on the host of rank {}); set ranks_per_node",
+                                          rank, per_node, host_members.begin()->first, rs.size(), host));
   }
   if (size % per_node != 0)
-    fail(InvalidArgument(fmt::format("[rank {}] mpi::make_group: the communicator has {} ranks, not a multiple of "
-                                     "ranks_per_node = {}",
-                                     rank, size, per_node)));
+    throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: the communicator has {} ranks, not a multiple of "
+                                      "ranks_per_node = {}",
+                                      rank, size, per_node));
+  const std::vector<int>& host = census.hosts->host;
   for (int r = 0; r < size; ++r)
-    if (hosts->host[static_cast<size_t>(r)] != hosts->host[static_cast<size_t>(r / per_node * per_node)])
-      fail(InvalidArgument(fmt::format("[rank {}] mpi::make_group: node {} (ranks {}..{}) spans more than one host "
-                                       "(rank {} runs on another host than rank {}): nodes share memory, so a node's "
-                                       "ranks must be consecutive ranks of one host",
-                                       rank, r / per_node, r / per_node * per_node, r / per_node * per_node + per_node - 1,
-                                       r, r / per_node * per_node)));
+    if (host[static_cast<size_t>(r)] != host[static_cast<size_t>(r / per_node * per_node)])
+      throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: node {} (ranks {}..{}) spans more than one host "
+                                        "(rank {} runs on another host than rank {}): nodes share memory, so a node's "
+                                        "ranks must be consecutive ranks of one host",
+                                        rank, r / per_node, r / per_node * per_node, r / per_node * per_node + per_node - 1,
+                                        r, r / per_node * per_node));
+  return per_node;
+}
+
+}  // namespace
+}  // namespace comm::mpi
+
+namespace mpi {
+
+std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
+  using namespace comm::mpi;
+  check_mpi_ready();
+  const int rank = intracomm_rank(comm);
+  int size = 0;
+  MPI_Comm_size(comm, &size);
+  core::set_process_rank(rank);
+  const double timeout = core::timeout_or_env(fmt::format("[rank {}] mpi::make_group", rank), options.timeout_secs);
+  const comm::Wait wait{"group creation", timeout};
+  const int requested = requested_ranks_per_node(options, rank);
+
+  MPI_Comm dup = duplicate_comm(comm, rank, wait);
+  // Tensors this process allocates from now on can be mapped by node peers instead of copied.
+  core::share_new_blocks();
+  Messenger messenger(dup, rank, size);
+  const Census census = take_census(messenger, dup, rank, size, requested, wait);
+  messenger.drain(timeout);
+  int per_node = 0;
+  try {
+    per_node = agreed_ranks_per_node(census, rank, size, requested);
+  } catch (...) {
+    MPI_Comm_free(&dup);
+    throw;
+  }
   const Topology topology{.num_scaleout = size / per_node, .num_scaleup = per_node};
   core::info(core::Subsys::kInit,
              "group: rank {} of {}, {} logical node(s) x {} ranks per node ({}), {} host(s); transport MPI "
              "(shared memory in a node, MPI messages across nodes, {} bytes per scale-out message)",
              rank, size, topology.num_scaleout, topology.num_scaleup,
-             requested == 0 ? "the ranks of each host" : "MOE_EP_RANKS_PER_NODE / ranks_per_node", host_members.size(),
-             std::max<std::int64_t>(env::get_int("MOE_EP_MPI_CHUNK_BYTES"), 4096));
-  return std::make_unique<Group>(std::make_shared<MpiTransport>(dup, rank, size, topology, hosts, wait));
+             requested == 0 ? "the ranks of each host" : "MOE_EP_RANKS_PER_NODE / ranks_per_node",
+             census.host_members.size(), std::max<std::int64_t>(env::get(env::kMpiChunkBytes), 4096));
+  return std::make_unique<Group>(std::make_shared<MpiTransport>(dup, rank, size, topology, census.hosts, wait));
 }
 
 Session::Session(int* argc, char*** argv) {
