@@ -125,13 +125,10 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const Dispatch
   std::ofstream(dir + "/config.json") << j.dump(2) << "\n";
 }
 
-}  // namespace
-
-int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run) {
-  progress::Scope progress_line;
-  // The layer's reference must know the wire format the dispatcher casts to: without --fp8 or
-  // --nvfp4 it is the one MOE_EP_DISPATCH_DTYPE gives the dispatcher (the flags win over it).
-  LayerConfig c = options.layer;
+// The layer's reference must know the wire format the dispatcher casts to: without --fp8 or
+// --nvfp4 it is the one MOE_EP_DISPATCH_DTYPE gives the dispatcher (the flags win over it).
+LayerConfig layer_with_wire_format(const LayerConfig& layer) {
+  LayerConfig c = layer;
   if (!c.fp8 && !c.nvfp4) {
     const std::string wire = env::get(env::kDispatchDtype);
     c.fp8 = wire == "fp8";
@@ -140,17 +137,38 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
       throw InvalidArgument(fmt::format("MOE_EP_DISPATCH_DTYPE=fp8 needs --hidden a multiple of 128 (per-128 scales); "
                                         "--hidden is {}", c.hidden));
   }
-  LocalWorld world(c.ranks, {.num_scaleout = c.scaleout});
-  const ExpertParams params = make_experts(c);
+  return c;
+}
+
+std::vector<BatchKind> batch_kinds(const std::string& sequence) {
   std::vector<BatchKind> kinds;
-  for (char k : run.sequence) {
+  for (char k : sequence) {
     if (k != 'P' && k != 'D' && k != 'p' && k != 'd')
       throw InvalidArgument(fmt::format("--sequence: '{}' is not P (prefill) or D (decode)", k));
     kinds.push_back(k == 'P' || k == 'p' ? BatchKind::kPrefill : BatchKind::kDecode);
   }
   if (kinds.empty()) throw InvalidArgument("--sequence is empty");
+  return kinds;
+}
 
-  DispatcherOptions o;
+// The batches of this run and how the dispatcher will serve them: prefill batches of --tokens,
+// decode batches of --decode-tokens per rank.
+struct RunPlan {
+  std::vector<BatchKind> kinds;
+  DispatcherOptions options;
+  DispatchMode mode = DispatchMode::kAuto;  // --mode, or MOE_EP_MODE
+  int tokens_of(BatchKind k, const LayerConfig& c, int decode_tokens) const {
+    return k == BatchKind::kPrefill ? c.tokens : decode_tokens;
+  }
+  bool low_latency(BatchKind k) const {
+    return mode == DispatchMode::kLowLatency || (mode == DispatchMode::kAuto && k == BatchKind::kDecode);
+  }
+};
+
+RunPlan plan_run(const LayerConfig& c, const DispatcherRunOptions& run) {
+  RunPlan plan;
+  plan.kinds = batch_kinds(run.sequence);
+  DispatcherOptions& o = plan.options;
   o.hidden = c.hidden;
   o.num_experts = c.experts;
   o.num_topk = c.topk;
@@ -167,80 +185,139 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
   if (c.alignment != 1) o.expert_alignment = c.alignment;
   if (!c.allow_hybrid) o.allow_hybrid_mode = false;
   if (!c.multi) o.allow_multiple_reduction = false;
-  // The batches of this run: prefill batches of --tokens, decode batches of --decode-tokens per
-  // rank. Unless the environment sets them, the caps are sized to fit.
-  const DispatchMode mode = o.mode.value_or(env::get(env::kMode) == "normal"        ? DispatchMode::kNormal
-                                            : env::get(env::kMode) == "low_latency" ? DispatchMode::kLowLatency
-                                                                                              : DispatchMode::kAuto);
-  auto tokens_of = [&](BatchKind k) { return k == BatchKind::kPrefill ? c.tokens : run.decode_tokens; };
-  auto resolves_to_ll = [&](BatchKind k) {
-    return mode == DispatchMode::kLowLatency || (mode == DispatchMode::kAuto && k == BatchKind::kDecode);
-  };
+  plan.mode = o.mode.value_or(env::get(env::kMode) == "normal"        ? DispatchMode::kNormal
+                              : env::get(env::kMode) == "low_latency" ? DispatchMode::kLowLatency
+                                                                      : DispatchMode::kAuto);
+  // Unless the environment sets them, the caps are sized to fit the batches.
   int ll_tokens = 1, normal_tokens = 1;
-  for (BatchKind k : kinds) (resolves_to_ll(k) ? ll_tokens : normal_tokens) = std::max(resolves_to_ll(k) ? ll_tokens : normal_tokens, tokens_of(k));
+  for (BatchKind k : plan.kinds) {
+    int& cap = plan.low_latency(k) ? ll_tokens : normal_tokens;
+    cap = std::max(cap, plan.tokens_of(k, c, run.decode_tokens));
+  }
   if (!env_is_set(env::kNumMaxDispatchTokensPerRank)) o.num_max_dispatch_tokens_per_rank = ll_tokens;
   if (!env_is_set(env::kNumMaxPrefillTokensPerRank)) o.num_max_prefill_tokens_per_rank = normal_tokens;
+  return plan;
+}
 
-  progress::show("setup");
+// Each batch's layer (its tokens, seed and wire format) and every rank's inputs for it.
+struct Batches {
   std::vector<LayerConfig> configs;
-  std::vector<std::vector<RankBatch>> batches;
-  for (std::size_t b = 0; b < kinds.size(); ++b) {
+  std::vector<std::vector<RankBatch>> inputs;  // [batch][rank]
+};
+
+Batches make_batches(const LayerConfig& c, const RunPlan& plan, int decode_tokens) {
+  Batches batches;
+  for (std::size_t b = 0; b < plan.kinds.size(); ++b) {
     LayerConfig cb = c;
-    cb.tokens = tokens_of(kinds[b]);
+    cb.tokens = plan.tokens_of(plan.kinds[b], c, decode_tokens);
     cb.seed = c.seed + 1000 * b;
-    cb.nvfp4 = c.nvfp4 && resolves_to_ll(kinds[b]);  // normal-mode batches travel BF16
-    configs.push_back(cb);
-    batches.emplace_back();
-    for (int r = 0; r < c.ranks; ++r) batches.back().push_back(make_batch(cb, r));
+    cb.nvfp4 = c.nvfp4 && plan.low_latency(plan.kinds[b]);  // normal-mode batches travel BF16
+    batches.configs.push_back(cb);
+    batches.inputs.emplace_back();
+    for (int r = 0; r < c.ranks; ++r) batches.inputs.back().push_back(make_batch(cb, r));
   }
+  return batches;
+}
 
-  if (!options.dump_dir.empty()) {
-    std::filesystem::create_directories(options.dump_dir);
-    core::write_npy(options.dump_dir + "/expert_scale.npy", params.scale);
-    core::write_npy(options.dump_dir + "/expert_bias.npy", params.bias);
-  }
-
-  std::vector<std::vector<BatchRecord>> records(static_cast<size_t>(c.ranks));
+// What the ranks' dispatchers did: every rank's records, the options rank 0's dispatcher
+// resolved, and its buffer cache's counts.
+struct RunRecords {
+  std::vector<std::vector<BatchRecord>> records;  // [rank][batch]
   DispatcherOptions resolved;
   BufferCacheStats stats;
+};
+
+// One batch on one rank: dispatch, experts, combine, timed after a barrier each; dumped if asked.
+BatchRecord run_batch(Group& g, TokenDispatcher& d, const RunOptions& options, const ExpertParams& params,
+                      const LayerConfig& config, const RankBatch& in, BatchKind kind, std::size_t b, int n) {
+  const int step = static_cast<int>(b) + 1;
+  const bool prefill = kind == BatchKind::kPrefill;
+  if (g.rank() == 0) progress::show(prefill ? "prefill dispatch" : "decode dispatch", step, n);
+  BatchRecord rec;
+  g.barrier();
+  const auto t0 = Clock::now();
+  const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, kind);
+  const auto t1 = Clock::now();
+  const std::string prefix = fmt::format("{}/batch{}_rank{}_", options.dump_dir, b, g.rank());
+  if (!options.dump_dir.empty()) dump_dispatch(prefix, config, in, out);
+  if (g.rank() == 0) progress::show(prefill ? "prefill experts" : "decode experts", step, n);
+  const Tensor y = run_experts(config, params, g.rank(), out);
+  if (g.rank() == 0) progress::show(prefill ? "prefill combine" : "decode combine", step, n);
+  g.barrier();
+  const auto t2 = Clock::now();
+  rec.combined = d.combine(y);
+  const auto t3 = Clock::now();
+  if (!options.dump_dir.empty()) {
+    core::write_npy(prefix + "expert_out.npy", y);
+    core::write_npy(prefix + "combined_x.npy", rec.combined);
+  }
+  rec.info = out;
+  rec.info.hidden_states = rec.info.hidden_states_scale = rec.info.topk_ids = rec.info.topk_weights = rec.info.masked_m = Tensor();
+  rec.dispatch_s = seconds(t0, t1);
+  rec.combine_s = seconds(t2, t3);
+  return rec;
+}
+
+RunRecords run_batches(const LayerConfig& c, const RunOptions& options, const RunPlan& plan, const Batches& batches,
+                       const ExpertParams& params) {
+  LocalWorld world(c.ranks, {.num_scaleout = c.scaleout});
+  RunRecords run;
+  run.records.resize(static_cast<size_t>(c.ranks));
   world.run([&](Group& g) {
     BufferCache cache(g);
-    TokenDispatcher d(cache, o);
-    if (g.rank() == 0) resolved = d.options();
-    for (std::size_t b = 0; b < kinds.size(); ++b) {
-      const RankBatch& in = batches[b][static_cast<size_t>(g.rank())];
-      const int n = static_cast<int>(kinds.size()), step = static_cast<int>(b) + 1;
-      const bool prefill = kinds[b] == BatchKind::kPrefill;
-      if (g.rank() == 0) progress::show(prefill ? "prefill dispatch" : "decode dispatch", step, n);
-      BatchRecord rec;
-      g.barrier();
-      const auto t0 = Clock::now();
-      const DispatchOutput out = d.dispatch(in.x, in.topk_idx, in.topk_weights, kinds[b]);
-      const auto t1 = Clock::now();
-      const std::string prefix = fmt::format("{}/batch{}_rank{}_", options.dump_dir, b, g.rank());
-      if (!options.dump_dir.empty()) dump_dispatch(prefix, configs[b], in, out);
-      if (g.rank() == 0) progress::show(prefill ? "prefill experts" : "decode experts", step, n);
-      const Tensor y = run_experts(configs[b], params, g.rank(), out);
-      if (g.rank() == 0) progress::show(prefill ? "prefill combine" : "decode combine", step, n);
-      g.barrier();
-      const auto t2 = Clock::now();
-      rec.combined = d.combine(y);
-      const auto t3 = Clock::now();
-      if (!options.dump_dir.empty()) {
-        core::write_npy(prefix + "expert_out.npy", y);
-        core::write_npy(prefix + "combined_x.npy", rec.combined);
-      }
-      rec.info = out;
-      rec.info.hidden_states = rec.info.hidden_states_scale = rec.info.topk_ids = rec.info.topk_weights = rec.info.masked_m = Tensor();
-      rec.dispatch_s = seconds(t0, t1);
-      rec.combine_s = seconds(t2, t3);
-      records[static_cast<size_t>(g.rank())].push_back(std::move(rec));
-    }
-    if (g.rank() == 0) stats = cache.stats();
+    TokenDispatcher d(cache, plan.options);
+    if (g.rank() == 0) run.resolved = d.options();
+    const int n = static_cast<int>(plan.kinds.size());
+    for (std::size_t b = 0; b < plan.kinds.size(); ++b)
+      run.records[static_cast<size_t>(g.rank())].push_back(run_batch(
+          g, d, options, params, batches.configs[b], batches.inputs[b][static_cast<size_t>(g.rank())], plan.kinds[b], b, n));
+    if (g.rank() == 0) run.stats = cache.stats();
   });
+  return run;
+}
 
+// One table row per batch, each verified against the reference of the format it was delivered
+// in; returns whether every batch passed.
+bool verify_batches(const LayerConfig& c, const RunPlan& plan, const Batches& batches, const ExpertParams& params,
+                    const RunRecords& run, Table& table) {
+  bool all_ok = true;
+  const DispatcherOptions& resolved = run.resolved;
+  for (std::size_t b = 0; b < plan.kinds.size(); ++b) {
+    const DispatchOutput& info = run.records[0][b].info;
+    progress::show("verify", static_cast<int>(b) + 1, static_cast<int>(plan.kinds.size()));
+    LayerConfig ref = batches.configs[b];
+    ref.allow_hybrid = *resolved.allow_hybrid_mode;
+    ref.multi = *resolved.allow_multiple_reduction;
+    ref.expand = info.format != OutputFormat::kNormal;
+    ref.alignment = resolved.expert_alignment;
+    ref.lanes_weighted_after_rounding = info.format == OutputFormat::kLowLatency;
+    std::int64_t bad = 0, tokens = 0;
+    double dispatch_s = 0, combine_s = 0;
+    for (int r = 0; r < c.ranks; ++r) {
+      const BatchRecord& rec = run.records[static_cast<size_t>(r)][b];
+      const RankBatch& in = batches.inputs[b][static_cast<size_t>(r)];
+      dispatch_s = std::max(dispatch_s, rec.dispatch_s);
+      combine_s = std::max(combine_s, rec.combine_s);
+      const Tensor expected = info.format == OutputFormat::kLowLatency && info.generation == Generation::kV1
+                                  ? reference_low_latency_output(batches.configs[b], params, in)
+                                  : reference_output(ref, params, in);
+      tokens += expected.size(0);
+      for (std::int64_t t = 0; t < expected.size(0); ++t)
+        bad += std::memcmp(rec.combined.data_as<std::uint16_t>() + t * c.hidden, expected.data_as<std::uint16_t>() + t * c.hidden,
+                           sizeof(std::uint16_t) * static_cast<size_t>(c.hidden)) != 0;
+    }
+    all_ok &= bad == 0;
+    table.row({std::to_string(b), plan.kinds[b] == BatchKind::kPrefill ? "prefill" : "decode",
+               std::to_string(batches.configs[b].tokens), generation_name(info.generation), info.provider,
+               mode_name(info.mode), format_name(info.format), fmt::format("{:.3f}", dispatch_s * 1e3),
+               fmt::format("{:.3f}", combine_s * 1e3),
+               bad == 0 ? fmt::format("PASS ({} tokens)", tokens) : fmt::format("FAIL ({} of {} tokens differ)", bad, tokens)});
+  }
+  return all_ok;
+}
+
+void print_header(const LayerConfig& c, const DispatcherRunOptions& run, const DispatcherOptions& resolved) {
   const Generation generation = *resolved.use_v2 ? Generation::kV2 : Generation::kV1;
-  if (!options.dump_dir.empty()) write_manifest(options.dump_dir, c, resolved, kinds, configs, batches, records);
   const ProbeReport& probe = probe_providers(*resolved.provider_path);
   progress::clear();  // before anything goes to stdout (the same terminal)
   fmt::print("moe-ep run --dispatcher: {} ranks as threads, topology {}x{}; hidden {}, {} experts, top-{}, {} dispatch\n",
@@ -251,40 +328,32 @@ int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& ru
              probe[generation].provider, probe[generation].origin, mode_name(*resolved.mode),
              run.mode.empty() ? "MOE_EP_MODE" : "--mode", *resolved.num_max_dispatch_tokens_per_rank,
              *resolved.num_max_prefill_tokens_per_rank);
+}
+
+}  // namespace
+
+int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run) {
+  progress::Scope progress_line;
+  const LayerConfig c = layer_with_wire_format(options.layer);
+  const ExpertParams params = make_experts(c);
+  const RunPlan plan = plan_run(c, run);
+  progress::show("setup");
+  const Batches batches = make_batches(c, plan, run.decode_tokens);
+  if (!options.dump_dir.empty()) {
+    std::filesystem::create_directories(options.dump_dir);
+    core::write_npy(options.dump_dir + "/expert_scale.npy", params.scale);
+    core::write_npy(options.dump_dir + "/expert_bias.npy", params.bias);
+  }
+  const RunRecords done = run_batches(c, options, plan, batches, params);
+  if (!options.dump_dir.empty())
+    write_manifest(options.dump_dir, c, done.resolved, plan.kinds, batches.configs, batches.inputs, done.records);
+  print_header(c, run, done.resolved);
   Table table({"batch", "kind", "tokens/rank", "generation", "provider", "mode", "format", "dispatch (ms)", "combine (ms)",
                "verified"});
-  bool all_ok = true;
-  for (std::size_t b = 0; b < kinds.size(); ++b) {
-    const DispatchOutput& info = records[0][b].info;
-    progress::show("verify", static_cast<int>(b) + 1, static_cast<int>(kinds.size()));
-    LayerConfig ref = configs[b];
-    ref.allow_hybrid = *resolved.allow_hybrid_mode;
-    ref.multi = *resolved.allow_multiple_reduction;
-    ref.expand = info.format != OutputFormat::kNormal;
-    ref.alignment = resolved.expert_alignment;
-    ref.lanes_weighted_after_rounding = info.format == OutputFormat::kLowLatency;
-    std::int64_t bad = 0, tokens = 0;
-    double dispatch_s = 0, combine_s = 0;
-    for (int r = 0; r < c.ranks; ++r) {
-      const BatchRecord& rec = records[static_cast<size_t>(r)][b];
-      dispatch_s = std::max(dispatch_s, rec.dispatch_s);
-      combine_s = std::max(combine_s, rec.combine_s);
-      const Tensor expected = info.format == OutputFormat::kLowLatency && info.generation == Generation::kV1
-                                  ? reference_low_latency_output(configs[b], params, batches[b][static_cast<size_t>(r)])
-                                  : reference_output(ref, params, batches[b][static_cast<size_t>(r)]);
-      tokens += expected.size(0);
-      for (std::int64_t t = 0; t < expected.size(0); ++t)
-        bad += std::memcmp(rec.combined.data_as<std::uint16_t>() + t * c.hidden, expected.data_as<std::uint16_t>() + t * c.hidden,
-                           sizeof(std::uint16_t) * static_cast<size_t>(c.hidden)) != 0;
-    }
-    all_ok &= bad == 0;
-    table.row({std::to_string(b), kinds[b] == BatchKind::kPrefill ? "prefill" : "decode", std::to_string(configs[b].tokens),
-               generation_name(info.generation), info.provider, mode_name(info.mode), format_name(info.format),
-               fmt::format("{:.3f}", dispatch_s * 1e3), fmt::format("{:.3f}", combine_s * 1e3),
-               bad == 0 ? fmt::format("PASS ({} tokens)", tokens) : fmt::format("FAIL ({} of {} tokens differ)", bad, tokens)});
-  }
+  const bool all_ok = verify_batches(c, plan, batches, params, done, table);
   progress::clear();
   table.print();
+  const BufferCacheStats& stats = done.stats;
   fmt::print("\nbuffer cache: {} build(s), {} reuse(s), {} V1 clean_low_latency_buffer call(s), {:.1f} MB buffer\n",
              stats.builds, stats.reuses, stats.clean_calls, static_cast<double>(stats.buffer_bytes) / 1e6);
   fmt::print("time: slowest rank; dispatch includes the receive (and, for the first batch, building the buffer), "

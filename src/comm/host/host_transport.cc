@@ -55,6 +55,7 @@
 #include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/host.hpp"
+#include "comm/host/bootstrap.hh"
 
 namespace moe_ep {
 namespace comm::host {
@@ -75,13 +76,6 @@ struct ChannelPage {
 };
 constexpr std::size_t kSignalsAt = (sizeof(ChannelPage) + 63) / 64 * 64;
 constexpr std::size_t extra_bytes(int size) { return kSignalsAt + static_cast<std::size_t>(size) * sizeof(PaddedCounter); }
-
-// What a peer needs to map one rank's part of a channel.
-struct ChannelFds {
-  std::int32_t control;
-  std::int32_t data;
-  std::int32_t shared;
-};
 
 // One process's facts, shared by its channels.
 struct HostInfo {
@@ -486,68 +480,6 @@ std::byte* HostSymmetricMemory::node_peer(int rank) {
   return bases_[static_cast<size_t>(rank)];
 }
 
-std::string read_boot_id() {
-  std::ifstream in("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(in, id);
-  return id;
-}
-
-using core::host_name;
-
-// A rank's bootstrap record.
-struct Record {
-  int rank = 0;
-  int size = 0;
-  pid_t pid = 0;
-  std::string host;  // hostname (boot boot_id)
-  int ranks_per_node = 0;
-  ChannelFds fds{};
-  std::uint64_t control_ino = 0;
-};
-
-Record parse_record(const std::string& text, int from, int rank) {
-  try {
-    const auto j = nlohmann::json::parse(text);
-    Record r;
-    r.rank = j.at("rank").get<int>();
-    r.size = j.at("size").get<int>();
-    r.pid = j.at("pid").get<pid_t>();
-    r.host = fmt::format("{} (boot {})", j.at("hostname").get<std::string>(), j.at("boot_id").get<std::string>());
-    r.ranks_per_node = j.at("ranks_per_node").get<int>();
-    r.fds.control = j.at("control_fd").get<std::int32_t>();
-    r.fds.data = j.at("data_fd").get<std::int32_t>();
-    r.fds.shared = j.at("shared_fd").get<std::int32_t>();
-    r.control_ino = j.at("control_ino").get<std::uint64_t>();
-    return r;
-  } catch (const nlohmann::json::exception& e) {
-    throw StateError(fmt::format("[rank {}] host::make_group: block {} of the all-gather ({} bytes) is not a host "
-                                 "bootstrap record: {}",
-                                 rank, from, text.size(), e.what()));
-  }
-}
-
-// Whether /proc/<pid>/fd/<fd> is the memfd with inode `ino`: the pid names the peer's process in
-// this pid namespace.
-void check_visible(const Record& peer, int from, int rank) {
-  const std::string path = fmt::format("/proc/{}/fd/{}", peer.pid, peer.fds.control);
-  struct stat st {};
-  std::string what;
-  if (kill(peer.pid, 0) != 0 && errno == ESRCH)
-    what = fmt::format("there is no process {} here", peer.pid);
-  else if (stat(path.c_str(), &st) != 0)
-    what = fmt::format("cannot open {}: {}", path, std::strerror(errno));
-  else if (static_cast<std::uint64_t>(st.st_ino) != peer.control_ino)
-    what = fmt::format("{} is another file: pid {} names another process here", path, peer.pid);
-  else
-    return;
-  throw StateError(fmt::format("[rank {}] host::make_group: the process of rank {} (pid {}) is not visible from this "
-                               "one ({}): the processes run in different pid namespaces (e.g. containers) or cannot "
-                               "open each other's /proc/<pid>/fd; the host transport needs the processes of one pid "
-                               "namespace that may open each other's /proc entries",
-                               rank, from, peer.pid, what));
-}
-
 }  // namespace
 }  // namespace comm::host
 
@@ -555,12 +487,7 @@ namespace host {
 
 std::unique_ptr<Group> make_group(int rank, int size, const AllGather& all_gather, const GroupOptions& options) {
   using namespace comm::host;
-  if (size < 1)
-    throw InvalidArgument(fmt::format("[rank {}] host::make_group: size = {}, expected at least 1", rank, size));
-  if (rank < 0 || rank >= size)
-    throw InvalidArgument(fmt::format("[rank {}] host::make_group: rank = {} is outside [0, {}) (size = {})", rank,
-                                      rank, size, size));
-  if (!all_gather) throw InvalidArgument(fmt::format("[rank {}] host::make_group: all_gather is empty", rank));
+  check_arguments(rank, size, all_gather);
   core::set_process_rank(rank);
   const double timeout = core::timeout_or_env(fmt::format("[rank {}] host::make_group", rank), options.timeout_secs);
   const comm::Wait wait{"group creation", timeout};
@@ -569,69 +496,14 @@ std::unique_ptr<Group> make_group(int rank, int size, const AllGather& all_gathe
   // Tensors this process allocates from now on can be mapped by node peers instead of copied.
   core::share_new_blocks();
   auto own = std::make_unique<OwnChannel>(size);
-  struct stat st {};
-  fstat(own->control.fd(), &st);
-  const nlohmann::json mine = {{"rank", rank},
-                               {"size", size},
-                               {"pid", static_cast<int>(getpid())},
-                               {"hostname", host_name()},
-                               {"boot_id", read_boot_id()},
-                               {"ranks_per_node", requested},
-                               {"control_fd", own->control.fd()},
-                               {"control_ino", static_cast<std::uint64_t>(st.st_ino)},
-                               {"data_fd", own->data.fd()},
-                               {"shared_fd", own->shared.arena_fd()}};
+  const nlohmann::json mine = bootstrap_record(rank, size, requested, own->control.fd(), own->data.fd(),
+                                               own->shared.arena_fd());
   const std::vector<std::string> blocks = all_gather(mine.dump());
 
   try {
-    if (static_cast<int>(blocks.size()) != size)
-      throw StateError(fmt::format("[rank {}] host::make_group: all_gather returned {} blocks, expected size = {} (one "
-                                   "per process, indexed by rank)",
-                                   rank, blocks.size(), size));
-    std::vector<Record> records;
-    for (int r = 0; r < size; ++r) {
-      records.push_back(parse_record(blocks[static_cast<size_t>(r)], r, rank));
-      const Record& rec = records.back();
-      if (rec.rank != r || rec.size != size)
-        throw StateError(fmt::format("[rank {}] host::make_group: block {} of the all-gather comes from rank {} of a "
-                                     "group of {}, expected rank {} of {} (all_gather must return the blocks indexed "
-                                     "by rank)",
-                                     rank, r, rec.rank, rec.size, r, size));
-    }
-    std::map<std::string, std::vector<int>> by_host;
-    std::map<int, std::vector<int>> by_request;
-    for (int r = 0; r < size; ++r) {
-      by_host[records[static_cast<size_t>(r)].host].push_back(r);
-      by_request[records[static_cast<size_t>(r)].ranks_per_node].push_back(r);
-    }
-    if (by_host.size() > 1) {
-      std::string hosts;
-      for (const auto& [host, rs] : by_host)
-        hosts += fmt::format("{}host {} runs ranks [{}]", hosts.empty() ? "" : "; ", host, fmt::join(rs, ", "));
-      throw InvalidArgument(fmt::format("[rank {}] host::make_group: the processes run on {} hosts ({}); the host "
-                                        "transport connects processes of one host: use the MPI transport "
-                                        "(moe_ep::mpi::make_group) across hosts",
-                                        rank, by_host.size(), hosts));
-    }
-    if (by_request.size() > 1) {
-      std::string held;
-      std::vector<int> others;
-      for (const auto& [value, rs] : by_request) {
-        held += fmt::format("{}ranks [{}] ask for {}", held.empty() ? "" : "; ", fmt::join(rs, ", "), value);
-        if (value != requested) others.insert(others.end(), rs.begin(), rs.end());
-      }
-      std::sort(others.begin(), others.end());
-      throw PeerError(fmt::format("[rank {}] host::make_group: the ranks disagree on ranks_per_node: {}", rank, held),
-                      others);
-    }
-    if (requested < 0)
-      throw InvalidArgument(fmt::format("[rank {}] host::make_group: ranks_per_node = {} is negative (0 = all ranks "
-                                        "one node)",
-                                        rank, requested));
-    const int per_node = requested == 0 ? size : requested;
-    if (size % per_node != 0)
-      throw InvalidArgument(fmt::format("[rank {}] host::make_group: ranks_per_node = {} does not divide size = {}",
-                                        rank, per_node, size));
+    const std::vector<Record> records = parse_records(blocks, rank, size);
+    check_one_host(records, rank);
+    const int per_node = agreed_ranks_per_node(records, rank, size, requested);
     for (int r = 0; r < size; ++r)
       if (r != rank) check_visible(records[static_cast<size_t>(r)], r, rank);
 
@@ -647,7 +519,7 @@ std::unique_ptr<Group> make_group(int rank, int size, const AllGather& all_gathe
     core::info(core::Subsys::kInit,
                "group: rank {} of {}, {} logical node(s) x {} ranks per node; transport host shared memory (processes "
                "of host {}, memfd regions)",
-               rank, size, info->topology.num_scaleout, info->topology.num_scaleup, host_name());
+               rank, size, info->topology.num_scaleout, info->topology.num_scaleup, core::host_name());
     // Every check above gives every rank the same answer; only mapping can fail on one rank alone,
     // and the transport then abandons its own channel, so its peers learn it at once.
     return std::make_unique<Group>(std::make_shared<HostTransport>(rank, info, std::move(own), fds, wait));
