@@ -57,6 +57,43 @@ ByteLayout byte_layout(const std::vector<int>& counts, std::int64_t unit, std::s
   return l;
 }
 
+// The destinations of every token, in lane order: tokens_to[dest] lists the tokens sent to
+// dest once each (at their first lane there), position[t * k + j] the index in that list (-1
+// at lanes that send nothing).
+void route_tokens(const std::int64_t* ids, std::int64_t N, std::int64_t k, int El,
+                  std::vector<std::vector<std::int32_t>>& tokens_to, std::vector<std::int32_t>& position) {
+  for (std::int64_t t = 0; t < N; ++t) {
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int64_t id = ids[t * k + j];
+      if (id < 0) continue;
+      const int dest = static_cast<int>(id / El);
+      bool first = true;
+      for (std::int64_t l = 0; l < j; ++l) first &= !(ids[t * k + l] >= 0 && ids[t * k + l] / El == dest);
+      if (!first) continue;
+      position[static_cast<size_t>(t * k + j)] = static_cast<std::int32_t>(tokens_to[static_cast<size_t>(dest)].size());
+      tokens_to[static_cast<size_t>(dest)].push_back(static_cast<std::int32_t>(t));
+    }
+  }
+}
+
+// Unpacks recv_rows records (row, P scales, k ids, k weights) into separate tensors of `d`.
+void unpack(const std::byte* received, std::int64_t recv_rows, std::int64_t H, std::int64_t P, std::int64_t k, DType dtype,
+            BaselineDispatch& d) {
+  const std::int64_t row_bytes = H * static_cast<std::int64_t>(element_size(dtype));
+  const std::int64_t record = row_bytes + 4 * P + 12 * k;
+  d.recv_x = Tensor::empty({recv_rows, H}, dtype);
+  if (P) d.recv_x_scales = Tensor::empty({recv_rows, P}, DType::kFP32);
+  d.recv_topk_idx = Tensor::empty({recv_rows, k}, DType::kInt64);
+  d.recv_topk_weights = Tensor::empty({recv_rows, k}, DType::kFP32);
+  for (std::int64_t i = 0; i < recv_rows; ++i) {
+    const std::byte* in = received + i * record;
+    std::memcpy(static_cast<std::byte*>(d.recv_x.data()) + i * row_bytes, in, static_cast<size_t>(row_bytes));
+    if (P) std::memcpy(d.recv_x_scales.data_as<float>() + i * P, in + row_bytes, static_cast<size_t>(4 * P));
+    std::memcpy(d.recv_topk_idx.data_as<std::int64_t>() + i * k, in + row_bytes + 4 * P, static_cast<size_t>(8 * k));
+    std::memcpy(d.recv_topk_weights.data_as<float>() + i * k, in + row_bytes + 4 * P + 8 * k, static_cast<size_t>(4 * k));
+  }
+}
+
 }  // namespace
 
 AlltoallvBaseline::AlltoallvBaseline(MPI_Comm comm) {
@@ -89,18 +126,7 @@ BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorVi
   std::vector<std::vector<std::int32_t>> tokens_to(static_cast<size_t>(size_));
   d.return_rows.assign(static_cast<size_t>(N * k), -1);
   std::vector<std::int32_t> position(static_cast<size_t>(N * k), -1);  // index within tokens_to[dest]
-  for (std::int64_t t = 0; t < N; ++t) {
-    for (std::int64_t j = 0; j < k; ++j) {
-      const std::int64_t id = ids[t * k + j];
-      if (id < 0) continue;
-      const int dest = static_cast<int>(id / El);
-      bool first = true;
-      for (std::int64_t l = 0; l < j; ++l) first &= !(ids[t * k + l] >= 0 && ids[t * k + l] / El == dest);
-      if (!first) continue;
-      position[static_cast<size_t>(t * k + j)] = static_cast<std::int32_t>(tokens_to[static_cast<size_t>(dest)].size());
-      tokens_to[static_cast<size_t>(dest)].push_back(static_cast<std::int32_t>(t));
-    }
-  }
+  route_tokens(ids, N, k, El, tokens_to, position);
   d.send_counts.resize(static_cast<size_t>(size_));
   for (int r = 0; r < size_; ++r) d.send_counts[static_cast<size_t>(r)] = static_cast<int>(tokens_to[static_cast<size_t>(r)].size());
   d.recv_counts.resize(static_cast<size_t>(size_));
@@ -143,18 +169,7 @@ BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorVi
                           receives.bytes.data(), receives.displs.data(), MPI_BYTE, comm_, &request),
            request, "MPI_Ialltoallv", rank_);
 
-  // Unpack into separate tensors.
-  d.recv_x = Tensor::empty({recv_rows, H}, x.dtype());
-  if (P) d.recv_x_scales = Tensor::empty({recv_rows, P}, DType::kFP32);
-  d.recv_topk_idx = Tensor::empty({recv_rows, k}, DType::kInt64);
-  d.recv_topk_weights = Tensor::empty({recv_rows, k}, DType::kFP32);
-  for (std::int64_t i = 0; i < recv_rows; ++i) {
-    const std::byte* in = recv_.data() + i * record;
-    std::memcpy(static_cast<std::byte*>(d.recv_x.data()) + i * row_bytes, in, static_cast<size_t>(row_bytes));
-    if (P) std::memcpy(d.recv_x_scales.data_as<float>() + i * P, in + row_bytes, static_cast<size_t>(4 * P));
-    std::memcpy(d.recv_topk_idx.data_as<std::int64_t>() + i * k, in + row_bytes + 4 * P, static_cast<size_t>(8 * k));
-    std::memcpy(d.recv_topk_weights.data_as<float>() + i * k, in + row_bytes + 4 * P + 8 * k, static_cast<size_t>(4 * k));
-  }
+  unpack(recv_.data(), recv_rows, H, P, k, x.dtype(), d);
   return d;
 }
 

@@ -109,6 +109,38 @@ std::vector<std::int64_t> stats_routing(int rank, int n) {
   return ids;
 }
 
+// Which ranks `me` waits for: sources that send it rows (dispatch), ranks that hold experts of its
+// tokens (combine); only those of another node are sure to take time.
+void ranks_waited_for(int R, int El, int me, const std::vector<std::vector<std::int64_t>>& ids, std::vector<bool>& sends_to_me,
+                      std::vector<bool>& serves_me) {
+  sends_to_me.assign(static_cast<size_t>(R), false);
+  serves_me.assign(static_cast<size_t>(R), false);
+  for (int s = 0; s < R; ++s)
+    for (auto id : ids[static_cast<size_t>(s)]) {
+      if (id < 0) continue;
+      if (id / El == me) sends_to_me[static_cast<size_t>(s)] = true;
+      if (s == me) serves_me[static_cast<size_t>(id / El)] = true;
+    }
+}
+
+// Waits for ranks of another node that sent rows take time on a nanosecond clock: over three
+// rounds their entries (last_d: dispatch, last_c: combine) grew.
+void check_remote_waits(int R, int scaleout, int me, const std::vector<bool>& sends_to_me, const std::vector<bool>& serves_me,
+                        const std::vector<std::int64_t>& last_d, const std::vector<std::int64_t>& last_c,
+                        std::vector<std::string>& bad) {
+  const int per_node = R / scaleout;
+  int remote_waits = 0;
+  for (int s = 0; s < R; ++s) {
+    if (s / per_node == me / per_node) continue;
+    remote_waits += sends_to_me[static_cast<size_t>(s)] + serves_me[static_cast<size_t>(s)];
+    if (sends_to_me[static_cast<size_t>(s)] && last_d[static_cast<size_t>(s)] == kBase)
+      bad.push_back(fmt::format("dispatch_wait_recv_cost_stats[{}] never accumulated a wait for rank {}", s, s));
+    if (serves_me[static_cast<size_t>(s)] && last_c[static_cast<size_t>(s)] == kBase)
+      bad.push_back(fmt::format("combine_wait_recv_cost_stats[{}] never accumulated a wait for rank {}", s, s));
+  }
+  if (scaleout > 1 && remote_waits == 0) bad.push_back("the routing makes this rank wait for no rank of another node");
+}
+
 // Three rounds of dispatch and combine with both statistics given (and a round without them) on
 // R ranks over `scaleout` nodes, rank r's tokens routed by ids[r] (n tokens, k lanes).
 void run_stats(int R, int scaleout, int E, int k, int n, const std::vector<std::vector<std::int64_t>>& ids, bool hook,
@@ -124,15 +156,8 @@ void run_stats(int R, int scaleout, int E, int k, int n, const std::vector<std::
     std::vector<std::int64_t> mine = ids[static_cast<size_t>(me)];
     const TensorView xv(x.data(), DType::kBF16, {N, H}), topk(mine.data(), DType::kInt64, {N, k}),
         weights(w.data(), DType::kFP32, {N, k});
-    // Which ranks this rank waits for: sources that send it rows (dispatch), ranks that hold
-    // experts of its tokens (combine); only those of another node are sure to take time.
-    std::vector<bool> sends_to_me(static_cast<size_t>(R), false), serves_me(static_cast<size_t>(R), false);
-    for (int s = 0; s < R; ++s)
-      for (auto id : ids[static_cast<size_t>(s)]) {
-        if (id < 0) continue;
-        if (id / El == me) sends_to_me[static_cast<size_t>(s)] = true;
-        if (s == me) serves_me[static_cast<size_t>(id / El)] = true;
-      }
+    std::vector<bool> sends_to_me, serves_me;
+    ranks_waited_for(R, El, me, ids, sends_to_me, serves_me);
     Tensor dispatch_stats = Tensor::empty({R}, DType::kInt64), combine_stats = Tensor::empty({R}, DType::kInt64);
     std::fill(dispatch_stats.data_as<std::int64_t>(), dispatch_stats.data_as<std::int64_t>() + R, kBase);
     std::fill(combine_stats.data_as<std::int64_t>(), combine_stats.data_as<std::int64_t>() + R, kBase);
@@ -172,18 +197,7 @@ void run_stats(int R, int scaleout, int E, int k, int n, const std::vector<std::
       }
       check(combine_stats, last_c, serves_me, "combine_wait_recv_cost_stats", round);
     }
-    // Waits for ranks of another node that sent rows take time on a nanosecond clock: over
-    // three rounds their entries grew.
-    int remote_waits = 0;
-    for (int s = 0; s < R; ++s) {
-      if (s / per_node == me / per_node) continue;
-      remote_waits += sends_to_me[static_cast<size_t>(s)] + serves_me[static_cast<size_t>(s)];
-      if (sends_to_me[static_cast<size_t>(s)] && last_d[static_cast<size_t>(s)] == kBase)
-        bad.push_back(fmt::format("dispatch_wait_recv_cost_stats[{}] never accumulated a wait for rank {}", s, s));
-      if (serves_me[static_cast<size_t>(s)] && last_c[static_cast<size_t>(s)] == kBase)
-        bad.push_back(fmt::format("combine_wait_recv_cost_stats[{}] never accumulated a wait for rank {}", s, s));
-    }
-    if (scaleout > 1 && remote_waits == 0) bad.push_back("the routing makes this rank wait for no rank of another node");
+    check_remote_waits(R, scaleout, me, sends_to_me, serves_me, last_d, last_c, bad);
     // Not given: nothing is written (the tensors keep their values through a round without them).
     LowLatencyDispatchResult d = b.low_latency_dispatch({.x = xv, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
                                                          .num_experts = E, .use_fp8 = false});

@@ -34,6 +34,37 @@ std::int64_t ll_pool(const CaseSpec& s) {
   return Buffer::get_low_latency_rdma_size_hint(s.max_tokens, s.hidden, s.ranks, s.num_experts);
 }
 
+// Source info and layout ranges of each local expert's rows (V1 only).
+void check_src_info_and_ranges(const CaseSpec& s, const std::vector<RankInputs>& all, int me, const LowLatencyDispatchResult& d,
+                               std::vector<std::string>& bad) {
+  const int El = s.experts_per_rank(), N = s.max_tokens;
+  for (int i = 0; i < El; ++i) {
+    const auto rows = expert_rows(s, all, me, i);
+    std::vector<std::int64_t> begin(static_cast<size_t>(s.ranks), 0), count(static_cast<size_t>(s.ranks), 0);
+    for (const auto& row : rows) ++count[static_cast<size_t>(row.first)];
+    for (int src = 1; src < s.ranks; ++src) begin[static_cast<size_t>(src)] = begin[static_cast<size_t>(src) - 1] + count[static_cast<size_t>(src) - 1];
+    for (int src = 0; src < s.ranks; ++src)
+      if (d.handle->packed_recv_layout_range.data_as<std::int64_t>()[i * s.ranks + src] !=
+          ((begin[static_cast<size_t>(src)] << 32) | count[static_cast<size_t>(src)]))
+        bad.push_back(fmt::format("layout_range[{}, {}]", i, src));
+    for (std::size_t row = 0; row < rows.size(); ++row)
+      if (d.handle->packed_recv_src_info.data_as<std::int32_t>()[i * std::int64_t{s.ranks} * N + static_cast<std::int64_t>(row)] != rows[row].second)
+        bad.push_back(fmt::format("src_info[{}, {}]", i, row));
+  }
+}
+
+// Expert outputs, unweighted, into the slab `y`: each depends on (rank, expert, source token).
+void fill_expert_outputs(const CaseSpec& s, const std::vector<RankInputs>& all, int me, TensorView& y) {
+  const int El = s.experts_per_rank(), H = s.hidden, N = s.max_tokens;
+  for (int i = 0; i < El; ++i) {
+    const auto rows = expert_rows(s, all, me, i);
+    for (std::size_t row = 0; row < rows.size(); ++row)
+      for (int h = 0; h < H; ++h)
+        y.data_as<std::uint16_t>()[i * y.stride(0) + static_cast<std::int64_t>(row) * y.stride(1) + h] =
+            reference::expert_value(me, i, rows[row].first * N + rows[row].second, h);
+  }
+}
+
 std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o, int rounds) {
   std::vector<std::string> bad;
   const int me = g.rank(), H = s.hidden, k = s.k, El = s.experts_per_rank(), N = s.max_tokens;
@@ -64,19 +95,7 @@ std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o,
     }
     reference::check_slab(s, {.fp8 = o.fp8, .round_scale = o.round_scale, .ue8m0 = o.ue8m0, .rows_per_expert = std::int64_t{s.ranks} * N},
                           all, me, d.recv_x, d.recv_x_scales, d.packed_recv_count, bad);
-    for (int i = 0; i < El; ++i) {  // source info and layout ranges (V1 only)
-      const auto rows = expert_rows(s, all, me, i);
-      std::vector<std::int64_t> begin(static_cast<size_t>(s.ranks), 0), count(static_cast<size_t>(s.ranks), 0);
-      for (const auto& row : rows) ++count[static_cast<size_t>(row.first)];
-      for (int src = 1; src < s.ranks; ++src) begin[static_cast<size_t>(src)] = begin[static_cast<size_t>(src) - 1] + count[static_cast<size_t>(src) - 1];
-      for (int src = 0; src < s.ranks; ++src)
-        if (d.handle->packed_recv_layout_range.data_as<std::int64_t>()[i * s.ranks + src] !=
-            ((begin[static_cast<size_t>(src)] << 32) | count[static_cast<size_t>(src)]))
-          bad.push_back(fmt::format("layout_range[{}, {}]", i, src));
-      for (std::size_t row = 0; row < rows.size(); ++row)
-        if (d.handle->packed_recv_src_info.data_as<std::int32_t>()[i * std::int64_t{s.ranks} * N + static_cast<std::int64_t>(row)] != rows[row].second)
-          bad.push_back(fmt::format("src_info[{}, {}]", i, row));
-    }
+    check_src_info_and_ranges(s, all, me, d, bad);
     for (int i = 0; i < El; ++i)
       if (stats.data_as<std::int32_t>()[i] != (round + 1) * static_cast<int>(expert_rows(s, all, me, i).size()))
         bad.push_back(fmt::format("cumulative stats[{}]", i));
@@ -91,13 +110,7 @@ std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o,
       own = Tensor::empty({El, slab_rows, H}, DType::kBF16);
       y = own;
     }
-    for (int i = 0; i < El; ++i) {
-      const auto rows = expert_rows(s, all, me, i);
-      for (std::size_t row = 0; row < rows.size(); ++row)
-        for (int h = 0; h < H; ++h)
-          y.data_as<std::uint16_t>()[i * y.stride(0) + static_cast<std::int64_t>(row) * y.stride(1) + h] =
-              reference::expert_value(me, i, rows[row].first * N + rows[row].second, h);
-    }
+    fill_expert_outputs(s, all, me, y);
     Tensor out = Tensor::empty({n, H}, DType::kBF16);
     std::fill(out.data_as<std::uint16_t>(), out.data_as<std::uint16_t>() + n * H, 0x7fc1);
     LowLatencyCombineResult c = b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle,

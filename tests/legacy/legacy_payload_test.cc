@@ -139,6 +139,35 @@ struct Nvfp4Case {
   int num_worst_tokens = 0;
 };
 
+// The handle's hidden is H: combine takes bfloat16 [rows, H] and sums as for any dispatch.
+void check_nvfp4_combine(Buffer& buffer, const CaseSpec& spec, std::vector<RankInputs>& all, int me,
+                         const reference::RefDispatch& ref, const LegacyDispatchResult& res, std::int64_t rows_out, bool async,
+                         const std::string& what, std::vector<std::string>& bad) {
+  const int H = spec.hidden;
+  RankInputs& in = all[static_cast<size_t>(me)];
+  const std::int64_t n = in.num_tokens;
+  const auto M = static_cast<std::int64_t>(ref.rows.size());
+  Tensor y = Tensor::empty({rows_out, H}, DType::kBF16);
+  std::fill(y.data_as<std::uint16_t>(), y.data_as<std::uint16_t>() + rows_out * H, std::uint16_t{0x7fc1});
+  for (std::int64_t i = 0; i < M; ++i) {
+    const auto& row = ref.rows[static_cast<size_t>(i)];
+    for (int h = 0; h < H; ++h)
+      y.data_as<std::uint16_t>()[i * H + h] = spec.value(me, -1, row.source * spec.max_tokens + row.token, h);
+  }
+  LegacyCombineArgs cargs{.x = y, .handle = res.handle, .async_finish = async};
+  for (auto& b : in.bias) cargs.bias.push_back(TensorView(b.data(), DType::kBF16, {n, H}));
+  const Caught combine_error = catch_error([&] {
+    CombineResult combined = buffer.combine(cargs);
+    combined.event.wait();
+    const auto expected = reference::reference_combine(spec, all, me, 1.0f);
+    for (std::int64_t t = 0; t < n; ++t)
+      if (std::memcmp(combined.combined_x.data_as<std::uint16_t>() + t * H, &expected.x[static_cast<size_t>(t * H)],
+                      sizeof(std::uint16_t) * static_cast<size_t>(H)) != 0)
+        bad.push_back(fmt::format("{}combined_x[{}] differs", what, t));
+  });
+  if (!combine_error.message.empty()) bad.push_back(what + "combine: " + combine_error.message);
+}
+
 void run_nvfp4(const Nvfp4Case& c, std::uint64_t seed) {
   CaseSpec spec = testing::legacy_reference_spec(spec_for(c.ranks, 1, c.hidden, 0, seed));
   std::vector<RankInputs> all = reference::make_all_inputs(spec);  // the routing
@@ -151,7 +180,7 @@ void run_nvfp4(const Nvfp4Case& c, std::uint64_t seed) {
   std::vector<std::vector<std::string>> failures(static_cast<size_t>(c.ranks));
   LocalWorld world(c.ranks);
   world.run([&](Group& g) {
-    const int me = g.rank(), k = spec.k, H = spec.hidden;
+    const int me = g.rank(), k = spec.k;
     auto& bad = failures[static_cast<size_t>(me)];
     const std::string what = fmt::format("[rank {}] H {} S {} async {} worst {}: ", me, c.hidden, c.scale_cols, c.async,
                                          c.num_worst_tokens);
@@ -198,26 +227,7 @@ void run_nvfp4(const Nvfp4Case& c, std::uint64_t seed) {
       check_triples(ref, second, *cached.recv_x_nvfp4, rows_out, what + "cached: ", bad);
     }
 
-    // The handle's hidden is H: combine takes bfloat16 [rows, H] and sums as for any dispatch.
-    Tensor y = Tensor::empty({rows_out, H}, DType::kBF16);
-    std::fill(y.data_as<std::uint16_t>(), y.data_as<std::uint16_t>() + rows_out * H, std::uint16_t{0x7fc1});
-    for (std::int64_t i = 0; i < M; ++i) {
-      const auto& row = ref.rows[static_cast<size_t>(i)];
-      for (int h = 0; h < H; ++h)
-        y.data_as<std::uint16_t>()[i * H + h] = spec.value(me, -1, row.source * spec.max_tokens + row.token, h);
-    }
-    LegacyCombineArgs cargs{.x = y, .handle = res.handle, .async_finish = c.async};
-    for (auto& b : in.bias) cargs.bias.push_back(TensorView(b.data(), DType::kBF16, {n, H}));
-    const Caught combine_error = catch_error([&] {
-      CombineResult combined = buffer.combine(cargs);
-      combined.event.wait();
-      const auto expected = reference::reference_combine(spec, all, me, 1.0f);
-      for (std::int64_t t = 0; t < n; ++t)
-        if (std::memcmp(combined.combined_x.data_as<std::uint16_t>() + t * H, &expected.x[static_cast<size_t>(t * H)],
-                        sizeof(std::uint16_t) * static_cast<size_t>(H)) != 0)
-          bad.push_back(fmt::format("{}combined_x[{}] differs", what, t));
-    });
-    if (!combine_error.message.empty()) bad.push_back(what + "combine: " + combine_error.message);
+    check_nvfp4_combine(buffer, spec, all, me, ref, res, rows_out, c.async, what, bad);
   });
   for (const auto& per_rank : failures)
     for (const auto& f : per_rank) ADD_FAILURE() << f;

@@ -71,99 +71,123 @@ struct Case {
   double mask;
 };
 
+using Topk = std::vector<std::vector<std::int64_t>>;
+using RowMap = std::map<std::tuple<int, int, int>, int>;
+
+// Every source's counts into `layout`, then finished.
+void build_layout(const Case& c, const Geometry& geo, const Topk& topk, const std::vector<int>& tokens, GlobalLayout& layout) {
+  layout.reset(geo, c.alignment);
+  for (int s = 0; s < c.ranks; ++s) {
+    LocalCounts counts;
+    count_local({topk[s].data(), c.k, tokens[s], c.k}, geo, counts);
+    std::copy(counts.per_rank.begin(), counts.per_rank.end(), layout.per_rank_counts(s));
+    std::copy(counts.per_expert.begin(), counts.per_expert.end(), layout.per_expert_counts(s));
+    std::copy(counts.per_node.begin(), counts.per_node.end(), layout.per_node_counts(s));
+  }
+  layout.finish();
+}
+
+// Brute force: enumerate (source, token) in order for each destination and expert, asserting
+// the layout's totals and starts; fills row_of (dst, src, token) and expanded_of (src, token, lane).
+void brute_force_receive_order(const Case& c, const Geometry& geo, const Topk& topk, const std::vector<int>& tokens,
+                               const GlobalLayout& layout, RowMap& row_of, RowMap& expanded_of) {
+  const int El = geo.experts_per_rank();
+  for (int d = 0; d < c.ranks; ++d) {
+    int row = 0;
+    std::vector<int> per_expert(static_cast<size_t>(El), 0);
+    for (int s = 0; s < c.ranks; ++s)
+      for (int t = 0; t < tokens[s]; ++t) {
+        bool hit = false;
+        for (int j = 0; j < c.k; ++j) {
+          const auto e = topk[s][static_cast<size_t>(t * c.k + j)];
+          if (e >= 0 && e / El == d) {
+            hit = true;
+            ++per_expert[static_cast<size_t>(e % El)];
+          }
+        }
+        if (hit) row_of[{d, s, t}] = row++;
+      }
+    ASSERT_EQ(layout.rows_at(d), row);
+    int start = 0;
+    for (int i = 0; i < El; ++i) {
+      ASSERT_EQ(layout.expert_total(d * El + i), per_expert[static_cast<size_t>(i)]);
+      ASSERT_EQ(layout.expert_start(d * El + i), start);
+      int next = start;
+      for (int s = 0; s < c.ranks; ++s)
+        for (int t = 0; t < tokens[s]; ++t)
+          for (int j = 0; j < c.k; ++j)
+            if (topk[s][static_cast<size_t>(t * c.k + j)] == d * El + i) expanded_of[{s, t, j}] = next++;
+      start += (per_expert[static_cast<size_t>(i)] + c.alignment - 1) / c.alignment * c.alignment;
+    }
+    ASSERT_EQ(layout.expanded_rows_at(d), start);
+  }
+}
+
+// The rows a RowAssigner gives source s's tokens: the brute-force rows at master lanes, -1 elsewhere.
+void check_assigner(const Case& c, const Geometry& geo, const Topk& topk, const std::vector<int>& tokens,
+                    const GlobalLayout& layout, int s, RowMap& row_of, RowMap& expanded_of) {
+  const int El = geo.experts_per_rank();
+  RowAssigner a;
+  a.start(layout, s);
+  for (int t = 0; t < tokens[s]; ++t) {
+    std::int32_t rows[kMaxTopk], expanded[kMaxTopk];
+    const std::int64_t* ids = &topk[s][static_cast<size_t>(t * c.k)];
+    a.next(ids, c.k, [](int) { return true; }, rows, expanded);
+    std::set<int> seen;
+    for (int j = c.k - 1; j >= 0; --j) {
+      if (ids[j] < 0) {
+        EXPECT_EQ(rows[j], -1);
+        EXPECT_EQ(expanded[j], -1);
+        continue;
+      }
+      const int d = static_cast<int>(ids[j] / El);
+      EXPECT_EQ(expanded[j], (expanded_of[{s, t, j}]));
+      if (seen.insert(d).second) {
+        EXPECT_EQ(rows[j], (row_of[{d, s, t}])) << "master lane " << j;
+      } else {
+        EXPECT_EQ(rows[j], -1);
+      }
+    }
+  }
+}
+
+// A filtered walk (as a receiver does) assigns the same rows for its own rank.
+void check_filtered_assigner(const Case& c, const Topk& topk, const std::vector<int>& tokens, const GlobalLayout& layout,
+                             int s, RowMap& row_of) {
+  RowAssigner mine;
+  mine.start(layout, s);
+  for (int t = 0; t < tokens[s]; ++t) {
+    std::int32_t rows[kMaxTopk], expanded[kMaxTopk];
+    const std::int64_t* ids = &topk[s][static_cast<size_t>(t * c.k)];
+    mine.next(ids, c.k, [&](int r) { return r == c.ranks - 1; }, rows, expanded);
+    for (int j = 0; j < c.k; ++j) {
+      if (rows[j] >= 0) {
+        EXPECT_EQ(rows[j], (row_of[{c.ranks - 1, s, t}]));
+      }
+    }
+  }
+}
+
 TEST(Layout, RowAssignerMatchesBruteForceReceiveOrder) {
   std::mt19937 rng(3);
   const Case cases[] = {{1, 4, 1, 2, 9, 1, 0.0}, {4, 8, 2, 3, 17, 1, 0.2}, {8, 64, 2, 8, 33, 128, 0.1},
                         {8, 8, 4, 8, 20, 4, 0.3}, {3, 96, 1, 5, 0, 2, 0.0},  {6, 12, 3, 1, 25, 3, 0.5}};
   for (const Case& c : cases) {
     Geometry geo{c.ranks, c.experts, c.nodes};
-    const int El = geo.experts_per_rank();
-    std::vector<std::vector<std::int64_t>> topk;
+    Topk topk;
     std::vector<int> tokens;
     for (int s = 0; s < c.ranks; ++s) {
       tokens.push_back(s % 3 == 2 ? 0 : c.tokens - s);  // some ranks have no tokens
       topk.push_back(random_topk(rng, std::max(tokens.back(), 0), c.k, c.experts, c.mask));
     }
     GlobalLayout layout;
-    layout.reset(geo, c.alignment);
+    build_layout(c, geo, topk, tokens, layout);
+    RowMap row_of, expanded_of;
+    brute_force_receive_order(c, geo, topk, tokens, layout, row_of, expanded_of);
+    if (::testing::Test::HasFatalFailure()) return;  // a failed ASSERT there ends the test, as it would inline
     for (int s = 0; s < c.ranks; ++s) {
-      LocalCounts counts;
-      count_local({topk[s].data(), c.k, tokens[s], c.k}, geo, counts);
-      std::copy(counts.per_rank.begin(), counts.per_rank.end(), layout.per_rank_counts(s));
-      std::copy(counts.per_expert.begin(), counts.per_expert.end(), layout.per_expert_counts(s));
-      std::copy(counts.per_node.begin(), counts.per_node.end(), layout.per_node_counts(s));
-    }
-    layout.finish();
-
-    // Brute force: enumerate (source, token) in order for each destination and expert.
-    std::map<std::tuple<int, int, int>, int> row_of;       // (dst, src, token) -> row
-    std::map<std::tuple<int, int, int>, int> expanded_of;  // (src, token, lane) -> row
-    for (int d = 0; d < c.ranks; ++d) {
-      int row = 0;
-      std::vector<int> per_expert(static_cast<size_t>(El), 0);
-      for (int s = 0; s < c.ranks; ++s)
-        for (int t = 0; t < tokens[s]; ++t) {
-          bool hit = false;
-          for (int j = 0; j < c.k; ++j) {
-            const auto e = topk[s][static_cast<size_t>(t * c.k + j)];
-            if (e >= 0 && e / El == d) {
-              hit = true;
-              ++per_expert[static_cast<size_t>(e % El)];
-            }
-          }
-          if (hit) row_of[{d, s, t}] = row++;
-        }
-      ASSERT_EQ(layout.rows_at(d), row);
-      int start = 0;
-      for (int i = 0; i < El; ++i) {
-        ASSERT_EQ(layout.expert_total(d * El + i), per_expert[static_cast<size_t>(i)]);
-        ASSERT_EQ(layout.expert_start(d * El + i), start);
-        int next = start;
-        for (int s = 0; s < c.ranks; ++s)
-          for (int t = 0; t < tokens[s]; ++t)
-            for (int j = 0; j < c.k; ++j)
-              if (topk[s][static_cast<size_t>(t * c.k + j)] == d * El + i) expanded_of[{s, t, j}] = next++;
-        start += (per_expert[static_cast<size_t>(i)] + c.alignment - 1) / c.alignment * c.alignment;
-      }
-      ASSERT_EQ(layout.expanded_rows_at(d), start);
-    }
-
-    for (int s = 0; s < c.ranks; ++s) {
-      RowAssigner a;
-      a.start(layout, s);
-      for (int t = 0; t < tokens[s]; ++t) {
-        std::int32_t rows[kMaxTopk], expanded[kMaxTopk];
-        const std::int64_t* ids = &topk[s][static_cast<size_t>(t * c.k)];
-        a.next(ids, c.k, [](int) { return true; }, rows, expanded);
-        std::set<int> seen;
-        for (int j = c.k - 1; j >= 0; --j) {
-          if (ids[j] < 0) {
-            EXPECT_EQ(rows[j], -1);
-            EXPECT_EQ(expanded[j], -1);
-            continue;
-          }
-          const int d = static_cast<int>(ids[j] / El);
-          EXPECT_EQ(expanded[j], (expanded_of[{s, t, j}]));
-          if (seen.insert(d).second) {
-            EXPECT_EQ(rows[j], (row_of[{d, s, t}])) << "master lane " << j;
-          } else {
-            EXPECT_EQ(rows[j], -1);
-          }
-        }
-      }
-      // A filtered walk (as a receiver does) assigns the same rows for its own rank.
-      RowAssigner mine;
-      mine.start(layout, s);
-      for (int t = 0; t < tokens[s]; ++t) {
-        std::int32_t rows[kMaxTopk], expanded[kMaxTopk];
-        const std::int64_t* ids = &topk[s][static_cast<size_t>(t * c.k)];
-        mine.next(ids, c.k, [&](int r) { return r == c.ranks - 1; }, rows, expanded);
-        for (int j = 0; j < c.k; ++j) {
-          if (rows[j] >= 0) {
-            EXPECT_EQ(rows[j], (row_of[{c.ranks - 1, s, t}]));
-          }
-        }
-      }
+      check_assigner(c, geo, topk, tokens, layout, s, row_of, expanded_of);
+      check_filtered_assigner(c, topk, tokens, layout, s, row_of);
     }
   }
 }
