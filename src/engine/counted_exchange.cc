@@ -1,5 +1,6 @@
 #include "engine/counted_exchange.hh"
 
+#include <chrono>
 #include <utility>
 
 #include "engine/engine.hh"
@@ -29,11 +30,13 @@ void CountedExchange::signal_written() {
   }
 }
 
-void CountedExchange::wait() {
+std::int64_t CountedExchange::wait() {
   if (waited_) throw StateError(phase_ + ": waited twice");
   waited_ = true;
-  if (sources_.empty()) return;
+  if (sources_.empty()) return 0;
+  const auto start = std::chrono::steady_clock::now();
   engine_.transport().wait_signals(sources_, targets_, engine_.wait(phase_.c_str()));
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
 }  // namespace moe_ep::engine

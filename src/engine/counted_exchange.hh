@@ -33,10 +33,13 @@ class CountedExchange {
   void put(int peer, std::size_t offset, const void* src, std::size_t bytes);
   // Signals every peer put() wrote to since the last call, once each, in rank order.
   void signal_written();
-  // Waits until every expected signal arrived. At most once; nothing to do without expectations.
-  void wait();
+  // Waits until every expected signal arrived; returns the nanoseconds it waited. At most once;
+  // nothing to do (0) without expectations.
+  std::int64_t wait();
 
   bool expects_any() const { return !sources_.empty(); }
+  // The sources expected so far, in the order expect() counted them.
+  const std::vector<int>& sources() const { return sources_; }
 
  private:
   Engine& engine_;

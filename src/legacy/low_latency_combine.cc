@@ -8,7 +8,6 @@
 
 #include <array>
 #include <atomic>
-#include <chrono>
 #include <cstring>
 #include <optional>
 
@@ -302,12 +301,8 @@ std::vector<int64_t> LowLatencyCombine::wait_for_experts() {
   std::vector<int64_t> waited(static_cast<size_t>(ranks()), 0);
   for (int d = 0; d < ranks() && staged_; ++d)
     if (e.same_node(d)) waited[static_cast<size_t>(d)] = wait_published(core_, d, use.slot, use.number, "combine receive");
-  if (!remote_rows_.expects_any()) return waited;
-  const auto start = std::chrono::steady_clock::now();
-  remote_rows_.wait();
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-  for (int d = 0; d < ranks(); ++d)
-    if (!e.same_node(d) && rows_from(d) > 0) waited[static_cast<size_t>(d)] = ns;
+  const std::int64_t ns = remote_rows_.wait();
+  for (int d : remote_rows_.sources()) waited[static_cast<size_t>(d)] = ns;
   return waited;
 }
 

@@ -10,7 +10,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -434,12 +433,8 @@ std::vector<int64_t> LowLatencyDispatch::wait_for_sources() {
   std::vector<int64_t> waited(static_cast<size_t>(ranks()), 0);
   for (int s = 0; s < ranks(); ++s)
     if (e.same_node(s)) waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "dispatch receive");
-  if (!remote_records_.expects_any()) return waited;
-  const auto start = std::chrono::steady_clock::now();
-  remote_records_.wait();
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
-  for (int s = 0; s < ranks(); ++s)
-    if (!e.same_node(s) && records_from(s) > 0) waited[static_cast<size_t>(s)] = ns;
+  const std::int64_t ns = remote_records_.wait();
+  for (int s : remote_records_.sources()) waited[static_cast<size_t>(s)] = ns;
   return waited;
 }
 
