@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <memory>
 #include <fmt/format.h>
 
 #include "cli.hh"
@@ -174,6 +175,20 @@ void check_launch_nodes(bool local, int ranks, int nodes, bool nodes_given, int 
   }
 }
 
+// Starts the ranks of `run` or `bench` (threads, or this process's part of an MPI job), checks
+// the experts against the job's size, and shows progress on rank 0 unless --quiet.
+std::unique_ptr<moe_ep::tools::Launch> start_launch(moe_ep::tools::LaunchOptions& launch, int ranks, bool ranks_given,
+                                                    int nodes, int experts, bool quiet, int& argc, char**& argv) {
+  using namespace moe_ep::tools;
+  launch.ranks = ranks;
+  launch.ranks_given = ranks_given;
+  launch.nodes = nodes;
+  auto started = make_launch(&argc, &argv, launch);
+  check_job(started->size(), experts);
+  progress::start(!quiet && started->reports());
+  return started;
+}
+
 int run_through_dispatcher(RunCommand& run) {
   using namespace moe_ep::tools;
   const LayerConfig& c = run.options.layer;
@@ -236,12 +251,7 @@ int run_main(RunCommand& run, int& argc, char**& argv) {
     need(c.allow_hybrid || c.scaleout > 1 || o.launch.ranks_per_node > 0,
          "--no-hybrid chooses how tokens cross nodes: it needs --nodes (or --ranks-per-node) for 2 nodes or more");
   o.api = run.api == "v2" ? Api::kV2 : run.low_latency ? Api::kV1LowLatency : Api::kV1;
-  o.launch.ranks = c.ranks;
-  o.launch.ranks_given = run.given("--ranks");
-  o.launch.nodes = c.scaleout;
-  auto launch = make_launch(&argc, &argv, o.launch);
-  check_job(launch->size(), c.experts);
-  progress::start(!o.quiet && launch->reports());
+  auto launch = start_launch(o.launch, c.ranks, run.given("--ranks"), c.scaleout, c.experts, o.quiet, argc, argv);
   return run_command(o, *launch);
 }
 
@@ -255,12 +265,7 @@ int bench_main(BenchCommand& bench, int& argc, char**& argv) {
   check_shape(local || bench.given("--ranks") ? o.ranks : 0, o.experts, o.topk, o.hidden, true, "bench (FP8 dispatch)");
   check_launch_nodes(local, o.ranks, o.nodes, bench.given("--nodes"), o.launch.ranks_per_node,
                      bench.given("--ranks-per-node"));
-  o.launch.ranks = o.ranks;
-  o.launch.ranks_given = bench.given("--ranks");
-  o.launch.nodes = o.nodes;
-  auto launch = make_launch(&argc, &argv, o.launch);
-  check_job(launch->size(), o.experts);
-  progress::start(!o.quiet && launch->reports());
+  auto launch = start_launch(o.launch, o.ranks, bench.given("--ranks"), o.nodes, o.experts, o.quiet, argc, argv);
   return bench_command(o, *launch);
 }
 
