@@ -21,6 +21,7 @@
 
 #include "comm/transport.hh"
 #include "comm/wait.hh"
+#include "core/failure.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
 #include "moe_ep/env.hpp"
@@ -513,7 +514,8 @@ void LocalWorld::run(const std::function<void(Group&)>& fn) {
   for (int r = 0; r < num_ranks_; ++r) {
     threads.emplace_back([&, r] {
       core::ScopedThreadRank as_rank(r);
-      try {
+      std::exception_ptr& error = errors[static_cast<size_t>(r)];
+      error = core::capture([&] {
         Group group(std::make_shared<comm::LocalTransport>(r, world, root_id, root));
         core::info(core::Subsys::kInit,
                    "group: rank {} of {}, {} logical node(s) x {} ranks per node; transport local (ranks as threads "
@@ -521,11 +523,8 @@ void LocalWorld::run(const std::function<void(Group&)>& fn) {
                    r, num_ranks_, topology_.num_scaleout, topology_.num_scaleup, getpid());
         fn(group);
         world->departures.leave(r, {"returned from its rank function", {}});
-      } catch (...) {
-        errors[static_cast<size_t>(r)] = std::current_exception();
-        world->departures.leave(r, {comm::describe(errors[static_cast<size_t>(r)]),
-                                    comm::culprits_of(errors[static_cast<size_t>(r)])});
-      }
+      });
+      if (error) world->departures.leave(r, {comm::describe(error), comm::culprits_of(error)});
     });
   }
   for (auto& t : threads) t.join();

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "core/failure.hh"
 #include "core/log.hh"
 #include "moe_ep/error.hpp"
 
@@ -88,11 +89,9 @@ void WorkerPool::run_items() {
       item = next_item_++;
       job = job_;
     }
-    try {
-      (*job)(item);
-    } catch (...) {
+    if (std::exception_ptr error = capture([&] { (*job)(item); })) {
       std::lock_guard lock(mutex_);
-      if (!error_) error_ = std::current_exception();
+      if (!error_) error_ = std::move(error);
     }
   }
 }

@@ -14,14 +14,22 @@ namespace moe_ep::core {
 
 std::exception_ptr typed_error(const std::exception_ptr& error, const std::string& context) noexcept;
 
+// capture(fn) runs fn and returns what it threw, as thrown, or null: for code whose exceptions
+// belong to the caller (hooks a user registered).
 template <class Fn>
-std::exception_ptr attempt(const std::string& context, Fn&& fn) noexcept {
+std::exception_ptr capture(Fn&& fn) noexcept {
   try {
     fn();
     return nullptr;
   } catch (...) {
-    return typed_error(std::current_exception(), context);
+    return std::current_exception();
   }
+}
+
+template <class Fn>
+std::exception_ptr attempt(const std::string& context, Fn&& fn) noexcept {
+  const std::exception_ptr error = capture(fn);
+  return error ? typed_error(error, context) : nullptr;
 }
 
 }  // namespace moe_ep::core

@@ -270,6 +270,29 @@ class DispatcherState {
   void validate_combine(const Slot& s, const Tensor& y) const;
 };
 
+// Releases a micro-batch's slot (and its hold on the buffer) when the step that uses it fails;
+// the handle goes with a failed step. Steps that end the slot's use release it themselves.
+// Runs the hooks registered at `point`; returns what one of them threw, as thrown.
+std::exception_ptr hooks_failure(DispatcherState& state, HookPoint point, int micro_batch) {
+  return core::capture([&] { state.run_hooks(point, micro_batch, state.slots[micro_batch].mode); });
+}
+
+class ReleaseOnFailure {
+ public:
+  ReleaseOnFailure(DispatcherState& state, Slot& slot)
+      : state_(state), slot_(slot), exceptions_(std::uncaught_exceptions()) {}
+  ~ReleaseOnFailure() {
+    if (std::uncaught_exceptions() > exceptions_) state_.release(slot_);
+  }
+  ReleaseOnFailure(const ReleaseOnFailure&) = delete;
+  ReleaseOnFailure& operator=(const ReleaseOnFailure&) = delete;
+
+ private:
+  DispatcherState& state_;
+  Slot& slot_;
+  int exceptions_;
+};
+
 void DispatcherState::validate_dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                         DispatchMode mode) const {
   const std::string ctx = fmt::format("[rank {}] dispatcher: dispatch", shared.group.rank());
@@ -363,92 +386,66 @@ void TokenDispatcher::dispatch_a(const Tensor& x, const Tensor& topk_idx, const 
   s.provider = table->name;
   s.in = {.x = x, .topk_idx = topk_idx, .topk_weights = topk_weights, .num_tokens = static_cast<int>(x.size(0))};
   s.route = std::move(route);
-  try {
-    s.route->start_dispatch(s.in);
-  } catch (...) {
-    st.release(s);
-    throw;
-  }
+  dispatcher::ReleaseOnFailure release(st, s);
+  s.route->start_dispatch(s.in);
 }
 
 DispatchOutput TokenDispatcher::dispatch_b(int micro_batch) {
   auto& st = *state_;
   dispatcher::Slot& s = st.slot(micro_batch, "dispatch_b");
   st.expect_stage(s, micro_batch, dispatcher::Stage::kDispatching, "dispatch_b");
-  try {
-    DispatchOutput out = st.finish_dispatch(s, micro_batch);
-    s.stage = dispatcher::Stage::kDispatched;
-    return out;
-  } catch (...) {
-    st.release(s);
-    throw;
-  }
+  dispatcher::ReleaseOnFailure release(st, s);
+  DispatchOutput out = st.finish_dispatch(s, micro_batch);
+  s.stage = dispatcher::Stage::kDispatched;
+  return out;
 }
 
 void TokenDispatcher::combine_a(const Tensor& expert_output, int micro_batch) {
   auto& st = *state_;
   dispatcher::Slot& s = st.slot(micro_batch, "combine_a");
   st.expect_stage(s, micro_batch, dispatcher::Stage::kDispatched, "combine_a");
-  try {
-    if (s.buffer_id != st.shared.buffer_id() || !st.shared.key)
-      throw StateError(fmt::format("dispatcher: combine_a: the buffer of micro-batch {}'s dispatch was destroyed",
-                                   micro_batch));
-    const std::exception_ptr local_error =
-        core::attempt(fmt::format("[rank {}] dispatcher: combine_a", st.shared.group.rank()),
-                      [&] { st.validate_combine(s, expert_output); });
-    st.shared.agree("combine",
-                    {{"micro_batch", micro_batch}, {"format", static_cast<std::int64_t>(s.route->format())}},
-                    nullptr, local_error);
-    s.stage = dispatcher::Stage::kCombining;
-    s.combine_input = expert_output;
-    s.route->start_combine(s.in, s.combine_input);
-  } catch (...) {
-    st.release(s);  // the handle goes with a failed combine too
-    throw;
-  }
+  dispatcher::ReleaseOnFailure release(st, s);
+  if (s.buffer_id != st.shared.buffer_id() || !st.shared.key)
+    throw StateError(fmt::format("dispatcher: combine_a: the buffer of micro-batch {}'s dispatch was destroyed",
+                                 micro_batch));
+  const std::exception_ptr local_error =
+      core::attempt(fmt::format("[rank {}] dispatcher: combine_a", st.shared.group.rank()),
+                    [&] { st.validate_combine(s, expert_output); });
+  st.shared.agree("combine", {{"micro_batch", micro_batch}, {"format", static_cast<std::int64_t>(s.route->format())}},
+                  nullptr, local_error);
+  s.stage = dispatcher::Stage::kCombining;
+  s.combine_input = expert_output;
+  s.route->start_combine(s.in, s.combine_input);
 }
 
 Tensor TokenDispatcher::combine_b(int micro_batch) {
   auto& st = *state_;
   dispatcher::Slot& s = st.slot(micro_batch, "combine_b");
   st.expect_stage(s, micro_batch, dispatcher::Stage::kCombining, "combine_b");
-  try {
-    Tensor out = s.route->finish_combine();
-    st.release(s);
-    return out;
-  } catch (...) {
-    st.release(s);
-    throw;
-  }
+  dispatcher::ReleaseOnFailure release(st, s);
+  Tensor out = s.route->finish_combine();
+  st.release(s);
+  return out;
 }
 
 DispatchOutput TokenDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                          BatchKind kind, int micro_batch) {
   dispatch_a(x, topk_idx, topk_weights, kind, micro_batch);
-  try {
-    state_->run_hooks(HookPoint::kAfterDispatchA, micro_batch, state_->slots[micro_batch].mode);
-  } catch (...) {
-    // The transfer is under way: complete it so peers are not left waiting, then report.
-    try {
-      dispatch_b(micro_batch);
-    } catch (...) {
-    }
+  if (const std::exception_ptr error = dispatcher::hooks_failure(*state_, HookPoint::kAfterDispatchA, micro_batch)) {
+    // The transfer is under way: complete it so peers are not left waiting (its own failure is
+    // second to the hook's), then report.
+    core::capture([&] { dispatch_b(micro_batch); });
     state_->release(state_->slots[micro_batch]);
-    throw;
+    std::rethrow_exception(error);
   }
   return dispatch_b(micro_batch);
 }
 
 Tensor TokenDispatcher::combine(const Tensor& expert_output, int micro_batch) {
   combine_a(expert_output, micro_batch);
-  try {
-    state_->run_hooks(HookPoint::kAfterCombineA, micro_batch, state_->slots[micro_batch].mode);
-  } catch (...) {
-    try {
-      combine_b(micro_batch);
-    } catch (...) {
-    }
-    throw;
+  if (const std::exception_ptr error = dispatcher::hooks_failure(*state_, HookPoint::kAfterCombineA, micro_batch)) {
+    core::capture([&] { combine_b(micro_batch); });
+    std::rethrow_exception(error);
   }
   return combine_b(micro_batch);
 }

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "core/checks.hh"
+#include "core/failure.hh"
 #include "core/executor.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
@@ -25,7 +26,7 @@ engine::Paths paths_for(const Topology& physical, int num_ranks, bool allow_hybr
 }
 
 std::exception_ptr check_config(const std::string& context, const ElasticBufferConfig& c) {
-  try {
+  return core::attempt(context, [&] {
     auto fail = [&](const std::string& what) { throw InvalidArgument(fmt::format("{}: {}", context, what)); };
     if (c.num_bytes < 0) fail(fmt::format("num_bytes = {} is negative", c.num_bytes));
     if (c.num_bytes == 0 && c.num_max_tokens_per_rank <= 0)
@@ -45,10 +46,7 @@ std::exception_ptr check_config(const std::string& context, const ElasticBufferC
                        "be a multiple of {} bytes)", c.hidden, kRowByteMultiple, kRowByteMultiple));
     core::checked_timeout(context, "num_cpu_timeout_secs", c.num_cpu_timeout_secs);
     if (c.num_allocated_qps < 0) fail(fmt::format("num_allocated_qps = {} is negative", c.num_allocated_qps));
-  } catch (...) {
-    return std::current_exception();
-  }
-  return nullptr;
+  });
 }
 
 engine::EngineConfig engine_config(const Group& group, const ElasticBufferConfig& c, bool valid) {
@@ -106,15 +104,15 @@ ElasticBuffer::ElasticBuffer(Group& group, const ElasticBufferConfig& config) : 
       });
   const auto& e = *engine_;
   if (config.num_topk == 0)
-    core::info(core::Subsys::kInit, "ElasticBuffer #{}: num_topk = 0, sizing conservatively for k = {}", engine_->id,
+    core::info(core::Subsys::kInit, "ElasticBuffer #{}: num_topk = 0, sizing conservatively for k = {}", engine_->facts.id,
                kMaxTopk);
   core::info(core::Subsys::kInit,
              "ElasticBuffer #{}: num_bytes {} ({}), num_max_tokens_per_rank {}, hidden {}, num_topk {}, {}, hybrid mode "
              "{}, multiple reduction {}, {} allocated qps",
-             e.id, e.config.pool_bytes, config.num_bytes == 0 ? "from the shape" : "given",
+             e.facts.id, e.facts.config.pool_bytes, config.num_bytes == 0 ? "from the shape" : "given",
              config.num_max_tokens_per_rank, config.hidden, config.num_topk,
              config.use_fp8_dispatch ? "FP8 dispatch" : "BF16 dispatch", config.allow_hybrid_mode ? "allowed" : "off",
-             config.allow_multiple_reduction ? "allowed" : "off", e.config.num_allocated_qps);
+             config.allow_multiple_reduction ? "allowed" : "off", e.facts.config.num_allocated_qps);
 }
 
 ElasticBuffer::~ElasticBuffer() = default;
@@ -199,30 +197,30 @@ int ElasticBuffer::get_theoretical_num_sms(int num_experts, int num_topk, int nu
 
 int ElasticBuffer::get_theoretical_num_qps(int num_sms) const {
   const int qps = config_.allow_hybrid_mode ? num_sms * 16 + 1 : std::min(num_sms, 9);
-  return std::min(qps, engine_->config.num_allocated_qps);
+  return std::min(qps, engine_->facts.config.num_allocated_qps);
 }
 
 void ElasticBuffer::barrier() { engine_->barrier(); }
 std::pair<int, int> ElasticBuffer::get_physical_domain_size() const {
-  return {engine_->physical.num_scaleout, engine_->physical.num_scaleup};
+  return {engine_->facts.physical.num_scaleout, engine_->facts.physical.num_scaleup};
 }
 std::pair<int, int> ElasticBuffer::get_logical_domain_size() const {
-  return {engine_->logical_scaleout, engine_->logical_scaleup};
+  return {engine_->facts.logical_scaleout, engine_->facts.logical_scaleup};
 }
 void ElasticBuffer::destroy() {
   if (!config_.explicitly_destroy)
-    throw StateError(fmt::format("{}: destroy() requires explicitly_destroy = true", engine_->context("destroy")));
+    throw StateError(fmt::format("{}: destroy() requires explicitly_destroy = true", engine_->facts.context("destroy")));
   engine_->destroy();
 }
-int ElasticBuffer::rank() const { return engine_->rank; }
-int ElasticBuffer::num_ranks() const { return engine_->num_ranks; }
-std::int64_t ElasticBuffer::num_bytes() const { return engine_->config.pool_bytes; }
+int ElasticBuffer::rank() const { return engine_->facts.rank; }
+int ElasticBuffer::num_ranks() const { return engine_->facts.num_ranks; }
+std::int64_t ElasticBuffer::num_bytes() const { return engine_->facts.config.pool_bytes; }
 int ElasticBuffer::num_max_tokens_per_rank() const { return config_.num_max_tokens_per_rank; }
-int ElasticBuffer::num_allocated_qps() const { return engine_->config.num_allocated_qps; }
-int ElasticBuffer::num_scaleout_ranks() const { return engine_->logical_scaleout; }
-int ElasticBuffer::num_scaleup_ranks() const { return engine_->logical_scaleup; }
-int ElasticBuffer::scaleout_rank_idx() const { return engine_->rank / engine_->logical_scaleup; }
-int ElasticBuffer::scaleup_rank_idx() const { return engine_->rank % engine_->logical_scaleup; }
-bool ElasticBuffer::is_hybrid() const { return engine_->paths.hybrid(); }
+int ElasticBuffer::num_allocated_qps() const { return engine_->facts.config.num_allocated_qps; }
+int ElasticBuffer::num_scaleout_ranks() const { return engine_->facts.logical_scaleout; }
+int ElasticBuffer::num_scaleup_ranks() const { return engine_->facts.logical_scaleup; }
+int ElasticBuffer::scaleout_rank_idx() const { return engine_->facts.rank / engine_->facts.logical_scaleup; }
+int ElasticBuffer::scaleup_rank_idx() const { return engine_->facts.rank % engine_->facts.logical_scaleup; }
+bool ElasticBuffer::is_hybrid() const { return engine_->facts.paths.hybrid(); }
 
 }  // namespace moe_ep

@@ -67,18 +67,20 @@ struct Unit {
 class Combine final : public CombineOperation {
  public:
   Combine(Engine& engine, CombineRequest request, std::uint64_t sequence)
-      : engine_(engine), req_(std::move(request)), sequence_(sequence), ctx_(engine.context(req_.operation)) {
-    error_context = ctx_;
-    previous_event = req_.previous_event;
-    local_error = core::attempt(ctx_, [&] { validate(); });
-  }
+      : CombineOperation(engine.facts.context(request.operation), request.operation, "combine: agreement"),
+        engine_(engine),
+        req_(std::move(request)),
+        sequence_(sequence),
+        ctx_(context()) {}
 
   bool outputs_known_early() const override { return true; }
   void allocate_outputs_early() override;
-  void run(const std::function<void()>& outputs_ready) override;
 
  private:
-  void validate();
+  void validate() override;
+  std::vector<std::byte> prepare() override;
+  void describe(comm::Agreement& agreement) const override;
+  void run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) override;
   void put_contributions(CountedExchange& contributions);
   // The records of one token to `peer`: its units on this node (level-2 sum keyed by routing node
   // when node_unit_key, else one per unit keyed by its lane).
@@ -93,8 +95,8 @@ class Combine final : public CombineOperation {
   void reduce_tokens();
   void reduce_token(int t);
   routing::ReductionScheme scheme() const {
-    return {.expand = expand_, .multiple_reduction = multi_, .hybrid = engine_.paths.hybrid(),
-            .physical_scaleup = engine_.physical.num_scaleup};
+    return {.expand = expand_, .multiple_reduction = multi_, .hybrid = engine_.facts.paths.hybrid(),
+            .physical_scaleup = engine_.facts.physical.num_scaleup};
   }
 
   // Row r of rank d's combine input (d on this node).
@@ -145,6 +147,7 @@ class Combine final : public CombineOperation {
   std::uint64_t sequence_;
   std::string ctx_;
   const HandleState* plan_ = nullptr;
+  PeerTensors mine_;  // this rank's input rows and weights (before sharing)
   bool expand_ = false, multi_ = true, has_weights_ = false;
   CallShape shape_;
   std::array<float, kMaxTopk> send_weights_{};
@@ -161,14 +164,14 @@ void Combine::validate() {
   plan_ = &checked_handle(engine_, ctx_, *a.handle);
   const HandleFacts& h = plan_->facts;
   expand_ = h.do_expand;
-  multi_ = engine_.config.allow_multiple_reduction;
+  multi_ = engine_.facts.config.allow_multiple_reduction;
   shape_.tokens = h.num_tokens;
   shape_.topk = h.num_topk;
   shape_.max_tokens = h.num_max_tokens_per_rank;
   shape_.experts = h.num_experts;
-  shape_.local_experts = h.num_experts / engine_.num_ranks;
+  shape_.local_experts = h.num_experts / engine_.facts.num_ranks;
   shape_.alignment = h.expert_alignment;
-  geo_ = routing::Geometry{engine_.num_ranks, h.num_experts, engine_.logical_scaleout};
+  geo_ = routing::Geometry{engine_.facts.num_ranks, h.num_experts, engine_.facts.logical_scaleout};
   const std::int64_t rows = expand_ ? h.num_expanded_tokens : h.num_recv_tokens;
   if (a.x.defined() && a.x.dtype() != DType::kBF16)
     core::fail(ctx_, "x has dtype {} ({}); combine reduces bfloat16 rows only: pass the expert outputs as bfloat16 "
@@ -199,14 +202,14 @@ void Combine::validate() {
   }
   if (req_.sum_weights_over_ranks && expand_)
     core::fail(ctx_, "summing weights over ranks needs the compact layout");
-  engine_.check_num_qps(ctx_, a.num_qps);
+  engine_.facts.check_num_qps(ctx_, a.num_qps);
   record_ = CombineRecord(shape_.hidden, shape_.topk);
-  const RegionSizes need = region_sizes(engine_.paths, shape_.max_tokens, shape_.hidden, 0, 0, shape_.topk, multi_);
-  if (need.combine_bytes > engine_.config.pool_bytes) {
-    const std::int64_t bytes = align_to(need.combine_bytes, engine_.config.pool_alignment);
+  const RegionSizes need = region_sizes(engine_.facts.paths, shape_.max_tokens, shape_.hidden, 0, 0, shape_.topk, multi_);
+  if (need.combine_bytes > engine_.facts.config.pool_bytes) {
+    const std::int64_t bytes = align_to(need.combine_bytes, engine_.facts.config.pool_alignment);
     throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer ({} tokens per rank, hidden = {}, k = {}), "
-                                    "the buffer holds {}", ctx_, bytes, shape_.max_tokens, shape_.hidden, shape_.topk, engine_.config.pool_bytes),
-                        bytes, engine_.config.pool_bytes);
+                                    "the buffer holds {}", ctx_, bytes, shape_.max_tokens, shape_.hidden, shape_.topk, engine_.facts.config.pool_bytes),
+                        bytes, engine_.facts.config.pool_bytes);
   }
 }
 
@@ -215,44 +218,39 @@ void Combine::allocate_outputs_early() {
   if (has_weights_) result.combined_topk_weights = Tensor::empty({shape_.tokens, shape_.topk}, DType::kFP32);
 }
 
-void Combine::run(const std::function<void()>& outputs_ready) {
-  // Everything before the agreement reports failure through it (see Dispatch::run).
-  std::exception_ptr error = local_error;
-  PeerTensors mine;
-  if (!error) {
-    error = core::attempt(ctx_, [&] {
-      engine_.wait_for_event(previous_event, ctx_, "previous_event");
-      if (!result.combined_x.defined()) allocate_outputs_early();
-      const int workers = req_.workers(geo_.num_experts, shape_.topk);
-      engine_.set_workers(workers);
-      core::trace(core::Subsys::kColl, "{}: hidden {}, {} experts, top-{}, {} workers", ctx_, shape_.hidden, geo_.num_experts, shape_.topk,
-                  workers);
-      engine_.limit_inflight(req_.num_qps);
-      mine.x = static_cast<const std::byte*>(req_.x.data());
-      mine.x_row_bytes = req_.x.stride(0) * 2;
-      if (has_weights_) {
-        mine.weights = req_.topk_weights.data_as<const float>();
-        mine.weights_row = expand_ ? 1 : req_.topk_weights.stride(0);
-      }
-      mine.num_tokens = shape_.tokens;
-    });
+// The workers, and this rank's shared input rows and weights.
+std::vector<std::byte> Combine::prepare() {
+  engine_.wait_for_event(req_.previous_event, ctx_, "previous_event");
+  if (!result.combined_x.defined()) allocate_outputs_early();
+  const int workers = req_.workers(geo_.num_experts, shape_.topk);
+  engine_.set_workers(workers);
+  core::trace(core::Subsys::kColl, "{}: hidden {}, {} experts, top-{}, {} workers", ctx_, shape_.hidden,
+              geo_.num_experts, shape_.topk, workers);
+  engine_.limit_inflight(req_.num_qps);
+  mine_.x = static_cast<const std::byte*>(req_.x.data());
+  mine_.x_row_bytes = req_.x.stride(0) * 2;
+  if (has_weights_) {
+    mine_.weights = req_.topk_weights.data_as<const float>();
+    mine_.weights_row = expand_ ? 1 : req_.topk_weights.stride(0);
   }
-  PeerTensors shared;
-  if (!error) {
-    error = core::attempt(ctx_, [&] {
-      shared = share_tensors(engine_, mine,
-                             {.x = view_extent(req_.x), .weights = has_weights_ ? view_extent(req_.topk_weights) : 0});
-    });
-  }
-  comm::Agreement agreement(ctx_, req_.operation);
-  agreement.local_error(error)
-      .field("operation number", static_cast<std::int64_t>(sequence_))
-      .field("handle's dispatch number", error ? 0 : static_cast<std::int64_t>(plan_->dispatch_sequence))
+  mine_.num_tokens = shape_.tokens;
+  const PeerTensors shared = share_tensors(
+      engine_, mine_, {.x = view_extent(req_.x), .weights = has_weights_ ? view_extent(req_.topk_weights) : 0});
+  const auto* bytes = reinterpret_cast<const std::byte*>(&shared);
+  return {bytes, bytes + sizeof shared};
+}
+
+void Combine::describe(comm::Agreement& agreement) const {
+  agreement.field("operation number", static_cast<std::int64_t>(sequence_))
+      .field("handle's dispatch number", plan_ ? static_cast<std::int64_t>(plan_->dispatch_sequence) : 0)
       .field("do_expand (handle)", expand_)
       .field("topk_weights given", has_weights_)
       .field("hidden", shape_.hidden);
-  peers_ = agree_on(*this, agreement, engine_, "combine: agreement", shared, ctx_);
-  resolve_tensors(engine_, peers_, mine);
+}
+
+void Combine::run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) {
+  peers_ = payload_per_rank<PeerTensors>(payloads, ctx_);
+  resolve_tensors(engine_, peers_, mine_);
   outputs_ready();
   engine_.wait_for_event(req_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
   CountedExchange contributions(engine_, "combine: scale-out contributions");
@@ -266,7 +264,7 @@ void Combine::run(const std::function<void()>& outputs_ready) {
     comm::PeerReads reads(engine_.transport(), "combine: reduction");  // node peers' rows and weights
     reduce_tokens();
   }
-  engine_.transport().barrier(comm::Scope::kNode, engine_.wait("combine: exit"));
+  engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("combine: exit"));
 }
 
 const std::uint16_t* Combine::rank_unit(int d, const std::int64_t* ids, const std::int32_t* rows,
@@ -354,15 +352,15 @@ const float* Combine::record_weights(const Unit& unit, const std::int64_t* ids, 
 
 void Combine::send_token(CountedExchange& contributions, int peer, std::int32_t token, const std::int64_t* ids,
                          const std::int32_t* rows, const std::int32_t* expanded, bool node_unit_key) {
-  const int me = engine_.rank, my_node = engine_.node_of(me);
+  const int me = engine_.facts.rank, my_node = engine_.facts.node_of(me);
   int scratch = 0;
   if (node_unit_key) {
     // Hybrid with multiple reduction: one level-2 unit for this node, keyed by node.
     const Unit unit = node_sum(ids, rows, expanded, my_node, scratch);
     if (unit.row == nullptr) return;
     const float* w = record_weights(unit, ids, rows, expanded,
-                                    [&](int j) { return engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node; });
-    put_record(contributions, peer, engine_.routing_node_of(me), token, unit.row, w);
+                                    [&](int j) { return engine_.facts.node_of(geo_.rank_of_expert(ids[j])) == my_node; });
+    put_record(contributions, peer, engine_.facts.routing_node_of(me), token, unit.row, w);
     return;
   }
   std::array<Unit, kMaxTopk> units;
@@ -380,10 +378,10 @@ void Combine::send_token(CountedExchange& contributions, int peer, std::int32_t 
 // Contributions for tokens whose source is on another node: from each destination rank (direct
 // mode) or from the forwarder of the destination node (hybrid mode).
 void Combine::put_contributions(CountedExchange& contributions) {
-  if (!engine_.paths.hybrid() && !engine_.paths.direct_remote()) return;
-  const int me = engine_.rank, k = shape_.topk;
+  if (!engine_.facts.paths.hybrid() && !engine_.facts.paths.direct_remote()) return;
+  const int me = engine_.facts.rank, k = shape_.topk;
   prepare_scratch(shape_.hidden);
-  if (engine_.paths.hybrid()) {
+  if (engine_.facts.paths.hybrid()) {
     for (const ForwardPlan& f : plan_->forward) {
       if (f.source < 0) continue;
       for (std::int32_t slot = 0; slot < f.count; ++slot) {
@@ -398,7 +396,7 @@ void Combine::put_contributions(CountedExchange& contributions) {
     std::array<std::int32_t, kMaxTopk> rows, expanded;
     for (std::size_t i = 0; i < plan_->rows.size(); ++i) {
       const int src = plan_->rows[i].source;
-      if (engine_.same_node(src)) continue;
+      if (engine_.facts.same_node(src)) continue;
       // Rebuild the token's lanes as seen from here: local lanes carry this rank's rows.
       for (int j = 0; j < k; ++j) {
         const std::int32_t local = plan_->local_ids[i * k + j];
@@ -414,9 +412,9 @@ void Combine::put_contributions(CountedExchange& contributions) {
 }
 
 void Combine::wait_contributions(CountedExchange& contributions) {
-  if (!engine_.paths.hybrid() && !engine_.paths.direct_remote()) return;
-  const routing::PlanningRank me{.rank = engine_.rank, .physical_scaleup = engine_.physical.num_scaleup,
-                                 .hybrid = engine_.paths.hybrid(), .expand = expand_};
+  if (!engine_.facts.paths.hybrid() && !engine_.facts.paths.direct_remote()) return;
+  const routing::PlanningRank me{.rank = engine_.facts.rank, .physical_scaleup = engine_.facts.physical.num_scaleup,
+                                 .hybrid = engine_.facts.paths.hybrid(), .expand = expand_};
   for (const int sender : routing::contribution_senders(plan_->layout, me)) contributions.expect(sender);
   contributions.wait();
 }
@@ -434,7 +432,7 @@ void Combine::reduce_tokens() {
 // units on this node are read in place, units of other nodes arrived as records.
 void Combine::reduce_token(int t) {
   const HandleState& plan = *plan_;
-  const int k = shape_.topk, my_node = engine_.node_of(engine_.rank);
+  const int k = shape_.topk, my_node = engine_.facts.node_of(engine_.facts.rank);
   const std::int64_t topk_row = plan.topk.defined() ? plan.topk.stride(0) : k;
   const std::int64_t* ids = plan.topk.data_as<const std::int64_t>() + t * topk_row;
   const std::int32_t* rows = &plan.dst_row[static_cast<size_t>(t) * k];
@@ -448,7 +446,7 @@ void Combine::reduce_token(int t) {
   };
   std::array<routing::UnitRef, kMaxTopk> refs;
   std::array<Unit, kMaxTopk> units;
-  const int n = routing::reduction_units(ids, k, geo_, scheme(), engine_.rank, refs);
+  const int n = routing::reduction_units(ids, k, geo_, scheme(), engine_.facts.rank, refs);
   int scratch = 0;
   for (int u = 0; u < n; ++u) {
     const routing::UnitRef& ref = refs[static_cast<size_t>(u)];
@@ -476,7 +474,7 @@ void Combine::reduce_token(int t) {
   } else {
     // Lanes served on this node: the weight their rank returned for them.
     for (int j = 0; j < k && w; ++j)
-      if (ids[j] >= 0 && engine_.node_of(geo_.rank_of_expert(ids[j])) == my_node) w[j] = lane_weight(ids, rows, expanded, j);
+      if (ids[j] >= 0 && engine_.facts.node_of(geo_.rank_of_expert(ids[j])) == my_node) w[j] = lane_weight(ids, rows, expanded, j);
   }
   std::array<const std::uint16_t*, kMaxTopk + 2> inputs;
   int count = 0;

@@ -9,7 +9,7 @@
 namespace moe_ep::engine {
 
 CountedExchange::CountedExchange(Engine& engine, std::string phase)
-    : engine_(engine), phase_(std::move(phase)), written_(static_cast<std::size_t>(engine.num_ranks), false) {}
+    : engine_(engine), phase_(std::move(phase)), written_(static_cast<std::size_t>(engine.facts.num_ranks), false) {}
 
 void CountedExchange::expect(int source) {
   if (waited_) throw StateError(phase_ + ": expectation added after the wait");
@@ -35,7 +35,7 @@ std::int64_t CountedExchange::wait() {
   waited_ = true;
   if (sources_.empty()) return 0;
   const auto start = std::chrono::steady_clock::now();
-  engine_.transport().wait_signals(sources_, targets_, engine_.wait(phase_.c_str()));
+  engine_.transport().wait_signals(sources_, targets_, engine_.facts.wait(phase_.c_str()));
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 

@@ -15,17 +15,19 @@ namespace moe_ep::engine {
 namespace dispatch_detail {
 
 Dispatch::Dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequence)
-    : engine_(engine), req_(std::move(request)), sequence_(sequence), ctx_(engine.context(req_.operation)) {
-  error_context = ctx_;
-  previous_event = req_.previous_event;
-  local_error = core::attempt(ctx_, [&] {
-    validate();
-    if (!cached_) start_handle();
-  });
+    : DispatchOperation(engine.facts.context(request.operation), request.operation, "dispatch: agreement"),
+      engine_(engine),
+      req_(std::move(request)),
+      sequence_(sequence),
+      ctx_(context()) {}
+
+void Dispatch::validate() {
+  check_arguments();
+  if (!cached_) start_handle();
 }
 
 routing::PlanningRank Dispatch::planning_rank() const {
-  return {.rank = engine_.rank, .physical_scaleup = engine_.physical.num_scaleup, .hybrid = engine_.paths.hybrid(),
+  return {.rank = engine_.facts.rank, .physical_scaleup = engine_.facts.physical.num_scaleup, .hybrid = engine_.facts.paths.hybrid(),
           .expand = expand_};
 }
 
@@ -69,7 +71,7 @@ void Dispatch::allocate_outputs_unnamed(std::int64_t rows, std::int64_t expanded
 void Dispatch::start_handle() {
   state_ = std::make_shared<HandleState>();
   HandleState& s = *state_;
-  s.engine_id = engine_.id;
+  s.engine_id = engine_.facts.id;
   s.dispatch_sequence = sequence_;
   result.handle = std::make_shared<EPHandle>();
   EPHandle& h = *result.handle;
@@ -111,17 +113,13 @@ PeerTensors Dispatch::my_tensors() const {
   return p;
 }
 
-// Everything before the agreement reports failure through it, so that peers are not left
-// waiting for a rank that threw.
-void Dispatch::run(const std::function<void()>& outputs_ready) {
-  std::exception_ptr error = local_error;
-  if (!error) error = core::attempt(ctx_, [&] { prepare(); });
-  std::vector<std::byte> payload(sizeof(PeerTensors));
-  PeerTensors mine;
-  if (!error) error = core::attempt(ctx_, [&] { publish(payload, mine); });
-  comm::Agreement agreement(ctx_, req_.operation);
-  const std::vector<std::span<const std::byte>> payloads = agree(agreement, error, payload);
-  const std::vector<PeerTensors> peers = unpack_peers(payloads, mine);
+std::vector<std::byte> Dispatch::prepare() {
+  prepare_routing();
+  return publish();
+}
+
+void Dispatch::run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) {
+  const std::vector<PeerTensors> peers = unpack_peers(payloads);
   if (!cached_) take_layout(payloads, peers);
   check_gathered(peers);
   if (!cached_) plan_local(peers);
@@ -135,9 +133,9 @@ void Dispatch::run(const std::function<void()>& outputs_ready) {
 }
 
 // Workers, and the top-k ids and local counts of a new dispatch.
-void Dispatch::prepare() {
+void Dispatch::prepare_routing() {
   const int N = shape_.tokens, k = shape_.topk;
-  engine_.wait_for_event(previous_event, ctx_, "previous_event");
+  engine_.wait_for_event(req_.previous_event, ctx_, "previous_event");
   workers_ = req_.workers(shape_.experts, k);
   engine_.set_workers(workers_);
   core::trace(core::Subsys::kColl, "{}: {} tokens, hidden {}, {} experts, top-{}, {} workers{}", ctx_, N,
@@ -158,26 +156,26 @@ void Dispatch::prepare() {
 }
 
 // What this rank publishes: its shared tensors and (new dispatch) its counts.
-void Dispatch::publish(std::vector<std::byte>& payload, PeerTensors& mine) {
-  mine = my_tensors();
-  const PeerTensors shared = share_tensors(engine_, mine,
+std::vector<std::byte> Dispatch::publish() {
+  mine_ = my_tensors();
+  std::vector<std::byte> payload(sizeof(PeerTensors));
+  const PeerTensors shared = share_tensors(engine_, mine_,
                                            {.x = view_extent(req_.x),
                                             .scales = fp8_ ? view_extent(req_.x_scales) : 0,
                                             .weights = has_weights_ ? view_extent(req_.topk_weights) : 0,
                                             .topk = view_extent(plan_->topk)});
   std::memcpy(payload.data(), &shared, sizeof shared);
-  if (cached_) return;
+  if (cached_) return payload;
   for (const auto* v : {&counts_.per_rank, &counts_.per_expert, &counts_.per_node}) {
     const auto* b = reinterpret_cast<const std::byte*>(v->data());
     payload.insert(payload.end(), b, b + v->size() * sizeof(std::int32_t));
   }
+  return payload;
 }
 
 // Agreement: arguments, signature, published tensors and (new dispatch) counts.
-std::vector<std::span<const std::byte>> Dispatch::agree(comm::Agreement& agreement, const std::exception_ptr& error,
-                                                        const std::vector<std::byte>& payload) {
-  agreement.local_error(error)
-      .field("operation number", static_cast<std::int64_t>(sequence_))
+void Dispatch::describe(comm::Agreement& agreement) const {
+  agreement.field("operation number", static_cast<std::int64_t>(sequence_))
       .field("cached (handle given)", cached_)
       .field("handle's dispatch number", cached_state_ ? static_cast<std::int64_t>(cached_state_->dispatch_sequence) : 0)
       .field("num_max_tokens_per_rank", shape_.max_tokens)
@@ -191,16 +189,9 @@ std::vector<std::span<const std::byte>> Dispatch::agree(comm::Agreement& agreeme
       .field("topk_weights given", has_weights_)
       .field("expert_alignment", shape_.alignment)
       .field("do_expand", expand_);
-  try {
-    return agreement.exchange(engine_.transport(), comm::Scope::kWorld, engine_.wait("dispatch: agreement"), payload);
-  } catch (...) {
-    in_step_failure = agreement.gathered();
-    throw;
-  }
 }
 
-std::vector<PeerTensors> Dispatch::unpack_peers(const std::vector<std::span<const std::byte>>& payloads,
-                                                const PeerTensors& mine) {
+std::vector<PeerTensors> Dispatch::unpack_peers(const std::vector<std::span<const std::byte>>& payloads) {
   const std::size_t counts_bytes =
       cached_ ? 0 : sizeof(std::int32_t) * static_cast<size_t>(geo_.num_ranks + geo_.num_experts + geo_.num_nodes);
   std::vector<PeerTensors> peers(payloads.size());
@@ -210,7 +201,7 @@ std::vector<PeerTensors> Dispatch::unpack_peers(const std::vector<std::span<cons
                                    sizeof(PeerTensors) + counts_bytes));
     std::memcpy(&peers[r], payloads[r].data(), sizeof(PeerTensors));
   }
-  resolve_tensors(engine_, peers, mine);
+  resolve_tensors(engine_, peers, mine_);
   return peers;
 }
 
@@ -239,7 +230,7 @@ void Dispatch::plan_local(const std::vector<PeerTensors>& peers) {
   routing::start_receive_plan(s, shape_.topk, me);
   std::vector<routing::TopkRows> sources(peers.size());
   for (std::size_t r = 0; r < peers.size(); ++r)
-    if (engine_.same_node(static_cast<int>(r)))
+    if (engine_.facts.same_node(static_cast<int>(r)))
       sources[r] = {peers[r].topk, peers[r].topk_row, peers[r].num_tokens, shape_.topk};
   routing::plan_receive_local(s, me, sources);
 }
@@ -249,19 +240,19 @@ void Dispatch::make_outputs() {
   if (outputs_known_early()) {
     allocate_outputs_early();
   } else {
-    allocate_outputs(plan_->layout.rows_at(engine_.rank), plan_->layout.expanded_rows_at(engine_.rank));
+    allocate_outputs(plan_->layout.rows_at(engine_.facts.rank), plan_->layout.expanded_rows_at(engine_.facts.rank));
   }
 }
 
 // Scale-out records, forwarding (hybrid), the remote receive plan, then the copies.
 void Dispatch::move_rows(const std::vector<PeerTensors>& peers) {
-  const bool hybrid = engine_.paths.hybrid();
+  const bool hybrid = engine_.facts.paths.hybrid();
   CountedExchange records(engine_, "dispatch: scale-out records");
   put_records(peers, records);
   wait_records(records);
   if (!cached_ && hybrid) plan_forwarding();
-  if (hybrid) engine_.transport().barrier(comm::Scope::kNode, engine_.wait("dispatch: forwarded records ready"));
-  if (!cached_ && (hybrid || engine_.paths.direct_remote())) plan_receive_remote();
+  if (hybrid) engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("dispatch: forwarded records ready"));
+  if (!cached_ && (hybrid || engine_.facts.paths.direct_remote())) plan_receive_remote();
   {
     comm::PeerReads reads(engine_.transport(), "dispatch: copy");  // node peers' x, scales and weights
     copy_rows(peers);
@@ -272,7 +263,7 @@ void Dispatch::move_rows(const std::vector<PeerTensors>& peers) {
 
 void Dispatch::finish() {
   if (req_.on_rows_received) req_.on_rows_received(result);
-  engine_.transport().barrier(comm::Scope::kNode, engine_.wait("dispatch: exit"));
+  engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("dispatch: exit"));
   if (!cached_ && req_.on_complete) req_.on_complete(*result.handle);
 }
 
@@ -280,7 +271,7 @@ void Dispatch::fill_handle() {
   HandleState& s = *state_;
   EPHandle& h = *result.handle;
   const auto& layout = s.layout;
-  const int me = engine_.rank, T = shape_.max_tokens;
+  const int me = engine_.facts.rank, T = shape_.max_tokens;
   h.num_sms = workers_;
   // Fields known at the start (start_handle) are not written again: a combine queued behind an
   // asynchronous dispatch reads them meanwhile.
@@ -291,7 +282,7 @@ void Dispatch::fill_handle() {
     h.num_recv_tokens = s.facts.num_recv_tokens = layout.rows_at(me);
     h.num_expanded_tokens = s.facts.num_expanded_tokens = layout.expanded_rows_at(me);
   }
-  routing::ReceiveCounts counts = routing::receive_counts(layout, me, engine_.logical_scaleup, expand_);
+  routing::ReceiveCounts counts = routing::receive_counts(layout, me, engine_.facts.logical_scaleup, expand_);
   h.psum_num_recv_tokens_per_scaleup_rank = std::move(counts.psum_per_scaleup_rank);
   h.psum_num_recv_tokens_per_expert = std::move(counts.psum_per_expert);
   h.num_unaligned_recv_tokens_per_expert = std::move(counts.unaligned_per_expert);

@@ -2,9 +2,9 @@
 // sequence of steps around the agreement (dispatch.cc) and its data path (dispatch_records.cc).
 // The routing plan itself is computed by routing/handle_plan.hh; this class moves the data.
 //
-// Guarantees: the constructor validates on the calling thread and never throws (a rejection is
-// kept in local_error and reported through the agreement); run() executes the steps in a fixed
-// order on every rank, so that the puts, signals and barriers of all ranks match.
+// Guarantees: the phases of engine/operation.hh (a rejection in validate() or prepare() is reported
+// through the agreement); run() executes the steps in a fixed order on every rank, so that the
+// puts, signals and barriers of all ranks match.
 #pragma once
 
 #include <cstdint>
@@ -29,11 +29,16 @@ class Dispatch final : public DispatchOperation {
 
   bool outputs_known_early() const override { return cached_ || !cpu_sync_; }
   void allocate_outputs_early() override { allocate_outputs(worst_rows(), worst_expanded_rows()); }
-  void run(const std::function<void()>& outputs_ready) override;
 
  private:
+  // The phases (engine/operation.hh).
+  void validate() override;  // the checks, then the new handle's known parts
+  std::vector<std::byte> prepare() override;
+  void describe(comm::Agreement& agreement) const override;
+  void run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) override;
+
   // Validation (dispatch_validate.cc).
-  void validate();
+  void check_arguments();
   void take_sizes();
   void check_payload();
   void check_routing();
@@ -43,14 +48,11 @@ class Dispatch final : public DispatchOperation {
   std::int64_t worst_rows() const;
   std::int64_t worst_expanded_rows() const;
 
-  // Steps of run() (dispatch.cc).
+  // Steps of the phases (dispatch.cc).
   void start_handle();
-  void prepare();
-  void publish(std::vector<std::byte>& payload, PeerTensors& mine);
-  std::vector<std::span<const std::byte>> agree(comm::Agreement& agreement, const std::exception_ptr& error,
-                                                const std::vector<std::byte>& payload);
-  std::vector<PeerTensors> unpack_peers(const std::vector<std::span<const std::byte>>& payloads,
-                                        const PeerTensors& mine);
+  void prepare_routing();
+  std::vector<std::byte> publish();
+  std::vector<PeerTensors> unpack_peers(const std::vector<std::span<const std::byte>>& payloads);
   void take_layout(const std::vector<std::span<const std::byte>>& payloads, const std::vector<PeerTensors>& peers);
   void plan_local(const std::vector<PeerTensors>& peers);
   void make_outputs();
@@ -76,7 +78,7 @@ class Dispatch final : public DispatchOperation {
   // The record of (source, slot) in this rank's region (direct) or its forwarder's (hybrid).
   std::byte* region_record(int source, std::int32_t slot);
   std::int64_t region_offset(int source, std::int32_t slot) const {
-    const int region = engine_.paths.hybrid() ? engine_.routing_node_of(source) : source;
+    const int region = engine_.facts.paths.hybrid() ? engine_.facts.routing_node_of(source) : source;
     return (static_cast<std::int64_t>(region) * shape_.max_tokens + slot) * record_.bytes;
   }
   // The ids (as int64) and token index of a record of this rank's symmetric memory or a node peer's.
@@ -98,6 +100,7 @@ class Dispatch final : public DispatchOperation {
   const HandleState* cached_state_ = nullptr;
   std::shared_ptr<HandleState> state_;  // the new handle's state (non-cached)
   const HandleState* plan_ = nullptr;   // state_ or cached_state_
+  PeerTensors mine_;                    // this rank's tensors (before sharing)
   routing::LocalCounts counts_;
   std::vector<std::byte> record_scratch_;
   // copy_rows' output pointers, set before the parallel loop.

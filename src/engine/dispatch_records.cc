@@ -9,9 +9,9 @@
 namespace moe_ep::engine::dispatch_detail {
 
 std::byte* Dispatch::region_record(int source, std::int32_t slot) {
-  if (engine_.paths.hybrid()) {
+  if (engine_.facts.paths.hybrid()) {
     const int forwarder =
-        engine_.node_of(engine_.rank) * engine_.physical.num_scaleup + source % engine_.physical.num_scaleup;
+        engine_.facts.node_of(engine_.facts.rank) * engine_.facts.physical.num_scaleup + source % engine_.facts.physical.num_scaleup;
     return engine_.memory().node_peer(forwarder) + region_offset(source, slot);
   }
   return engine_.memory().local() + region_offset(source, slot);
@@ -45,9 +45,9 @@ void Dispatch::fill_record_meta(const PeerTensors& mine, int t) {
 // Scale-out: one record per (token, remote destination rank) in direct mode, per (token,
 // remote destination node) in hybrid mode, then one signal per peer that got records.
 void Dispatch::put_records(const std::vector<PeerTensors>& peers, CountedExchange& records) {
-  if (!engine_.paths.hybrid() && !engine_.paths.direct_remote()) return;
+  if (!engine_.facts.paths.hybrid() && !engine_.facts.paths.direct_remote()) return;
   const HandleState& s = *plan_;
-  const int me = engine_.rank, k = shape_.topk;
+  const int me = engine_.facts.rank, k = shape_.topk;
   const PeerTensors& mine = peers[static_cast<size_t>(me)];
   const std::int64_t* topk = s.topk.data_as<const std::int64_t>();
   record_scratch_.resize(static_cast<size_t>(record_.bytes - record_.scales_offset));
@@ -57,16 +57,16 @@ void Dispatch::put_records(const std::vector<PeerTensors>& peers, CountedExchang
       const std::size_t i = static_cast<size_t>(t) * k + j;
       int peer = -1;
       std::int32_t slot = -1;
-      if (engine_.paths.hybrid()) {
+      if (engine_.facts.paths.hybrid()) {
         if (s.node_slot[i] < 0) continue;
         const int node = geo_.node_of_rank(geo_.rank_of_expert(topk[t * s.topk.stride(0) + j]));
-        if (node == engine_.routing_node_of(me)) continue;
+        if (node == engine_.facts.routing_node_of(me)) continue;
         peer = routing::forwarder_on(geo_, me, node);
         slot = s.node_slot[i];
       } else {
         if (s.dst_row[i] < 0) continue;
         const int d = geo_.rank_of_expert(topk[t * s.topk.stride(0) + j]);
-        if (engine_.same_node(d)) continue;
+        if (engine_.facts.same_node(d)) continue;
         peer = d;
         slot = s.dst_row[i] - s.layout.row_base(me, d);
       }
@@ -84,7 +84,7 @@ void Dispatch::put_records(const std::vector<PeerTensors>& peers, CountedExchang
 
 // Waits for the records addressed to this rank (direct) or forwarded through it (hybrid).
 void Dispatch::wait_records(CountedExchange& records) {
-  if (!engine_.paths.hybrid() && !engine_.paths.direct_remote()) return;
+  if (!engine_.facts.paths.hybrid() && !engine_.facts.paths.direct_remote()) return;
   for (const int source : routing::record_senders(plan_->layout, planning_rank())) records.expect(source);
   records.wait();
 }
@@ -93,14 +93,14 @@ void Dispatch::wait_records(CountedExchange& records) {
 void Dispatch::plan_forwarding() {
   HandleState& s = *state_;
   const int k = shape_.topk;
-  routing::start_forwarding(s.forward, s.layout, engine_.rank, k);
+  routing::start_forwarding(s.forward, s.layout, engine_.facts.rank, k);
   for (routing::ForwardPlan& f : s.forward) {
     if (f.source < 0) continue;
     for (std::int32_t slot = 0; slot < f.count; ++slot)
       read_record(engine_.memory().local() + region_offset(f.source, slot),
                   &f.ids[static_cast<size_t>(slot) * static_cast<size_t>(k)], &f.token[static_cast<size_t>(slot)]);
   }
-  routing::plan_forwarding(s.forward, s.layout, engine_.rank, k);
+  routing::plan_forwarding(s.forward, s.layout, engine_.facts.rank, k);
 }
 
 // The rows this rank receives from other nodes, once their records arrived.
@@ -155,7 +155,7 @@ void Dispatch::copy_row(const std::vector<PeerTensors>& peers, std::int64_t i, s
   const std::uint32_t* scales = nullptr;
   std::int64_t scale_step = 1;
   const float* weights = nullptr;
-  if (engine_.same_node(src.source)) {
+  if (engine_.facts.same_node(src.source)) {
     const PeerTensors& p = peers[static_cast<size_t>(src.source)];
     payload = p.x + src.index * p.x_row_bytes;
     if (fp8_) {
@@ -209,7 +209,7 @@ void Dispatch::copy_row(const std::vector<PeerTensors>& peers, std::int64_t i, s
 
 void Dispatch::zero_padding() {
   const auto& layout = plan_->layout;
-  const int me = engine_.rank, El = shape_.local_experts;
+  const int me = engine_.facts.rank, El = shape_.local_experts;
   for (int i = 0; i < El; ++i) {
     const int e = me * El + i;
     const std::int64_t begin = layout.expert_start(e) + layout.expert_total(e);
@@ -229,7 +229,7 @@ void Dispatch::add_expert_stats() {
   if (!req_.cumulative_local_expert_recv_stats.defined()) return;
   auto* stats = req_.cumulative_local_expert_recv_stats.data_as<std::int32_t>();
   for (int i = 0; i < shape_.local_experts; ++i)
-    stats[i] += plan_->layout.expert_total(engine_.rank * shape_.local_experts + i);
+    stats[i] += plan_->layout.expert_total(engine_.facts.rank * shape_.local_experts + i);
 }
 
 }  // namespace moe_ep::engine::dispatch_detail

@@ -9,7 +9,7 @@
 
 namespace moe_ep::engine::dispatch_detail {
 
-void Dispatch::validate() {
+void Dispatch::check_arguments() {
   if (!req_.rejection.empty()) core::fail(ctx_, "{}", req_.rejection);
   if (req_.validate_more) req_.validate_more(ctx_);
   cached_ = req_.handle != nullptr;
@@ -68,8 +68,8 @@ void Dispatch::check_payload() {
   shape_.hidden = core::int_size(ctx_, "x", x, 1);
   const int T = shape_.max_tokens, H = shape_.hidden;
   if (T > 0 && x.size(0) > T) core::fail(ctx_, "x has {} tokens, more than num_max_tokens_per_rank = {}", x.size(0), T);
-  if (engine_.config.fixed_hidden > 0 && H != engine_.config.fixed_hidden)
-    core::fail(ctx_, "x has hidden size {}, the buffer was built for hidden = {}", H, engine_.config.fixed_hidden);
+  if (engine_.facts.config.fixed_hidden > 0 && H != engine_.facts.config.fixed_hidden)
+    core::fail(ctx_, "x has hidden size {}, the buffer was built for hidden = {}", H, engine_.facts.config.fixed_hidden);
   if (x.size(1) <= 0 || x.size(1) > kMaxHidden)
     core::fail(ctx_, "x has hidden size {}, expected 1 to {}", x.size(1), kMaxHidden);
   row_bytes_ = static_cast<std::int64_t>(H) * static_cast<std::int64_t>(element_size(x_dtype_));
@@ -111,10 +111,10 @@ void Dispatch::check_routing() {
   const int k = shape_.topk, E = shape_.experts;
   if (k < 1 || k > kMaxTopk) core::fail(ctx_, "topk_idx has {} columns (k), expected 1 to {}", k, kMaxTopk);
   if (E <= 0) core::fail(ctx_, "num_experts = {} must be positive", E);
-  if (E % engine_.num_ranks != 0)
-    core::fail(ctx_, "num_experts = {} is not divisible by the {} ranks", E, engine_.num_ranks);
+  if (E % engine_.facts.num_ranks != 0)
+    core::fail(ctx_, "num_experts = {} is not divisible by the {} ranks", E, engine_.facts.num_ranks);
   if (shape_.alignment < 1) core::fail(ctx_, "expert_alignment = {} must be at least 1", shape_.alignment);
-  shape_.local_experts = E / engine_.num_ranks;
+  shape_.local_experts = E / engine_.facts.num_ranks;
 }
 
 // Weights, statistics, options; the capacity; the routing of a new dispatch.
@@ -134,8 +134,8 @@ void Dispatch::check_options() {
   if (shape_.max_tokens == 0 && !cpu_sync_ && a.worst_rows <= 0)
     core::fail(ctx_, "outputs of worst-case size need num_max_tokens_per_rank or a worst-case row count");
   if (a.worst_rows < 0) core::fail(ctx_, "the worst-case row count {} is negative", a.worst_rows);
-  engine_.check_num_qps(ctx_, a.num_qps);
-  geo_ = routing::Geometry{engine_.num_ranks, shape_.experts, engine_.logical_scaleout};
+  engine_.facts.check_num_qps(ctx_, a.num_qps);
+  geo_ = routing::Geometry{engine_.facts.num_ranks, shape_.experts, engine_.facts.logical_scaleout};
   record_ = DispatchRecord(row_bytes_, fp8_ ? std::int64_t{shape_.scale_columns} * 4 : 0, shape_.topk);
   if (shape_.max_tokens > 0) check_capacity(shape_.max_tokens);
 
@@ -150,24 +150,24 @@ void Dispatch::check_options() {
 void Dispatch::check_capacity(int tokens_bound) const {
   const int k = shape_.topk, El = shape_.local_experts, H = shape_.hidden;
   const std::int64_t worst =
-      static_cast<std::int64_t>(tokens_bound) * engine_.num_ranks * std::min(k, El) + std::int64_t{shape_.alignment} * El;
+      static_cast<std::int64_t>(tokens_bound) * engine_.facts.num_ranks * std::min(k, El) + std::int64_t{shape_.alignment} * El;
   if (worst > (std::int64_t{1} << 31) - 1)
     core::fail(ctx_, "num_max_tokens_per_rank = {} x {} ranks x min(k, local experts) = {} rows exceed the int32 "
-               "row index", tokens_bound, engine_.num_ranks, worst);
-  const RegionSizes need = region_sizes(engine_.paths, tokens_bound, H, row_bytes_, record_.scales_bytes, k,
-                                        engine_.config.allow_multiple_reduction);
-  if (need.dispatch_bytes > engine_.config.pool_bytes) {
-    const std::int64_t bytes = align_to(need.dispatch_bytes, engine_.config.pool_alignment);
+               "row index", tokens_bound, engine_.facts.num_ranks, worst);
+  const RegionSizes need = region_sizes(engine_.facts.paths, tokens_bound, H, row_bytes_, record_.scales_bytes, k,
+                                        engine_.facts.config.allow_multiple_reduction);
+  if (need.dispatch_bytes > engine_.facts.config.pool_bytes) {
+    const std::int64_t bytes = align_to(need.dispatch_bytes, engine_.facts.config.pool_alignment);
     throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer ({} tokens per rank, hidden = {}, k = {}), "
-                                    "the buffer holds {}", ctx_, bytes, tokens_bound, H, k, engine_.config.pool_bytes),
-                        bytes, engine_.config.pool_bytes);
+                                    "the buffer holds {}", ctx_, bytes, tokens_bound, H, k, engine_.facts.config.pool_bytes),
+                        bytes, engine_.facts.config.pool_bytes);
   }
 }
 
 // Checks of what the agreement gathered: every rank computes the same answer, so a failure here is
 // raised by all ranks alike.
 void Dispatch::check_gathered(const std::vector<PeerTensors>& peers) {
-  in_step_failure = true;
+  in_step([&] {
   if (shape_.max_tokens == 0) {
     for (const PeerTensors& p : peers) shape_.max_tokens = std::max(shape_.max_tokens, p.num_tokens);
     shape_.max_tokens = std::max(shape_.max_tokens, 1);
@@ -179,19 +179,19 @@ void Dispatch::check_gathered(const std::vector<PeerTensors>& peers) {
         throw InvalidArgument(fmt::format("{}: rank {} receives {} tokens, more than the worst-case row count {}",
                                           ctx_, d, plan_->layout.rows_at(d), req_.worst_rows));
   }
-  in_step_failure = false;
+  });
 }
 
 std::int64_t Dispatch::worst_rows() const {
   if (cached_) return cached_state_->facts.num_recv_tokens;
   if (req_.worst_rows > 0) return req_.worst_rows;
-  return static_cast<std::int64_t>(shape_.max_tokens) * engine_.num_ranks;
+  return static_cast<std::int64_t>(shape_.max_tokens) * engine_.facts.num_ranks;
 }
 
 std::int64_t Dispatch::worst_expanded_rows() const {
   if (cached_) return cached_state_->facts.num_expanded_tokens;
   const int A = shape_.alignment, El = shape_.local_experts;
-  return routing::align_up(static_cast<std::int64_t>(engine_.num_ranks) * shape_.max_tokens *
+  return routing::align_up(static_cast<std::int64_t>(engine_.facts.num_ranks) * shape_.max_tokens *
                                std::min(shape_.topk, El) + static_cast<std::int64_t>(A - 1) * El, A);
 }
 

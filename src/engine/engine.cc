@@ -19,45 +19,63 @@ std::atomic<std::uint64_t> next_engine_id{1};
 
 }  // namespace
 
-Engine::Engine(Group& group, EngineConfig cfg, std::exception_ptr config_error,
-               const std::function<void(comm::Agreement&)>& fields)
+EngineFacts::EngineFacts(const Group& group, EngineConfig cfg)
     : config(std::move(cfg)), rank(group.rank()), num_ranks(group.size()), physical(group.transport().topology()) {
   logical_scaleout = config.allow_hybrid_mode ? physical.num_scaleout : 1;
   logical_scaleup = num_ranks / logical_scaleout;
   paths = Paths{num_ranks, physical.num_scaleout, logical_scaleout};
   id = next_engine_id++;
-  const std::string ctx = context(config.name);
-  transport_ = group.transport().duplicate(wait("construction: channel setup"));
+}
+
+std::string EngineFacts::context(const std::string& operation) const {
+  return fmt::format("[rank {}] {}", rank, operation);
+}
+
+void EngineFacts::check_num_qps(const std::string& ctx, int num_qps) const {
+  if (num_qps < 0 || num_qps > config.num_allocated_qps)
+    throw InvalidArgument(fmt::format("{}: num_qps = {} is outside [0, num_allocated_qps = {}]", ctx, num_qps,
+                                      config.num_allocated_qps));
+}
+
+Engine::Engine(Group& group, EngineConfig cfg, std::exception_ptr config_error,
+               const std::function<void(comm::Agreement&)>& fields)
+    : facts(group, std::move(cfg)) {
+  const EngineConfig& config = facts.config;
+  const std::string ctx = facts.context(config.name);
+  transport_ = group.transport().duplicate(facts.wait("construction: channel setup"));
   // The worker-count model's inputs, measured once per process: here, not in the first dispatch.
   core::machine_bandwidth();
   limit_inflight(0);
   comm::Agreement agreement(ctx, config.name);
   agreement.local_error(config_error);
   fields(agreement);
-  agreement.exchange(*transport_, comm::Scope::kWorld, wait("construction: configuration agreement"), {});
+  agreement.exchange(*transport_, comm::Scope::kWorld, facts.wait("construction: configuration agreement"), {});
   // At least one page: a buffer may need no pool at all (one node, normal mode only). Pools up
   // to kPrefaultLimit are faulted in by their owner now; larger ones (sized for worst cases most
   // calls never reach) are faulted in by first use, so only what is used becomes resident.
   const auto bytes = static_cast<std::size_t>(std::max<std::int64_t>(config.pool_bytes, 4096));
-  memory_ = transport_->allocate_symmetric(bytes, wait("construction: allocation"), config.pool_bytes <= kPrefaultLimit);
-  signals_expected_.assign(static_cast<size_t>(num_ranks), 0);
+  memory_ = transport_->allocate_symmetric(bytes, facts.wait("construction: allocation"), config.pool_bytes <= kPrefaultLimit);
+  signals_expected_.assign(static_cast<size_t>(facts.num_ranks), 0);
+  const Topology& physical = facts.physical;
   core::info(core::Subsys::kInit,
              "{} #{}: {} bytes of symmetric memory per rank; {} ranks, {} node(s) x {} ranks per node (logical {} x "
              "{}), {} path; {} queue pairs; {} cores per rank for workers; timeout {} s",
-             config.name, id, config.pool_bytes, num_ranks, physical.num_scaleout, physical.num_scaleup,
-             logical_scaleout, logical_scaleup,
-             paths.hybrid() ? "hybrid" : paths.direct_remote() ? "direct (with scale-out)" : "direct (scale-up only)",
+             config.name, facts.id, config.pool_bytes, facts.num_ranks, physical.num_scaleout, physical.num_scaleup,
+             facts.logical_scaleout, facts.logical_scaleup,
+             facts.paths.hybrid()          ? "hybrid"
+             : facts.paths.direct_remote() ? "direct (with scale-out)"
+                                           : "direct (scale-up only)",
              config.num_allocated_qps, cores_per_rank(), config.timeout_secs);
-  core::trace(core::Subsys::kAlloc, "{} #{}: symmetric pool of {} bytes mapped, {}", config.name, id, bytes,
+  core::trace(core::Subsys::kAlloc, "{} #{}: symmetric pool of {} bytes mapped, {}", config.name, facts.id, bytes,
               config.pool_bytes <= kPrefaultLimit ? "faulted in now" : "faulted in on first use");
 }
 
 void Engine::set_workers(int workers) {
   if (workers != last_workers_) {
     if (last_workers_ == 0) {
-      core::info(core::Subsys::kInit, "{} #{}: {} worker thread(s) per rank for the copies", config.name, id, workers);
+      core::info(core::Subsys::kInit, "{} #{}: {} worker thread(s) per rank for the copies", facts.config.name, facts.id, workers);
     } else {
-      core::info(core::Subsys::kInit, "{} #{}: {} worker thread(s) per rank for the copies (was {})", config.name, id,
+      core::info(core::Subsys::kInit, "{} #{}: {} worker thread(s) per rank for the copies (was {})", facts.config.name, facts.id,
                  workers, last_workers_);
     }
     last_workers_ = workers;
@@ -70,9 +88,9 @@ Engine::~Engine() {
   const std::string broken = broken_reason();
   bool keep_memory = !broken.empty();  // peers may still read it
   if (!destroyed_ && !keep_memory) {
-    if (config.explicitly_destroy) {
+    if (facts.config.explicitly_destroy) {
       core::warn_always(core::Subsys::kAlloc, "{} #{} on rank {} was not destroyed explicitly; its memory stays mapped",
-                 config.name, id, rank);
+                 facts.config.name, facts.id, facts.rank);
       keep_memory = true;
     } else {
       // Peers may still read this rank's memory (a receive hook not yet run): free it only once
@@ -81,18 +99,16 @@ Engine::~Engine() {
         simple_collective("destruction");
       } catch (const std::exception& e) {
         core::warn(core::Subsys::kAlloc, "{} #{} on rank {}: the destruction collective failed ({}); its memory stays "
-                   "mapped", config.name, id, rank, e.what());
+                   "mapped", facts.config.name, facts.id, facts.rank, e.what());
         keep_memory = true;
       }
     }
   } else if (keep_memory && memory_) {
-    core::warn(core::Subsys::kAlloc, "{} #{} on rank {} is unusable ({}); its memory stays mapped", config.name, id,
-               rank, broken);
+    core::warn(core::Subsys::kAlloc, "{} #{} on rank {} is unusable ({}); its memory stays mapped", facts.config.name, facts.id,
+               facts.rank, broken);
   }
   if (keep_memory) comm::retire(std::move(memory_));
 }
-
-std::string Engine::context(const std::string& operation) const { return fmt::format("[rank {}] {}", rank, operation); }
 
 std::string Engine::broken_reason() const {
   std::lock_guard lock(state_mutex_);
@@ -106,20 +122,41 @@ void Engine::mark_broken(const std::string& reason) {
 
 void Engine::check_usable(const char* operation) const {
   std::lock_guard lock(state_mutex_);
-  if (destroyed_) throw StateError(fmt::format("{}: the {} was destroyed", context(operation), config.name));
+  if (destroyed_) throw StateError(fmt::format("{}: the {} was destroyed", facts.context(operation), facts.config.name));
   if (!broken_.empty())
     throw StateError(fmt::format("{}: the {} is unusable after a failed collective ({}); destroy it and create a "
-                                 "new one", context(operation), config.name, broken_));
+                                 "new one", facts.context(operation), facts.config.name, broken_));
 }
 
 // A failure that leaves the ranks out of step breaks the engine and makes this rank abandon its
 // channel before the operation (and what it published) goes away: peers waiting for this rank fail
 // at once, and none still reads this rank's memory once abandon() returned.
 void Engine::run_guarded(Operation& op, const std::function<void()>& outputs_ready) {
-  const std::exception_ptr error = core::attempt(op.error_context, [&] { op.run(outputs_ready); });
+  const std::exception_ptr error = core::attempt(op.context(), [&] { run_phases(op, outputs_ready); });
   if (!error) return;
-  if (!op.in_step_failure) leave(error);
+  if (!op.in_step_failure_) leave(error);
   std::rethrow_exception(error);
+}
+
+// Everything before the agreement reports failure through it, so that peers are not left waiting
+// for a rank that threw.
+void Engine::run_phases(Operation& op, const std::function<void()>& outputs_ready) {
+  std::exception_ptr error = op.rejection_;
+  std::vector<std::byte> payload;
+  if (!error) error = core::attempt(op.context(), [&] { payload = op.prepare(); });
+  comm::Agreement agreement(op.context(), op.name_);
+  agreement.local_error(error);
+  op.describe(agreement);
+  std::vector<std::span<const std::byte>> payloads;
+  const std::exception_ptr failed = core::attempt(op.context(), [&] {
+    payloads = agreement.exchange(*transport_, comm::Scope::kWorld, facts.wait(op.agreement_phase_.c_str()), payload);
+  });
+  if (failed) {
+    // The agreement's own checks fail on every rank alike; a failed exchange does not.
+    op.in_step_failure_ = agreement.gathered();
+    std::rethrow_exception(failed);
+  }
+  op.run(payloads, outputs_ready);
 }
 
 void Engine::leave(const std::exception_ptr& error) {
@@ -132,70 +169,66 @@ void Engine::leave(const std::exception_ptr& error) {
 Event Engine::submit(const std::shared_ptr<Operation>& op, bool async) {
   // Lines of this call (and of the communication worker, when it starts now) show this rank,
   // also on threads that have none of their own (a Python thread holding a kept group).
-  core::ScopedThreadRank as_rank(rank);
-  core::trace(core::Subsys::kColl, "{}: submitted ({})", op->error_context, async ? "async" : "inline");
+  core::ScopedThreadRank as_rank(facts.rank);
+  op->rejection_ = core::attempt(op->context(), [&] { op->validate(); });
+  core::trace(core::Subsys::kColl, "{}: submitted ({})", op->context(), async ? "async" : "inline");
   if (!async) {
     comm_worker_.drain();
     run_guarded(*op, [] {});
     return Event();
   }
+  // A rejected call takes part in the agreement, so that the peers learn about the rejection, but
+  // reports now. Otherwise the caller waits for the outputs unless their shapes are known now.
+  const bool rejected = op->rejected();
+  const bool early = !rejected && op->outputs_known_early();
+  if (early) op->allocate_outputs_early();
+  const bool wait_for_outputs = !rejected && !early;
   Event event = Event::pending();
-  if (op->local_error) {
-    // Take part in the agreement so that the peers learn about the rejection, but report now.
-    comm_worker_.submit([this, op, event] {
-      try {
-        run_guarded(*op, [] {});
-      } catch (...) {
-        event.fail(std::current_exception());
-      }
-    });
-    std::rethrow_exception(op->local_error);
-  }
-  if (op->outputs_known_early()) {
-    op->allocate_outputs_early();
-    comm_worker_.submit([this, op, event] {
-      try {
-        run_guarded(*op, [] {});
-        event.complete();
-      } catch (...) {
-        event.fail(std::current_exception());
-      }
-    });
-    return event;
-  }
-  // The output shapes depend on the count exchange: wait until the worker allocated them.
   auto ready = std::make_shared<std::promise<void>>();
   std::future<void> allocated = ready->get_future();
-  comm_worker_.submit([this, op, event, ready] {
+  comm_worker_.submit([this, op, event, ready, wait_for_outputs] {
     bool signalled = false;
-    try {
+    const std::exception_ptr error = core::attempt(op->context(), [&] {
       run_guarded(*op, [&] {
+        if (!wait_for_outputs) return;
         signalled = true;
         ready->set_value();
       });
-      event.complete();
-    } catch (...) {
-      if (!signalled) ready->set_exception(std::current_exception());
-      event.fail(std::current_exception());
-    }
+    });
+    if (!error) return event.complete();
+    if (wait_for_outputs && !signalled) ready->set_exception(error);
+    event.fail(error);
   });
-  allocated.get();
+  if (rejected) std::rethrow_exception(op->rejection_);
+  if (wait_for_outputs) allocated.get();
   return event;
 }
 
-// Buffer-level collectives go through an agreement too, so that a rank in a different call
-// (say dispatch) is reported instead of being matched with this one.
+namespace {
+
+// A buffer-level collective (barrier, destroy, destruction): an agreement and nothing else, so
+// that a rank in a different call (say dispatch) is reported instead of being matched with this one.
+class NamedCollective final : public Operation {
+ public:
+  NamedCollective(const EngineFacts& facts, const char* operation, std::uint64_t sequence)
+      : Operation(facts.context(operation), operation, operation), sequence_(sequence) {}
+  bool outputs_known_early() const override { return true; }
+  void allocate_outputs_early() override {}
+
+ private:
+  void describe(comm::Agreement& agreement) const override {
+    agreement.field("operation number", static_cast<std::int64_t>(sequence_));
+  }
+  void run(const std::vector<std::span<const std::byte>>&, const std::function<void()>&) override {}
+
+  std::uint64_t sequence_;
+};
+
+}  // namespace
+
 void Engine::simple_collective(const char* operation) {
   check_usable(operation);
-  comm_worker_.drain();
-  comm::Agreement agreement(context(operation), operation);
-  agreement.field("operation number", static_cast<std::int64_t>(next_sequence()));
-  const std::exception_ptr error = core::attempt(context(operation), [&] {
-    agreement.exchange(*transport_, comm::Scope::kWorld, wait(operation), {});
-  });
-  if (!error) return;
-  if (!agreement.gathered()) leave(error);
-  std::rethrow_exception(error);
+  run_sync(std::make_shared<NamedCollective>(facts, operation, next_sequence()));
 }
 
 void Engine::destroy() {
@@ -210,24 +243,18 @@ int Engine::ranks_on_host() const { return std::max(1, transport_->ranks_on_host
 int Engine::cores_per_rank() const { return std::max(1, core::available_cores() / ranks_on_host()); }
 
 void Engine::limit_inflight(int num_qps) {
-  transport_->set_inflight_limit(num_qps > 0 ? num_qps : std::max(config.num_allocated_qps, 1));
-}
-
-void Engine::check_num_qps(const std::string& ctx, int num_qps) const {
-  if (num_qps < 0 || num_qps > config.num_allocated_qps)
-    throw InvalidArgument(fmt::format("{}: num_qps = {} is outside [0, num_allocated_qps = {}]", ctx, num_qps,
-                                      config.num_allocated_qps));
+  transport_->set_inflight_limit(num_qps > 0 ? num_qps : std::max(facts.config.num_allocated_qps, 1));
 }
 
 void Engine::wait_for_event(const std::optional<Event>& event, const std::string& ctx, const char* argument) const {
-  if (event && !event->wait_for(config.timeout_secs))
-    throw TimeoutError(fmt::format("{}: {} did not complete within {} s", ctx, argument, config.timeout_secs), {});
+  if (event && !event->wait_for(facts.config.timeout_secs))
+    throw TimeoutError(fmt::format("{}: {} did not complete within {} s", ctx, argument, facts.config.timeout_secs), {});
 }
 
 int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk, int num_scaleout_topk,
                             double rdma_gbs, double nvlink_gbs, double sm_read_gbs, double sm_write_gbs) {
-  const std::string ctx = engine.context("get_theoretical_num_sms");
-  const int R = engine.num_ranks, SO = engine.logical_scaleout, SU = engine.logical_scaleup;
+  const std::string ctx = engine.facts.context("get_theoretical_num_sms");
+  const int R = engine.facts.num_ranks, SO = engine.facts.logical_scaleout, SU = engine.facts.logical_scaleup;
   if (num_scaleout_topk != 0) throw InvalidArgument(fmt::format("{}: num_scaleout_topk must be 0", ctx));
   if (num_experts <= 0 || num_experts % R != 0)
     throw InvalidArgument(
@@ -238,7 +265,7 @@ int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk,
   // Cores this rank may use: the host's cores shared by the ranks running on it.
   const auto& bw = core::machine_bandwidth();
   const int cap = engine.cores_per_rank();
-  const int NVL = engine.physical.num_scaleup, RDMA = engine.physical.num_scaleout;
+  const int NVL = engine.facts.physical.num_scaleup, RDMA = engine.facts.physical.num_scaleout;
   // Scale-up and scale-out links are memory here: each rank's share of the host's copy bandwidth.
   const double share = bw.all_cores_gbs / engine.ranks_on_host();
   if (nvlink_gbs <= 0) nvlink_gbs = share;
@@ -274,14 +301,14 @@ int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk,
     sms = std::max(bandwidth / traffic * read / sm_read_gbs, bandwidth / traffic * write / sm_write_gbs);
   int result =
       static_cast<int>(align_to(std::max<std::int64_t>(4, static_cast<std::int64_t>(std::ceil(1.25 * sms))), 2));
-  if (!engine.config.prefer_overlap_with_compute) result = std::max(result, 64);
+  if (!engine.facts.config.prefer_overlap_with_compute) result = std::max(result, 64);
   return std::min(result, cap);
 }
 
 const HandleState& checked_handle(const Engine& engine, const std::string& ctx, const EPHandle& h) {
-  if (!h.state || h.state->engine_id != engine.id)
+  if (!h.state || h.state->engine_id != engine.facts.id)
     core::fail(ctx, "handle was created by another buffer (buffer id {}, this buffer {})", h.state ? h.state->engine_id : 0,
-               engine.id);
+               engine.facts.id);
   const HandleFacts& f = h.state->facts;
   auto same = [&](const char* field, auto value, auto dispatched) {
     if (value != dispatched)
@@ -325,9 +352,9 @@ void resolve_tensors(Engine& engine, std::vector<PeerTensors>& peers, const Peer
   auto& t = engine.transport();
   for (int r = 0; r < static_cast<int>(peers.size()); ++r) {
     PeerTensors& p = peers[static_cast<size_t>(r)];
-    if (r == engine.rank) {
+    if (r == engine.facts.rank) {
       p = mine;
-    } else if (engine.same_node(r)) {
+    } else if (engine.facts.same_node(r)) {
       p.x = static_cast<const std::byte*>(t.node_address(r, p.x));
       p.scales = static_cast<const std::byte*>(t.node_address(r, p.scales));
       p.weights = static_cast<const float*>(t.node_address(r, p.weights));

@@ -28,6 +28,7 @@
 #include "comm/agreement.hh"
 #include "comm/transport.hh"
 #include "core/executor.hh"
+#include "engine/operation.hh"
 #include "engine/sizing.hh"
 #include "moe_ep/dispatch_types.hpp"
 #include "moe_ep/error.hpp"
@@ -35,26 +36,6 @@
 #include "routing/plan.hh"
 
 namespace moe_ep::engine {
-
-// One collective call. The constructor validates (on the calling thread); run() executes inline
-// (sync) or on the communication worker (async) and performs the agreement even when the
-// arguments were rejected, so that peers never wait in vain.
-class Operation {
- public:
-  virtual ~Operation() = default;
-  // Shapes of the outputs are known without the count exchange (cached, or no CPU sync).
-  virtual bool outputs_known_early() const = 0;
-  virtual void allocate_outputs_early() = 0;
-  // Calls outputs_ready() once the outputs exist (at most once; not on failure).
-  virtual void run(const std::function<void()>& outputs_ready) = 0;
-
-  std::string error_context;       // "[rank 2] dispatch": prefixes translated errors
-  std::exception_ptr local_error;  // this rank's arguments were rejected
-  std::optional<Event> previous_event;
-  // A failure leaves the ranks out of step (and the engine unusable) unless it is one every rank
-  // raises alike: the agreement's checks, or checks of what the agreement gathered.
-  bool in_step_failure = false;
-};
 
 // Symmetric pools up to this size are faulted in at construction (docs/architecture.md).
 inline constexpr std::int64_t kPrefaultLimit = std::int64_t{256} << 20;
@@ -73,6 +54,28 @@ struct EngineConfig {
   bool explicitly_destroy = false;
 };
 
+// What an engine is, fixed at construction and the same for every call: the configuration, this
+// rank, the topology and the data paths they imply.
+struct EngineFacts {
+  EngineFacts(const Group& group, EngineConfig config);
+
+  EngineConfig config;
+  int rank = 0, num_ranks = 1;
+  Topology physical;
+  int logical_scaleout = 1, logical_scaleup = 1;
+  Paths paths;
+  std::uint64_t id = 0;
+
+  std::string context(const std::string& operation) const;  // "[rank 2] dispatch"
+  comm::Wait wait(const char* phase) const { return {phase, config.timeout_secs}; }
+  int node_of(int r) const { return r / physical.num_scaleup; }
+  bool same_node(int r) const { return node_of(r) == node_of(rank); }
+  int routing_node_of(int r) const { return r / logical_scaleup; }
+  void check_num_qps(const std::string& context, int num_qps) const;
+};
+
+// One rank's engine: its facts, and the services its operations use (the channel, symmetric
+// memory, workers, signal counts). Operations run in call order (engine/operation.hh).
 class Engine {
  public:
   // Collective. `fields` adds the generation's configuration to the construction agreement;
@@ -81,7 +84,9 @@ class Engine {
          const std::function<void(comm::Agreement&)>& fields);
   ~Engine();
 
-  // Runs an operation (see Operation), then returns its result with the event.
+  const EngineFacts facts;
+
+  // Runs an operation (engine/operation.hh), then returns its result with the event.
   template <class Op>
   auto execute(const std::shared_ptr<Op>& op, bool async) {
     Event event = submit(op, async);
@@ -98,40 +103,28 @@ class Engine {
   void check_usable(const char* operation) const;
   std::uint64_t next_sequence() { return ++sequence_; }
 
-  // Fixed facts.
-  const EngineConfig config;
-  int rank = 0, num_ranks = 1;
-  Topology physical;
-  int logical_scaleout = 1, logical_scaleup = 1;
-  Paths paths;
-  std::uint64_t id = 0;
-
-  // For the operations.
-  std::string context(const std::string& operation) const;
-  comm::Wait wait(const char* phase) const { return {phase, config.timeout_secs}; }
+  // Services of the operations.
   comm::Transport& transport() { return *transport_; }
   comm::SymmetricMemory& memory() { return *memory_; }
   core::WorkerPool& pool() { return pool_; }
-  int node_of(int r) const { return r / physical.num_scaleup; }
-  bool same_node(int r) const { return node_of(r) == node_of(rank); }
-  int routing_node_of(int r) const { return r / logical_scaleup; }
   // Counts one more signal expected from `source`; returns the cumulative target.
   std::uint64_t expect_signal(int source) { return ++signals_expected_[static_cast<size_t>(source)]; }
   void set_workers(int workers);  // logs changes of the count
   int ranks_on_host() const;  // ranks sharing this host's cores
   int cores_per_rank() const;
-  void check_num_qps(const std::string& context, int num_qps) const;
   // Scale-out transfers in flight per peer: num_qps, or num_allocated_qps when 0.
   void limit_inflight(int num_qps);
   void wait_for_event(const std::optional<Event>& event, const std::string& context, const char* argument) const;
-  void mark_broken(const std::string& reason);
   // After a failure that left the ranks out of step: marks the engine broken, abandons its channel
   // (comm/transport.hh), then rethrows.
   [[noreturn]] void leave(const std::exception_ptr& error);
 
  private:
   Event submit(const std::shared_ptr<Operation>& op, bool async);
+  // The phases of an operation around its agreement, and what a failure of them means.
   void run_guarded(Operation& op, const std::function<void()>& outputs_ready);
+  void run_phases(Operation& op, const std::function<void()>& outputs_ready);
+  void mark_broken(const std::string& reason);
   std::string broken_reason() const;
   void simple_collective(const char* operation);
 
@@ -188,29 +181,6 @@ struct PeerTensors {
   std::int64_t topk_row = 0;
   std::int32_t num_tokens = 0;
 };
-
-// The agreement of an operation whose payload is one T per rank: exchanges over the world,
-// records whether a failure left the ranks in step, and checks every rank's block size.
-template <class T>
-std::vector<T> agree_on(Operation& op, comm::Agreement& agreement, Engine& engine, const char* phase, const T& mine,
-                        const std::string& context) {
-  std::vector<std::span<const std::byte>> payloads;
-  try {
-    payloads = agreement.exchange(engine.transport(), comm::Scope::kWorld, engine.wait(phase),
-                                  std::as_bytes(std::span(&mine, 1)));
-  } catch (...) {
-    op.in_step_failure = agreement.gathered();
-    throw;
-  }
-  std::vector<T> all(payloads.size());
-  for (std::size_t r = 0; r < payloads.size(); ++r) {
-    if (payloads[r].size() != sizeof(T))
-      throw StateError(context + ": rank " + std::to_string(r) + " published " + std::to_string(payloads[r].size()) +
-                       " bytes, expected " + std::to_string(sizeof(T)));
-    std::memcpy(&all[r], payloads[r].data(), sizeof(T));
-  }
-  return all;
-}
 
 // Bytes from data() to one past the last element of a view (validated views have non-negative
 // strides); 0 if empty.
@@ -278,10 +248,12 @@ struct CombineRequest {
 
 class DispatchOperation : public Operation {
  public:
+  using Operation::Operation;
   DispatchResult result;
 };
 class CombineOperation : public Operation {
  public:
+  using Operation::Operation;
   CombineResult result;
 };
 std::shared_ptr<DispatchOperation> make_dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequence);

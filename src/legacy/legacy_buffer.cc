@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "core/checks.hh"
+#include "core/failure.hh"
 #include "core/executor.hh"
 #include "core/fabric.hh"
 #include "core/log.hh"
@@ -32,15 +33,12 @@ void check_pool(const std::string& context, const char* name, std::int64_t bytes
 }
 
 std::exception_ptr check_config(const std::string& context, const BufferConfig& c) {
-  try {
+  return core::attempt(context, [&] {
     check_pool(context, "num_nvl_bytes", c.num_nvl_bytes);
     check_pool(context, "num_rdma_bytes", c.num_rdma_bytes);
     if (c.num_qps_per_rank < 1) core::fail(context, "num_qps_per_rank = {} must be at least 1", c.num_qps_per_rank);
     core::checked_timeout(context, "num_cpu_timeout_secs", c.num_cpu_timeout_secs);
-  } catch (...) {
-    return std::current_exception();
-  }
-  return nullptr;
+  });
 }
 
 engine::EngineConfig engine_config(const BufferConfig& c) {
@@ -140,8 +138,8 @@ BufferCore::BufferCore(Group& group, const BufferConfig& cfg)
   core::info(core::Subsys::kInit,
              "Buffer #{}: num_nvl_bytes {}, num_rdma_bytes {} (the symmetric pool), low_latency_mode {}, "
              "num_qps_per_rank {} ({} used)",
-             engine.id, cfg.num_nvl_bytes, cfg.num_rdma_bytes, cfg.low_latency_mode, cfg.num_qps_per_rank,
-             engine.config.num_allocated_qps);
+             engine.facts.id, cfg.num_nvl_bytes, cfg.num_rdma_bytes, cfg.low_latency_mode, cfg.num_qps_per_rank,
+             engine.facts.config.num_allocated_qps);
 }
 
 std::function<int(int, int)> normal_mode_workers(const engine::Engine& e, const Config& config) {
@@ -196,17 +194,17 @@ DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_e
                                            bool allocate_on_comm_stream) {
   auto& e = core_->engine;
   e.check_usable("get_dispatch_layout");
-  const std::string ctx = e.context("get_dispatch_layout");
+  const std::string ctx = e.facts.context("get_dispatch_layout");
   core::expect_tensor(ctx, "topk_idx", topk_idx, DType::kInt64, {-1, -1});
   core::expect_contiguous(ctx, "topk_idx", topk_idx);
   const int n = core::int_size(ctx, "topk_idx", topk_idx, 0), k = core::int_size(ctx, "topk_idx", topk_idx, 1);
   if (k < 1 || k > engine::kMaxTopk) core::fail(ctx, "topk_idx has {} columns (k), expected 1 to {}", k, engine::kMaxTopk);
-  if (num_experts <= 0 || num_experts % e.num_ranks != 0)
-    core::fail(ctx, "num_experts = {} must be a positive multiple of the {} ranks", num_experts, e.num_ranks);
+  if (num_experts <= 0 || num_experts % e.facts.num_ranks != 0)
+    core::fail(ctx, "num_experts = {} must be a positive multiple of the {} ranks", num_experts, e.facts.num_ranks);
   const routing::TopkRows rows{topk_idx.data_as<const std::int64_t>(), topk_idx.stride(0), n, k};
   routing::validate_topk(ctx, rows, num_experts);
   e.wait_for_event(previous_event, ctx, "previous_event");
-  const int R = e.num_ranks, nodes = e.physical.num_scaleout;
+  const int R = e.facts.num_ranks, nodes = e.facts.physical.num_scaleout;
   const routing::Geometry geo{R, num_experts, nodes};
   routing::LocalCounts counts;
   routing::count_local(rows, geo, counts);
@@ -234,7 +232,7 @@ DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_e
 CombineResult Buffer::combine(const LegacyCombineArgs& args) {
   auto& e = core_->engine;
   e.check_usable("combine");
-  const Config config = args.config.value_or(get_combine_config(e.num_ranks));
+  const Config config = args.config.value_or(get_combine_config(e.facts.num_ranks));
   engine::CombineRequest r;
   r.rejection = args.rejection;
   r.x = args.x;
@@ -245,7 +243,7 @@ CombineResult Buffer::combine(const LegacyCombineArgs& args) {
   r.previous_event = args.previous_event;
   r.async = args.async_finish;
   r.sum_weights_over_ranks = true;
-  if (e.physical.num_scaleout > 1) core_->normal_call_used_pool();
+  if (e.facts.physical.num_scaleout > 1) core_->normal_call_used_pool();
   return e.execute(engine::make_combine(e, std::move(r), e.next_sequence()), args.async_finish);
 }
 
@@ -265,13 +263,13 @@ void Buffer::clean_low_latency_buffer(int max_tokens, int hidden, int num_expert
 void Buffer::barrier() { core_->engine.barrier(); }
 void Buffer::destroy() {
   if (!core_->config.explicitly_destroy)
-    throw StateError(fmt::format("{}: destroy() requires explicitly_destroy = true", core_->engine.context("destroy")));
+    throw StateError(fmt::format("{}: destroy() requires explicitly_destroy = true", core_->engine.facts.context("destroy")));
   core_->engine.destroy();
 }
-int Buffer::rank() const { return core_->engine.rank; }
-int Buffer::num_ranks() const { return core_->engine.num_ranks; }
+int Buffer::rank() const { return core_->engine.facts.rank; }
+int Buffer::num_ranks() const { return core_->engine.facts.num_ranks; }
 std::pair<int, int> Buffer::get_physical_domain_size() const {
-  return {core_->engine.physical.num_scaleout, core_->engine.physical.num_scaleup};
+  return {core_->engine.facts.physical.num_scaleout, core_->engine.facts.physical.num_scaleup};
 }
 const BufferConfig& Buffer::config() const { return core_->config; }
 

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "core/checks.hh"
+#include "core/failure.hh"
 #include "legacy/buffer_core.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
@@ -189,14 +190,13 @@ void prepare_nvfp4(engine::Engine& e, const LegacyDispatchArgs& given, int nodes
   r.operation = kNvfp4Operation;
   args.x_nvfp4.reset();
   if (r.rejection.empty()) {
-    try {
-      nvfp4.layout = check_nvfp4(e.context(kNvfp4Operation), given, nodes);
+    const std::string context = e.facts.context(kNvfp4Operation);
+    nvfp4.error = core::attempt(context, [&] {
+      nvfp4.layout = check_nvfp4(context, given, nodes);
       nvfp4.rows = pack_nvfp4(*given.x_nvfp4, nvfp4.layout);
       args.x = nvfp4.rows;
       r.handle_hidden = nvfp4.layout.hidden;
-    } catch (...) {
-      nvfp4.error = std::current_exception();
-    }
+    });
   }
   r.on_outputs_allocated = [layout = nvfp4.layout, out = nvfp4.out](const DispatchResult& res) {
     const std::int64_t rows = res.recv_x.size(0);
@@ -404,9 +404,9 @@ LegacyDispatchResult v1_result(const DispatchResult& done, const Nvfp4Dispatch* 
 LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& given) {
   auto& e = core_->engine;
   e.check_usable("dispatch");
-  const Config config = given.config.value_or(get_dispatch_config(e.num_ranks));
+  const Config config = given.config.value_or(get_dispatch_config(e.facts.num_ranks));
   const bool cached = given.handle != nullptr;
-  const int R = e.num_ranks, nodes = e.physical.num_scaleout;
+  const int R = e.facts.num_ranks, nodes = e.facts.physical.num_scaleout;
   const bool routed_by_ids = given.topk_idx.defined();
   engine::DispatchRequest r;
   r.rejection = given.rejection;
@@ -417,7 +417,7 @@ LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& given) {
   set_options(r, args, config, e, cached);
   const Tensor synthetic = set_routing(r, args, R, cached, routed_by_ids);
   r.validate_more = V1Checks{args, config, cached, routed_by_ids, R, nodes, nvfp4.error};
-  const std::shared_ptr<LegacyHandle> legacy_handle = cached ? nullptr : new_legacy_handle(r, args, config, e.rank, nodes);
+  const std::shared_ptr<LegacyHandle> legacy_handle = cached ? nullptr : new_legacy_handle(r, args, config, e.facts.rank, nodes);
   if (nodes > 1) core_->normal_call_used_pool();
   const DispatchResult done = e.execute(engine::make_dispatch(e, std::move(r), e.next_sequence()), args.async_finish);
   return v1_result(done, is_nvfp4 ? &nvfp4 : nullptr, routed_by_ids, legacy_handle);

@@ -22,9 +22,9 @@ namespace moe_ep::legacy {
 std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t number, const char* phase) {
   auto* h = header(core.slot_base(rank, slot));
   if (h->load(std::memory_order_acquire) >= number) return 0;
-  comm::Backoff backoff(core.engine.config.timeout_secs);
+  comm::Backoff backoff(core.engine.facts.config.timeout_secs);
   const auto start = std::chrono::steady_clock::now();
-  const std::string context = core.engine.context("low-latency");
+  const std::string context = core.engine.facts.context("low-latency");
   long polls = 0;
   const std::exception_ptr error = core::attempt(context, [&] {
     while (h->load(std::memory_order_acquire) < number) {
@@ -32,7 +32,7 @@ std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t 
       if (!backoff.pause())
         throw TimeoutError(fmt::format("{}: {}: timed out after {:.1f} s (timeout {:g} s) waiting for rank {} to "
                                        "publish its data",
-                                       context, phase, backoff.elapsed_secs(), core.engine.config.timeout_secs, rank),
+                                       context, phase, backoff.elapsed_secs(), core.engine.facts.config.timeout_secs, rank),
                            {rank});
     }
   });
@@ -47,42 +47,42 @@ using std::int64_t;
 class CleanLowLatency final : public engine::Operation {
  public:
   CleanLowLatency(BufferCore& core, int N, int H, int E, std::uint64_t sequence)
-      : core_(core), sequence_(sequence), ctx_(core.engine.context("clean_low_latency_buffer")) {
+      : Operation(core.engine.facts.context("clean_low_latency_buffer"), "clean_low_latency_buffer",
+                  "clean_low_latency_buffer: agreement"),
+        core_(core),
+        sequence_(sequence),
+        ctx_(context()) {
     shape_.max_tokens = N;
     shape_.hidden = H;
     shape_.experts = E;
-    error_context = ctx_;
-    local_error = core::attempt(ctx_, [&] {
-      if (!core.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
-      if (N <= 0 || H <= 0 || E <= 0 || E % core.engine.num_ranks != 0)
-        core::fail(ctx_, "needs N > 0 (got {}), hidden > 0 (got {}) and num_experts a positive multiple of {} (got {})", N,
-                   H, core.engine.num_ranks, E);
-      const std::int64_t need = SlotLayout::pool_bytes(N, H, core.engine.num_ranks, E);
-      if (need > core.config.num_rdma_bytes)
-        throw CapacityError(fmt::format("{}: low-latency calls with N = {}, hidden = {}, {} experts need num_rdma_bytes "
-                                        ">= {} (the buffer has {})", ctx_, N, H, E, need, core.config.num_rdma_bytes),
-                            need, core.config.num_rdma_bytes);
-    });
   }
   bool outputs_known_early() const override { return true; }
   void allocate_outputs_early() override {}
-  void run(const std::function<void()>&) override {
-    auto& e = core_.engine;
-    comm::Agreement agreement(ctx_, "clean_low_latency_buffer");
-    agreement.local_error(local_error)
-        .field("operation number", static_cast<int64_t>(sequence_))
+
+ private:
+  void validate() override {
+    const int N = shape_.max_tokens, H = shape_.hidden, E = shape_.experts, R = core_.engine.facts.num_ranks;
+    if (!core_.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
+    if (N <= 0 || H <= 0 || E <= 0 || E % R != 0)
+      core::fail(ctx_, "needs N > 0 (got {}), hidden > 0 (got {}) and num_experts a positive multiple of {} (got {})", N,
+                 H, R, E);
+    const std::int64_t need = SlotLayout::pool_bytes(N, H, R, E);
+    if (need > core_.config.num_rdma_bytes)
+      throw CapacityError(fmt::format("{}: low-latency calls with N = {}, hidden = {}, {} experts need num_rdma_bytes "
+                                      ">= {} (the buffer has {})", ctx_, N, H, E, need, core_.config.num_rdma_bytes),
+                          need, core_.config.num_rdma_bytes);
+  }
+  void describe(comm::Agreement& agreement) const override {
+    agreement.field("operation number", static_cast<int64_t>(sequence_))
         .field("N", shape_.max_tokens)
         .field("hidden", shape_.hidden)
         .field("num_experts", shape_.experts);
-    try {
-      agreement.exchange(e.transport(), comm::Scope::kWorld, e.wait("clean_low_latency_buffer: agreement"), {});
-    } catch (...) {
-      in_step_failure = agreement.gathered();
-      throw;
-    }
+  }
+  void run(const std::vector<std::span<const std::byte>>&, const std::function<void()>&) override {
+    auto& e = core_.engine;
     core_.cleaned(shape_.max_tokens, shape_.hidden, shape_.experts);
-    for (int slot = 0; slot < 2; ++slot) header(core_.slot_base(e.rank, slot))->store(0, std::memory_order_release);
-    e.transport().barrier(comm::Scope::kWorld, e.wait("clean_low_latency_buffer: exit"));
+    for (int slot = 0; slot < 2; ++slot) header(core_.slot_base(e.facts.rank, slot))->store(0, std::memory_order_release);
+    e.transport().barrier(comm::Scope::kWorld, e.facts.wait("clean_low_latency_buffer: exit"));
   }
 
  private:
@@ -163,7 +163,7 @@ BufferCore::SlotUse BufferCore::take_slot(int max_tokens, int hidden, int num_ex
   use.generation = s.generation;
   if (use.problem.empty() && arguments_valid && !shape_) {
     shape_ = std::array<int, 3>{max_tokens, hidden, num_experts};
-    slot_stride_ = SlotLayout::pool_bytes(max_tokens, hidden, engine.num_ranks, num_experts) / 2;
+    slot_stride_ = SlotLayout::pool_bytes(max_tokens, hidden, engine.facts.num_ranks, num_experts) / 2;
   }
   return use;
 }
@@ -209,7 +209,7 @@ void BufferCore::cleaned(int max_tokens, int hidden, int num_experts) {
   std::lock_guard lock(mutex_);
   pool_dirty_ = false;
   shape_ = std::array<int, 3>{max_tokens, hidden, num_experts};
-  slot_stride_ = SlotLayout::pool_bytes(max_tokens, hidden, engine.num_ranks, num_experts) / 2;
+  slot_stride_ = SlotLayout::pool_bytes(max_tokens, hidden, engine.facts.num_ranks, num_experts) / 2;
   calls_ = 0;
   for (auto& s : slots_) {
     ++s.generation;
@@ -222,18 +222,18 @@ void BufferCore::cleaned(int max_tokens, int hidden, int num_experts) {
 TensorView next_combine_buffer(BufferCore& core, const LowLatencyHandle& handle) {
   auto& e = core.engine;
   e.check_usable("get_next_low_latency_combine_buffer");
-  const std::string ctx = e.context("get_next_low_latency_combine_buffer");
-  if (!handle.state || handle.state->engine_id != e.id) core::fail(ctx, "handle was created by another buffer");
+  const std::string ctx = e.facts.context("get_next_low_latency_combine_buffer");
+  if (!handle.state || handle.state->engine_id != e.facts.id) core::fail(ctx, "handle was created by another buffer");
   const LowLatencyState& s = *handle.state;
   const std::string problem = core.next_slot_problem();
   if (!problem.empty()) throw StateError(fmt::format("{}: {}", ctx, problem));
   const std::string stale = core.slot_problem(s.slot, s.slot_generation, "handle");
   if (!stale.empty()) throw StateError(fmt::format("{}: {}", ctx, stale));
-  const SlotLayout layout(s.max_tokens, s.hidden, e.num_ranks, s.num_experts, s.num_topk, RowFormat{});
-  const std::int64_t El = s.num_experts / e.num_ranks, rows = static_cast<std::int64_t>(e.num_ranks) * s.max_tokens;
+  const SlotLayout layout(s.max_tokens, s.hidden, e.facts.num_ranks, s.num_experts, s.num_topk, RowFormat{});
+  const std::int64_t El = s.num_experts / e.facts.num_ranks, rows = static_cast<std::int64_t>(e.facts.num_ranks) * s.max_tokens;
   const std::int64_t shape[] = {El, rows, s.hidden};
   const std::int64_t strides[] = {rows * layout.combine_row_elements, layout.combine_row_elements, 1};
-  return TensorView(core.slot_base(e.rank, core.next_slot()) + SlotLayout::kHeaderBytes, DType::kBF16, shape, strides);
+  return TensorView(core.slot_base(e.facts.rank, core.next_slot()) + SlotLayout::kHeaderBytes, DType::kBF16, shape, strides);
 }
 
 void clean_low_latency_buffer(BufferCore& core, int max_tokens, int hidden, int num_experts) {

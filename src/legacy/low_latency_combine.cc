@@ -38,35 +38,43 @@ struct Slab {
 class LowLatencyCombine final : public engine::Operation {
  public:
   LowLatencyCombine(BufferCore& core, const LowLatencyCombineArgs& args, std::uint64_t sequence)
-      : core_(core),
+      : Operation(core.engine.facts.context("low_latency_combine"), "low_latency_combine",
+                  "low_latency_combine: agreement"),
+        core_(core),
         args_(args),
         sequence_(sequence),
-        ctx_(core.engine.context("low_latency_combine")),
-        remote_rows_(core.engine, "low_latency_combine: rows of other nodes") {
-    error_context = ctx_;
-    local_error = core::attempt(ctx_, [&] { validate(); });
-  }
-  const std::string& context() const { return ctx_; }
-  // Checks that need the slot: a zero-copy slab must be the buffer of this call's slot.
-  void check_zero_copy();
+        ctx_(context()),
+        remote_rows_(core.engine, "low_latency_combine: rows of other nodes") {}
 
   bool outputs_known_early() const override { return true; }
   void allocate_outputs_early() override {
     result.combined_x = args_.out.defined() ? Tensor().with_view(args_.out)
                                             : Tensor::empty({shape_.tokens, shape_.hidden}, DType::kBF16);
   }
-  void run(const std::function<void()>& outputs_ready) override;
   void receive(bool parallel);
 
   LowLatencyCombineResult result;
   BufferCore::SlotUse use;
 
  private:
-  int ranks() const { return core_.engine.num_ranks; }
+  int ranks() const { return core_.engine.facts.num_ranks; }
   int64_t slab_rows() const { return static_cast<int64_t>(ranks()) * shape_.max_tokens; }
-  void validate();
-  void validate_tensors();
-  void agree_on_slabs(std::exception_ptr error, const Slab& mine);
+  // The phases (engine/operation.hh).
+  void validate() override {
+    const auto* state = args_.handle ? args_.handle->state.get() : nullptr;
+    take_slot(core_, ctx_, state ? state->max_tokens : 0, state ? state->hidden : 0, state ? state->num_experts : 0,
+              args_.return_recv_hook, use, [&] { check_arguments(); });
+    check_zero_copy();
+  }
+  std::vector<std::byte> prepare() override;
+  void describe(comm::Agreement& agreement) const override;
+  void run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) override;
+
+  void check_arguments();
+  void check_tensors();
+  // Checks that need the slot: a zero-copy slab must be the buffer of this call's slot.
+  void check_zero_copy();
+  void take_slabs(const std::vector<std::span<const std::byte>>& payloads);
   void stage_and_publish();
   int32_t rows_from(int expert_rank) const;
   void expect_remote_rows();
@@ -83,16 +91,17 @@ class LowLatencyCombine final : public engine::Operation {
   bool staged_ = false;
   std::optional<SlotLayout> layout_;
   std::vector<Slab> peers_;
+  Slab mine_;  // this rank's x (before sharing)
   engine::CountedExchange remote_rows_;  // rows of experts on other nodes, into this rank's receive area
   std::atomic<bool> received_{false};
 };
 
-void LowLatencyCombine::validate() {
+void LowLatencyCombine::check_arguments() {
   auto& e = core_.engine;
   const auto& a = args_;
   if (!a.rejection.empty()) core::fail(ctx_, "{}", a.rejection);
   if (!core_.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
-  if (!a.handle || !a.handle->state || a.handle->state->engine_id != e.id)
+  if (!a.handle || !a.handle->state || a.handle->state->engine_id != e.facts.id)
     core::fail(ctx_, "handle is missing or was created by another buffer");
   state_ = a.handle->state.get();
   const std::string stale = core_.slot_problem(state_->slot, state_->slot_generation, "handle");
@@ -113,12 +122,12 @@ void LowLatencyCombine::validate() {
     core::fail(ctx_, "use_logfmt = true needs a hidden size that is a multiple of 128 (128-channel blocks), got {}",
                shape_.hidden);
   layout_.emplace(shape_.max_tokens, shape_.hidden, ranks(), shape_.experts, shape_.topk, RowFormat{});
-  validate_tensors();
+  check_tensors();
   staged_ = a.zero_copy || a.return_recv_hook;
 }
 
 // x, topk_idx (the dispatched one), topk_weights, out and the wait statistics.
-void LowLatencyCombine::validate_tensors() {
+void LowLatencyCombine::check_tensors() {
   const auto& a = args_;
   const int n = shape_.tokens, k = shape_.topk;
   core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {shape_.local_experts, slab_rows(), shape_.hidden});
@@ -143,28 +152,40 @@ void LowLatencyCombine::validate_tensors() {
 }
 
 void LowLatencyCombine::check_zero_copy() {
-  if (local_error || !args_.zero_copy) return;
-  try {
-    const auto* expected = core_.slot_base(core_.engine.rank, use.slot) + SlotLayout::kHeaderBytes;
-    if (args_.x.data() != static_cast<const void*>(expected))
-      core::fail(ctx_, "zero_copy = true but x is not get_next_low_latency_combine_buffer(handle) for this call");
-  } catch (...) {
-    local_error = std::current_exception();
-  }
+  if (!args_.zero_copy) return;
+  const auto* expected = core_.slot_base(core_.engine.facts.rank, use.slot) + SlotLayout::kHeaderBytes;
+  if (args_.x.data() != static_cast<const void*>(expected))
+    core::fail(ctx_, "zero_copy = true but x is not get_next_low_latency_combine_buffer(handle) for this call");
 }
 
-void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
+// This rank's slab: without staging, node peers read x itself, so it is shared (Transport::share).
+std::vector<std::byte> LowLatencyCombine::prepare() {
   auto& e = core_.engine;
-  Slab mine;
-  std::exception_ptr error = local_error;
-  if (!error) {
-    error = core::attempt(ctx_, [&] {
-      e.limit_inflight(0);  // num_qps_per_rank
-      if (!result.combined_x.defined()) allocate_outputs_early();
-      mine = {static_cast<const std::byte*>(args_.x.data()), args_.x.stride(0) * 2, args_.x.stride(1) * 2};
-    });
+  e.limit_inflight(0);  // num_qps_per_rank
+  if (!result.combined_x.defined()) allocate_outputs_early();
+  mine_ = {static_cast<const std::byte*>(args_.x.data()), args_.x.stride(0) * 2, args_.x.stride(1) * 2};
+  Slab shared = mine_;
+  if (!staged_) {
+    const comm::Transport::Span span{mine_.data, engine::view_extent(args_.x)};
+    shared.data = static_cast<const std::byte*>(e.transport().share({&span, 1})[0]);
   }
-  agree_on_slabs(error, mine);
+  const auto* bytes = reinterpret_cast<const std::byte*>(&shared);
+  return {bytes, bytes + sizeof shared};
+}
+
+void LowLatencyCombine::describe(comm::Agreement& agreement) const {
+  agreement.field("operation number", static_cast<int64_t>(sequence_))
+      .field("low-latency call number", static_cast<int64_t>(use.number))
+      .field("handle's dispatch", state_ ? static_cast<int64_t>(state_->dispatch_number) : 0)
+      .field("zero_copy", args_.zero_copy)
+      .field("use_logfmt", args_.use_logfmt)
+      .field("return_recv_hook", args_.return_recv_hook);
+}
+
+void LowLatencyCombine::run(const std::vector<std::span<const std::byte>>& payloads,
+                            const std::function<void()>& outputs_ready) {
+  auto& e = core_.engine;
+  take_slabs(payloads);
   stage_and_publish();
   expect_remote_rows();
   put_remote_rows();
@@ -177,33 +198,17 @@ void LowLatencyCombine::run(const std::function<void()>& outputs_ready) {
     receive(true);
   }
   // Without staging, peers read this rank's x directly: keep it until they are done.
-  if (!staged_) e.transport().barrier(comm::Scope::kNode, e.wait("low_latency_combine: exit"));
+  if (!staged_) e.transport().barrier(comm::Scope::kNode, e.facts.wait("low_latency_combine: exit"));
 }
 
-// The agreement, with every rank's slab (peers_): without staging, node peers read x itself, so
-// it is shared (Transport::share) and mapped.
-void LowLatencyCombine::agree_on_slabs(std::exception_ptr error, const Slab& mine) {
+// Every rank's slab (peers_), the node peers' mapped here.
+void LowLatencyCombine::take_slabs(const std::vector<std::span<const std::byte>>& payloads) {
   auto& e = core_.engine;
-  Slab shared = mine;
-  if (!error && !staged_) {
-    error = core::attempt(ctx_, [&] {
-      const comm::Transport::Span span{mine.data, engine::view_extent(args_.x)};
-      shared.data = static_cast<const std::byte*>(e.transport().share({&span, 1})[0]);
-    });
-  }
-  comm::Agreement agreement(ctx_, "low_latency_combine");
-  agreement.local_error(error)
-      .field("operation number", static_cast<int64_t>(sequence_))
-      .field("low-latency call number", static_cast<int64_t>(use.number))
-      .field("handle's dispatch", state_ ? static_cast<int64_t>(state_->dispatch_number) : 0)
-      .field("zero_copy", args_.zero_copy)
-      .field("use_logfmt", args_.use_logfmt)
-      .field("return_recv_hook", args_.return_recv_hook);
-  peers_ = engine::agree_on(*this, agreement, e, "low_latency_combine: agreement", shared, ctx_);
+  peers_ = engine::payload_per_rank<Slab>(payloads, ctx_);
   for (std::size_t r = 0; r < peers_.size(); ++r) {
-    if (static_cast<int>(r) == e.rank)
-      peers_[r] = mine;
-    else if (!staged_ && e.same_node(static_cast<int>(r)))
+    if (static_cast<int>(r) == e.facts.rank)
+      peers_[r] = mine_;
+    else if (!staged_ && e.facts.same_node(static_cast<int>(r)))
       peers_[r].data = static_cast<const std::byte*>(e.transport().node_address(static_cast<int>(r), peers_[r].data));
   }
 }
@@ -216,7 +221,7 @@ void LowLatencyCombine::stage_and_publish() {
     auto& e = core_.engine;
     const SlotLayout& L = *layout_;
     const int R = ranks();
-    std::byte* area = core_.slot_base(e.rank, use.slot) + SlotLayout::kHeaderBytes;
+    std::byte* area = core_.slot_base(e.facts.rank, use.slot) + SlotLayout::kHeaderBytes;
     const auto* ranges = state_->layout_range.data();
     const int64_t rows = slab_rows();
     e.pool().parallel_for(shape_.local_experts, [&](int64_t i) {
@@ -233,7 +238,7 @@ void LowLatencyCombine::stage_and_publish() {
 
 // Rows the experts of `expert_rank` send back for this rank's tokens.
 int32_t LowLatencyCombine::rows_from(int expert_rank) const {
-  const int El = shape_.local_experts, me = core_.engine.rank;
+  const int El = shape_.local_experts, me = core_.engine.facts.rank;
   int32_t outgoing = 0;
   for (int i = 0; i < El; ++i) outgoing += state_->counts[static_cast<size_t>(me) * shape_.experts + expert_rank * El + i];
   return outgoing;
@@ -242,7 +247,7 @@ int32_t LowLatencyCombine::rows_from(int expert_rank) const {
 // Expectations, in call order: one signal from each rank of another node with rows for this one.
 void LowLatencyCombine::expect_remote_rows() {
   for (int d = 0; d < ranks(); ++d)
-    if (!core_.engine.same_node(d) && rows_from(d) > 0) remote_rows_.expect(d);
+    if (!core_.engine.facts.same_node(d) && rows_from(d) > 0) remote_rows_.expect(d);
 }
 
 // Rows for tokens of other nodes' ranks: one put per (token, expert) into the token's rank's
@@ -250,12 +255,12 @@ void LowLatencyCombine::expect_remote_rows() {
 void LowLatencyCombine::put_remote_rows() {
   auto& e = core_.engine;
   const SlotLayout& L = *layout_;
-  const int R = ranks(), El = shape_.local_experts, me = e.rank;
+  const int R = ranks(), El = shape_.local_experts, me = e.facts.rank;
   const auto* ranges = state_->layout_range.data();
   const auto* src_info = state_->src_info.data();
   const int64_t rows = slab_rows();
   for (int src = 0; src < R; ++src) {
-    if (e.same_node(src)) continue;
+    if (e.facts.same_node(src)) continue;
     for (int i = 0; i < El; ++i) {
       const int64_t begin = ranges[i * R + src] >> 32, count = ranges[i * R + src] & 0xffffffff;
       for (int64_t c = 0; c < count; ++c) {
@@ -300,7 +305,7 @@ std::vector<int64_t> LowLatencyCombine::wait_for_experts() {
   auto& e = core_.engine;
   std::vector<int64_t> waited(static_cast<size_t>(ranks()), 0);
   for (int d = 0; d < ranks() && staged_; ++d)
-    if (e.same_node(d)) waited[static_cast<size_t>(d)] = wait_published(core_, d, use.slot, use.number, "combine receive");
+    if (e.facts.same_node(d)) waited[static_cast<size_t>(d)] = wait_published(core_, d, use.slot, use.number, "combine receive");
   const std::int64_t ns = remote_rows_.wait();
   for (int d : remote_rows_.sources()) waited[static_cast<size_t>(d)] = ns;
   return waited;
@@ -311,7 +316,7 @@ void LowLatencyCombine::combine_token(int64_t t) {
   auto& e = core_.engine;
   const SlotLayout& L = *layout_;
   const int k = shape_.topk, El = shape_.local_experts, H = shape_.hidden;
-  const std::byte* recv = core_.slot_base(e.rank, use.slot) + L.recv_offset;
+  const std::byte* recv = core_.slot_base(e.facts.rank, use.slot) + L.recv_offset;
   const auto* ids = state_->topk.data_as<const int64_t>();
   const auto* weights = args_.topk_weights.data_as<const float>();
   auto* out = result.combined_x.data_as<std::uint16_t>();
@@ -325,7 +330,7 @@ void LowLatencyCombine::combine_token(int64_t t) {
     if (id < 0) continue;
     const int d = static_cast<int>(id / El);
     const int64_t local = id % El, row = state_->rows[static_cast<size_t>(t) * k + j];
-    if (!e.same_node(d)) {
+    if (!e.facts.same_node(d)) {
       rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(recv + (id * shape_.max_tokens + t) * L.combine_recv_row_bytes);
       encoded[static_cast<size_t>(n)] = logfmt;
     } else if (staged_) {
@@ -368,11 +373,7 @@ void LowLatencyCombine::combine_token(int64_t t) {
 LowLatencyCombineResult low_latency_combine(BufferCore& core, const LowLatencyCombineArgs& args) {
   auto& e = core.engine;
   e.check_usable("low_latency_combine");
-  const auto* state = args.handle ? args.handle->state.get() : nullptr;
   auto op = std::make_shared<LowLatencyCombine>(core, args, e.next_sequence());
-  take_slot(core, *op, state ? state->max_tokens : 0, state ? state->hidden : 0, state ? state->num_experts : 0,
-            args.return_recv_hook);
-  op->check_zero_copy();
   auto result = e.execute(op, args.async_finish);
   if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive] {
     if (!*alive) throw StateError("low_latency_combine: the receive hook was called after its buffer was destroyed");

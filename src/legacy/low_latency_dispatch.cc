@@ -42,32 +42,38 @@ std::int64_t nvfp4_scale_offset(std::int64_t t, std::int64_t j, std::int64_t rk)
 class LowLatencyDispatch final : public engine::Operation {
  public:
   LowLatencyDispatch(BufferCore& core, const LowLatencyDispatchArgs& args, std::uint64_t sequence)
-      : core_(core),
+      : Operation(core.engine.facts.context("low_latency_dispatch"), "low_latency_dispatch",
+                  "low_latency_dispatch: agreement"),
+        core_(core),
         args_(args),
         sequence_(sequence),
-        ctx_(core.engine.context("low_latency_dispatch")),
-        remote_records_(core.engine, "low_latency_dispatch: records of other nodes") {
-    error_context = ctx_;
-    local_error = core::attempt(ctx_, [&] { validate(); });
-  }
-  const std::string& context() const { return ctx_; }
+        ctx_(context()),
+        remote_records_(core.engine, "low_latency_dispatch: records of other nodes") {}
 
   bool outputs_known_early() const override { return true; }
   void allocate_outputs_early() override;
-  void run(const std::function<void()>& outputs_ready) override;
   void receive(bool parallel);
 
   LowLatencyDispatchResult result;
   BufferCore::SlotUse use;
 
  private:
-  int ranks() const { return core_.engine.num_ranks; }
-  void validate();
+  int ranks() const { return core_.engine.facts.num_ranks; }
+  // The phases (engine/operation.hh).
+  void validate() override {
+    take_slot(core_, ctx_, args_.num_max_dispatch_tokens_per_rank,
+              args_.x.ndim() == 2 ? static_cast<int>(args_.x.size(1)) : 0, args_.num_experts,
+              args_.return_recv_hook, use, [&] { check_arguments(); });
+  }
+  std::vector<std::byte> prepare() override;
+  void describe(comm::Agreement& agreement) const override;
+  void run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) override;
+
+  void check_arguments();
   void validate_nvfp4();
   void allocate_received_rows();
   void allocate_handle();
-  std::vector<int32_t> count_local_selections();
-  void agree(const std::vector<int32_t>& mine, std::exception_ptr error);
+  void take_counts(const std::vector<std::span<const std::byte>>& payloads);
   void lay_out_slab();
   void assign_combine_rows();
   void stage_and_publish();
@@ -93,7 +99,7 @@ class LowLatencyDispatch final : public engine::Operation {
   std::atomic<bool> received_{false};
 };
 
-void LowLatencyDispatch::validate() {
+void LowLatencyDispatch::check_arguments() {
   const auto& a = args_;
   const int R = ranks();
   auto& s = shape_;
@@ -224,7 +230,7 @@ void LowLatencyDispatch::allocate_handle() {
   h.hidden = shape_.hidden;
   h.num_experts = shape_.experts;
   state_ = std::make_shared<LowLatencyState>();
-  state_->engine_id = core_.engine.id;
+  state_->engine_id = core_.engine.facts.id;
   state_->dispatch_number = use.number;
   state_->slot = use.slot;
   state_->slot_generation = use.generation;
@@ -236,11 +242,39 @@ void LowLatencyDispatch::allocate_handle() {
   h.state = state_;
 }
 
-void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
-  std::vector<int32_t> mine;
-  std::exception_ptr error = local_error;
-  if (!error) error = core::attempt(ctx_, [&] { mine = count_local_selections(); });
-  agree(mine, error);
+// [E + 1]: the tokens selecting each expert, then this rank's token count.
+std::vector<std::byte> LowLatencyDispatch::prepare() {
+  core_.engine.limit_inflight(0);  // num_qps_per_rank
+  if (!result.recv_x.defined()) allocate_outputs_early();
+  std::vector<int32_t> mine(static_cast<size_t>(shape_.experts) + 1, 0);
+  mine[static_cast<size_t>(shape_.experts)] = shape_.tokens;
+  const auto* topk = args_.topk_idx.data_as<const int64_t>();
+  for (int t = 0; t < shape_.tokens; ++t)
+    for (int j = 0; j < shape_.topk; ++j)
+      if (topk[t * args_.topk_idx.stride(0) + j] >= 0) ++mine[static_cast<size_t>(topk[t * args_.topk_idx.stride(0) + j])];
+  const auto bytes = std::as_bytes(std::span(mine));
+  return {bytes.begin(), bytes.end()};
+}
+
+// The agreement: every rank's arguments and per-expert counts.
+void LowLatencyDispatch::describe(comm::Agreement& agreement) const {
+  agreement.field("operation number", static_cast<int64_t>(sequence_))
+      .field("low-latency call number", static_cast<int64_t>(use.number))
+      .field("num_max_dispatch_tokens_per_rank", shape_.max_tokens)
+      .field("hidden", shape_.hidden)
+      .field("num_experts", shape_.experts)
+      .field("num_topk", shape_.topk)
+      .field("use_fp8", args_.use_fp8)
+      .field("round_scale", args_.round_scale)
+      .field("use_ue8m0", args_.use_ue8m0)
+      .field("use_nvfp4", args_.use_nvfp4)
+      .field("use_ue8m0_for_sf", args_.use_ue8m0_for_sf)
+      .field("topk_weights given", args_.topk_weights.defined());
+}
+
+void LowLatencyDispatch::run(const std::vector<std::span<const std::byte>>& payloads,
+                             const std::function<void()>& outputs_ready) {
+  take_counts(payloads);
   lay_out_slab();
   assign_combine_rows();
   stage_and_publish();
@@ -250,45 +284,9 @@ void LowLatencyDispatch::run(const std::function<void()>& outputs_ready) {
   if (!args_.return_recv_hook) receive(true);
 }
 
-// [E + 1]: the tokens selecting each expert, then this rank's token count.
-std::vector<int32_t> LowLatencyDispatch::count_local_selections() {
-  core_.engine.limit_inflight(0);  // num_qps_per_rank
-  if (!result.recv_x.defined()) allocate_outputs_early();
-  std::vector<int32_t> mine(static_cast<size_t>(shape_.experts) + 1, 0);
-  mine[static_cast<size_t>(shape_.experts)] = shape_.tokens;
-  const auto* topk = args_.topk_idx.data_as<const int64_t>();
-  for (int t = 0; t < shape_.tokens; ++t)
-    for (int j = 0; j < shape_.topk; ++j)
-      if (topk[t * args_.topk_idx.stride(0) + j] >= 0) ++mine[static_cast<size_t>(topk[t * args_.topk_idx.stride(0) + j])];
-  return mine;
-}
-
-// The agreement: every rank's arguments and per-expert counts (counts_, tokens_).
-void LowLatencyDispatch::agree(const std::vector<int32_t>& mine, std::exception_ptr error) {
-  auto& e = core_.engine;
+// Every rank's per-expert counts (counts_) and token count (tokens_).
+void LowLatencyDispatch::take_counts(const std::vector<std::span<const std::byte>>& payloads) {
   const int R = ranks(), E = shape_.experts;
-  comm::Agreement agreement(ctx_, "low_latency_dispatch");
-  agreement.local_error(error)
-      .field("operation number", static_cast<int64_t>(sequence_))
-      .field("low-latency call number", static_cast<int64_t>(use.number))
-      .field("num_max_dispatch_tokens_per_rank", shape_.max_tokens)
-      .field("hidden", shape_.hidden)
-      .field("num_experts", E)
-      .field("num_topk", shape_.topk)
-      .field("use_fp8", args_.use_fp8)
-      .field("round_scale", args_.round_scale)
-      .field("use_ue8m0", args_.use_ue8m0)
-      .field("use_nvfp4", args_.use_nvfp4)
-      .field("use_ue8m0_for_sf", args_.use_ue8m0_for_sf)
-      .field("topk_weights given", args_.topk_weights.defined());
-  std::vector<std::span<const std::byte>> payloads;
-  try {
-    payloads = agreement.exchange(e.transport(), comm::Scope::kWorld, e.wait("low_latency_dispatch: agreement"),
-                                  std::as_bytes(std::span(mine)));
-  } catch (...) {
-    in_step_failure = agreement.gathered();
-    throw;
-  }
   counts_.resize(static_cast<size_t>(R) * E);
   tokens_.resize(static_cast<size_t>(R));
   for (int s = 0; s < R; ++s) {
@@ -301,7 +299,7 @@ void LowLatencyDispatch::agree(const std::vector<int32_t>& mine, std::exception_
 
 // Layout: per local expert, one block per source in rank order.
 void LowLatencyDispatch::lay_out_slab() {
-  const int R = ranks(), El = shape_.local_experts, me = core_.engine.rank;
+  const int R = ranks(), El = shape_.local_experts, me = core_.engine.facts.rank;
   auto* range = result.handle->packed_recv_layout_range.data_as<int64_t>();
   for (int i = 0; i < El; ++i) {
     int64_t begin = 0;
@@ -316,7 +314,7 @@ void LowLatencyDispatch::lay_out_slab() {
 
 // Rows of this rank's (token, lane) pairs in their experts' slabs (for combine).
 void LowLatencyDispatch::assign_combine_rows() {
-  const int n = shape_.tokens, k = shape_.topk, E = shape_.experts, me = core_.engine.rank;
+  const int n = shape_.tokens, k = shape_.topk, E = shape_.experts, me = core_.engine.facts.rank;
   state_->topk = Tensor::empty({n, k}, DType::kInt64);
   state_->rows.assign(static_cast<size_t>(n) * k, -1);
   std::vector<int32_t> next(static_cast<size_t>(E), 0);
@@ -336,7 +334,7 @@ void LowLatencyDispatch::stage_and_publish() {
   auto& e = core_.engine;
   const SlotLayout& L = *layout_;
   const int k = shape_.topk, H = shape_.hidden;
-  std::byte* area = core_.slot_base(e.rank, use.slot) + SlotLayout::kHeaderBytes;
+  std::byte* area = core_.slot_base(e.facts.rank, use.slot) + SlotLayout::kHeaderBytes;
   auto* ids = reinterpret_cast<int32_t*>(area + L.ids_offset);
   auto* weights = reinterpret_cast<float*>(area + L.weights_offset);
   const auto* topk = args_.topk_idx.data_as<const int64_t>();
@@ -366,7 +364,7 @@ void LowLatencyDispatch::stage_and_publish() {
 
 // Records `source` puts into this rank's receive area.
 int32_t LowLatencyDispatch::records_from(int source) const {
-  const int El = shape_.local_experts, me = core_.engine.rank;
+  const int El = shape_.local_experts, me = core_.engine.facts.rank;
   int32_t incoming = 0;
   for (int i = 0; i < El; ++i) incoming += counts_[static_cast<size_t>(source) * shape_.experts + me * El + i];
   return incoming;
@@ -375,7 +373,7 @@ int32_t LowLatencyDispatch::records_from(int source) const {
 // Expectations, in call order: one signal from each rank of another node that sends here.
 void LowLatencyDispatch::expect_remote_records() {
   for (int s = 0; s < ranks(); ++s)
-    if (!core_.engine.same_node(s) && records_from(s) > 0) remote_records_.expect(s);
+    if (!core_.engine.facts.same_node(s) && records_from(s) > 0) remote_records_.expect(s);
 }
 
 // Ranks of other nodes: one put per (token, expert) into the expert's rank's receive area
@@ -383,7 +381,7 @@ void LowLatencyDispatch::expect_remote_records() {
 void LowLatencyDispatch::put_remote_records() {
   auto& e = core_.engine;
   const SlotLayout& L = *layout_;
-  const int R = ranks(), El = shape_.local_experts, k = shape_.topk, me = e.rank;
+  const int R = ranks(), El = shape_.local_experts, k = shape_.topk, me = e.facts.rank;
   const std::byte* area = core_.slot_base(me, use.slot) + SlotLayout::kHeaderBytes;
   const auto* weights = reinterpret_cast<const float*>(area + L.weights_offset);
   const auto* topk = args_.topk_idx.data_as<const int64_t>();
@@ -395,7 +393,7 @@ void LowLatencyDispatch::put_remote_records() {
       if (id < 0) continue;
       const int d = static_cast<int>(id / El);
       const int32_t slot_row = ordinal[static_cast<size_t>(id)]++;
-      if (e.same_node(d)) continue;
+      if (e.facts.same_node(d)) continue;
       const int64_t offset = core_.slot_offset(use.slot) + L.recv_offset +
                              ((id % El * R + me) * static_cast<int64_t>(shape_.max_tokens) + slot_row) * L.row_bytes;
       if (with_weights) {
@@ -432,7 +430,7 @@ std::vector<int64_t> LowLatencyDispatch::wait_for_sources() {
   auto& e = core_.engine;
   std::vector<int64_t> waited(static_cast<size_t>(ranks()), 0);
   for (int s = 0; s < ranks(); ++s)
-    if (e.same_node(s)) waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "dispatch receive");
+    if (e.facts.same_node(s)) waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "dispatch receive");
   const std::int64_t ns = remote_records_.wait();
   for (int s : remote_records_.sources()) waited[static_cast<size_t>(s)] = ns;
   return waited;
@@ -443,13 +441,13 @@ std::vector<int64_t> LowLatencyDispatch::wait_for_sources() {
 void LowLatencyDispatch::receive_expert(int64_t i) {
   auto& e = core_.engine;
   const SlotLayout& L = *layout_;
-  const int R = ranks(), k = shape_.topk, me = e.rank;
+  const int R = ranks(), k = shape_.topk, me = e.facts.rank;
   const auto* range = result.handle->packed_recv_layout_range.data_as<const int64_t>();
   const bool with_weights = result.recv_topk_weights.defined();
   const int target = me * shape_.local_experts + static_cast<int>(i);
   for (int s = 0; s < R; ++s) {
     int64_t row = range[i * R + s] >> 32;
-    if (!e.same_node(s)) {  // arrived in this rank's receive area, in token order
+    if (!e.facts.same_node(s)) {  // arrived in this rank's receive area, in token order
       const int64_t count = range[i * R + s] & 0xffffffff;
       const std::byte* recv = core_.slot_base(me, use.slot) + L.recv_offset;
       for (int64_t c = 0; c < count; ++c) {
@@ -512,8 +510,6 @@ LowLatencyDispatchResult low_latency_dispatch(BufferCore& core, const LowLatency
   auto& e = core.engine;
   e.check_usable("low_latency_dispatch");
   auto op = std::make_shared<LowLatencyDispatch>(core, args, e.next_sequence());
-  take_slot(core, *op, args.num_max_dispatch_tokens_per_rank,
-            args.x.ndim() == 2 ? static_cast<int>(args.x.size(1)) : 0, args.num_experts, args.return_recv_hook);
   auto result = e.execute(op, args.async_finish);
   if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive] {
     if (!*alive) throw StateError("low_latency_dispatch: the receive hook was called after its buffer was destroyed");

@@ -6,6 +6,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <exception>
+#include <string>
 
 #include "core/checks.hh"
 #include "core/failure.hh"
@@ -25,15 +27,19 @@ inline std::atomic<std::uint64_t>* header(std::byte* slot) {
 std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t number, const char* phase);
 
 inline void publish(BufferCore& core, int slot, std::uint64_t number) {
-  header(core.slot_base(core.engine.rank, slot))->store(number, std::memory_order_release);
+  header(core.slot_base(core.engine.facts.rank, slot))->store(number, std::memory_order_release);
 }
 
-// Takes the call's slot once the arguments were checked (the slot is taken either way).
-template <class Op>
-void take_slot(BufferCore& core, Op& op, int max_tokens, int hidden, int num_experts, bool hook) {
-  op.use = core.take_slot(max_tokens, hidden, num_experts, hook, op.local_error == nullptr);
-  if (op.local_error || op.use.problem.empty()) return;
-  op.local_error = core::attempt(op.context(), [&] { core::fail(op.context(), "{}", op.use.problem); });
+// A low-latency operation's validation: runs `check` (the arguments), then takes the call's slot
+// into `use` whether or not the arguments passed (every rank's slots stay in step), then throws the
+// first failure: the arguments', or the slot's.
+template <class Check>
+void take_slot(BufferCore& core, const std::string& context, int max_tokens, int hidden, int num_experts, bool hook,
+               BufferCore::SlotUse& use, Check&& check) {
+  const std::exception_ptr rejected = core::attempt(context, check);
+  use = core.take_slot(max_tokens, hidden, num_experts, hook, rejected == nullptr);
+  if (rejected) std::rethrow_exception(rejected);
+  if (!use.problem.empty()) core::fail(context, "{}", use.problem);
 }
 
 }  // namespace moe_ep::legacy
