@@ -238,16 +238,12 @@ void LowLatencyCombine::stage_and_publish() {
 
 // Rows the experts of `expert_rank` send back for this rank's tokens.
 int32_t LowLatencyCombine::rows_from(int expert_rank) const {
-  const int El = shape_.local_experts, me = core_.engine.facts.rank;
-  int32_t outgoing = 0;
-  for (int i = 0; i < El; ++i) outgoing += state_->counts[static_cast<size_t>(me) * shape_.experts + expert_rank * El + i];
-  return outgoing;
+  return selections(state_->counts, shape_.experts, shape_.local_experts, core_.engine.facts.rank, expert_rank);
 }
 
 // Expectations, in call order: one signal from each rank of another node with rows for this one.
 void LowLatencyCombine::expect_remote_rows() {
-  for (int d = 0; d < ranks(); ++d)
-    if (!core_.engine.facts.same_node(d) && rows_from(d) > 0) remote_rows_.expect(d);
+  expect_other_nodes(core_.engine, remote_rows_, [&](int d) { return rows_from(d) > 0; });
 }
 
 // Rows for tokens of other nodes' ranks: one put per (token, expert) into the token's rank's

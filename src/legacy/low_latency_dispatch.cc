@@ -364,16 +364,12 @@ void LowLatencyDispatch::stage_and_publish() {
 
 // Records `source` puts into this rank's receive area.
 int32_t LowLatencyDispatch::records_from(int source) const {
-  const int El = shape_.local_experts, me = core_.engine.facts.rank;
-  int32_t incoming = 0;
-  for (int i = 0; i < El; ++i) incoming += counts_[static_cast<size_t>(source) * shape_.experts + me * El + i];
-  return incoming;
+  return selections(counts_, shape_.experts, shape_.local_experts, source, core_.engine.facts.rank);
 }
 
 // Expectations, in call order: one signal from each rank of another node that sends here.
 void LowLatencyDispatch::expect_remote_records() {
-  for (int s = 0; s < ranks(); ++s)
-    if (!core_.engine.facts.same_node(s) && records_from(s) > 0) remote_records_.expect(s);
+  expect_other_nodes(core_.engine, remote_records_, [&](int s) { return records_from(s) > 0; });
 }
 
 // Ranks of other nodes: one put per (token, expert) into the expert's rank's receive area

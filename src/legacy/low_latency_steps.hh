@@ -8,9 +8,12 @@
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <vector>
 
 #include "core/checks.hh"
 #include "core/failure.hh"
+#include "engine/counted_exchange.hh"
+#include "engine/engine.hh"
 #include "legacy/buffer_core.hh"
 
 namespace moe_ep::legacy {
@@ -28,6 +31,24 @@ std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t 
 
 inline void publish(BufferCore& core, int slot, std::uint64_t number) {
   header(core.slot_base(core.engine.facts.rank, slot))->store(number, std::memory_order_release);
+}
+
+// Tokens of `source` selecting the local experts of `expert_rank`, from per-(source, expert)
+// counts [R * E] with El local experts per rank.
+inline std::int32_t selections(const std::vector<std::int32_t>& counts, int num_experts, int local_experts, int source,
+                               int expert_rank) {
+  std::int32_t n = 0;
+  for (int i = 0; i < local_experts; ++i)
+    n += counts[static_cast<std::size_t>(source) * num_experts + expert_rank * local_experts + i];
+  return n;
+}
+
+// Expects one signal in `exchange` from each rank of another node that sends here (`sends(r)`), in
+// rank order.
+template <class Sends>
+void expect_other_nodes(const engine::Engine& engine, engine::CountedExchange& exchange, Sends&& sends) {
+  for (int r = 0; r < engine.facts.num_ranks; ++r)
+    if (!engine.facts.same_node(r) && sends(r)) exchange.expect(r);
 }
 
 // A low-latency operation's validation: runs `check` (the arguments), then takes the call's slot
