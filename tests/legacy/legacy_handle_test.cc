@@ -2,11 +2,11 @@
 // recv_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_rdma_rank_prefix_sum) against their
 // definitions in docs/legacy.md §3, for channel counts from 1 to more than the tokens, on one node
 // and across nodes; and cached dispatch of new x (and scales), which must place the new rows by
-// the handle's layout. The checks are those of legacy_harness.cc.
+// the handle's layout. The checks are those of tests/support/legacy_harness.cc.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "legacy/legacy_harness.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep::testing {
 namespace {

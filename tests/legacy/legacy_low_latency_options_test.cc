@@ -14,8 +14,8 @@
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
-#include "reference/errors.hh"
 #include "reference/low_latency_reference.hh"
+#include "support/errors.hh"
 
 namespace moe_ep {
 namespace {

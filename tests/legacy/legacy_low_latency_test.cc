@@ -12,7 +12,7 @@
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
 #include "reference/low_latency_reference.hh"
-#include "reference/errors.hh"
+#include "support/errors.hh"
 
 namespace moe_ep {
 namespace {

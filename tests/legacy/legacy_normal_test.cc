@@ -6,7 +6,7 @@
 
 #include <random>
 
-#include "legacy/legacy_harness.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep {
 namespace {

@@ -12,10 +12,10 @@
 #include <tuple>
 #include <vector>
 
-#include "legacy/legacy_harness.hh"
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
-#include "reference/errors.hh"
+#include "support/errors.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep {
 namespace {

@@ -14,10 +14,10 @@
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
-#include "reference/errors.hh"
 #include "reference/logfmt_reference.hh"
 #include "reference/low_latency_reference.hh"
 #include "reference/numeric_reference.hh"
+#include "support/errors.hh"
 
 namespace moe_ep {
 namespace {

@@ -4,8 +4,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "legacy/legacy_harness.hh"
 #include "reference/order_sensitive_case.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep::testing {
 namespace {

@@ -4,7 +4,7 @@
 // counts (ranks with no tokens, ranks with N = T) and a routing (drawn per token with -1 masks and
 // skew, the same ids for every token, or every token to one rank; k up to beyond the experts per
 // rank), runs dispatch, cached dispatch with the same inputs and with new ones, and combine, and
-// checks every output (tests/support/elastic_harness.cc, tests/legacy/legacy_harness.cc).
+// checks every output (tests/support/elastic_harness.cc, tests/support/legacy_harness.cc).
 //
 // MOE_EP_PROPERTY_CASES sets the number of cases of each suite (default below, sized to keep the
 // binary well under a minute in a Release build on two cores); MOE_EP_PROPERTY_SEED the first
@@ -20,7 +20,7 @@
 #include <string>
 
 #include "support/elastic_harness.hh"
-#include "legacy/legacy_harness.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep::testing {
 namespace {
