@@ -14,11 +14,7 @@ namespace {
 using reference::CaseSpec;
 
 void run(const CaseSpec& spec, const LegacyRunOptions& opt) {
-  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_legacy_case(g, spec, opt); });
-  for (const auto& per_rank : failures)
-    for (const auto& f : per_rank) ADD_FAILURE() << describe(spec, opt) << "\n  " << f;
+  report_problems(run_legacy_case_in_process(spec, opt), {.context = describe(spec, opt)});
 }
 
 CaseSpec spec_for(int ranks, int scaleout, std::uint64_t seed) {

@@ -124,8 +124,9 @@ std::string replay_hint(std::uint64_t seed, const char* test) {
                      seed, test);
 }
 
-template <class Options, class RunCase>
-void run_cases(const char* test, int default_cases, CaseSpec (*make)(std::uint64_t, Options*), RunCase run_case) {
+template <class Options>
+void run_cases(const char* test, int default_cases, CaseSpec (*make)(std::uint64_t, Options*),
+               RankProblems (*run_in_process)(const CaseSpec&, const Options&)) {
   const Plan p = plan(default_cases);
   std::cout << fmt::format("Property.{}: {} cases, seeds {} to {}\n", test, p.cases, p.first_seed, p.first_seed + p.cases - 1);
   int failed = 0;
@@ -133,10 +134,7 @@ void run_cases(const char* test, int default_cases, CaseSpec (*make)(std::uint64
     const std::uint64_t seed = p.first_seed + i;
     Options options;
     const CaseSpec spec = make(seed, &options);
-    const RankProblems failures = collect_on_ranks(spec.ranks, {.num_scaleout = spec.scaleout},
-                                                   [&](Group& g, std::vector<std::string>& problems) {
-                                                     problems = run_case(g, spec, options);
-                                                   });
+    const RankProblems failures = run_in_process(spec, options);
     std::string lines;
     int shown = 0;
     for (const auto& per_rank : failures)
@@ -152,12 +150,12 @@ void run_cases(const char* test, int default_cases, CaseSpec (*make)(std::uint64
 
 TEST(Property, ElasticBufferMatchesTheDenseReference) {
   run_cases<RunOptions>("ElasticBufferMatchesTheDenseReference", kDefaultElasticCases, &elastic_case,
-                        [](Group& g, const CaseSpec& s, const RunOptions& o) { return run_elastic_case(g, s, o); });
+                        &run_elastic_case_in_process);
 }
 
 TEST(Property, LegacyBufferMatchesTheDenseReference) {
   run_cases<LegacyRunOptions>("LegacyBufferMatchesTheDenseReference", kDefaultLegacyCases, &legacy_case,
-                              [](Group& g, const CaseSpec& s, const LegacyRunOptions& o) { return run_legacy_case(g, s, o); });
+                              &run_legacy_case_in_process);
 }
 
 }  // namespace
