@@ -9,8 +9,8 @@
 #include "core/host_allocator.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
-#include "reference/env_scope.hh"
 #include "moe_ep/tensor.hpp"
+#include "support/env_scope.hh"
 
 namespace moe_ep {
 namespace {

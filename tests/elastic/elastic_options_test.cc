@@ -9,12 +9,16 @@
 
 #include "moe_ep/elastic_buffer.hpp"
 #include "reference/dense_reference.hh"
+#include "support/rank_runner.hh"
 
 namespace moe_ep {
 namespace {
 
 using reference::CaseSpec;
 using reference::RankInputs;
+using testing::collect_on_ranks;
+using testing::RankProblems;
+using testing::report_problems;
 
 constexpr int kRanks = 4, kExperts = 16, kTopk = 4, kTokens = 8, kHidden = 128;
 
@@ -82,17 +86,15 @@ void check_combine(const CaseSpec& s, const std::vector<RankInputs>& all, int me
     bad.push_back(what + ": combined_topk_weights differ from the reference");
 }
 
-void report(const std::vector<std::vector<std::string>>& failures, const std::string& what) {
-  for (std::size_t r = 0; r < failures.size(); ++r)
-    for (const auto& f : failures[r]) ADD_FAILURE() << what << " rank " << r << ": " << f;
+// Every rank's problems as test failures, each under `what` and naming its rank.
+void report(const RankProblems& failures, const std::string& what) {
+  report_problems(failures, {.context = what, .name_rank = true});
 }
 
 TEST(ElasticOptions, HandleHoldsACopyOfTopkOrTheCallersTensor) {
   for (int scaleout : {1, 2}) {
     const CaseSpec s = spec_for(scaleout, 11 + scaleout);
-    std::vector<std::vector<std::string>> failures(kRanks);
-    LocalWorld(kRanks, {.num_scaleout = scaleout}).run([&](Group& g) {
-      auto& bad = failures[static_cast<size_t>(g.rank())];
+    const auto failures = collect_on_ranks(kRanks, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
       const int me = g.rank();
       ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
       std::vector<RankInputs> all = reference::make_all_inputs(s);
@@ -157,9 +159,7 @@ void poison(const Tensor& t, T value) {
 TEST(ElasticOptions, NoOutputIsWrittenBeforeThePreviousEventBeforeEpilogue) {
   for (int scaleout : {1, 2}) {
     const CaseSpec s = spec_for(scaleout, 21 + scaleout);
-    std::vector<std::vector<std::string>> failures(kRanks);
-    LocalWorld(kRanks, {.num_scaleout = scaleout}).run([&](Group& g) {
-      auto& bad = failures[static_cast<size_t>(g.rank())];
+    const auto failures = collect_on_ranks(kRanks, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
       const int me = g.rank();
       ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
       std::vector<RankInputs> all = reference::make_all_inputs(s);
@@ -207,9 +207,7 @@ TEST(ElasticOptions, CachedAndWorstCaseCallsWaitForThePreviousEventBeforeEpilogu
   CaseSpec s = spec_for(2, 31);
   s.expand = true;
   s.alignment = 2;
-  std::vector<std::vector<std::string>> failures(kRanks);
-  LocalWorld(kRanks, {.num_scaleout = 2}).run([&](Group& g) {
-    auto& bad = failures[static_cast<size_t>(g.rank())];
+  const auto failures = collect_on_ranks(kRanks, {.num_scaleout = 2}, [&](Group& g, std::vector<std::string>& bad) {
     const int me = g.rank();
     ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
     std::vector<RankInputs> all = reference::make_all_inputs(s);

@@ -2,11 +2,11 @@
 // recv_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_rdma_rank_prefix_sum) against their
 // definitions in docs/legacy.md §3, for channel counts from 1 to more than the tokens, on one node
 // and across nodes; and cached dispatch of new x (and scales), which must place the new rows by
-// the handle's layout. The checks are those of legacy_harness.cc.
+// the handle's layout. The checks are those of tests/support/legacy_harness.cc.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "legacy/legacy_harness.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep::testing {
 namespace {
@@ -14,11 +14,7 @@ namespace {
 using reference::CaseSpec;
 
 void run(const CaseSpec& spec, const LegacyRunOptions& opt) {
-  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_legacy_case(g, spec, opt); });
-  for (const auto& per_rank : failures)
-    for (const auto& f : per_rank) ADD_FAILURE() << describe(spec, opt) << "\n  " << f;
+  report_problems(run_legacy_case_in_process(spec, opt), {.context = describe(spec, opt)});
 }
 
 CaseSpec spec_for(int ranks, int scaleout, std::uint64_t seed) {

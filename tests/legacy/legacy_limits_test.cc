@@ -7,7 +7,7 @@
 
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
-#include "reference/errors.hh"
+#include "support/errors.hh"
 
 namespace moe_ep {
 namespace {

@@ -14,8 +14,9 @@
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
-#include "reference/errors.hh"
 #include "reference/low_latency_reference.hh"
+#include "support/errors.hh"
+#include "support/rank_runner.hh"
 
 namespace moe_ep {
 namespace {
@@ -24,6 +25,9 @@ using reference::CaseSpec;
 using reference::RankInputs;
 using testing::catch_error;
 using testing::Caught;
+using testing::collect_on_ranks;
+using testing::RankProblems;
+using testing::report_problems;
 
 CaseSpec ll_spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed) {
   return reference::low_latency_spec(ranks, scaleout, experts, k, N, hidden, seed, 0.5);
@@ -33,10 +37,9 @@ std::int64_t ll_pool(const CaseSpec& s) {
   return Buffer::get_low_latency_rdma_size_hint(s.max_tokens, s.hidden, s.ranks, s.num_experts);
 }
 
-void report(int ranks, const std::vector<std::vector<std::string>>& failures, const std::string& what) {
-  for (int r = 0; r < ranks; ++r)
-    for (std::size_t i = 0; i < std::min<std::size_t>(failures[static_cast<size_t>(r)].size(), 10); ++i)
-      ADD_FAILURE() << what << " rank " << r << ": " << failures[static_cast<size_t>(r)][i];
+// Every rank's problems (at most 10 of each) as test failures, each under `what` and naming its rank.
+void report(const RankProblems& failures, const std::string& what) {
+  report_problems(failures, {.context = what, .name_rank = true, .max_per_rank = 10});
 }
 
 // ---- FP8 cast options ----------------------------------------------------------------------------
@@ -46,9 +49,7 @@ struct CastCase {
 };
 
 void run_cast(const CaseSpec& s, const CastCase& c) {
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(s.ranks));
-  LocalWorld(s.ranks, {.num_scaleout = s.scaleout}).run([&](Group& g) {
-    auto& bad = failures[static_cast<size_t>(g.rank())];
+  const auto failures = collect_on_ranks(s.ranks, {.num_scaleout = s.scaleout}, [&](Group& g, std::vector<std::string>& bad) {
     Buffer b(g, {.num_rdma_bytes = ll_pool(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
     std::vector<RankInputs> all = reference::make_all_inputs(s);
     RankInputs& in = all[static_cast<size_t>(g.rank())];
@@ -74,8 +75,8 @@ void run_cast(const CaseSpec& s, const CastCase& c) {
                             all, g.rank(), d.recv_x, d.recv_x_scales, d.packed_recv_count, bad);
     }
   });
-  report(s.ranks, failures, fmt::format("seed {} {}x{} round_scale {} ue8m0 {} hook {}", s.seed, s.scaleout,
-                                        s.ranks / s.scaleout, c.round_scale, c.ue8m0, c.hook));
+  report(failures, fmt::format("seed {} {}x{} round_scale {} ue8m0 {} hook {}", s.seed, s.scaleout,
+                               s.ranks / s.scaleout, c.round_scale, c.ue8m0, c.hook));
 }
 
 TEST(LowLatencyFp8, RoundScaleAndUe8m0CastsMatchTheReference) {
@@ -146,9 +147,7 @@ void check_remote_waits(int R, int scaleout, int me, const std::vector<bool>& se
 void run_stats(int R, int scaleout, int E, int k, int n, const std::vector<std::vector<std::int64_t>>& ids, bool hook,
                const std::string& what) {
   const int El = E / R, N = n, H = 128;
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(R));
-  LocalWorld(R, {.num_scaleout = scaleout}).run([&](Group& g) {
-    auto& bad = failures[static_cast<size_t>(g.rank())];
+  const auto failures = collect_on_ranks(R, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
     const int me = g.rank(), per_node = R / scaleout;
     Buffer b(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(N, H, R, E), .low_latency_mode = true});
     std::vector<std::uint16_t> x(static_cast<size_t>(N) * H, 0x3f80);
@@ -208,7 +207,7 @@ void run_stats(int R, int scaleout, int E, int k, int n, const std::vector<std::
           combine_stats.data_as<std::int64_t>()[s] != last_c[static_cast<size_t>(s)])
         bad.push_back(fmt::format("stats entry {} changed by calls that did not pass them", s));
   });
-  report(R, failures, what);
+  report(failures, what);
 }
 
 TEST(LowLatencyStats, WaitCostsAccumulateForTheSourcesWaitedFor) {
@@ -265,9 +264,7 @@ TEST(LowLatencyStats, ShapeAndDtypeAreChecked) {
 TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
   for (int scaleout : {1, 2}) {
     const CaseSpec s = ll_spec(4, scaleout, 8, 3, 4, 256, 70 + scaleout);
-    std::vector<std::vector<std::string>> failures(4);
-    LocalWorld(4, {.num_scaleout = scaleout}).run([&](Group& g) {
-      auto& bad = failures[static_cast<size_t>(g.rank())];
+    const auto failures = collect_on_ranks(4, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
       const int me = g.rank(), N = s.max_tokens;
       Buffer b(g, {.num_rdma_bytes = ll_pool(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
       std::vector<RankInputs> all = reference::make_all_inputs(s);
@@ -303,7 +300,7 @@ TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
         combine_checked(again.handle, "next round");
       }
     });
-    report(4, failures, fmt::format("{} nodes", scaleout));
+    report(failures, fmt::format("{} nodes", scaleout));
   }
 }
 

@@ -12,7 +12,8 @@
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
 #include "reference/low_latency_reference.hh"
-#include "reference/errors.hh"
+#include "support/errors.hh"
+#include "support/rank_runner.hh"
 
 namespace moe_ep {
 namespace {
@@ -20,6 +21,8 @@ namespace {
 using reference::CaseSpec;
 using reference::RankInputs;
 using reference::expert_rows;
+using testing::collect_on_ranks;
+using testing::report_problems;
 
 struct LLOptions {
   bool fp8 = false, round_scale = false, ue8m0 = false;
@@ -132,13 +135,11 @@ std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o,
 }
 
 void run(const CaseSpec& s, const LLOptions& o, int rounds = 2) {
-  LocalWorld world(s.ranks, {.num_scaleout = s.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(s.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_ll(g, s, o, rounds); });
-  for (int r = 0; r < s.ranks; ++r)
-    for (std::size_t i = 0; i < std::min<std::size_t>(failures[static_cast<size_t>(r)].size(), 10); ++i)
-      ADD_FAILURE() << "seed " << s.seed << " ranks " << s.ranks << "x" << s.scaleout << " rank " << r << ": "
-                    << failures[static_cast<size_t>(r)][i];
+  const auto failures = collect_on_ranks(s.ranks, {.num_scaleout = s.scaleout},
+                                         [&](Group& g, std::vector<std::string>& bad) { bad = run_ll(g, s, o, rounds); });
+  report_problems(failures, {.context = fmt::format("seed {} ranks {}x{}", s.seed, s.ranks, s.scaleout),
+                             .name_rank = true,
+                             .max_per_rank = 10});
 }
 
 TEST(LowLatency, Bf16SlabAndWeightedCombine) { run(ll_spec(4, 1, 16, 4, 6, 256, 1), {}); }

@@ -6,7 +6,7 @@
 
 #include <random>
 
-#include "legacy/legacy_harness.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep {
 namespace {
@@ -15,11 +15,7 @@ using reference::CaseSpec;
 using testing::LegacyRunOptions;
 
 void run(const CaseSpec& spec, const LegacyRunOptions& opt) {
-  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = testing::run_legacy_case(g, spec, opt); });
-  for (const auto& per_rank : failures)
-    for (const auto& f : per_rank) ADD_FAILURE() << testing::describe(spec, opt) << "\n  " << f;
+  testing::report_problems(testing::run_legacy_case_in_process(spec, opt), {.context = testing::describe(spec, opt)});
 }
 
 CaseSpec random_spec(std::uint64_t seed) {

@@ -12,10 +12,10 @@
 #include <tuple>
 #include <vector>
 
-#include "legacy/legacy_harness.hh"
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
-#include "reference/errors.hh"
+#include "support/errors.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep {
 namespace {
@@ -24,14 +24,12 @@ using reference::CaseSpec;
 using reference::RankInputs;
 using testing::catch_error;
 using testing::Caught;
+using testing::collect_on_ranks;
 using testing::LegacyRunOptions;
+using testing::report_problems;
 
 void run(const CaseSpec& spec, const LegacyRunOptions& opt) {
-  LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = testing::run_legacy_case(g, spec, opt); });
-  for (const auto& per_rank : failures)
-    for (const auto& f : per_rank) ADD_FAILURE() << testing::describe(spec, opt) << "\n  " << f;
+  report_problems(testing::run_legacy_case_in_process(spec, opt), {.context = testing::describe(spec, opt)});
 }
 
 CaseSpec spec_for(int ranks, int scaleout, int hidden, int element_bytes, std::uint64_t seed) {
@@ -177,11 +175,8 @@ void run_nvfp4(const Nvfp4Case& c, std::uint64_t seed) {
     first.push_back(random_triple(n, c.hidden, c.scale_cols, triple_seed(seed, r)));
     second.push_back(random_triple(n, c.hidden, c.scale_cols, triple_seed(seed + 7, r)));
   }
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(c.ranks));
-  LocalWorld world(c.ranks);
-  world.run([&](Group& g) {
+  const auto failures = collect_on_ranks(c.ranks, {}, [&](Group& g, std::vector<std::string>& bad) {
     const int me = g.rank(), k = spec.k;
-    auto& bad = failures[static_cast<size_t>(me)];
     const std::string what = fmt::format("[rank {}] H {} S {} async {} worst {}: ", me, c.hidden, c.scale_cols, c.async,
                                          c.num_worst_tokens);
     Buffer buffer(g, {.num_rdma_bytes = 4 << 20, .num_cpu_timeout_secs = 60});
@@ -229,8 +224,7 @@ void run_nvfp4(const Nvfp4Case& c, std::uint64_t seed) {
 
     check_nvfp4_combine(buffer, spec, all, me, ref, res, rows_out, c.async, what, bad);
   });
-  for (const auto& per_rank : failures)
-    for (const auto& f : per_rank) ADD_FAILURE() << f;
+  report_problems(failures);
 }
 
 TEST(LegacyNvfp4, RoundTripInNormalOrderWithCachedReplay) {

@@ -14,10 +14,11 @@
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
-#include "reference/errors.hh"
 #include "reference/logfmt_reference.hh"
 #include "reference/low_latency_reference.hh"
 #include "reference/numeric_reference.hh"
+#include "support/errors.hh"
+#include "support/rank_runner.hh"
 
 namespace moe_ep {
 namespace {
@@ -25,6 +26,8 @@ namespace {
 using reference::CaseSpec;
 using reference::RankInputs;
 using reference::expert_rows;
+using testing::collect_on_ranks;
+using testing::report_problems;
 
 struct QOptions {
   bool nvfp4 = true, ue8m0_sf = false, sm90 = false, weights = true;
@@ -203,12 +206,9 @@ std::vector<std::string> run_case(Group& g, const CaseSpec& s, const QOptions& o
 }
 
 void run(CaseSpec s, const QOptions& o) {
-  LocalWorld world(s.ranks, {.num_scaleout = s.scaleout});
-  std::vector<std::vector<std::string>> failures(static_cast<size_t>(s.ranks));
-  world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_case(g, s, o); });
-  for (int r = 0; r < s.ranks; ++r)
-    for (std::size_t i = 0; i < std::min<std::size_t>(failures[static_cast<size_t>(r)].size(), 5); ++i)
-      ADD_FAILURE() << describe(s, o) << " rank " << r << ": " << failures[static_cast<size_t>(r)][i];
+  const auto failures = collect_on_ranks(s.ranks, {.num_scaleout = s.scaleout},
+                                         [&](Group& g, std::vector<std::string>& bad) { bad = run_case(g, s, o); });
+  report_problems(failures, {.context = describe(s, o), .name_rank = true, .max_per_rank = 5});
 }
 
 CaseSpec spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed, double skew = 1.0) {

@@ -4,8 +4,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "legacy/legacy_harness.hh"
 #include "reference/order_sensitive_case.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep::testing {
 namespace {
@@ -16,11 +16,7 @@ TEST(LegacyReductionOrder, CombineSumsInAscendingMasterLaneOrder) {
       const reference::CaseSpec spec = legacy_reference_spec(reference::order_sensitive_case(scaleout, true, false, true, num_bias));
       SCOPED_TRACE(describe(spec, LegacyRunOptions{}));
       EXPECT_TRUE(reference::order_matters(spec, scaleout > 1 ? 2 : 4)) << "the case is order-sensitive";
-      LocalWorld world(spec.ranks, {.num_scaleout = scaleout});
-      std::vector<std::vector<std::string>> failures(static_cast<size_t>(spec.ranks));
-      world.run([&](Group& g) { failures[static_cast<size_t>(g.rank())] = run_legacy_case(g, spec, {}); });
-      for (const auto& per_rank : failures)
-        for (const auto& f : per_rank) ADD_FAILURE() << f;
+      report_problems(run_legacy_case_in_process(spec, {}));
     }
 }
 

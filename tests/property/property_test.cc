@@ -4,7 +4,7 @@
 // counts (ranks with no tokens, ranks with N = T) and a routing (drawn per token with -1 masks and
 // skew, the same ids for every token, or every token to one rank; k up to beyond the experts per
 // rank), runs dispatch, cached dispatch with the same inputs and with new ones, and combine, and
-// checks every output (tests/support/elastic_harness.cc, tests/legacy/legacy_harness.cc).
+// checks every output (tests/support/elastic_harness.cc, tests/support/legacy_harness.cc).
 //
 // MOE_EP_PROPERTY_CASES sets the number of cases of each suite (default below, sized to keep the
 // binary well under a minute in a Release build on two cores); MOE_EP_PROPERTY_SEED the first
@@ -20,7 +20,7 @@
 #include <string>
 
 #include "support/elastic_harness.hh"
-#include "legacy/legacy_harness.hh"
+#include "support/legacy_harness.hh"
 
 namespace moe_ep::testing {
 namespace {
@@ -124,8 +124,9 @@ std::string replay_hint(std::uint64_t seed, const char* test) {
                      seed, test);
 }
 
-template <class Options, class RunCase>
-void run_cases(const char* test, int default_cases, CaseSpec (*make)(std::uint64_t, Options*), RunCase run_case) {
+template <class Options>
+void run_cases(const char* test, int default_cases, CaseSpec (*make)(std::uint64_t, Options*),
+               RankProblems (*run_in_process)(const CaseSpec&, const Options&)) {
   const Plan p = plan(default_cases);
   std::cout << fmt::format("Property.{}: {} cases, seeds {} to {}\n", test, p.cases, p.first_seed, p.first_seed + p.cases - 1);
   int failed = 0;
@@ -133,10 +134,7 @@ void run_cases(const char* test, int default_cases, CaseSpec (*make)(std::uint64
     const std::uint64_t seed = p.first_seed + i;
     Options options;
     const CaseSpec spec = make(seed, &options);
-    const RankProblems failures = collect_on_ranks(spec.ranks, {.num_scaleout = spec.scaleout},
-                                                   [&](Group& g, std::vector<std::string>& problems) {
-                                                     problems = run_case(g, spec, options);
-                                                   });
+    const RankProblems failures = run_in_process(spec, options);
     std::string lines;
     int shown = 0;
     for (const auto& per_rank : failures)
@@ -152,12 +150,12 @@ void run_cases(const char* test, int default_cases, CaseSpec (*make)(std::uint64
 
 TEST(Property, ElasticBufferMatchesTheDenseReference) {
   run_cases<RunOptions>("ElasticBufferMatchesTheDenseReference", kDefaultElasticCases, &elastic_case,
-                        [](Group& g, const CaseSpec& s, const RunOptions& o) { return run_elastic_case(g, s, o); });
+                        &run_elastic_case_in_process);
 }
 
 TEST(Property, LegacyBufferMatchesTheDenseReference) {
   run_cases<LegacyRunOptions>("LegacyBufferMatchesTheDenseReference", kDefaultLegacyCases, &legacy_case,
-                              [](Group& g, const CaseSpec& s, const LegacyRunOptions& o) { return run_legacy_case(g, s, o); });
+                              &run_legacy_case_in_process);
 }
 
 }  // namespace

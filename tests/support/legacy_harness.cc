@@ -1,4 +1,4 @@
-#include "legacy/legacy_harness.hh"
+#include "support/legacy_harness.hh"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -423,6 +423,10 @@ std::vector<std::string> run_legacy_case(Group& g, const CaseSpec& case_spec, co
   return std::move(fail.list());
 }
 
+RankProblems run_legacy_case_in_process(const CaseSpec& spec, const LegacyRunOptions& options) {
+  return collect_on_ranks(spec.ranks, {.num_scaleout = spec.scaleout},
+                          [&](Group& g, std::vector<std::string>& problems) { problems = run_legacy_case(g, spec, options); });
+}
 
 std::string describe(const CaseSpec& s, const LegacyRunOptions& o) {
   return fmt::format(

@@ -1,6 +1,13 @@
-// Runs one V1 normal-mode case (layout, dispatch, handle, cached dispatch, combine) on in-process
-// ranks and checks every output against the dense reference (tests/reference). Failures are
-// collected as strings (gtest assertions from rank threads would not stop the other ranks).
+// The case runner of the V1 Buffer in normal mode: one case (get_dispatch_layout, dispatch,
+// the handle's prefix tensors and channel counts, cached dispatch with the same and with new
+// inputs, combine) on a group's rank (any transport); the same case on in-process ranks.
+// Guarantees: every output is checked, the rows, counts and combined values against the dense
+// reference of tests/reference with V1's semantics (compact layout, per-node reduction across
+// nodes: legacy_reference_spec), the layout and the handle's fields against brute-force
+// recomputations from their definitions (docs/legacy.md); nothing is taken from the code under
+// test. A rank's mismatches are returned as strings (at most 20, each naming the rank), never as
+// gtest assertions (an assertion on a rank thread would not stop the other ranks); an empty list
+// means every output matched.
 #pragma once
 
 #include <optional>
@@ -10,6 +17,7 @@
 #include "moe_ep/dtype.hpp"
 #include "moe_ep/group.hpp"
 #include "reference/dense_reference.hh"
+#include "support/rank_runner.hh"
 
 namespace moe_ep::testing {
 
@@ -32,6 +40,9 @@ reference::CaseSpec legacy_reference_spec(reference::CaseSpec spec);
 
 // Returns the mismatches found on `group`'s rank (empty when everything matched).
 std::vector<std::string> run_legacy_case(Group& group, const reference::CaseSpec& spec, const LegacyRunOptions& options);
+
+// The case on LocalWorld(spec.ranks, spec.scaleout nodes): every rank's mismatches.
+RankProblems run_legacy_case_in_process(const reference::CaseSpec& spec, const LegacyRunOptions& options);
 
 std::string describe(const reference::CaseSpec& spec, const LegacyRunOptions& options);
 
