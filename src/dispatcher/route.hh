@@ -71,6 +71,22 @@ void check_row_input(std::string_view context, const RouteContext& c, std::int64
 // The expert output of the low-latency format: BF16 [El, R x cap, H], rows contiguous.
 void check_slab_input(std::string_view context, const RouteContext& c, const Tensor& y);
 
+// The rows a normal-mode dispatch of either generation received, as the output's row fields.
+template <class Received>
+void take_received_rows(const Received& dispatched, DispatchOutput& out) {
+  out.hidden_states = dispatched.recv_x;
+  out.hidden_states_scale = dispatched.recv_x_scales;
+  out.topk_ids = dispatched.recv_topk_idx;
+  out.topk_weights = dispatched.recv_topk_weights;
+}
+
+// Waits for a combine of any path and returns its [N, H] BF16 rows.
+template <class Combined>
+Tensor wait_combined(const Combined& combined) {
+  combined.event.wait();
+  return combined.combined_x;
+}
+
 // The four paths (one file each: route_v1_normal.cc, route_v1_low_latency.cc, route_v2_normal.cc,
 // route_v2_low_latency.cc); callers go through make_route.
 std::unique_ptr<Route> make_v1_normal_route(const RouteContext& context);

@@ -28,10 +28,7 @@ class V2NormalRoute final : public Route {
 
   void finish_dispatch(const RouteInputs&, DispatchOutput& out) override {
     dispatched_.event.wait();
-    out.hidden_states = dispatched_.recv_x;
-    out.hidden_states_scale = dispatched_.recv_x_scales;
-    out.topk_ids = dispatched_.recv_topk_idx;
-    out.topk_weights = dispatched_.recv_topk_weights;
+    take_received_rows(dispatched_, out);
     out.num_recv_tokens_per_expert = dispatched_.handle->num_recv_tokens_per_expert_list;
     if (expanded_) {
       out.masked_m = dispatched_.handle->num_unaligned_recv_tokens_per_expert;
@@ -55,10 +52,7 @@ class V2NormalRoute final : public Route {
                                               .async_with_compute_stream = true});
   }
 
-  Tensor finish_combine() override {
-    combined_.event.wait();
-    return combined_.combined_x;
-  }
+  Tensor finish_combine() override { return wait_combined(combined_); }
 
  private:
   RouteContext c_;
