@@ -46,6 +46,10 @@ struct ElasticBufferConfig {
   bool explicitly_destroy = false;
 };
 
+namespace elastic {
+class Access;  // internal (src/elastic/elastic_access.hh)
+}
+
 class ElasticBuffer {
  public:
   ElasticBuffer(Group& group, const ElasticBufferConfig& config);
@@ -86,6 +90,7 @@ class ElasticBuffer {
   bool is_hybrid() const;  // the two-hop (scale-out then scale-up) data path is in use
 
  private:
+  friend class elastic::Access;
   ElasticBufferConfig config_;
   std::unique_ptr<engine::Engine> engine_;
 };

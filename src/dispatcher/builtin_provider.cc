@@ -2,6 +2,8 @@
 // interfaces.
 #include "moe_ep/provider.hpp"
 
+#include "dispatcher/provider_registry.hh"
+
 namespace moe_ep::provider {
 namespace {
 
@@ -35,6 +37,7 @@ class CpuElastic final : public ElasticBackend {
   CombineResult combine(const CombineArgs& args) override { return buffer_.combine(args); }
   std::int64_t num_bytes() const override { return buffer_.num_bytes(); }
   void destroy() override { buffer_.destroy(); }
+  moe_ep::ElasticBuffer& buffer() { return buffer_; }
 
  private:
   moe_ep::ElasticBuffer buffer_;
@@ -59,3 +62,12 @@ const Table kCpu = {
 const Table& builtin() { return kCpu; }
 
 }  // namespace moe_ep::provider
+
+namespace moe_ep::dispatcher {
+
+ElasticBuffer* builtin_elastic_buffer(provider::ElasticBackend* backend) {
+  auto* cpu = dynamic_cast<provider::CpuElastic*>(backend);
+  return cpu ? &cpu->buffer() : nullptr;
+}
+
+}  // namespace moe_ep::dispatcher

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "moe_ep/dispatcher.hpp"
+#include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/provider.hpp"
 
 namespace moe_ep::dispatcher {
@@ -25,5 +26,9 @@ bool accept_table(const std::string& entry, const provider::Table* table, Provid
 // The table that serves `generation` for `path_list` (null when unavailable; the reason is in
 // probe_providers(path_list)[generation]).
 const provider::Table* provider_for(const std::string& path_list, Generation generation);
+
+// The ElasticBuffer behind a backend the built-in provider made (providers that hand out the
+// built-in tables' objects included), or null for another provider's backend.
+ElasticBuffer* builtin_elastic_buffer(provider::ElasticBackend* backend);
 
 }  // namespace moe_ep::dispatcher

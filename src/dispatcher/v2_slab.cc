@@ -8,6 +8,38 @@
 
 namespace moe_ep::dispatcher {
 
+V2Slab slab_views(const DispatchResult& r, int El, std::int64_t RC) {
+  V2Slab s;
+  s.rows_per_expert = RC;
+  s.masked_m = Tensor::empty({El}, DType::kInt32);
+  const auto* unaligned = r.handle->num_unaligned_recv_tokens_per_expert.data_as<const std::int32_t>();
+  for (int i = 0; i < El; ++i) {
+    s.counts.push_back(unaligned[i]);
+    s.masked_m.data_as<std::int32_t>()[i] = unaligned[i];
+  }
+  const std::int64_t H = r.recv_x.size(1);
+  if (r.recv_x.size(0) != El * RC)
+    throw StateError(fmt::format("dispatcher: V2 low-latency: the dispatch returned {} rows, expected {} x {}",
+                                 r.recv_x.size(0), El, RC));
+  s.hidden_states = r.recv_x.with_view(TensorView(r.recv_x.data(), r.recv_x.dtype(), {El, RC, H}));
+  s.scales = r.recv_x_scales;  // [El, RC, S], token stride 1 (or undefined)
+  return s;
+}
+
+Tensor slab_rows(const V2Slab& s, const Tensor& y) {
+  const std::int64_t El = y.size(0), RC = y.size(1), H = y.size(2);
+  if (y.stride(0) == RC * y.stride(1)) {
+    const std::int64_t shape[] = {El * RC, H}, strides[] = {y.stride(1), 1};
+    return y.with_view(TensorView(y.data(), DType::kBF16, shape, strides));
+  }
+  Tensor rows = Tensor::empty({El * RC, H}, DType::kBF16);
+  for (std::int64_t i = 0; i < El; ++i)
+    for (std::int64_t t = 0; t < s.counts[static_cast<size_t>(i)]; ++t)
+      std::memcpy(rows.data_as<std::uint16_t>() + (i * RC + t) * H,
+                  y.data_as<const std::uint16_t>() + i * y.stride(0) + t * y.stride(1), sizeof(std::uint16_t) * H);
+  return rows;
+}
+
 V2Slab make_slab(const DispatchResult& r, int El, std::int64_t RC) {
   const EPHandle& h = *r.handle;
   V2Slab s;

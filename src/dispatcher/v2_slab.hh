@@ -1,7 +1,11 @@
-// The low-latency format on V2: the expanded dispatch output (expert groups aligned to R x cap
-// rows) turned into the per-expert slab [El, R x cap, H] that V1 low-latency mode returns, and
-// the slab of expert outputs turned back into expanded rows for V2's combine
-// (docs/dispatcher.md §5).
+// The low-latency format on V2 (docs/dispatcher.md §5): the per-expert slab [El, R x cap, H]
+// that V1 low-latency mode returns, made from V2's expanded dispatch.
+//  - The built-in ElasticBuffer dispatches straight into it (expert stride R x cap, scales
+//    column-major per expert block): slab_views only views the output, and slab_rows hands the
+//    expert outputs to the weighting combine as El x R x cap rows. One copy of each row per direction.
+//  - Another provider's backend offers DeepEP's API only: its expert groups aligned to R x cap are
+//    moved into the slab (make_slab) and the expert outputs are weighted back into expanded rows
+//    (slab_to_expanded) for its combine.
 #pragma once
 
 #include <cstdint>
@@ -15,10 +19,19 @@ struct V2Slab {
   Tensor hidden_states;  // [El, rows_per_expert, H], dtype of the dispatched rows
   Tensor scales;         // FP8: [El, rows_per_expert, S], token stride 1 (V1's layout)
   Tensor masked_m;       // int32 [El]
-  std::vector<std::int64_t> starts;  // expanded row where expert i's group starts
+  std::vector<std::int64_t> starts;  // expanded row where expert i's group starts (make_slab)
   std::vector<std::int32_t> counts;
   std::int64_t rows_per_expert = 0;
 };
+
+// Views of an expanded dispatch with expert stride rows_per_expert: hidden_states [El, RC, H] of
+// recv_x, scales the [El, RC, S] view the dispatch made, masked_m the per-expert counts.
+V2Slab slab_views(const DispatchResult& dispatched, int local_experts, std::int64_t rows_per_expert);
+
+// The combine's input rows for a slab-strided dispatch: expert_output [El, RC, H] seen as El x RC
+// rows when its strides allow (expert stride = RC x row stride), else the real rows copied into a
+// contiguous [El x RC, H] tensor (padding rows left unset: combine reads only real rows).
+Tensor slab_rows(const V2Slab& slab, const Tensor& expert_output);
 
 // Moves each expert's group of the expanded output to row i x rows_per_expert (in place when the
 // output has room for the slab, which it has unless the cap is tiny).

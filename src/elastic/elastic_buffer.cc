@@ -2,6 +2,8 @@
 // configuration; the collective work happens in src/engine.
 #include "moe_ep/elastic_buffer.hpp"
 
+#include "elastic/elastic_access.hh"
+
 #include <fmt/format.h>
 
 #include "core/checks.hh"
@@ -130,8 +132,11 @@ std::int64_t ElasticBuffer::get_buffer_size_hint(const Group& group, int num_max
                                   allow_multiple_reduction);
 }
 
-DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) {
-  engine_->check_usable("dispatch");
+namespace {
+
+// DispatchArgs as an engine request.
+engine::DispatchRequest dispatch_request(engine::Engine& engine, const ElasticBufferConfig& config,
+                                         const DispatchArgs& args) {
   engine::DispatchRequest r;
   r.rejection = args.rejection;
   r.x = args.x;
@@ -141,9 +146,9 @@ DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) {
   r.cumulative_local_expert_recv_stats = args.cumulative_local_expert_recv_stats;
   r.handle = args.handle;
   r.num_experts = args.num_experts;
-  r.max_tokens = args.num_max_tokens_per_rank > 0 ? args.num_max_tokens_per_rank : config_.num_max_tokens_per_rank;
+  r.max_tokens = args.num_max_tokens_per_rank > 0 ? args.num_max_tokens_per_rank : config.num_max_tokens_per_rank;
   r.expert_alignment = args.expert_alignment;
-  r.workers = worker_choice(*engine_, args.num_sms);
+  r.workers = worker_choice(engine, args.num_sms);
   r.num_qps = args.num_qps;
   r.previous_event = args.previous_event;
   r.previous_event_before_epilogue = args.previous_event_before_epilogue;
@@ -161,12 +166,11 @@ DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) {
     if (tokens == 0 && !cached)
       core::fail(context, "num_max_tokens_per_rank is 0: give it here or to the buffer's constructor");
   };
-  return engine_->execute(engine::make_dispatch(*engine_, std::move(r), engine_->next_sequence()),
-                          args.async_with_compute_stream);
+  return r;
 }
 
-CombineResult ElasticBuffer::combine(const CombineArgs& args) {
-  engine_->check_usable("combine");
+// CombineArgs as an engine request.
+engine::CombineRequest combine_request(engine::Engine& engine, const CombineArgs& args) {
   engine::CombineRequest r;
   r.rejection = args.rejection;
   r.x = args.x;
@@ -174,7 +178,7 @@ CombineResult ElasticBuffer::combine(const CombineArgs& args) {
   r.topk_weights = args.topk_weights;
   r.bias = args.bias;
   const int num_sms = args.num_sms > 0 ? args.num_sms : (args.handle ? args.handle->num_sms : 0);
-  r.workers = worker_choice(*engine_, num_sms);
+  r.workers = worker_choice(engine, num_sms);
   r.validate_more = [given = args.num_sms, num_sms, from_handle = args.num_sms <= 0 && args.handle != nullptr](
                         const std::string& context) {
     check_num_sms(context, given);
@@ -185,8 +189,39 @@ CombineResult ElasticBuffer::combine(const CombineArgs& args) {
   r.previous_event = args.previous_event;
   r.previous_event_before_epilogue = args.previous_event_before_epilogue;
   r.async = args.async_with_compute_stream;
-  return engine_->execute(engine::make_combine(*engine_, std::move(r), engine_->next_sequence()),
+  return r;
+}
+
+}  // namespace
+
+DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) {
+  engine_->check_usable("dispatch");
+  return engine_->execute(
+      engine::make_dispatch(*engine_, dispatch_request(*engine_, config_, args), engine_->next_sequence()),
+      args.async_with_compute_stream);
+}
+
+CombineResult ElasticBuffer::combine(const CombineArgs& args) {
+  engine_->check_usable("combine");
+  return engine_->execute(engine::make_combine(*engine_, combine_request(*engine_, args), engine_->next_sequence()),
                           args.async_with_compute_stream);
+}
+
+DispatchResult elastic::Access::dispatch(ElasticBuffer& buffer, const DispatchArgs& args,
+                                         const DispatchExtras& extras) {
+  engine::Engine& e = *buffer.engine_;
+  e.check_usable("dispatch");
+  engine::DispatchRequest r = dispatch_request(e, buffer.config_, args);
+  r.expert_stride = extras.expert_stride;
+  return e.execute(engine::make_dispatch(e, std::move(r), e.next_sequence()), args.async_with_compute_stream);
+}
+
+CombineResult elastic::Access::combine(ElasticBuffer& buffer, const CombineArgs& args, const CombineExtras& extras) {
+  engine::Engine& e = *buffer.engine_;
+  e.check_usable("combine");
+  engine::CombineRequest r = combine_request(e, args);
+  r.row_weights = extras.row_weights;
+  return e.execute(engine::make_combine(e, std::move(r), e.next_sequence()), args.async_with_compute_stream);
 }
 
 int ElasticBuffer::get_theoretical_num_sms(int num_experts, int num_topk, int num_scaleout_topk, double rdma_gbs,

@@ -32,9 +32,10 @@ namespace {
 constexpr std::int64_t kTokensPerTask = 8;
 
 // Per-thread rows for intermediate sums: at most one per rank unit (level 1) and one per node
-// unit (level 2) of a token, so 2 * kMaxTopk + 2 rows. Sized before a token is reduced, so the
-// rows never move while pointers to them are live.
-constexpr int kScratchRows = 2 * kMaxTopk + 2;
+// unit (level 2) of a token, and one weighted input row per lane (CombineRequest::row_weights),
+// so 3 * kMaxTopk + 2 rows. Sized before a token is reduced, so the rows never move while
+// pointers to them are live.
+constexpr int kScratchRows = 3 * kMaxTopk + 2;
 thread_local std::vector<std::uint16_t> scratch_rows;
 thread_local std::vector<float> scratch_weights;  // one k-row per scratch row
 
@@ -99,10 +100,15 @@ class Combine final : public CombineOperation {
             .physical_scaleup = engine_.facts.physical.num_scaleup};
   }
 
-  // Row r of rank d's combine input (d on this node).
-  const std::uint16_t* row_of(int d, std::int32_t r) const {
+  // Row r of rank d's combine input (d on this node); with row weights, the weighted row
+  // bf16(w[r] * float(x[r])) in the next scratch row.
+  const std::uint16_t* row_of(int d, std::int32_t r, int& scratch) const {
     const PeerTensors& p = peers_[static_cast<size_t>(d)];
-    return reinterpret_cast<const std::uint16_t*>(p.x + r * p.x_row_bytes);
+    const auto* row = reinterpret_cast<const std::uint16_t*>(p.x + r * p.x_row_bytes);
+    if (!p.row_weights) return row;
+    std::uint16_t* out = scratch_row(scratch++, shape_.hidden);
+    core::weighted_sum_bf16_rows({&row, 1}, {p.row_weights + r, 1}, out, shape_.hidden);
+    return out;
   }
   // The whole weight row rank d (on this node) returned with its compact row r, or null.
   const float* weight_row(int d, std::int32_t r) const {
@@ -194,6 +200,11 @@ void Combine::validate() {
     }
     core::expect_rows_contiguous(ctx_, "topk_weights", a.topk_weights);
   }
+  if (a.row_weights.defined()) {
+    if (!expand_) core::fail(ctx_, "row weights need the expanded layout");
+    core::expect_tensor(ctx_, "row_weights", a.row_weights, DType::kFP32, {rows});
+    core::expect_contiguous(ctx_, "row_weights", a.row_weights);
+  }
   if (a.bias.size() > 2) core::fail(ctx_, "{} bias tensors given, at most 2 are accepted", a.bias.size());
   for (std::size_t b = 0; b < a.bias.size(); ++b) {
     const std::string name = fmt::format("bias[{}]", b);
@@ -233,9 +244,13 @@ std::vector<std::byte> Combine::prepare() {
     mine_.weights = req_.topk_weights.data_as<const float>();
     mine_.weights_row = expand_ ? 1 : req_.topk_weights.stride(0);
   }
+  if (req_.row_weights.defined()) mine_.row_weights = req_.row_weights.data_as<const float>();
   mine_.num_tokens = shape_.tokens;
-  const PeerTensors shared = share_tensors(
-      engine_, mine_, {.x = view_extent(req_.x), .weights = has_weights_ ? view_extent(req_.topk_weights) : 0});
+  const PeerTensors shared =
+      share_tensors(engine_, mine_,
+                    {.x = view_extent(req_.x),
+                     .weights = has_weights_ ? view_extent(req_.topk_weights) : 0,
+                     .row_weights = req_.row_weights.defined() ? view_extent(req_.row_weights) : 0});
   const auto* bytes = reinterpret_cast<const std::byte*>(&shared);
   return {bytes, bytes + sizeof shared};
 }
@@ -245,6 +260,7 @@ void Combine::describe(comm::Agreement& agreement) const {
       .field("handle's dispatch number", plan_ ? static_cast<std::int64_t>(plan_->dispatch_sequence) : 0)
       .field("do_expand (handle)", expand_)
       .field("topk_weights given", has_weights_)
+      .field("row weights given", req_.row_weights.defined())
       .field("hidden", shape_.hidden);
 }
 
@@ -271,13 +287,14 @@ const std::uint16_t* Combine::rank_unit(int d, const std::int64_t* ids, const st
                                         const std::int32_t* expanded, int& scratch) const {
   if (!expand_) {
     for (int j = shape_.topk - 1; j >= 0; --j)
-      if (ids[j] >= 0 && geo_.rank_of_expert(ids[j]) == d) return row_of(d, rows[j]);
+      if (ids[j] >= 0 && geo_.rank_of_expert(ids[j]) == d) return row_of(d, rows[j], scratch);
     return nullptr;
   }
   std::array<const std::uint16_t*, kMaxTopk> lanes;
   int n = 0;
   for (int j = 0; j < shape_.topk; ++j)
-    if (ids[j] >= 0 && geo_.rank_of_expert(ids[j]) == d) lanes[static_cast<size_t>(n++)] = row_of(d, expanded[j]);
+    if (ids[j] >= 0 && geo_.rank_of_expert(ids[j]) == d)
+      lanes[static_cast<size_t>(n++)] = row_of(d, expanded[j], scratch);
   if (n == 1) return lanes[0];
   std::uint16_t* out = scratch_row(scratch++, shape_.hidden);
   core::sum_bf16_rows({lanes.data(), static_cast<size_t>(n)}, out, shape_.hidden);
@@ -319,7 +336,7 @@ Unit Combine::local_unit(const routing::UnitRef& ref, const std::int64_t* ids, c
                          const std::int32_t* expanded, int& scratch) const {
   switch (ref.kind) {
     case routing::UnitKind::kLane:
-      return {ref.key, row_of(geo_.rank_of_expert(ids[ref.target]), expanded[ref.target])};
+      return {ref.key, row_of(geo_.rank_of_expert(ids[ref.target]), expanded[ref.target], scratch)};
     case routing::UnitKind::kRank:
       return {ref.key, rank_unit(ref.target, ids, rows, expanded, scratch),
               expand_ ? nullptr : weight_row(ref.target, rows[ref.key])};

@@ -44,14 +44,24 @@ void Dispatch::allocate_outputs_unnamed(std::int64_t rows, std::int64_t expanded
   const std::int64_t out_rows = expand_ ? expanded_rows : rows;
   result.recv_x = Tensor::empty({out_rows, shape_.hidden}, x_dtype_);
   if (fp8_) {
-    if (req_.col_major_scales) {
+    const std::int64_t S = shape_.scale_columns;
+    if (req_.col_major_scales && stride_ > 0) {
+      const std::int64_t El = out_rows / stride_;
+      scale_layout_ = {.block = stride_, .columns = S};
+      Tensor storage = Tensor::empty({El, S, stride_}, scale_dtype_);
+      const std::int64_t shape[] = {El, stride_, S};
+      const std::int64_t strides[] = {stride_ * S, 1, stride_};
+      result.recv_x_scales = storage.with_view(TensorView(storage.data(), scale_dtype_, shape, strides));
+    } else if (req_.col_major_scales) {
       const std::int64_t padded = routing::align_up(std::max<std::int64_t>(out_rows, 1), 4);
-      Tensor storage = Tensor::empty({shape_.scale_columns, padded}, scale_dtype_);
-      const std::int64_t shape[] = {out_rows, shape_.scale_columns};
+      scale_layout_ = {.block = padded, .columns = S};
+      Tensor storage = Tensor::empty({S, padded}, scale_dtype_);
+      const std::int64_t shape[] = {out_rows, S};
       const std::int64_t strides[] = {1, padded};
       result.recv_x_scales = storage.with_view(TensorView(storage.data(), scale_dtype_, shape, strides));
     } else {
-      result.recv_x_scales = Tensor::empty({out_rows, shape_.scale_columns}, scale_dtype_);
+      scale_layout_ = {.block = 1, .columns = S};
+      result.recv_x_scales = Tensor::empty({out_rows, S}, scale_dtype_);
     }
   }
   if (!expand_) result.recv_topk_idx = Tensor::empty({rows, shape_.topk}, DType::kInt64);
@@ -88,7 +98,7 @@ void Dispatch::start_handle() {
   }
   s.facts = {.do_expand = expand_, .num_experts = shape_.experts, .expert_alignment = shape_.alignment,
              .num_max_tokens_per_rank = shape_.max_tokens, .num_tokens = shape_.tokens, .num_topk = shape_.topk,
-             .hidden = handle_hidden_, .num_recv_tokens = h.num_recv_tokens,
+             .hidden = handle_hidden_, .expert_stride = stride_, .num_recv_tokens = h.num_recv_tokens,
              .num_expanded_tokens = h.num_expanded_tokens};
   h.state = state_;
 }
@@ -188,7 +198,8 @@ void Dispatch::describe(comm::Agreement& agreement) const {
       .field("x_scales dtype", fp8_ ? std::optional(scale_dtype_) : std::nullopt)
       .field("topk_weights given", has_weights_)
       .field("expert_alignment", shape_.alignment)
-      .field("do_expand", expand_);
+      .field("do_expand", expand_)
+      .field("expert stride", stride_);
 }
 
 std::vector<PeerTensors> Dispatch::unpack_peers(const std::vector<std::span<const std::byte>>& payloads) {
@@ -208,7 +219,7 @@ std::vector<PeerTensors> Dispatch::unpack_peers(const std::vector<std::span<cons
 // The global layout from every rank's counts.
 void Dispatch::take_layout(const std::vector<std::span<const std::byte>>& payloads,
                            const std::vector<PeerTensors>& peers) {
-  state_->layout.reset(geo_, shape_.alignment);
+  state_->layout.reset(geo_, shape_.alignment, stride_);
   const int R = geo_.num_ranks, E = geo_.num_experts, G = geo_.num_nodes;
   for (int s = 0; s < R; ++s) {
     const std::byte* c = payloads[static_cast<size_t>(s)].data() + sizeof(PeerTensors);

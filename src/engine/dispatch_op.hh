@@ -90,6 +90,7 @@ class Dispatch final : public DispatchOperation {
   std::string ctx_;
 
   bool fp8_ = false, cached_ = false, cpu_sync_ = true, expand_ = false, has_weights_ = false;
+  int stride_ = 0;  // DispatchRequest::expert_stride (the handle's, cached)
   CallShape shape_;
   int workers_ = 1;
   int handle_hidden_ = 0;  // the handle's hidden: shape_.hidden, or the request's handle_hidden
@@ -103,11 +104,17 @@ class Dispatch final : public DispatchOperation {
   PeerTensors mine_;                    // this rank's tensors (before sharing)
   routing::LocalCounts counts_;
   std::vector<std::byte> record_scratch_;
+  // Where row r, column p of the output scales lives (DispatchRequest::col_major_scales): blocks
+  // of `block` rows, column-major within a block; block 1 is row-major.
+  struct ScaleLayout {
+    std::int64_t block = 1, columns = 0;
+    std::int64_t at(std::int64_t r, std::int64_t p) const { return (r / block) * (block * columns) + r % block + p * block; }
+  };
+  ScaleLayout scale_layout_;  // set with the outputs
   // copy_rows' output pointers, set before the parallel loop.
   struct Outputs {
     std::byte* x = nullptr;
     std::uint32_t* scales = nullptr;
-    std::int64_t scale_row = 0, scale_col = 0;
     std::int64_t* ids = nullptr;
     float* weights = nullptr;
   } out_;

@@ -127,8 +127,6 @@ void Dispatch::copy_rows(const std::vector<PeerTensors>& peers) {
   const int k = shape_.topk;
   out_.x = static_cast<std::byte*>(result.recv_x.data());
   out_.scales = fp8_ ? result.recv_x_scales.data_as<std::uint32_t>() : nullptr;
-  out_.scale_row = fp8_ ? result.recv_x_scales.stride(0) : 0;
-  out_.scale_col = fp8_ ? result.recv_x_scales.stride(1) : 0;
   out_.ids = expand_ ? nullptr : result.recv_topk_idx.data_as<std::int64_t>();
   out_.weights = has_weights_ ? result.recv_topk_weights.data_as<float>() : nullptr;
   std::int32_t* metadata = cached_ ? nullptr : result.handle->recv_src_metadata.data_as<std::int32_t>();
@@ -171,11 +169,12 @@ void Dispatch::copy_row(const std::vector<PeerTensors>& peers, std::int64_t i, s
   }
   auto copy_scales = [&](std::int64_t out_row) {
     if (!fp8_) return;
-    std::uint32_t* dst = out_.scales + out_row * out_.scale_row;
-    if (scale_step == 1 && out_.scale_col == 1) {
+    std::uint32_t* dst = out_.scales + scale_layout_.at(out_row, 0);
+    const std::int64_t step = scale_layout_.block;
+    if (scale_step == 1 && step == 1) {
       std::memcpy(dst, scales, sizeof(std::uint32_t) * static_cast<size_t>(P));
     } else {
-      for (int p = 0; p < P; ++p) dst[p * out_.scale_col] = scales[p * scale_step];
+      for (int p = 0; p < P; ++p) dst[p * step] = scales[p * scale_step];
     }
   };
   const std::int32_t* local = &plan.local_ids[static_cast<size_t>(i) * k];
@@ -213,13 +212,11 @@ void Dispatch::zero_padding() {
   for (int i = 0; i < El; ++i) {
     const int e = me * El + i;
     const std::int64_t begin = layout.expert_start(e) + layout.expert_total(e);
-    const std::int64_t end = layout.expert_start(e) + routing::align_up(layout.expert_total(e), shape_.alignment);
+    const std::int64_t end = layout.expert_start(e) + (stride_ > 0 ? stride_ : routing::align_up(layout.expert_total(e), shape_.alignment));
     for (std::int64_t r = begin; r < end; ++r) {
       std::memset(static_cast<std::byte*>(result.recv_x.data()) + r * row_bytes_, 0, static_cast<size_t>(row_bytes_));
       if (fp8_)
-        for (int p = 0; p < shape_.scale_columns; ++p)
-          result.recv_x_scales.data_as<std::uint32_t>()[r * result.recv_x_scales.stride(0) +
-                                                        p * result.recv_x_scales.stride(1)] = 0;
+        for (int p = 0; p < shape_.scale_columns; ++p) result.recv_x_scales.data_as<std::uint32_t>()[scale_layout_.at(r, p)] = 0;
       if (has_weights_) result.recv_topk_weights.data_as<float>()[r] = 0.0f;
     }
   }

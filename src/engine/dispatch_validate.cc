@@ -38,6 +38,8 @@ void Dispatch::take_sizes() {
       core::fail(ctx_, "num_max_tokens_per_rank = {} differs from the handle's {}", a.max_tokens,
                  h.num_max_tokens_per_rank);
     if (a.expand != h.do_expand) core::fail(ctx_, "do_expand = {} differs from the handle's {}", a.expand, h.do_expand);
+    if (a.expert_stride != h.expert_stride)
+      core::fail(ctx_, "the expert stride {} differs from the handle's {}", a.expert_stride, h.expert_stride);
     shape_.experts = h.num_experts;
     shape_.topk = h.num_topk;
     shape_.alignment = h.expert_alignment;
@@ -50,6 +52,7 @@ void Dispatch::take_sizes() {
     cpu_sync_ = a.cpu_sync;
   }
   expand_ = a.expand;
+  stride_ = a.expert_stride;
 }
 
 // x and its scales.
@@ -131,6 +134,8 @@ void Dispatch::check_options() {
     core::expect_contiguous(ctx_, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats);
   }
   if (a.zero_padding && !a.expand) core::fail(ctx_, "do_zero_padding = true requires do_expand = true");
+  if (stride_ < 0) core::fail(ctx_, "the expert stride {} is negative", stride_);
+  if (stride_ > 0 && !a.expand) core::fail(ctx_, "an expert stride ({}) requires do_expand = true", stride_);
   if (shape_.max_tokens == 0 && !cpu_sync_ && a.worst_rows <= 0)
     core::fail(ctx_, "outputs of worst-case size need num_max_tokens_per_rank or a worst-case row count");
   if (a.worst_rows < 0) core::fail(ctx_, "the worst-case row count {} is negative", a.worst_rows);
@@ -150,7 +155,9 @@ void Dispatch::check_options() {
 void Dispatch::check_capacity(int tokens_bound) const {
   const int k = shape_.topk, El = shape_.local_experts, H = shape_.hidden;
   const std::int64_t worst =
-      static_cast<std::int64_t>(tokens_bound) * engine_.facts.num_ranks * std::min(k, El) + std::int64_t{shape_.alignment} * El;
+      std::max(static_cast<std::int64_t>(tokens_bound) * engine_.facts.num_ranks * std::min(k, El) +
+                   std::int64_t{shape_.alignment} * El,
+               std::int64_t{stride_} * El);
   if (worst > (std::int64_t{1} << 31) - 1)
     core::fail(ctx_, "num_max_tokens_per_rank = {} x {} ranks x min(k, local experts) = {} rows exceed the int32 "
                "row index", tokens_bound, engine_.facts.num_ranks, worst);
@@ -173,6 +180,12 @@ void Dispatch::check_gathered(const std::vector<PeerTensors>& peers) {
     shape_.max_tokens = std::max(shape_.max_tokens, 1);
     check_capacity(shape_.max_tokens);
   }
+  if (!cached_) {
+    const int e = plan_->layout.expert_over_stride();
+    if (e >= 0)
+      throw InvalidArgument(fmt::format("{}: expert {} receives {} rows, more than the expert stride {}", ctx_, e,
+                                        plan_->layout.expert_total(e), stride_));
+  }
   if (req_.worst_rows > 0 && !cached_) {
     for (int d = 0; d < geo_.num_ranks; ++d)
       if (plan_->layout.rows_at(d) > req_.worst_rows)
@@ -190,6 +203,7 @@ std::int64_t Dispatch::worst_rows() const {
 
 std::int64_t Dispatch::worst_expanded_rows() const {
   if (cached_) return cached_state_->facts.num_expanded_tokens;
+  if (stride_ > 0) return static_cast<std::int64_t>(stride_) * shape_.local_experts;
   const int A = shape_.alignment, El = shape_.local_experts;
   return routing::align_up(static_cast<std::int64_t>(engine_.facts.num_ranks) * shape_.max_tokens *
                                std::min(shape_.topk, El) + static_cast<std::int64_t>(A - 1) * El, A);

@@ -338,6 +338,7 @@ PeerTensors share_tensors(Engine& engine, const PeerTensors& mine, const TensorE
       {mine.scales, mine.scales ? extents.scales : 0},
       {mine.weights, mine.weights ? extents.weights : 0},
       {mine.topk, mine.topk ? extents.topk : 0},
+      {mine.row_weights, mine.row_weights ? extents.row_weights : 0},
   };
   const auto published = engine.transport().share(spans);
   PeerTensors p = mine;
@@ -345,6 +346,7 @@ PeerTensors share_tensors(Engine& engine, const PeerTensors& mine, const TensorE
   p.scales = static_cast<const std::byte*>(published[1]);
   p.weights = static_cast<const float*>(published[2]);
   p.topk = static_cast<const std::int64_t*>(published[3]);
+  p.row_weights = static_cast<const float*>(published[4]);
   return p;
 }
 
@@ -359,6 +361,7 @@ void resolve_tensors(Engine& engine, std::vector<PeerTensors>& peers, const Peer
       p.scales = static_cast<const std::byte*>(t.node_address(r, p.scales));
       p.weights = static_cast<const float*>(t.node_address(r, p.weights));
       p.topk = static_cast<const std::int64_t*>(t.node_address(r, p.topk));
+      p.row_weights = static_cast<const float*>(t.node_address(r, p.row_weights));
     }
   }
 }

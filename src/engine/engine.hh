@@ -152,6 +152,7 @@ using routing::RowSource;
 struct HandleFacts {
   bool do_expand = false;
   int num_experts = 0, expert_alignment = 1, num_max_tokens_per_rank = 0, num_tokens = 0, num_topk = 0, hidden = 0;
+  int expert_stride = 0;  // DispatchRequest::expert_stride
   std::int64_t num_recv_tokens = 0, num_expanded_tokens = 0;
 };
 
@@ -177,6 +178,7 @@ struct PeerTensors {
   std::int64_t scale_stride[2] = {0, 0};  // elements
   const float* weights = nullptr;
   std::int64_t weights_row = 0;  // elements between rows (1-D expanded weights: 1)
+  const float* row_weights = nullptr;  // combine: CombineRequest::row_weights
   const std::int64_t* topk = nullptr;
   std::int64_t topk_row = 0;
   std::int32_t num_tokens = 0;
@@ -189,7 +191,7 @@ std::size_t view_extent(const TensorView& view);
 // Makes this rank's tensors readable by its node peers (Transport::share); returns what to
 // publish. Extents are in bytes (view_extent).
 struct TensorExtents {
-  std::size_t x = 0, scales = 0, weights = 0, topk = 0;
+  std::size_t x = 0, scales = 0, weights = 0, topk = 0, row_weights = 0;
 };
 PeerTensors share_tensors(Engine& engine, const PeerTensors& mine, const TensorExtents& extents);
 // Turns what ranks of this node published into addresses here; this rank's entry becomes `mine`.
@@ -212,7 +214,17 @@ struct DispatchRequest {
   bool async = false;
   bool do_handle_copy = true;
   bool cpu_sync = true;
-  bool expand = false, zero_padding = false, col_major_scales = false;
+  bool expand = false, zero_padding = false;
+  // Expanded layout with a fixed expert stride: local expert i's rows start at row i x
+  // expert_stride and are at most expert_stride (routing::GlobalLayout; more is InvalidArgument on
+  // every rank); the output has El x expert_stride rows, rows past a count are padding. 0: expert
+  // groups packed at expert_alignment.
+  int expert_stride = 0;
+  // FP8 scales column-major within blocks of B rows: row r, column p of recv_x_scales lives at
+  // (r / B) * (B * S) + r % B + p * B of its storage. Off: B = 1 (row-major [rows, S]); on without
+  // an expert stride: B = the rows padded to 4 (storage [S, padded], viewed [rows, S]); on with an
+  // expert stride: B = expert_stride (storage [El, S, stride], viewed [El, stride, S], token stride 1).
+  bool col_major_scales = false;
   std::int64_t worst_rows = 0;          // compact rows of worst-case outputs; 0: T * R
   bool zero_nonlocal_weights = false;   // received weights are 0 where the expert is not local
   std::vector<std::int32_t> expert_counts;  // announce these per-expert counts instead of counting ids
@@ -234,6 +246,9 @@ struct CombineRequest {
   TensorView x;
   std::shared_ptr<const EPHandle> handle;
   TensorView topk_weights;
+  // Expanded layout only: weights of the input rows, float32 [rows]. Input row r then counts as
+  // bf16(row_weights[r] * float(x[r])) element-wise (FP32 product, one rounding), formed in scratch.
+  TensorView row_weights;
   std::vector<TensorView> bias;
   std::function<int(int, int)> workers = [](int, int) { return 1; };
   int num_qps = 0;

@@ -66,9 +66,10 @@ void count_local(const TopkRows& topk, const Geometry& geometry, LocalCounts& ou
   }
 }
 
-void GlobalLayout::reset(const Geometry& geometry, int alignment) {
+void GlobalLayout::reset(const Geometry& geometry, int alignment, int expert_stride) {
   geo_ = geometry;
   alignment_ = alignment;
+  expert_stride_ = expert_stride;
   const auto R = static_cast<size_t>(geometry.num_ranks), E = static_cast<size_t>(geometry.num_experts),
              G = static_cast<size_t>(geometry.num_nodes);
   count_rank_.assign(R * R, 0);
@@ -96,7 +97,8 @@ void GlobalLayout::finish() {
     for (int i = 0; i < El; ++i) {
       const int e = d * El + i;
       expert_start_[static_cast<size_t>(e)] = start;
-      start += static_cast<std::int32_t>(align_up(expert_total_[static_cast<size_t>(e)], alignment_));
+      start += expert_stride_ > 0 ? expert_stride_
+                                  : static_cast<std::int32_t>(align_up(expert_total_[static_cast<size_t>(e)], alignment_));
     }
     expanded_rows_at_[static_cast<size_t>(d)] = start;
   }
@@ -107,6 +109,13 @@ void GlobalLayout::finish() {
       base += expert_count(s, e);
     }
   }
+}
+
+int GlobalLayout::expert_over_stride() const {
+  if (expert_stride_ <= 0) return -1;
+  for (int e = 0; e < geo_.num_experts; ++e)
+    if (expert_total_[static_cast<size_t>(e)] > expert_stride_) return e;
+  return -1;
 }
 
 void RowAssigner::start(const GlobalLayout& layout, int source) {

@@ -9,7 +9,8 @@
 // Receive order is fixed: destination d stores the tokens of source 0, then source 1, ...;
 // each source's tokens in ascending token index. Expanded (per-expert) layouts hold, for each
 // local expert, its (token, lane) pairs in the same (source, token) order, each expert block
-// padded to a multiple of the alignment. Because every party derives rows from the same
+// padded to a multiple of the alignment, or (with a fixed expert stride S) local expert i's block
+// starting at row i x S and holding at most S rows, the rest of it padding. Because every party derives rows from the same
 // gathered counts with RowAssigner, sources, forwarders and receivers agree on every row without
 // exchanging row indices.
 #pragma once
@@ -68,7 +69,10 @@ void count_local(const TopkRows& topk, const Geometry& geometry, LocalCounts& ou
 // Everyone's counts and the row bases derived from them.
 class GlobalLayout {
  public:
-  void reset(const Geometry& geometry, int alignment);
+  // expert_stride > 0: local expert i's block starts at expanded row i x expert_stride (at most
+  // that many rows: a larger count is the caller's to refuse, see expert_over_stride), each rank
+  // has El x expert_stride expanded rows; 0: blocks packed, each padded to the alignment.
+  void reset(const Geometry& geometry, int alignment, int expert_stride = 0);
   // Source s's counts; call for every source, then finish().
   std::int32_t* per_rank_counts(int s) { return &count_rank_[idx(s, 0, geo_.num_ranks)]; }
   std::int32_t* per_expert_counts(int s) { return &count_expert_[idx(s, 0, geo_.num_experts)]; }
@@ -77,6 +81,9 @@ class GlobalLayout {
 
   const Geometry& geometry() const { return geo_; }
   int alignment() const { return alignment_; }
+  int expert_stride() const { return expert_stride_; }
+  // The first expert (global id) whose count exceeds the expert stride, or -1.
+  int expert_over_stride() const;
   std::int32_t count(int src, int dst) const { return count_rank_[idx(src, dst, geo_.num_ranks)]; }
   std::int32_t expert_count(int src, int e) const { return count_expert_[idx(src, e, geo_.num_experts)]; }
   std::int32_t node_count(int src, int node) const { return count_node_[idx(src, node, geo_.num_nodes)]; }
@@ -94,6 +101,7 @@ class GlobalLayout {
 
   Geometry geo_;
   int alignment_ = 1;
+  int expert_stride_ = 0;
   std::vector<std::int32_t> count_rank_, count_expert_, count_node_;
   std::vector<std::int32_t> row_base_, expanded_base_;
   std::vector<std::int32_t> rows_at_, expanded_rows_at_, expert_total_, expert_start_;
