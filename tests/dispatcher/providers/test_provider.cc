@@ -1,7 +1,9 @@
 // A provider library for the dispatcher tests: this library's own buffers behind a table whose
 // name, generations, init result, ABI version and entry symbol are chosen at compile time, so
-// each variant is a real shared library that the probe loads with dlopen.
+// each variant is a real shared library that the probe loads with dlopen. TEST_PROVIDER_WRAP_ELASTIC
+// puts the V2 buffer behind a backend class of this library (not the built-in one).
 #include <cstdint>
+#include <memory>
 
 #include "moe_ep/error.hpp"
 #include "moe_ep/provider.hpp"
@@ -26,13 +28,33 @@ const char* init() {
 #endif
 }
 
+#ifdef TEST_PROVIDER_WRAP_ELASTIC
+// A backend of this library only, not the built-in one: the dispatcher reaches it through the
+// provider interface alone (as it would another implementation's).
+class Forwarding final : public moe_ep::provider::ElasticBackend {
+ public:
+  explicit Forwarding(moe_ep::provider::ElasticBackend* inner) : inner_(inner) {}
+  moe_ep::DispatchResult dispatch(const moe_ep::DispatchArgs& args) override { return inner_->dispatch(args); }
+  moe_ep::CombineResult combine(const moe_ep::CombineArgs& args) override { return inner_->combine(args); }
+  std::int64_t num_bytes() const override { return inner_->num_bytes(); }
+  void destroy() override { inner_->destroy(); }
+
+ private:
+  std::unique_ptr<moe_ep::provider::ElasticBackend> inner_;
+};
+#endif
+
 moe_ep::provider::ElasticBackend* create_elastic(moe_ep::Group& group, const moe_ep::ElasticBufferConfig& config) {
 #ifdef TEST_PROVIDER_FAIL_HIDDEN
   // A constructor that fails for one shape (as a device out of memory would), on every rank.
   if (config.hidden == TEST_PROVIDER_FAIL_HIDDEN)
     throw moe_ep::CapacityError("test provider: cannot allocate the buffer for this shape", 1LL << 40, 1LL << 30);
 #endif
+#ifdef TEST_PROVIDER_WRAP_ELASTIC
+  return new Forwarding(builtin().create_elastic(group, config));
+#else
   return builtin().create_elastic(group, config);
+#endif
 }
 
 Table make_table() {
