@@ -108,7 +108,9 @@ class Dispatch final : public DispatchOperation {
   // of `block` rows, column-major within a block; block 1 is row-major.
   struct ScaleLayout {
     std::int64_t block = 1, columns = 0;
-    std::int64_t at(std::int64_t r, std::int64_t p) const { return (r / block) * (block * columns) + r % block + p * block; }
+    std::int64_t at(std::int64_t r, std::int64_t p) const {
+      return (r / block) * (block * columns) + r % block + p * block;
+    }
   };
   ScaleLayout scale_layout_;  // set with the outputs
   // copy_rows' output pointers, set before the parallel loop.

@@ -212,11 +212,13 @@ void Dispatch::zero_padding() {
   for (int i = 0; i < El; ++i) {
     const int e = me * El + i;
     const std::int64_t begin = layout.expert_start(e) + layout.expert_total(e);
-    const std::int64_t end = layout.expert_start(e) + (stride_ > 0 ? stride_ : routing::align_up(layout.expert_total(e), shape_.alignment));
+    const std::int64_t block = stride_ > 0 ? stride_ : routing::align_up(layout.expert_total(e), shape_.alignment);
+    const std::int64_t end = layout.expert_start(e) + block;
     for (std::int64_t r = begin; r < end; ++r) {
       std::memset(static_cast<std::byte*>(result.recv_x.data()) + r * row_bytes_, 0, static_cast<size_t>(row_bytes_));
       if (fp8_)
-        for (int p = 0; p < shape_.scale_columns; ++p) result.recv_x_scales.data_as<std::uint32_t>()[scale_layout_.at(r, p)] = 0;
+        for (int p = 0; p < shape_.scale_columns; ++p)
+          result.recv_x_scales.data_as<std::uint32_t>()[scale_layout_.at(r, p)] = 0;
       if (has_weights_) result.recv_topk_weights.data_as<float>()[r] = 0.0f;
     }
   }

@@ -97,8 +97,8 @@ void GlobalLayout::finish() {
     for (int i = 0; i < El; ++i) {
       const int e = d * El + i;
       expert_start_[static_cast<size_t>(e)] = start;
-      start += expert_stride_ > 0 ? expert_stride_
-                                  : static_cast<std::int32_t>(align_up(expert_total_[static_cast<size_t>(e)], alignment_));
+      const std::int32_t total = expert_total_[static_cast<size_t>(e)];
+      start += expert_stride_ > 0 ? expert_stride_ : static_cast<std::int32_t>(align_up(total, alignment_));
     }
     expanded_rows_at_[static_cast<size_t>(d)] = start;
   }

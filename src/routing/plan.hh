@@ -10,9 +10,9 @@
 // each source's tokens in ascending token index. Expanded (per-expert) layouts hold, for each
 // local expert, its (token, lane) pairs in the same (source, token) order, each expert block
 // padded to a multiple of the alignment, or (with a fixed expert stride S) local expert i's block
-// starting at row i x S and holding at most S rows, the rest of it padding. Because every party derives rows from the same
-// gathered counts with RowAssigner, sources, forwarders and receivers agree on every row without
-// exchanging row indices.
+// starting at row i x S and holding at most S rows, the rest of it padding. Because every party
+// derives rows from the same gathered counts with RowAssigner, sources, forwarders and receivers
+// agree on every row without exchanging row indices.
 #pragma once
 
 #include <array>

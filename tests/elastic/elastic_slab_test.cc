@@ -68,7 +68,8 @@ void check_dispatch(const CaseSpec& spec, const std::vector<RankInputs>& all, co
     for (int p = 0; p < S; ++p)  // storage [El, S, stride]
       if (scales[(i * S + p) * stride + t] != src.scales[static_cast<size_t>(from.token * S + p)])
         bad.push_back("slab scale of row " + std::to_string(row) + " column " + std::to_string(p) + " differs");
-    if (res.recv_topk_weights.data_as<const float>()[row] != src.weights[static_cast<size_t>(from.token * spec.k + lane)])
+    const float weight = src.weights[static_cast<size_t>(from.token * spec.k + lane)];
+    if (res.recv_topk_weights.data_as<const float>()[row] != weight)
       bad.push_back("weight of slab row " + std::to_string(row) + " differs");
   }
 }
