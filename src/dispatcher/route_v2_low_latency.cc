@@ -83,10 +83,7 @@ class V2LowLatencyRoute final : public Route {
     }
   }
 
-  Tensor finish_combine() override {
-    combined_.event.wait();
-    return combined_.combined_x;
-  }
+  Tensor finish_combine() override { return wait_combined(combined_); }
 
  private:
   std::int64_t rows_per_expert() const { return std::int64_t{c_.ranks()} * c_.cap(); }
