@@ -367,14 +367,6 @@ void LowLatencyCombine::combine_token(int64_t t) {
 }  // namespace
 
 LowLatencyCombineResult low_latency_combine(BufferCore& core, const LowLatencyCombineArgs& args) {
-  auto& e = core.engine;
-  e.check_usable("low_latency_combine");
-  auto op = std::make_shared<LowLatencyCombine>(core, args, e.next_sequence());
-  auto result = e.execute(op, args.async_finish);
-  if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive] {
-    if (!*alive) throw StateError("low_latency_combine: the receive hook was called after its buffer was destroyed");
-    op->receive(false);
-  });
-  return result;
+  return run_low_latency<LowLatencyCombine>(core, "low_latency_combine", args);
 }
 }  // namespace moe_ep::legacy

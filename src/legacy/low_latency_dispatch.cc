@@ -503,14 +503,6 @@ void LowLatencyDispatch::add_receive_stats(const std::vector<int64_t>& waited) {
 }  // namespace
 
 LowLatencyDispatchResult low_latency_dispatch(BufferCore& core, const LowLatencyDispatchArgs& args) {
-  auto& e = core.engine;
-  e.check_usable("low_latency_dispatch");
-  auto op = std::make_shared<LowLatencyDispatch>(core, args, e.next_sequence());
-  auto result = e.execute(op, args.async_finish);
-  if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive] {
-    if (!*alive) throw StateError("low_latency_dispatch: the receive hook was called after its buffer was destroyed");
-    op->receive(false);
-  });
-  return result;
+  return run_low_latency<LowLatencyDispatch>(core, "low_latency_dispatch", args);
 }
 }  // namespace moe_ep::legacy

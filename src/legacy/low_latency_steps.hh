@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 #include <exception>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,8 @@
 #include "engine/counted_exchange.hh"
 #include "engine/engine.hh"
 #include "legacy/buffer_core.hh"
+#include "moe_ep/error.hpp"
+#include "moe_ep/legacy_buffer.hpp"
 
 namespace moe_ep::legacy {
 
@@ -49,6 +52,21 @@ template <class Sends>
 void expect_other_nodes(const engine::Engine& engine, engine::CountedExchange& exchange, Sends&& sends) {
   for (int r = 0; r < engine.facts.num_ranks; ++r)
     if (!engine.facts.same_node(r) && sends(r)) exchange.expect(r);
+}
+
+// Runs low-latency operation Op (`name` names it in messages) on `args`; with return_recv_hook the
+// result's hook does the receiving later, and refuses to once the buffer is gone.
+template <class Op, class Args>
+auto run_low_latency(BufferCore& core, const char* name, const Args& args) {
+  auto& e = core.engine;
+  e.check_usable(name);
+  auto op = std::make_shared<Op>(core, args, e.next_sequence());
+  auto result = e.execute(op, args.async_finish);
+  if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive, name] {
+    if (!*alive) throw StateError(std::string(name) + ": the receive hook was called after its buffer was destroyed");
+    op->receive(false);
+  });
+  return result;
 }
 
 // A low-latency operation's validation: runs `check` (the arguments), then takes the call's slot
