@@ -272,11 +272,9 @@ class LocalTransport final : public Transport {
   }
 
   void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
-    try {
-      if (!channel_->abandoned.leave(rank(), {reason, culprits})) return;
-    } catch (...) {
-      return;  // no memory left even for the reason: the peers will time out instead
-    }
+    // Without memory left even for the reason, the peers time out instead.
+    bool left_now = false;
+    if (core::capture([&] { left_now = channel_->abandoned.leave(rank(), {reason, culprits}); }) || !left_now) return;
     // seq_cst: either a node peer opening a section sees the flag set above, or this loop sees its
     // section open (and waits for it to close).
     const int first = node_first_rank();

@@ -27,6 +27,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/failure.hh"
+
 namespace moe_ep::core {
 
 enum class Level : int { kOff = 0, kVersion = 1, kWarn = 2, kInfo = 3, kTrace = 4 };
@@ -94,10 +96,8 @@ inline bool enabled(Level level, Subsys subsys) {
 template <class... Args>
 void log(Level level, Subsys subsys, fmt::format_string<Args...> format, Args&&... args) noexcept {
   if (!enabled(level, subsys)) return;
-  try {
-    detail::write(level, subsys, fmt::format(format, std::forward<Args>(args)...));
-  } catch (...) {  // out of memory while logging: the line is lost, nothing else
-  }
+  // Out of memory while logging: the line is lost, nothing else.
+  (void)capture([&] { detail::write(level, subsys, fmt::format(format, std::forward<Args>(args)...)); });
 }
 
 template <class... Args>
@@ -108,10 +108,7 @@ void warn(Subsys subsys, fmt::format_string<Args...> format, Args&&... args) noe
 // enabled, else the same line on stderr.
 template <class... Args>
 void warn_always(Subsys subsys, fmt::format_string<Args...> format, Args&&... args) noexcept {
-  try {
-    detail::write_always(subsys, fmt::format(format, std::forward<Args>(args)...));
-  } catch (...) {
-  }
+  (void)capture([&] { detail::write_always(subsys, fmt::format(format, std::forward<Args>(args)...)); });
 }
 template <class... Args>
 void info(Subsys subsys, fmt::format_string<Args...> format, Args&&... args) noexcept {

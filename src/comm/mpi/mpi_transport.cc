@@ -28,6 +28,7 @@
 #include "comm/transport.hh"
 #include "comm/wait.hh"
 #include "core/host_allocator.hh"
+#include "core/failure.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
 #include "core/env_vars.hh"
@@ -266,10 +267,8 @@ class MpiTransport final : public Transport {
     // Either a node peer opening a section sees the flag, or the loop below sees its section open
     // and waits for it to close.
     if (!control_.page().abandon(reason, culprits)) return;
-    try {
-      messenger_.abandon({reason, culprits}, 1.0);
-    } catch (...) {
-    }
+    // Best effort: without memory for the notice, the peers time out instead.
+    (void)core::capture([&] { messenger_.abandon({reason, culprits}, 1.0); });
     // Sections are bounded work; a peer whose process is gone reads nothing any more.
     Backoff backoff(std::max(timeout_, 1.0));
     for (int m = 0; m < static_cast<int>(peer_control_.size()); ++m) {
