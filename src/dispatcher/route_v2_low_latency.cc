@@ -39,7 +39,7 @@ class V2LowLatencyRoute final : public Route {
                    .topk_weights = in.topk_weights,
                    .num_experts = c_.options.num_experts,
                    .num_max_tokens_per_rank = c_.cap(),
-                   .expert_alignment = rows_per_expert(),
+                   .expert_alignment = static_cast<int>(rows_per_expert()),
                    .num_sms = *c_.options.num_workers,
                    .async_with_compute_stream = true,
                    .do_cpu_sync = false,
