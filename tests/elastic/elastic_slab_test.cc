@@ -4,6 +4,7 @@
 // the dense reference (tests/reference, with weight_lanes: lanes bf16(w x y), then V2's order).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "elastic/elastic_access.hh"
@@ -111,7 +112,7 @@ void run_slab_case(Group& group, const CaseSpec& spec, std::vector<std::string>&
                                                    {.row_weights = res.recv_topk_weights});
   c.event.wait();
   const reference::RefCombine expected = reference::reference_combine(spec, all, me, 1.0f);
-  if (std::memcmp(c.combined_x.data(), expected.x.data(), expected.x.size() * sizeof(std::uint16_t)) != 0)
+  if (!std::equal(expected.x.begin(), expected.x.end(), c.combined_x.data_as<const std::uint16_t>()))
     bad.push_back("combined_x differs from the reference");
 }
 
