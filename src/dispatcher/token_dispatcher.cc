@@ -270,13 +270,13 @@ class DispatcherState {
   void validate_combine(const Slot& s, const Tensor& y) const;
 };
 
-// Releases a micro-batch's slot (and its hold on the buffer) when the step that uses it fails;
-// the handle goes with a failed step. Steps that end the slot's use release it themselves.
 // Runs the hooks registered at `point`; returns what one of them threw, as thrown.
 std::exception_ptr hooks_failure(DispatcherState& state, HookPoint point, int micro_batch) {
   return core::capture([&] { state.run_hooks(point, micro_batch, state.slots[micro_batch].mode); });
 }
 
+// Releases a micro-batch's slot (and its hold on the buffer) when the step that uses it fails;
+// the handle goes with a failed step. Steps that end the slot's use release it themselves.
 class ReleaseOnFailure {
  public:
   ReleaseOnFailure(DispatcherState& state, Slot& slot)

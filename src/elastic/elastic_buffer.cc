@@ -194,18 +194,10 @@ engine::CombineRequest combine_request(engine::Engine& engine, const CombineArgs
 
 }  // namespace
 
-DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) {
-  engine_->check_usable("dispatch");
-  return engine_->execute(
-      engine::make_dispatch(*engine_, dispatch_request(*engine_, config_, args), engine_->next_sequence()),
-      args.async_with_compute_stream);
-}
+// The public calls are the internal ones without extras: one path from the arguments to the engine.
+DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) { return elastic::Access::dispatch(*this, args, {}); }
 
-CombineResult ElasticBuffer::combine(const CombineArgs& args) {
-  engine_->check_usable("combine");
-  return engine_->execute(engine::make_combine(*engine_, combine_request(*engine_, args), engine_->next_sequence()),
-                          args.async_with_compute_stream);
-}
+CombineResult ElasticBuffer::combine(const CombineArgs& args) { return elastic::Access::combine(*this, args, {}); }
 
 DispatchResult elastic::Access::dispatch(ElasticBuffer& buffer, const DispatchArgs& args,
                                          const DispatchExtras& extras) {
