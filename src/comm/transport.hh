@@ -18,6 +18,11 @@
 //    bytes into a message that leaves by the next signal() to that peer at the latest). Puts to
 //    one peer between two signals write disjoint bytes (the order of writes to one byte within
 //    that span is not defined; the MPI transport refuses such a message).
+//  - put_retained(): like put(), but the transport may read `src` until finish_retained()
+//    returns, so it can send the bytes from where they are instead of copying them first (the MPI
+//    transport sends them with a derived datatype). The caller keeps those bytes valid and
+//    unchanged until then; the in-process transport copies at once. finish_retained() waits until
+//    every retained source was read (its sends completed) and is a wait like the others.
 //  - share(): this rank's own memory (user tensors) that node peers read through node_address()
 //    stays readable until this rank's next share() on the same transport.
 //
@@ -152,6 +157,11 @@ class Transport {
 
   // Scale-out, one-sided.
   virtual void put(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) = 0;
+  virtual void put_retained(int peer, SymmetricMemory& memory, std::size_t offset, const void* src,
+                            std::size_t bytes) {
+    put(peer, memory, offset, src, bytes);
+  }
+  virtual void finish_retained(const Wait& wait) {}
   virtual void signal(int peer) = 0;
   // Waits until, for each i, the counter of source peers[i] reached targets[i].
   virtual void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets,

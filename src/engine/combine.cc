@@ -154,6 +154,7 @@ class Combine final : public CombineOperation {
   std::string ctx_;
   const HandleState* plan_ = nullptr;
   PeerTensors mine_;  // this rank's input rows and weights (before sharing)
+  std::size_t own_x_bytes_ = 0;  // the extent of mine_.x
   bool expand_ = false, multi_ = true, has_weights_ = false;
   CallShape shape_;
   std::array<float, kMaxTopk> send_weights_{};
@@ -240,6 +241,7 @@ std::vector<std::byte> Combine::prepare() {
   engine_.limit_inflight(req_.num_qps);
   mine_.x = static_cast<const std::byte*>(req_.x.data());
   mine_.x_row_bytes = req_.x.stride(0) * 2;
+  own_x_bytes_ = view_extent(req_.x);
   if (has_weights_) {
     mine_.weights = req_.topk_weights.data_as<const float>();
     mine_.weights_row = expand_ ? 1 : req_.topk_weights.stride(0);
@@ -351,7 +353,15 @@ Unit Combine::local_unit(const routing::UnitRef& ref, const std::int64_t* ids, c
 void Combine::put_record(CountedExchange& contributions, int peer, int key, std::int32_t token,
                          const std::uint16_t* payload, const float* weights) {
   const std::int64_t offset = (static_cast<std::int64_t>(key) * shape_.max_tokens + token) * record_.bytes;
-  contributions.put(peer, static_cast<std::size_t>(offset), payload, static_cast<std::size_t>(shape_.hidden) * 2);
+  const std::size_t row_bytes = static_cast<std::size_t>(shape_.hidden) * 2;
+  // A row of this rank's input is sent from there (valid for the whole call); sums and weighted
+  // rows live in scratch that the next token reuses, so they are copied.
+  const auto at = reinterpret_cast<std::uintptr_t>(payload), own = reinterpret_cast<std::uintptr_t>(mine_.x);
+  if (at >= own && at - own < own_x_bytes_) {
+    contributions.put_retained(peer, static_cast<std::size_t>(offset), payload, row_bytes);
+  } else {
+    contributions.put(peer, static_cast<std::size_t>(offset), payload, row_bytes);
+  }
   contributions.put(peer, static_cast<std::size_t>(offset + record_.weights_offset), weights,
                     sizeof(float) * static_cast<std::size_t>(shape_.topk));
 }

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <utility>
 
+#include "core/failure.hh"
 #include "engine/engine.hh"
 #include "moe_ep/error.hpp"
 
@@ -10,6 +11,16 @@ namespace moe_ep::engine {
 
 CountedExchange::CountedExchange(Engine& engine, std::string phase)
     : engine_(engine), phase_(std::move(phase)), written_(static_cast<std::size_t>(engine.facts.num_ranks), false) {}
+
+CountedExchange::~CountedExchange() {
+  // After a failure: the sources must not be read once the operation returns.
+  if (retained_) (void)core::capture([&] { finish_retained(); });
+}
+
+void CountedExchange::finish_retained() {
+  retained_ = false;
+  engine_.transport().finish_retained(engine_.facts.wait(phase_.c_str()));
+}
 
 void CountedExchange::expect(int source) {
   if (waited_) throw StateError(phase_ + ": expectation added after the wait");
@@ -19,6 +30,12 @@ void CountedExchange::expect(int source) {
 
 void CountedExchange::put(int peer, std::size_t offset, const void* src, std::size_t bytes) {
   engine_.transport().put(peer, engine_.memory(), offset, src, bytes);
+  written_[static_cast<std::size_t>(peer)] = true;
+}
+
+void CountedExchange::put_retained(int peer, std::size_t offset, const void* src, std::size_t bytes) {
+  retained_ = true;
+  engine_.transport().put_retained(peer, engine_.memory(), offset, src, bytes);
   written_[static_cast<std::size_t>(peer)] = true;
 }
 
@@ -33,9 +50,10 @@ void CountedExchange::signal_written() {
 std::int64_t CountedExchange::wait() {
   if (waited_) throw StateError(phase_ + ": waited twice");
   waited_ = true;
-  if (sources_.empty()) return 0;
   const auto start = std::chrono::steady_clock::now();
-  engine_.transport().wait_signals(sources_, targets_, engine_.facts.wait(phase_.c_str()));
+  if (!sources_.empty()) engine_.transport().wait_signals(sources_, targets_, engine_.facts.wait(phase_.c_str()));
+  if (retained_) finish_retained();
+  if (sources_.empty()) return 0;
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 

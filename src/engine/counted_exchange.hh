@@ -9,7 +9,9 @@
 //  - expectations are cumulative per source over the engine's life (Engine::expect_signal), so
 //    they must be counted in call order on every rank: expect() at the point of the operation
 //    where its peers signal, never later;
-//  - wait() may run later than the puts (a receive hook), but at most once.
+//  - wait() may run later than the puts (a receive hook), but at most once;
+//  - put_retained() sources are read until wait() returns (or the exchange is destroyed): the
+//    caller keeps them valid and unchanged for the exchange's life.
 #pragma once
 
 #include <cstddef>
@@ -25,12 +27,19 @@ class CountedExchange {
  public:
   // `phase` names the wait in timeouts and peer errors ("dispatch: scale-out records").
   CountedExchange(Engine& engine, std::string phase);
+  // Waits (best effort, as long as a wait may) for sends still reading retained sources.
+  ~CountedExchange();
+  CountedExchange(const CountedExchange&) = delete;
+  CountedExchange& operator=(const CountedExchange&) = delete;
 
   // This rank receives from `source` in this exchange: one more signal expected from it.
   void expect(int source);
   // Copies `bytes` from `src` into `peer`'s symmetric memory at `offset`; the peer is signalled
   // by signal_written().
   void put(int peer, std::size_t offset, const void* src, std::size_t bytes);
+  // Like put(), but the transport may send the bytes from `src` without copying them first
+  // (comm::Transport::put_retained): `src` stays valid and unchanged until wait() returns.
+  void put_retained(int peer, std::size_t offset, const void* src, std::size_t bytes);
   // Signals every peer put() wrote to since the last call, once each, in rank order.
   void signal_written();
   // Waits until every expected signal arrived; returns the nanoseconds it waited. At most once;
@@ -46,8 +55,12 @@ class CountedExchange {
   std::string phase_;
   std::vector<int> sources_;
   std::vector<std::uint64_t> targets_;
+  // Sends of retained sources are waited for (comm::Transport::finish_retained).
+  void finish_retained();
+
   std::vector<bool> written_;  // [ranks]
   bool waited_ = false;
+  bool retained_ = false;  // put_retained() was called and its sends were not waited for
 };
 
 }  // namespace moe_ep::engine

@@ -73,8 +73,9 @@ void Dispatch::put_records(const std::vector<PeerTensors>& peers, CountedExchang
       if (!filled) fill_record_meta(mine, t);
       filled = true;
       const std::int64_t offset = region_offset(me, slot);
-      records.put(peer, static_cast<std::size_t>(offset), mine.x + t * mine.x_row_bytes,
-                  static_cast<std::size_t>(row_bytes_));
+      // The row is sent from the caller's tensor (valid for the whole call), the rest from scratch.
+      records.put_retained(peer, static_cast<std::size_t>(offset), mine.x + t * mine.x_row_bytes,
+                           static_cast<std::size_t>(row_bytes_));
       records.put(peer, static_cast<std::size_t>(offset + record_.scales_offset), record_scratch_.data(),
                   record_scratch_.size());
     }

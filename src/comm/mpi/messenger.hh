@@ -8,7 +8,11 @@
 //   messages per peer are in flight. Every record message carries its number (per peer) and its
 //   piece list; a message with 16 KiB of data or more travels as the list and then the bare
 //   data, which the receiver receives straight into its symmetric memory, one receive for all
-//   pieces (no copy on arrival); smaller messages are copied into place on arrival. Message
+//   pieces (no copy on arrival); smaller messages are copied into place on arrival. A retained
+//   put (put(..., retain = true)) is not copied on the sender either: the message's data is sent
+//   from the pieces' sources with an indexed datatype of their addresses (bytes copied by other
+//   puts sit in the message buffer beside them), so those sources are read until
+//   finish_retained() returns; a message below 16 KiB is still packed into one buffer. Message
 //   buffers are reused. A signal carries the number of record messages sent to that
 //   peer before it; the receiver counts the signal only once every message numbered below it is
 //   in its memory: completion is counted, never inferred from arrival order.
@@ -96,7 +100,10 @@ class Messenger {
   void register_memory(std::uint32_t id, std::byte* base, std::size_t bytes);
   void unregister_memory(std::uint32_t id);
   void set_inflight_limit(int per_peer, const Wait& wait);
-  void put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes);
+  void put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes,
+           bool retain = false);
+  // Sends every message holding retained bytes, and waits until all of them were sent.
+  void finish_retained(const Wait& wait);
   void signal(int peer);
   void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait);
 
@@ -116,6 +123,7 @@ class Messenger {
     Bytes buffer;
     int peer = -1;
     bool record = false;
+    bool retained = false;  // reads sources of retained puts
   };
   struct Source {
     std::uint64_t applied = 0;             // record messages 0 .. applied-1 are all in memory
@@ -143,6 +151,13 @@ class Messenger {
     std::uint32_t bytes;
     std::uint64_t offset;
   };
+  // With retained puts, where the message's bytes come from, in data order: a source of a
+  // retained put, or (source null) `bytes` copied into the chunk's data at `at`.
+  struct Segment {
+    const std::byte* source;
+    std::size_t at;
+    std::size_t bytes;
+  };
   // Reads a record message's number and piece list (into pieces_in_).
   std::uint64_t read_pieces(int source, std::span<const std::byte> message);
   // Copies the data of the pieces in pieces_in_ into place.
@@ -154,6 +169,9 @@ class Messenger {
   void complete(int source, std::uint64_t number);
   // Sends buffer[from, from + bytes) (all of it by default); keeps the buffer until sent.
   void send(int peer, int tag, Bytes buffer, bool record, std::size_t from = 0, std::size_t bytes = SIZE_MAX);
+  // Sends the data of a message with retained pieces from where it lies (`data` holds the copied
+  // segments and stays alive until the send completes).
+  void send_gathered(int peer, Bytes data, std::span<const Segment> segments);
   // Record message buffers are reused: a sent one is kept (up to kSpareBuffers) for the next.
   Bytes take_buffer();
   void recycle(Bytes buffer);
@@ -178,9 +196,12 @@ class Messenger {
   // The message being filled for a peer: the pieces' bytes back to back, and where each goes. A
   // put that continues the last piece (same memory, next offset) extends it.
   struct Chunk {
-    Bytes data;
+    Bytes data;  // the copied bytes
     std::vector<Piece> pieces;
+    std::vector<Segment> segments;  // empty unless a retained put added to this message
+    std::size_t bytes = 0;          // data bytes of the message, copied or retained
   };
+  std::size_t retained_in_flight_ = 0;  // sends that read retained sources
   std::vector<Chunk> chunks_;  // [peer]
   std::vector<std::uint64_t> sent_records_;     // [peer]
   std::vector<Source> sources_;                 // [peer]

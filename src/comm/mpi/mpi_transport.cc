@@ -245,12 +245,27 @@ class MpiTransport final : public Transport {
   void set_inflight_limit(int per_peer) override { messenger_.set_inflight_limit(per_peer, {"scale-out send", timeout_}); }
 
   void put(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) override {
+    put_checked(peer, memory, offset, src, bytes, false);
+  }
+
+  void put_retained(int peer, SymmetricMemory& memory, std::size_t offset, const void* src,
+                    std::size_t bytes) override {
+    put_checked(peer, memory, offset, src, bytes, true);
+  }
+
+  void finish_retained(const Wait& wait) override {
+    check_in_step(wait);
+    leave_on_failure([&] { messenger_.finish_retained(wait); });
+  }
+
+  void put_checked(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes,
+                   bool retain) {
     if (offset > memory.bytes() || bytes > memory.bytes() - offset)
       throw StateError(fmt::format("[rank {}] put of {} bytes at offset {} exceeds the {}-byte symmetric region",
                                    rank(), bytes, offset, memory.bytes()));
     if (peer < 0 || peer >= size())
       throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), peer, size()));
-    messenger_.put(peer, static_cast<WindowMemory&>(memory).id(), offset, src, bytes);
+    messenger_.put(peer, static_cast<WindowMemory&>(memory).id(), offset, src, bytes, retain);
     hosts_->scaleout_bytes.fetch_add(bytes, std::memory_order_relaxed);
   }
 
