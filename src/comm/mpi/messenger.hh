@@ -12,7 +12,8 @@
 //   put (put(..., retain = true)) is not copied on the sender either: the message's data is sent
 //   from the pieces' sources with an indexed datatype of their addresses (bytes copied by other
 //   puts sit in the message buffer beside them), so those sources are read until
-//   finish_retained() returns; a message below 16 KiB is still packed into one buffer. Message
+//   finish_retained() returns; a message below 16 KiB is still packed into one buffer
+//   (MOE_EP_MPI_SEND_FROM_SOURCE=0 packs every message). Message
 //   buffers are reused. A signal carries the number of record messages sent to that
 //   peer before it; the receiver counts the signal only once every message numbered below it is
 //   in its memory: completion is counted, never inferred from arrival order.
@@ -32,6 +33,7 @@
 #include <cstdint>
 #include <climits>
 #include <deque>
+#include <functional>
 #include <list>
 #include <map>
 #include <set>
@@ -178,8 +180,7 @@ class Messenger {
   void flush(int peer);  // with mpi_mutex held
   // Waits (with progress) until done() holds; on timeout or a departed member, throws naming
   // the ranks missing() returns.
-  template <class Done, class Missing>
-  void wait_until(const Wait& wait, Done done, Missing missing);
+  void wait_until(const Wait& wait, const std::function<bool()>& done, const std::function<std::vector<int>()>& missing);
   [[noreturn]] void fail(const Wait& wait, const std::vector<int>& missing, double elapsed);
   bool gone(int rank) const;  // its process on this host is gone
   // With mpi_mutex held.
@@ -193,6 +194,7 @@ class Messenger {
   int inflight_limit_ = 16;
   Wait send_wait_{"scale-out send", 300};
   std::size_t chunk_bytes_;
+  bool send_from_source_;  // MOE_EP_MPI_SEND_FROM_SOURCE: retained puts are not copied
   // The message being filled for a peer: the pieces' bytes back to back, and where each goes. A
   // put that continues the last piece (same memory, next offset) extends it.
   struct Chunk {

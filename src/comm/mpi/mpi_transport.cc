@@ -247,14 +247,12 @@ class MpiTransport final : public Transport {
   void put(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) override {
     put_checked(peer, memory, offset, src, bytes, false);
   }
-
-  void put_retained(int peer, SymmetricMemory& memory, std::size_t offset, const void* src,
-                    std::size_t bytes) override {
+  void put_retained(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) override {
     put_checked(peer, memory, offset, src, bytes, true);
   }
 
   void finish_retained(const Wait& wait) override {
-    check_in_step(wait);
+    // Also after this rank left the channel: the sources must not be read once the caller returns.
     leave_on_failure([&] { messenger_.finish_retained(wait); });
   }
 
