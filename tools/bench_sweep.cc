@@ -66,8 +66,9 @@ std::vector<int> sweep_values(const std::string& key, const std::string& list) {
 std::pair<std::string, std::vector<int>> sweep_parameter(const BenchOptions& options, const BenchOptions& base) {
   const auto eq = options.sweep.find('=');
   const std::string key = options.sweep.substr(0, eq);
-  if (eq == std::string::npos || (key != "tokens" && key != "ranks" && key != "hidden"))
-    throw InvalidArgument(fmt::format("--sweep is '{}', expected tokens=LIST, ranks=LIST or hidden=LIST", options.sweep));
+  if (eq == std::string::npos || (key != "tokens" && key != "ranks" && key != "hidden" && key != "experts"))
+    throw InvalidArgument(fmt::format("--sweep is '{}', expected tokens=LIST, ranks=LIST, hidden=LIST or experts=LIST",
+                                      options.sweep));
   const std::vector<int> values = sweep_values(key, options.sweep.substr(eq + 1));
   if (key == "ranks" && options.launch.transport != "local")
     throw InvalidArgument("--sweep ranks=... runs ranks as threads of this process (--transport local): under mpirun the "
@@ -75,6 +76,10 @@ std::pair<std::string, std::vector<int>> sweep_parameter(const BenchOptions& opt
   for (int v : values) {
     if (key == "hidden" && v % 128 != 0)
       throw InvalidArgument(fmt::format("--sweep hidden: {} is not a multiple of 128 (FP8 dispatch with per-128 scales)", v));
+    if (key == "experts" && (v % base.ranks != 0 || v < base.topk))
+      throw InvalidArgument(fmt::format("--sweep experts: {} experts must be a multiple of the {} ranks and at least "
+                                        "--topk ({})",
+                                        v, base.ranks, base.topk));
     if (key == "ranks" && (base.experts % v != 0 || v % base.nodes != 0 || v > 1024))
       throw InvalidArgument(fmt::format("--sweep ranks: {} ranks must divide --experts ({}), be a multiple of the {} "
                                         "logical node(s) and be at most 1024",
@@ -107,6 +112,7 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
     Launch* at = &launch;
     if (key == "tokens") o.prefill_tokens = v;
     if (key == "hidden") o.hidden = v;
+    if (key == "experts") o.experts = v;
     if (key == "ranks") {
       LaunchOptions lo = options.launch;
       lo.ranks = v;
@@ -123,7 +129,7 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
     ceiling.measure(*at, r.workers);
     threads = ceiling.threads;
     if (!at->reports()) continue;
-    nlohmann::json point = {{"value", v}, {"ranks", o.ranks}, {"tokens_per_rank", o.prefill_tokens}, {"hidden", o.hidden},
+    nlohmann::json point = {{"value", v}, {"ranks", o.ranks}, {"tokens_per_rank", o.prefill_tokens}, {"hidden", o.hidden}, {"experts", o.experts},
                             {"workers", r.workers}, {"memcpy_threads", ceiling.threads}, {"memcpy_gbs", ceiling.gbs}};
     for (const auto& op : r.operations) {
       nlohmann::json one = result_json(r, op, ceiling.gbs);
@@ -158,8 +164,8 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
 
 void add_bench_record_options(CLI::App& bench, BenchOptions& o) {
   bench.add_option("--sweep", o.sweep,
-                   "measure the prefill path at each value of one parameter: tokens=LIST, ranks=LIST (in-process) or "
-                   "hidden=LIST; LIST is a comma list, a,b,...,z continuing a geometric series "
+                   "measure the prefill path at each value of one parameter: tokens=LIST, ranks=LIST (in-process), "
+                   "hidden=LIST or experts=LIST (top-k kept); LIST is a comma list, a,b,...,z continuing a geometric series "
                    "(e.g. tokens=128,256,...,8192); writes JSON and CSV (default sweep-KEY.json and sweep-KEY.csv)");
   bench.add_option("--csv", o.csv_path, "with --sweep: write the points as CSV to this file");
 }
