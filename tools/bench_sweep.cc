@@ -129,8 +129,8 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
     ceiling.measure(*at, r.workers);
     threads = ceiling.threads;
     if (!at->reports()) continue;
-    nlohmann::json point = {{"value", v}, {"ranks", o.ranks}, {"tokens_per_rank", o.prefill_tokens}, {"hidden", o.hidden}, {"experts", o.experts},
-                            {"workers", r.workers}, {"memcpy_threads", ceiling.threads}, {"memcpy_gbs", ceiling.gbs}};
+    nlohmann::json point = {{"value", v}, {"ranks", o.ranks}, {"tokens_per_rank", o.prefill_tokens}, {"hidden", o.hidden},
+                            {"experts", o.experts}, {"workers", r.workers}, {"memcpy_threads", ceiling.threads}, {"memcpy_gbs", ceiling.gbs}};
     for (const auto& op : r.operations) {
       nlohmann::json one = result_json(r, op, ceiling.gbs);
       point["results"].push_back(one);
@@ -148,10 +148,13 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
   }
   if (!launch.reports()) return 0;
   progress::clear();
-  fmt::print("moe-ep bench --sweep {} ({}): {}; hidden {}, {} experts, top-{}, {} tokens per rank unless swept; FP8 "
-             "dispatch (per-128 scales), BF16 combine\n\n",
-             options.sweep, v1 ? "V1 Buffer, normal mode" : "V2 ElasticBuffer", launch.describe(), base.hidden,
-             base.experts, base.topk, base.prefill_tokens);
+  const std::string swept = key;  // a structured binding: clang 14 does not capture it
+  auto unless_swept = [&](const char* name, int value) { return swept == name ? std::string("swept") : std::to_string(value); };
+  fmt::print("moe-ep bench --sweep {} ({}): {}; hidden {}, experts {}, top-{}, tokens per rank {}; FP8 dispatch "
+             "(per-128 scales), BF16 combine\n\n",
+             options.sweep, v1 ? "V1 Buffer, normal mode" : "V2 ElasticBuffer", launch.describe(),
+             unless_swept("hidden", base.hidden), unless_swept("experts", base.experts), base.topk,
+             unless_swept("tokens", base.prefill_tokens));
   table.print();
   print_formulas(base, v1, mpi, threads, true);
   if (!json_path.empty()) write_file(json_path, json.dump(2) + "\n");
