@@ -66,5 +66,6 @@ nlohmann::json record_header(const BenchOptions& o, const Launch& launch);
 void write_file(const std::string& path, const std::string& text);
 void print_formulas(const BenchOptions& o, bool v1, bool mpi, int threads, bool sweep);
 int sweep_command(const BenchOptions& options, Launch& launch);
+int dispatcher_bench_command(const BenchOptions& options, Launch& launch);
 
 }  // namespace moe_ep::tools::bench

@@ -424,6 +424,7 @@ void print_formulas(const BenchOptions& o, bool v1, bool mpi, int threads, bool 
 
 int bench_command(const BenchOptions& options, Launch& launch) {
   using namespace bench;
+  if (options.dispatcher) return dispatcher_bench_command(options, launch);
   if (!options.sweep.empty()) return sweep_command(options, launch);
   progress::Scope progress_line;  // the progress line (stderr, a terminal only) ends with the command
   BenchOptions o = options;

@@ -66,8 +66,9 @@ std::vector<int> sweep_values(const std::string& key, const std::string& list) {
 std::pair<std::string, std::vector<int>> sweep_parameter(const BenchOptions& options, const BenchOptions& base) {
   const auto eq = options.sweep.find('=');
   const std::string key = options.sweep.substr(0, eq);
-  if (eq == std::string::npos || (key != "tokens" && key != "ranks" && key != "hidden"))
-    throw InvalidArgument(fmt::format("--sweep is '{}', expected tokens=LIST, ranks=LIST or hidden=LIST", options.sweep));
+  if (eq == std::string::npos || (key != "tokens" && key != "ranks" && key != "hidden" && key != "experts"))
+    throw InvalidArgument(fmt::format("--sweep is '{}', expected tokens=LIST, ranks=LIST, hidden=LIST or experts=LIST",
+                                      options.sweep));
   const std::vector<int> values = sweep_values(key, options.sweep.substr(eq + 1));
   if (key == "ranks" && options.launch.transport != "local")
     throw InvalidArgument("--sweep ranks=... runs ranks as threads of this process (--transport local): under mpirun the "
@@ -75,6 +76,10 @@ std::pair<std::string, std::vector<int>> sweep_parameter(const BenchOptions& opt
   for (int v : values) {
     if (key == "hidden" && v % 128 != 0)
       throw InvalidArgument(fmt::format("--sweep hidden: {} is not a multiple of 128 (FP8 dispatch with per-128 scales)", v));
+    if (key == "experts" && (v % base.ranks != 0 || v < base.topk))
+      throw InvalidArgument(fmt::format("--sweep experts: {} experts must be a multiple of the {} ranks and at least "
+                                        "--topk ({})",
+                                        v, base.ranks, base.topk));
     if (key == "ranks" && (base.experts % v != 0 || v % base.nodes != 0 || v > 1024))
       throw InvalidArgument(fmt::format("--sweep ranks: {} ranks must divide --experts ({}), be a multiple of the {} "
                                         "logical node(s) and be at most 1024",
@@ -107,6 +112,7 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
     Launch* at = &launch;
     if (key == "tokens") o.prefill_tokens = v;
     if (key == "hidden") o.hidden = v;
+    if (key == "experts") o.experts = v;
     if (key == "ranks") {
       LaunchOptions lo = options.launch;
       lo.ranks = v;
@@ -124,7 +130,7 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
     threads = ceiling.threads;
     if (!at->reports()) continue;
     nlohmann::json point = {{"value", v}, {"ranks", o.ranks}, {"tokens_per_rank", o.prefill_tokens}, {"hidden", o.hidden},
-                            {"workers", r.workers}, {"memcpy_threads", ceiling.threads}, {"memcpy_gbs", ceiling.gbs}};
+                            {"experts", o.experts}, {"workers", r.workers}, {"memcpy_threads", ceiling.threads}, {"memcpy_gbs", ceiling.gbs}};
     for (const auto& op : r.operations) {
       nlohmann::json one = result_json(r, op, ceiling.gbs);
       point["results"].push_back(one);
@@ -142,10 +148,13 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
   }
   if (!launch.reports()) return 0;
   progress::clear();
-  fmt::print("moe-ep bench --sweep {} ({}): {}; hidden {}, {} experts, top-{}, {} tokens per rank unless swept; FP8 "
-             "dispatch (per-128 scales), BF16 combine\n\n",
-             options.sweep, v1 ? "V1 Buffer, normal mode" : "V2 ElasticBuffer", launch.describe(), base.hidden,
-             base.experts, base.topk, base.prefill_tokens);
+  const std::string swept = key;  // a structured binding: clang 14 does not capture it
+  auto unless_swept = [&](const char* name, int value) { return swept == name ? std::string("swept") : std::to_string(value); };
+  fmt::print("moe-ep bench --sweep {} ({}): {}; hidden {}, experts {}, top-{}, tokens per rank {}; FP8 dispatch "
+             "(per-128 scales), BF16 combine\n\n",
+             options.sweep, v1 ? "V1 Buffer, normal mode" : "V2 ElasticBuffer", launch.describe(),
+             unless_swept("hidden", base.hidden), unless_swept("experts", base.experts), base.topk,
+             unless_swept("tokens", base.prefill_tokens));
   table.print();
   print_formulas(base, v1, mpi, threads, true);
   if (!json_path.empty()) write_file(json_path, json.dump(2) + "\n");
@@ -158,8 +167,8 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
 
 void add_bench_record_options(CLI::App& bench, BenchOptions& o) {
   bench.add_option("--sweep", o.sweep,
-                   "measure the prefill path at each value of one parameter: tokens=LIST, ranks=LIST (in-process) or "
-                   "hidden=LIST; LIST is a comma list, a,b,...,z continuing a geometric series "
+                   "measure the prefill path at each value of one parameter: tokens=LIST, ranks=LIST (in-process), "
+                   "hidden=LIST or experts=LIST (top-k kept); LIST is a comma list, a,b,...,z continuing a geometric series "
                    "(e.g. tokens=128,256,...,8192); writes JSON and CSV (default sweep-KEY.json and sweep-KEY.csv)");
   bench.add_option("--csv", o.csv_path, "with --sweep: write the points as CSV to this file");
 }

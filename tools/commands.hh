@@ -31,6 +31,8 @@ struct DispatcherRunOptions {
 
 struct BenchOptions {
   std::string api = "v2";
+  bool api_given = false;   // --api on the command line (--dispatcher: else MOE_EP_USE_V2)
+  bool dispatcher = false;  // --dispatcher: the token dispatcher's time over the direct buffer calls
   int ranks = 8;
   int nodes = 1;
   bool allow_hybrid = true;
@@ -44,7 +46,7 @@ struct BenchOptions {
   int decode_iterations = 50;
   std::uint64_t seed = 1;
   std::string json_path;
-  std::string sweep;     // KEY=LIST (tokens, ranks or hidden); empty = the two shapes
+  std::string sweep;     // KEY=LIST (tokens, ranks, hidden or experts); empty = the two shapes
   std::string csv_path;  // with sweep
   bool quiet = false;  // no progress line on a terminal's stderr
   LaunchOptions launch;

@@ -149,6 +149,9 @@ void add_bench_command(CLI::App& app, BenchCommand& bench) {
   cmd->add_option("--api", o.api, "v2 (ElasticBuffer) or v1 (Buffer: normal mode prefill, low-latency decode)")
       ->check(one_of({"v1", "v2"}));
   add_bench_record_options(*cmd, o);
+  cmd->add_flag("--dispatcher", o.dispatcher,
+                "time dispatch and combine through the token dispatcher beside the same calls on its buffer "
+                "(generation from --api, else MOE_EP_USE_V2; decode in the mode the dispatcher resolves)");
   cmd->add_flag("--quiet", o.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
 }
 
@@ -259,6 +262,8 @@ int bench_main(BenchCommand& bench, int& argc, char**& argv) {
   using namespace moe_ep::tools;
   BenchOptions& o = bench.options;
   o.launch.transport_given = bench.given("--transport");
+  o.api_given = bench.given("--api");
+  need(!(o.dispatcher && (!o.sweep.empty() || !o.csv_path.empty())), "--dispatcher and --sweep: pick one");
   need(!(o.api == "v1" && !o.allow_hybrid), "--no-hybrid is a V2 option: drop it with --api v1");
   resolve_transport(o.launch);
   const bool local = o.launch.transport == "local";

@@ -134,6 +134,14 @@ def sweep(moe_ep, plot):
         check([p["ranks"] for p in ranks["points"]] == [2, 4, 8], "ranks sweep: points' ranks")
         check(os.path.exists(os.path.join(d, "sweep-ranks.csv")), "ranks sweep: default CSV missing")
 
+        # experts: the same ranks and top-k, more experts per rank at each point.
+        argv = [moe_ep, "bench", *SHAPE, "--prefill-iters", "1", "--prefill-tokens", "16", "--sweep", "experts=16,32,...,64"]
+        run(argv, d)
+        with open(os.path.join(d, "sweep-experts.json")) as f:
+            experts = json.load(f)
+        check(experts["sweep"] == {"parameter": "experts", "values": [16, 32, 64]}, f"experts sweep {experts['sweep']}")
+        check([p["experts"] for p in experts["points"]] == [16, 32, 64], "experts sweep: points' experts")
+
         out = os.path.join(d, "plots")
         p = subprocess.run([sys.executable, plot, os.path.join(d, "s.json"), "--out", out], capture_output=True, text=True)
         check(p.returncode == 0, f"plot_bench.py exited {p.returncode}: {p.stderr.strip()}")
@@ -170,7 +178,10 @@ def mpi_sweep(path):
 
 def errors(moe_ep):
     cases = [
-        (["--sweep", "experts=8,16"], "--sweep is 'experts=8,16', expected tokens=LIST, ranks=LIST or hidden=LIST"),
+        (["--sweep", "seed=1,2"], "--sweep is 'seed=1,2', expected tokens=LIST, ranks=LIST, hidden=LIST or experts=LIST"),
+        (["--sweep", "experts=16,18"], "--sweep experts: 18 experts must be a multiple of the 4 ranks"),
+        (["--sweep", "experts=2,4,...,16"], "--sweep experts: 2 experts must be a multiple of the 4 ranks and at least --topk (4)"),
+        (["--dispatcher", "--sweep", "tokens=8,16"], "--dispatcher and --sweep: pick one"),
         (["--sweep", "tokens=16,x"], "--sweep tokens: 'x' is not a positive integer"),
         (["--sweep", "tokens=16,24,...,96"], "the second value (24) must be a multiple of the first (16)"),
         (["--sweep", "tokens=16,32,...,100"], "100 is not in the series 16,32,..."),
