@@ -43,6 +43,10 @@ struct RouteContext {
 struct RouteInputs {
   Tensor x, topk_idx, topk_weights;
   int num_tokens = 0;
+  // The caller finishes the transfer right after starting it, with nothing in between (dispatch()
+  // or combine() with no hook at the point between the halves): a route may complete it when it
+  // starts instead of returning a receive to finish later.
+  bool dispatch_at_once = false, combine_at_once = false;
 };
 
 class Route {

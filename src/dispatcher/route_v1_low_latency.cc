@@ -30,7 +30,7 @@ class V1LowLatencyRoute final : public Route {
                              .use_ue8m0 = c_.options.use_ue8m0,
                              .use_nvfp4 = nvfp4,
                              .use_ue8m0_for_sf = nvfp4 && c_.options.nvfp4_use_ue8m0,
-                             .return_recv_hook = true};
+                             .return_recv_hook = !in.dispatch_at_once};
     if (nvfp4) {
       global_scale_ = Tensor::empty({}, DType::kFP32);
       *global_scale_.data_as<float>() = c_.options.nvfp4_global_scale;
@@ -40,7 +40,7 @@ class V1LowLatencyRoute final : public Route {
   }
 
   void finish_dispatch(const RouteInputs& in, DispatchOutput& out) override {
-    dispatched_.hook();
+    if (dispatched_.hook) dispatched_.hook();
     out.hidden_states = dispatched_.recv_x;
     out.hidden_states_scale = dispatched_.recv_x_scales;
     out.masked_m = dispatched_.packed_recv_count;
@@ -56,11 +56,11 @@ class V1LowLatencyRoute final : public Route {
                                                          .topk_idx = in.topk_idx,
                                                          .topk_weights = in.topk_weights,
                                                          .handle = dispatched_.handle,
-                                                         .return_recv_hook = true});
+                                                         .return_recv_hook = !in.combine_at_once});
   }
 
   Tensor finish_combine() override {
-    combined_.hook();
+    if (combined_.hook) combined_.hook();
     return combined_.combined_x;
   }
 

@@ -2,8 +2,10 @@
 // V1 low-latency, V2 normal, V2 low-latency) are routes (dispatcher/route.hh), one per batch.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "core/checks.hh"
 #include "core/failure.hh"
@@ -204,6 +206,11 @@ class DispatcherState {
   RouteContext context;       // what the routes read
   Slot slots[TokenDispatcher::kMicroBatches];
   std::vector<std::pair<HookPoint, std::function<void(const HookInfo&)>>> hooks;
+  // Set by dispatch() and combine() for the first half they call: no work between the halves.
+  bool at_once = false;
+  bool hooked(HookPoint point) const {
+    return std::any_of(hooks.begin(), hooks.end(), [&](const auto& h) { return h.first == point; });
+  }
 
   Generation generation() const { return *options.use_v2 ? Generation::kV2 : Generation::kV1; }
   DispatchMode resolve(BatchKind kind) const {
@@ -345,6 +352,7 @@ TokenDispatcher::~TokenDispatcher() {
 void TokenDispatcher::dispatch_a(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, BatchKind kind,
                                  int micro_batch) {
   auto& st = *state_;
+  const bool at_once = std::exchange(st.at_once, false);
   dispatcher::Slot& s = st.slot(micro_batch, "dispatch_a");
   st.expect_stage(s, micro_batch, dispatcher::Stage::kIdle, "dispatch_a");
   const DispatchMode mode = st.resolve(kind);
@@ -384,7 +392,8 @@ void TokenDispatcher::dispatch_a(const Tensor& x, const Tensor& topk_idx, const 
   s.mode = mode;
   s.generation = generation;
   s.provider = table->name;
-  s.in = {.x = x, .topk_idx = topk_idx, .topk_weights = topk_weights, .num_tokens = static_cast<int>(x.size(0))};
+  s.in = {.x = x, .topk_idx = topk_idx, .topk_weights = topk_weights, .num_tokens = static_cast<int>(x.size(0)),
+          .dispatch_at_once = at_once};
   s.route = std::move(route);
   dispatcher::ReleaseOnFailure release(st, s);
   s.route->start_dispatch(s.in);
@@ -402,6 +411,7 @@ DispatchOutput TokenDispatcher::dispatch_b(int micro_batch) {
 
 void TokenDispatcher::combine_a(const Tensor& expert_output, int micro_batch) {
   auto& st = *state_;
+  const bool at_once = std::exchange(st.at_once, false);
   dispatcher::Slot& s = st.slot(micro_batch, "combine_a");
   st.expect_stage(s, micro_batch, dispatcher::Stage::kDispatched, "combine_a");
   dispatcher::ReleaseOnFailure release(st, s);
@@ -415,6 +425,7 @@ void TokenDispatcher::combine_a(const Tensor& expert_output, int micro_batch) {
                   nullptr, local_error);
   s.stage = dispatcher::Stage::kCombining;
   s.combine_input = expert_output;
+  s.in.combine_at_once = at_once;
   s.route->start_combine(s.in, s.combine_input);
 }
 
@@ -430,6 +441,7 @@ Tensor TokenDispatcher::combine_b(int micro_batch) {
 
 DispatchOutput TokenDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                          BatchKind kind, int micro_batch) {
+  state_->at_once = !state_->hooked(HookPoint::kAfterDispatchA);
   dispatch_a(x, topk_idx, topk_weights, kind, micro_batch);
   if (const std::exception_ptr error = dispatcher::hooks_failure(*state_, HookPoint::kAfterDispatchA, micro_batch)) {
     // The transfer is under way: complete it so peers are not left waiting (its own failure is
@@ -442,6 +454,7 @@ DispatchOutput TokenDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx
 }
 
 Tensor TokenDispatcher::combine(const Tensor& expert_output, int micro_batch) {
+  state_->at_once = !state_->hooked(HookPoint::kAfterCombineA);
   combine_a(expert_output, micro_batch);
   if (const std::exception_ptr error = dispatcher::hooks_failure(*state_, HookPoint::kAfterCombineA, micro_batch)) {
     core::capture([&] { combine_b(micro_batch); });
