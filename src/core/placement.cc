@@ -94,11 +94,15 @@ Placement plan_placement(hwloc_topology_t topology, const PlacementRequest& r) {
     // A contiguous share of the node's cores: share = cores / sharing, thread t on core index*share + t.
     const int share = cores / sharing;
     auto core_pus = [&](int c) {
-      return pus_of(topology, hwloc_get_obj_inside_cpuset_by_type(topology, numa->cpuset, HWLOC_OBJ_CORE, c)->cpuset);
+      return pus_of(topology, hwloc_get_obj_inside_cpuset_by_type(topology, numa->cpuset, HWLOC_OBJ_CORE,
+                                                                  static_cast<unsigned>(c))->cpuset);
     };
+    for (int c = index * share; c < (index + 1) * share; ++c)
+      for (unsigned pu : core_pus(c)) p.share_pus.push_back(pu);
     p.rank_pus = core_pus(index * share);
     for (int w = 0; w < r.workers; ++w) p.worker_pus.push_back(core_pus(index * share + 1 + w));
   } else {
+    p.share_pus = p.node_pus;
     p.rank_pus = p.node_pus;
     p.worker_pus.assign(static_cast<std::size_t>(r.workers), p.node_pus);
   }
@@ -130,6 +134,36 @@ void apply_placement(const Placement& placement, const std::vector<unsigned>& pu
     warn(Subsys::kInit, "placement: binding the thread's memory to NUMA node {} failed; first touch applies",
          placement.numa_node);
   hwloc_bitmap_free(cpus);
+}
+
+namespace {
+thread_local std::shared_ptr<const Placement> current_placement;
+}
+
+void place_rank_thread(int ranks_on_host, int host_rank) {
+  current_placement.reset();
+  hwloc_topology_t topology = host_topology();
+  if (topology == nullptr) return warn(Subsys::kInit, "placement: the hwloc topology could not be loaded; not bound");
+  // A bad MOE_EP_NUM_WORKERS is reported where the workers are sized; the plan then counts none.
+  int workers = 0;
+  try {
+    workers = static_cast<int>(env::get(env::kNumWorkers));
+  } catch (const InvalidArgument&) {
+  }
+  auto placement = std::make_shared<const Placement>(
+      plan_placement(topology, placement_request_from_env(topology, ranks_on_host, host_rank, workers)));
+  info(Subsys::kInit, "placement: host rank {} of {}: {}", host_rank, ranks_on_host, placement->describe());
+  apply_placement(*placement, placement->rank_pus);
+  if (placement->bound) current_placement = std::move(placement);
+}
+
+std::shared_ptr<const Placement> thread_placement() noexcept { return current_placement; }
+
+void place_worker_thread(const std::shared_ptr<const Placement>& placement, int worker) noexcept {
+  if (!placement) return;
+  const auto w = static_cast<std::size_t>(worker);
+  apply_placement(*placement, w < placement->worker_pus.size() ? placement->worker_pus[w] : placement->share_pus);
+  current_placement = placement;
 }
 
 hwloc_topology_t host_topology() noexcept {

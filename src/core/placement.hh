@@ -8,6 +8,7 @@
 
 #include <hwloc.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@ struct Placement {
   bool bound = false;            // false: no binding ("none"); the other fields are empty
   int numa_node = -1;            // logical index of the NUMA node
   std::vector<unsigned> node_pus;  // every PU of the node (the memory-binding set)
+  std::vector<unsigned> share_pus;  // the rank's share (the whole node when cores are too few)
   std::vector<unsigned> rank_pus;  // the rank thread's PUs
   std::vector<std::vector<unsigned>> worker_pus;  // one list per worker
   std::string describe() const;    // one line for the log
@@ -43,6 +45,17 @@ PlacementRequest placement_request_from_env(hwloc_topology_t topology, int ranks
 // Binds the calling thread to pus (HWLOC_CPUBIND_THREAD) and its memory to the node of placement
 // (HWLOC_MEMBIND_BIND | HWLOC_MEMBIND_THREAD). No-op when !placement.bound or pus is empty.
 void apply_placement(const Placement& placement, const std::vector<unsigned>& pus) noexcept;
+
+// Plans this rank's placement on this host (MOE_EP_NUM_WORKERS workers), logs it at INFO, binds
+// the calling thread and records the placement for the threads it starts (worker_pus(i)). A bad
+// MOE_EP_NUMA_NODES is an InvalidArgument; a failed binding a warning.
+void place_rank_thread(int ranks_on_host, int host_rank);
+
+// The PUs of worker i (from 0) of the calling thread's rank: its planned core, else the rank's
+// share; empty when the rank is not bound. place_worker_thread binds to them; both are for the
+// executor, which passes the creator's placement (thread_placement()) to its threads.
+std::shared_ptr<const Placement> thread_placement() noexcept;
+void place_worker_thread(const std::shared_ptr<const Placement>& placement, int worker) noexcept;
 
 // The topology of this machine, loaded once (nullptr if hwloc could not load it).
 hwloc_topology_t host_topology() noexcept;

@@ -73,6 +73,10 @@ TEST(Placement, ThreeRanksOnTwoNodesShareInBlocks) {
   EXPECT_EQ(p2.numa_node, 1);
   EXPECT_EQ(p2.rank_pus, (Pus{8, 9}));
   EXPECT_EQ(p2.worker_pus, (std::vector<Pus>{{10, 11}}));
+  // The shares: workers beyond the planned ones run on them.
+  EXPECT_EQ(p0.share_pus, (Pus{0, 1, 2, 3}));
+  EXPECT_EQ(p1.share_pus, (Pus{4, 5, 6, 7}));
+  EXPECT_EQ(p2.share_pus, (Pus{8, 9, 10, 11, 12, 13, 14, 15}));
 }
 
 TEST(Placement, TooFewCoresFallsBackToTheWholeNode) {
@@ -82,6 +86,7 @@ TEST(Placement, TooFewCoresFallsBackToTheWholeNode) {
   EXPECT_EQ(p.numa_node, 1);
   const Pus node1 = {8, 9, 10, 11, 12, 13, 14, 15};
   EXPECT_EQ(p.rank_pus, node1);
+  EXPECT_EQ(p.share_pus, node1);
   EXPECT_EQ(p.worker_pus, (std::vector<Pus>{node1}));
 }
 

@@ -30,6 +30,7 @@
 #include "core/host_allocator.hh"
 #include "core/failure.hh"
 #include "core/log.hh"
+#include "core/placement.hh"
 #include "core/timeout.hh"
 #include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
@@ -551,6 +552,14 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
     throw;
   }
   const Topology topology{.num_scaleout = size / per_node, .num_scaleup = per_node};
+  int host_rank = 0;  // this rank's index among the ranks of its host, in world order
+  for (int r = 0; r < rank; ++r) host_rank += census.hosts->same_host(r, rank) ? 1 : 0;
+  try {
+    core::place_rank_thread(census.hosts->host_size, host_rank);
+  } catch (...) {
+    MPI_Comm_free(&dup);
+    throw;
+  }
   core::info(core::Subsys::kInit,
              "group: rank {} of {}, {} logical node(s) x {} ranks per node ({}), {} host(s); transport MPI "
              "(shared memory in a node, MPI messages across nodes, {} bytes per scale-out message)",
