@@ -9,7 +9,7 @@ build=${1:-$root/build}
 packages=(g++ cmake ninja-build pkg-config libgtest-dev libgmock-dev libbenchmark-dev libdlpack-dev
           libcli11-dev nlohmann-json3-dev libfmt-dev libopenmpi-dev openmpi-bin python3 python3-numpy
           clang-14 libclang-rt-14-dev python3-dev python3-pybind11 pybind11-dev python3-torch python3-pytest
-          python3-mpi4py python3-matplotlib)
+          python3-mpi4py python3-matplotlib libhwloc-dev)
 missing=()
 for p in "${packages[@]}"; do
   status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)

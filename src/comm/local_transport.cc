@@ -23,6 +23,7 @@
 #include "comm/wait.hh"
 #include "core/failure.hh"
 #include "core/log.hh"
+#include "core/placement.hh"
 #include "core/timeout.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
@@ -514,6 +515,7 @@ void LocalWorld::run(const std::function<void(Group&)>& fn) {
       core::ScopedThreadRank as_rank(r);
       std::exception_ptr& error = errors[static_cast<size_t>(r)];
       error = core::capture([&] {
+        core::place_rank_thread(num_ranks_, r);  // every rank of the world is on this host
         Group group(std::make_shared<comm::LocalTransport>(r, world, root_id, root));
         core::info(core::Subsys::kInit,
                    "group: rank {} of {}, {} logical node(s) x {} ranks per node; transport local (ranks as threads "

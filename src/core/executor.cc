@@ -4,6 +4,7 @@
 
 #include "core/failure.hh"
 #include "core/log.hh"
+#include "core/placement.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::core {
@@ -21,8 +22,9 @@ void SerialWorker::submit(std::function<void()> task) {
   {
     std::lock_guard lock(mutex_);
     tasks_.push_back(std::move(task));
-    if (!thread_.joinable()) thread_ = std::thread([this, rank = thread_rank()] {
+    if (!thread_.joinable()) thread_ = std::thread([this, rank = thread_rank(), placement = thread_placement()] {
       set_thread_rank(rank);  // the lines of the rank's worker show its rank
+      place_worker_thread(placement, 0);  // the rank's first worker core (or its share)
       loop();
     });
   }
@@ -73,8 +75,9 @@ void WorkerPool::resize(int size) {
   stop_helpers();
   size_ = size;
   for (int i = 1; i < size_; ++i)
-    helpers_.emplace_back([this, i, rank = thread_rank()] {
+    helpers_.emplace_back([this, i, rank = thread_rank(), placement = thread_placement()] {
       set_thread_rank(rank);
+      place_worker_thread(placement, i - 1);  // helper i on worker core i - 1 (or the rank's share)
       helper_loop(i);
     });
 }

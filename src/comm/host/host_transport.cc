@@ -51,6 +51,7 @@
 #include "core/host_allocator.hh"
 #include "core/host_name.hh"
 #include "core/log.hh"
+#include "core/placement.hh"
 #include "core/timeout.hh"
 #include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
@@ -516,6 +517,7 @@ std::unique_ptr<Group> make_group(int rank, int size, const AllGather& all_gathe
       info->pids.push_back(rec.pid);
       fds.push_back(rec.fds);
     }
+    core::place_rank_thread(size, rank);  // one host: the group's ranks are its host ranks
     core::info(core::Subsys::kInit,
                "group: rank {} of {}, {} logical node(s) x {} ranks per node; transport host shared memory (processes "
                "of host {}, memfd regions)",

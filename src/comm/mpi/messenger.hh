@@ -82,6 +82,12 @@ struct HostInfo {
   mutable std::atomic<std::uint64_t> scaleout_bytes{0};       // put() bytes
   mutable std::atomic<std::uint64_t> shared_bytes_copied{0};  // share() bytes copied into arenas
   bool same_host(int a, int b) const { return host[static_cast<size_t>(a)] == host[static_cast<size_t>(b)]; }
+  // The index of `rank` among the ranks of its host, in world order.
+  int host_index(int rank) const {
+    int index = 0;
+    for (int r = 0; r < rank; ++r) index += same_host(r, rank) ? 1 : 0;
+    return index;
+  }
 };
 
 class Messenger {

@@ -30,6 +30,7 @@
 #include "core/host_allocator.hh"
 #include "core/failure.hh"
 #include "core/log.hh"
+#include "core/placement.hh"
 #include "core/timeout.hh"
 #include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
@@ -256,8 +257,7 @@ class MpiTransport final : public Transport {
     leave_on_failure([&] { messenger_.finish_retained(wait); });
   }
 
-  void put_checked(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes,
-                   bool retain) {
+  void put_checked(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes, bool retain) {
     if (offset > memory.bytes() || bytes > memory.bytes() - offset)
       throw StateError(fmt::format("[rank {}] put of {} bytes at offset {} exceeds the {}-byte symmetric region",
                                    rank(), bytes, offset, memory.bytes()));
@@ -559,6 +559,7 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
   int per_node = 0;
   try {
     per_node = agreed_ranks_per_node(census, rank, size, requested);
+    core::place_rank_thread(census.hosts->host_size, census.hosts->host_index(rank));
   } catch (...) {
     MPI_Comm_free(&dup);
     throw;
