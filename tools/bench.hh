@@ -57,6 +57,8 @@ struct Ceiling {
 
 ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& shape, int tokens, int iterations,
                     const Setup& setup);
+// The bench's MoE layer at `tokens` per rank: the shape of `o`, FP8 dispatch.
+LayerConfig layer(const BenchOptions& o, int tokens);
 Setup v2_setup(const BenchOptions& o, int tokens);
 Setup v1_setup(const BenchOptions& o, int tokens);
 Setup low_latency_setup(const BenchOptions& o, int tokens);

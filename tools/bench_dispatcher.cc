@@ -124,17 +124,7 @@ std::vector<Operation> direct_operations(Group& g, const BenchOptions& o, int to
 // One shape: the dispatcher's dispatch and combine beside the direct ones, alternating.
 Setup overhead_setup(const BenchOptions& o, int tokens, BatchKind kind, Resolved& resolved) {
   return [&o, tokens, kind, &resolved](Group& g, int& workers, std::pair<std::int64_t, std::int64_t>&) {
-    LayerConfig c;
-    c.ranks = o.ranks;
-    c.scaleout = o.nodes;
-    c.allow_hybrid = o.allow_hybrid;
-    c.tokens = tokens;
-    c.hidden = o.hidden;
-    c.experts = o.experts;
-    c.topk = o.topk;
-    c.fp8 = true;
-    c.seed = o.seed;
-    auto in = std::make_shared<Inputs>(c, g.rank());
+    auto in = std::make_shared<Inputs>(layer(o, tokens), g.rank());
     auto cache = std::make_shared<BufferCache>(g);
     auto d = std::shared_ptr<TokenDispatcher>(new TokenDispatcher(*cache, dispatcher_options(o)),
                                               [cache](TokenDispatcher* p) { delete p; });  // before its cache

@@ -17,6 +17,21 @@ extern Group* g_group;  // tests/mpi/mpi_property_test.cc
 
 namespace {
 
+// Bytes [begin, end) of `memory` hold what rank `from` put there (want(at)), or, with from = -1,
+// the 0xEE the receiver wrote before (a gap no put touched).
+template <class Want>
+void expect_bytes(const std::byte* memory, std::size_t begin, std::size_t end, int from, Want want_at,
+                  const char* what) {
+  for (std::size_t at = begin; at < end; ++at) {
+    const std::byte want = from >= 0 ? want_at(at) : std::byte{0xEE};
+    if (memory[at] != want) {
+      ADD_FAILURE() << what << ": byte " << at << " from rank " << from << " is " << int(memory[at]) << ", expected "
+                    << int(want);
+      return;
+    }
+  }
+}
+
 // The three forms a record message takes, straight through the transport: many scattered pieces
 // (at least 16 KiB: one receive into all of them), a small message (copied into place), and
 // contiguous puts that become one large piece. Every byte lands where it was put; the gaps
@@ -47,14 +62,7 @@ TEST(MpiTransport, ScatteredContiguousAndSmallPutsLandInPlace) {
   const std::uint64_t three = 3;
   channel->wait_signals(std::span(&from, 1), std::span(&three, 1), wait);
   auto expect_range = [&](std::size_t begin, std::size_t end, bool written, const char* what) {
-    for (std::size_t at = begin; at < end; ++at) {
-      const std::byte want = written ? byte_of(from, at) : std::byte{0xEE};
-      if (memory->local()[at] != want) {
-        ADD_FAILURE() << what << ": byte " << at << " from rank " << from << " is " << int(memory->local()[at])
-                      << ", expected " << int(want);
-        return;
-      }
-    }
+    expect_bytes(memory->local(), begin, end, written ? from : -1, [&](std::size_t at) { return byte_of(from, at); }, what);
   };
   for (std::size_t i = 0; i < kPieces; ++i) {
     expect_range(i * kStride, i * kStride + kPiece, true, "scattered piece");
@@ -110,14 +118,7 @@ TEST(MpiTransport, RetainedAndCopiedPutsLandInPlace) {
   const std::uint64_t three = 3;
   channel->wait_signals(std::span(&from, 1), std::span(&three, 1), wait);
   auto expect_range = [&](std::size_t begin, std::size_t end, bool written, const char* what) {
-    for (std::size_t at = begin; at < end; ++at) {
-      const std::byte want = written ? byte_of(from, at) : std::byte{0xEE};
-      if (memory->local()[at] != want) {
-        ADD_FAILURE() << what << ": byte " << at << " from rank " << from << " is " << int(memory->local()[at])
-                      << ", expected " << int(want);
-        return;
-      }
-    }
+    expect_bytes(memory->local(), begin, end, written ? from : -1, [&](std::size_t at) { return byte_of(from, at); }, what);
   };
   for (std::size_t i = 0; i < kRecords + kSmallRecords; ++i) {
     expect_range(i * kStride, i * kStride + kRow + kMeta, true, i < kRecords ? "large message" : "small message");
