@@ -23,7 +23,6 @@ namespace moe_ep::comm::mpi {
 using namespace wire;
 namespace {
 
-
 // Keeps a message buffer that MPI may still read (a send to a peer that is gone) alive, and
 // reachable, until the process exits.
 void keep_until_exit(Bytes buffer) {
@@ -392,7 +391,6 @@ void Messenger::finish_completed(Transfers& transfers, const char* test, Finish 
 
 void Messenger::progress() {
   finish_completed(pending_, "MPI_Test (send)", [&](Pending& sent) {
-    if (sent.retained) --retained_in_flight_;
     if (!sent.record) return;
     --inflight_[static_cast<size_t>(sent.peer)];
     recycle(std::move(sent.buffer));

@@ -209,7 +209,6 @@ class Messenger {
     std::vector<Segment> segments;  // empty unless a retained put added to this message
     std::size_t bytes = 0;          // data bytes of the message, copied or retained
   };
-  std::size_t retained_in_flight_ = 0;  // sends that read retained sources
   std::vector<Chunk> chunks_;  // [peer]
   std::vector<std::uint64_t> sent_records_;     // [peer]
   std::vector<Source> sources_;                 // [peer]

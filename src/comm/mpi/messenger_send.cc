@@ -125,7 +125,6 @@ void Messenger::send_gathered(int peer, Bytes data, std::span<const Segment> seg
   if (rc != MPI_SUCCESS) pending_.pop_back();
   check_mpi(rc, "MPI_Isend", rank_);
   ++inflight_[static_cast<size_t>(peer)];
-  ++retained_in_flight_;
 }
 
 void Messenger::finish_retained(const Wait& wait) {
@@ -135,7 +134,7 @@ void Messenger::finish_retained(const Wait& wait) {
       if (!chunks_[static_cast<size_t>(peer)].segments.empty()) flush(peer);
   }
   wait_until(
-      wait, [&] { return retained_in_flight_ == 0; },
+      wait, [&] { return std::none_of(pending_.begin(), pending_.end(), [](const Pending& p) { return p.retained; }); },
       [&] {
         std::set<int> peers;
         for (const Pending& p : pending_)
