@@ -1,5 +1,6 @@
 #include "core/reduce.hh"
 
+#include <cstdint>
 #include <cstring>
 
 #include "core/cpu_features.hh"
@@ -91,12 +92,19 @@ __attribute__((target("avx2"))) inline __m256i narrow8(__m256 v) {
   return _mm256_blendv_epi8(rounded, nan, is_nan);
 }
 
+// kStream: a non-temporal store (out 32-byte aligned).
+template <bool kStream>
 __attribute__((target("avx2"))) inline void store16(std::uint16_t* out, __m256 a, __m256 b) {
   // packus interleaves 128-bit lanes; the permute restores element order.
-  const __m256i packed = _mm256_packus_epi32(narrow8(a), narrow8(b));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permute4x64_epi64(packed, 0xD8));
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(narrow8(a), narrow8(b)), 0xD8);
+  if constexpr (kStream) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(out), packed);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+  }
 }
 
+template <bool kStream>
 __attribute__((target("avx2"))) void sum_avx2(std::span<const std::uint16_t* const> inputs, std::uint16_t* out,
                                               std::int64_t hidden) {
   const std::size_t n = inputs.size();
@@ -115,8 +123,8 @@ __attribute__((target("avx2"))) void sum_avx2(std::span<const std::uint16_t* con
       a2 = _mm256_add_ps(a2, widen8(p + 16));
       a3 = _mm256_add_ps(a3, widen8(p + 24));
     }
-    store16(out + h, a0, a1);
-    store16(out + h + 16, a2, a3);
+    store16<kStream>(out + h, a0, a1);
+    store16<kStream>(out + h + 16, a2, a3);
   }
   if (h < hidden) {  // tail: the scalar code on the remaining elements
     std::uint16_t* rest = out + h;
@@ -139,9 +147,16 @@ __attribute__((target("avx2"))) void weighted_avx2(std::span<const std::uint16_t
 
 void sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::uint16_t* out, std::int64_t hidden) {
 #ifdef MOE_EP_X86_DISPATCH
-  if (has_avx2()) return sum_avx2(inputs, out, hidden);
+  if (has_avx2()) return sum_avx2<false>(inputs, out, hidden);
 #endif
   sum_generic(inputs, out, hidden);
+}
+
+void sum_bf16_rows_streaming(std::span<const std::uint16_t* const> inputs, std::uint16_t* out, std::int64_t hidden) {
+#ifdef MOE_EP_X86_DISPATCH
+  if (has_avx2() && (reinterpret_cast<std::uintptr_t>(out) & 31u) == 0) return sum_avx2<true>(inputs, out, hidden);
+#endif
+  sum_bf16_rows(inputs, out, hidden);
 }
 
 void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::span<const float> weights,
@@ -165,5 +180,41 @@ void weighted_sum_fp32_rows(std::span<const float* const> inputs, std::span<cons
 }
 
 void copy_bytes(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+
+#ifdef MOE_EP_X86_DISPATCH
+namespace {
+// 128 bytes per step: unaligned loads, aligned streaming stores (dst is 32-byte aligned).
+__attribute__((target("avx2"))) void stream_avx2(std::byte* dst, const std::byte* src, std::size_t bytes) {
+  std::size_t i = 0;
+  for (; i + 128 <= bytes; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 96), d);
+  }
+  for (; i + 32 <= bytes; i += 32)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+  if (i < bytes) std::memcpy(dst + i, src + i, bytes - i);
+}
+}  // namespace
+#endif
+
+void copy_bytes_streaming(void* dst, const void* src, std::size_t bytes) {
+#ifdef MOE_EP_X86_DISPATCH
+  if (has_avx2() && (reinterpret_cast<std::uintptr_t>(dst) & 31u) == 0 && bytes >= 256)
+    return stream_avx2(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), bytes);
+#endif
+  std::memcpy(dst, src, bytes);
+}
+
+void streaming_fence() {
+#ifdef MOE_EP_X86_DISPATCH
+  _mm_sfence();
+#endif
+}
 
 }  // namespace moe_ep::core

@@ -15,6 +15,9 @@
 namespace moe_ep::core {
 
 void sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::uint16_t* out, std::int64_t hidden);
+// The same result written with non-temporal stores where possible (see copy_bytes_streaming;
+// streaming_fence() before the row is published).
+void sum_bf16_rows_streaming(std::span<const std::uint16_t* const> inputs, std::uint16_t* out, std::int64_t hidden);
 // out[h] = bf16_rne(w[0]*in[0][h] + w[1]*in[1][h] + ...): FP32 products, summed in input order,
 // no fused multiply-add; no input gives +0.
 void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::span<const float> weights,
@@ -23,5 +26,12 @@ void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::s
 void weighted_sum_fp32_rows(std::span<const float* const> inputs, std::span<const float> weights, std::uint16_t* out,
                             std::int64_t hidden);
 void copy_bytes(void* dst, const void* src, std::size_t bytes);
+// The same copy with non-temporal stores where the CPU has them (AVX2, dst 32-byte aligned, 256
+// bytes or more): the destination lines are written without being read into the cache first, so a
+// copy into an output much larger than the cache moves two bytes of memory traffic per byte
+// instead of three. The stores are weakly ordered: call streaming_fence() on the copying thread
+// before anything that publishes the bytes to another thread (a release store, a barrier).
+void copy_bytes_streaming(void* dst, const void* src, std::size_t bytes);
+void streaming_fence();
 
 }  // namespace moe_ep::core

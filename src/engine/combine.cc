@@ -452,6 +452,7 @@ void Combine::reduce_tokens() {
     prepare_scratch(shape_.hidden);
     const int end = static_cast<int>(std::min<std::int64_t>(N, (task + 1) * kTokensPerTask));
     for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t) reduce_token(t);
+    core::streaming_fence();
   });
 }
 
@@ -507,7 +508,7 @@ void Combine::reduce_token(int t) {
   int count = 0;
   for (const TensorView& b : req_.bias) inputs[static_cast<size_t>(count++)] = b.data_as<const std::uint16_t>() + t * b.stride(0);
   for (int u = 0; u < n; ++u) inputs[static_cast<size_t>(count++)] = units[static_cast<size_t>(u)].row;
-  core::sum_bf16_rows({inputs.data(), static_cast<size_t>(count)}, result.combined_x.data_as<std::uint16_t>() +
+  core::sum_bf16_rows_streaming({inputs.data(), static_cast<size_t>(count)}, result.combined_x.data_as<std::uint16_t>() +
                                                                        static_cast<std::int64_t>(t) * shape_.hidden,
                       shape_.hidden);
 }

@@ -134,6 +134,7 @@ void Dispatch::copy_rows(const std::vector<PeerTensors>& peers) {
   engine_.pool().parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, [&](std::int64_t task) {
     const std::int64_t end = std::min(rows, (task + 1) * kRowsPerTask);
     for (std::int64_t i = task * kRowsPerTask; i < end; ++i) copy_row(peers, i, metadata);
+    core::streaming_fence();
   });
   // Rows past the real count (worst-case shapes) carry no data; mark their metadata.
   if (metadata) {
@@ -184,12 +185,12 @@ void Dispatch::copy_row(const std::vector<PeerTensors>& peers, std::int64_t i, s
     const std::int32_t* expanded = &plan.expanded_rows[static_cast<size_t>(i) * k];
     for (int j = 0; j < k; ++j) {
       if (expanded[j] < 0) continue;
-      core::copy_bytes(out_.x + expanded[j] * row_bytes_, payload, static_cast<size_t>(row_bytes_));
+      core::copy_bytes_streaming(out_.x + expanded[j] * row_bytes_, payload, static_cast<size_t>(row_bytes_));
       copy_scales(expanded[j]);
       if (out_w) out_w[expanded[j]] = weights[j];
     }
   } else {
-    core::copy_bytes(out_.x + i * row_bytes_, payload, static_cast<size_t>(row_bytes_));
+    core::copy_bytes_streaming(out_.x + i * row_bytes_, payload, static_cast<size_t>(row_bytes_));
     copy_scales(i);
     for (int j = 0; j < k; ++j) out_.ids[i * k + j] = local[j];
     if (out_w) {

@@ -2,7 +2,9 @@
 // conversions of tests/reference), on every row count, odd lengths (vector tails), and special values.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <random>
 
@@ -31,7 +33,11 @@ std::vector<std::uint16_t> random_row(std::mt19937& rng, int n) {
   return row;
 }
 
-TEST(Reduce, SumMatchesOrderedFp32Reference) {
+using SumRows = void (*)(std::span<const std::uint16_t* const>, std::uint16_t*, std::int64_t);
+
+// `offset` elements into a 64-byte aligned buffer: 0 gives the streaming path an aligned output,
+// 1 a misaligned one (its regular-store fallback).
+void check_sum(SumRows sum, int offset) {
   std::mt19937 rng(5);
   for (int n : {1, 7, 31, 32, 33, 100, 7168}) {
     for (int rows = 0; rows <= 9; ++rows) {
@@ -39,8 +45,13 @@ TEST(Reduce, SumMatchesOrderedFp32Reference) {
       std::vector<const std::uint16_t*> ptrs;
       for (int r = 0; r < rows; ++r) in.push_back(random_row(rng, n));
       for (auto& r : in) ptrs.push_back(r.data());
-      std::vector<std::uint16_t> out(static_cast<size_t>(n), 0xffff);
-      core::sum_bf16_rows(ptrs, out.data(), n);
+      alignas(64) static std::uint16_t buffer[7168 + 32];
+      std::fill(std::begin(buffer), std::end(buffer), std::uint16_t{0xffff});
+      std::uint16_t* out = buffer + offset;
+      sum(ptrs, out, n);
+      core::streaming_fence();
+      for (int h = n + offset; h < static_cast<int>(std::size(buffer)); ++h)
+        ASSERT_EQ(buffer[h], 0xffff) << "written past the row: n " << n << " rows " << rows;
       for (int h = 0; h < n; ++h) {
         std::uint16_t expected = 0;
         if (rows == 1) {
@@ -55,6 +66,33 @@ TEST(Reduce, SumMatchesOrderedFp32Reference) {
       }
     }
   }
+}
+
+TEST(Reduce, SumMatchesOrderedFp32Reference) { check_sum(core::sum_bf16_rows, 0); }
+TEST(Reduce, StreamingSumMatchesOrderedFp32Reference) {
+  check_sum(core::sum_bf16_rows_streaming, 0);
+  check_sum(core::sum_bf16_rows_streaming, 1);
+}
+
+// Every length around the vector steps, aligned and misaligned destinations and sources: the
+// bytes land exactly, and nothing around them changes.
+TEST(Reduce, StreamingCopyIsExact) {
+  std::mt19937 rng(11);
+  std::vector<std::uint8_t> src(4096 + 64);
+  for (auto& b : src) b = static_cast<std::uint8_t>(rng());
+  alignas(64) static std::uint8_t dst[4096 + 256];
+  for (std::size_t bytes : {0, 1, 31, 32, 255, 256, 257, 384, 1000, 4096})
+    for (std::size_t dst_offset : {0, 1, 16, 32})
+      for (std::size_t src_offset : {0, 3}) {
+        std::fill(std::begin(dst), std::end(dst), std::uint8_t{0xa5});
+        core::copy_bytes_streaming(dst + dst_offset, src.data() + src_offset, bytes);
+        core::streaming_fence();
+        for (std::size_t i = 0; i < std::size(dst); ++i) {
+          const bool inside = i >= dst_offset && i < dst_offset + bytes;
+          ASSERT_EQ(dst[i], inside ? src[src_offset + i - dst_offset] : 0xa5)
+              << "bytes " << bytes << " dst offset " << dst_offset << " src offset " << src_offset << " at " << i;
+        }
+      }
 }
 
 TEST(Reduce, WeightedSumMatchesReference) {
