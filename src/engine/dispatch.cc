@@ -119,6 +119,7 @@ PeerTensors Dispatch::my_tensors() const {
   const Tensor& topk = plan_->topk;
   p.topk = topk.data_as<const std::int64_t>();
   p.topk_row = topk.defined() ? topk.stride(0) : shape_.topk;
+  p.listed = listed_.defined() ? reinterpret_cast<const routing::ListedToken*>(listed_.data()) : nullptr;
   p.num_tokens = shape_.tokens;
   return p;
 }
@@ -163,6 +164,13 @@ void Dispatch::prepare_routing() {
                   req_.topk_idx.data_as<const std::int64_t>() + t * req_.topk_idx.stride(0), sizeof(std::int64_t) * k);
   routing::count_local({state_->topk.data_as<const std::int64_t>(), state_->topk.stride(0), N, k}, geo_, counts_);
   if (!req_.expert_counts.empty()) counts_.per_expert = req_.expert_counts;
+  std::int64_t sent = 0;
+  for (const std::int32_t c : counts_.per_rank) sent += c;
+  // Node peers read this list while planning what they receive (shared like the tensors).
+  listed_ = Tensor::empty({sent, 2}, DType::kInt32);
+  routing::list_by_destination({state_->topk.data_as<const std::int64_t>(), state_->topk.stride(0), N, k}, geo_,
+                               counts_.per_rank,
+                               {reinterpret_cast<routing::ListedToken*>(listed_.data()), static_cast<std::size_t>(sent)});
 }
 
 // What this rank publishes: its shared tensors and (new dispatch) its counts.
@@ -173,7 +181,8 @@ std::vector<std::byte> Dispatch::publish() {
                                            {.x = view_extent(req_.x),
                                             .scales = fp8_ ? view_extent(req_.x_scales) : 0,
                                             .weights = has_weights_ ? view_extent(req_.topk_weights) : 0,
-                                            .topk = view_extent(plan_->topk)});
+                                            .topk = view_extent(plan_->topk),
+                                            .listed = listed_.defined() ? listed_.nbytes() : 0});
   std::memcpy(payload.data(), &shared, sizeof shared);
   if (cached_) return payload;
   for (const auto* v : {&counts_.per_rank, &counts_.per_expert, &counts_.per_node}) {
@@ -236,13 +245,15 @@ void Dispatch::take_layout(const std::vector<std::span<const std::byte>>& payloa
 void Dispatch::plan_local(const std::vector<PeerTensors>& peers) {
   HandleState& s = *state_;
   const routing::PlanningRank me = planning_rank();
-  routing::plan_sources(s, {s.topk.data_as<const std::int64_t>(), s.topk.stride(0), shape_.tokens, shape_.topk}, me);
-  comm::PeerReads reads(engine_.transport(), "dispatch: receive plan");  // node peers' top-k ids
+  const PeerTensors& mine = peers[static_cast<size_t>(me.rank)];
+  routing::plan_sources(s, {s.topk.data_as<const std::int64_t>(), s.topk.stride(0), shape_.tokens, shape_.topk}, me,
+                        {mine.listed, static_cast<std::size_t>(listed_.size(0))});
+  comm::PeerReads reads(engine_.transport(), "dispatch: receive plan");  // node peers' top-k ids and lists
   routing::start_receive_plan(s, shape_.topk, me);
-  std::vector<routing::TopkRows> sources(peers.size());
+  std::vector<routing::LocalSource> sources(peers.size());
   for (std::size_t r = 0; r < peers.size(); ++r)
     if (engine_.facts.same_node(static_cast<int>(r)))
-      sources[r] = {peers[r].topk, peers[r].topk_row, peers[r].num_tokens, shape_.topk};
+      sources[r] = {{peers[r].topk, peers[r].topk_row, peers[r].num_tokens, shape_.topk}, peers[r].listed};
   routing::plan_receive_local(s, me, sources);
 }
 

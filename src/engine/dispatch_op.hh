@@ -103,6 +103,7 @@ class Dispatch final : public DispatchOperation {
   const HandleState* plan_ = nullptr;   // state_ or cached_state_
   PeerTensors mine_;                    // this rank's tensors (before sharing)
   routing::LocalCounts counts_;
+  Tensor listed_;  // new dispatch: int32 [rows this rank sends, 2], routing::list_by_destination
   std::vector<std::byte> record_scratch_;
   // Where row r, column p of the output scales lives (DispatchRequest::col_major_scales): blocks
   // of `block` rows, column-major within a block; block 1 is row-major.

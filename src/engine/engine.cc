@@ -339,6 +339,7 @@ PeerTensors share_tensors(Engine& engine, const PeerTensors& mine, const TensorE
       {mine.weights, mine.weights ? extents.weights : 0},
       {mine.topk, mine.topk ? extents.topk : 0},
       {mine.row_weights, mine.row_weights ? extents.row_weights : 0},
+      {mine.listed, mine.listed ? extents.listed : 0},
   };
   const auto published = engine.transport().share(spans);
   PeerTensors p = mine;
@@ -347,6 +348,7 @@ PeerTensors share_tensors(Engine& engine, const PeerTensors& mine, const TensorE
   p.weights = static_cast<const float*>(published[2]);
   p.topk = static_cast<const std::int64_t*>(published[3]);
   p.row_weights = static_cast<const float*>(published[4]);
+  p.listed = static_cast<const routing::ListedToken*>(published[5]);
   return p;
 }
 
@@ -362,6 +364,7 @@ void resolve_tensors(Engine& engine, std::vector<PeerTensors>& peers, const Peer
       p.weights = static_cast<const float*>(t.node_address(r, p.weights));
       p.topk = static_cast<const std::int64_t*>(t.node_address(r, p.topk));
       p.row_weights = static_cast<const float*>(t.node_address(r, p.row_weights));
+      p.listed = static_cast<const routing::ListedToken*>(t.node_address(r, p.listed));
     }
   }
 }

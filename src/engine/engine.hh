@@ -181,6 +181,7 @@ struct PeerTensors {
   const float* row_weights = nullptr;  // combine: CombineRequest::row_weights
   const std::int64_t* topk = nullptr;
   std::int64_t topk_row = 0;
+  const routing::ListedToken* listed = nullptr;  // dispatch: routing::list_by_destination of topk
   std::int32_t num_tokens = 0;
 };
 
@@ -191,7 +192,7 @@ std::size_t view_extent(const TensorView& view);
 // Makes this rank's tensors readable by its node peers (Transport::share); returns what to
 // publish. Extents are in bytes (view_extent).
 struct TensorExtents {
-  std::size_t x = 0, scales = 0, weights = 0, topk = 0, row_weights = 0;
+  std::size_t x = 0, scales = 0, weights = 0, topk = 0, row_weights = 0, listed = 0;
 };
 PeerTensors share_tensors(Engine& engine, const PeerTensors& mine, const TensorExtents& extents);
 // Turns what ranks of this node published into addresses here; this rank's entry becomes `mine`.

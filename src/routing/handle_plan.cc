@@ -1,6 +1,10 @@
 #include "routing/handle_plan.hh"
 
+#include <fmt/format.h>
+
 #include <array>
+
+#include "moe_ep/error.hpp"
 
 namespace moe_ep::routing {
 namespace {
@@ -32,17 +36,30 @@ void accept_token(RoutingPlan& plan, const PlanningRank& me, RowAssigner& assign
 
 }  // namespace
 
-void plan_sources(RoutingPlan& plan, const TopkRows& topk, const PlanningRank& me) {
+void plan_sources(RoutingPlan& plan, const TopkRows& topk, const PlanningRank& me, std::span<const ListedToken> listed) {
   const int N = topk.num_tokens, k = topk.k;
   const std::size_t nk = at(N, k);
-  plan.dst_row.resize(nk);
-  plan.dst_expanded.resize(nk);
-  RowAssigner assigner;
-  assigner.start(plan.layout, me.rank);
-  for (int t = 0; t < N; ++t)
-    assigner.next(topk.row(t), k, [](int) { return true; }, &plan.dst_row[at(t, k)], &plan.dst_expanded[at(t, k)]);
-  if (!me.hybrid) return;
   const Geometry& geo = plan.layout.geometry();
+  // Row i of this rank's group for destination d is listed token i of that group.
+  plan.dst_row.assign(nk, -1);
+  std::size_t entry = 0;
+  for (int d = 0; d < geo.num_ranks; ++d) {
+    const std::int32_t base = plan.layout.row_base(me.rank, d), count = plan.layout.count(me.rank, d);
+    for (std::int32_t i = 0; i < count; ++i, ++entry) {
+      const ListedToken& l = listed[entry];
+      plan.dst_row[at(l.token, k, l.master_lane)] = base + i;
+    }
+  }
+  // Every (token, lane) pair is its expert's next row, in token order.
+  plan.dst_expanded.resize(nk);
+  std::vector<std::int32_t> expert_next(static_cast<size_t>(geo.num_experts));
+  for (int e = 0; e < geo.num_experts; ++e) expert_next[static_cast<size_t>(e)] = plan.layout.expanded_base(me.rank, e);
+  for (int t = 0; t < N; ++t) {
+    const std::int64_t* ids = topk.row(t);
+    for (int j = 0; j < k; ++j)
+      plan.dst_expanded[at(t, k, j)] = ids[j] < 0 ? -1 : expert_next[static_cast<size_t>(ids[j])]++;
+  }
+  if (!me.hybrid) return;
   plan.node_slot.assign(nk, -1);
   std::vector<std::int32_t> next(static_cast<size_t>(geo.num_nodes), 0);
   std::array<Destination, kMaxTopk> nodes;
@@ -72,10 +89,38 @@ void receive_source(RoutingPlan& plan, const PlanningRank& me, int source, const
     accept_token(plan, me, assigner, source, i, tokens ? tokens[i] : i, ids.row(i), ids.k);
 }
 
-void plan_receive_local(RoutingPlan& plan, const PlanningRank& me, std::span<const TopkRows> sources) {
-  for (int src = 0; src < plan.layout.geometry().num_ranks; ++src) {
-    if (!me.same_node(src) || plan.layout.count(src, me.rank) == 0) continue;
-    receive_source(plan, me, src, sources[static_cast<size_t>(src)], nullptr);
+void plan_receive_local(RoutingPlan& plan, const PlanningRank& me, std::span<const LocalSource> sources) {
+  const GlobalLayout& layout = plan.layout;
+  const Geometry& geo = layout.geometry();
+  const int El = geo.experts_per_rank();
+  const std::int64_t first = std::int64_t{me.rank} * El;  // this rank's experts: [first, first + El)
+  std::vector<std::int32_t> next(static_cast<size_t>(El));
+  for (int src = 0; src < geo.num_ranks; ++src) {
+    const std::int32_t count = layout.count(src, me.rank);
+    if (!me.same_node(src) || count == 0) continue;
+    const LocalSource& source = sources[static_cast<size_t>(src)];
+    const int k = source.ids.k;
+    std::size_t offset = 0;  // this rank's group in the source's list
+    for (int d = 0; d < me.rank; ++d) offset += static_cast<std::size_t>(layout.count(src, d));
+    for (int i = 0; i < El; ++i) next[static_cast<size_t>(i)] = layout.expanded_base(src, static_cast<int>(first) + i);
+    std::int32_t row = layout.row_base(src, me.rank);
+    for (std::int32_t i = 0; i < count; ++i, ++row) {
+      const ListedToken l = source.listed[offset + static_cast<std::size_t>(i)];
+      if (l.token < 0 || l.token >= source.ids.num_tokens || l.master_lane < 0 || l.master_lane >= k)
+        throw StateError(fmt::format("receive plan: rank {} listed token {} lane {} (it has {} tokens, top-{})", src,
+                                     l.token, l.master_lane, source.ids.num_tokens, k));
+      const std::int64_t* ids = source.ids.row(l.token);
+      const auto r = static_cast<std::size_t>(row);
+      plan.rows[r] = {src, l.token};
+      plan.row_token[r] = l.token;
+      plan.master_lane[r] = l.master_lane;
+      for (int j = 0; j < k; ++j) {
+        const std::int64_t local = ids[j] - first;
+        const bool here = ids[j] >= 0 && local >= 0 && local < El;
+        plan.local_ids[at(row, k, j)] = here ? static_cast<std::int32_t>(local) : -1;
+        if (me.expand) plan.expanded_rows[at(row, k, j)] = here ? next[static_cast<size_t>(local)]++ : -1;
+      }
+    }
   }
 }
 

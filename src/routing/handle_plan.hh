@@ -61,7 +61,8 @@ struct PlanningRank {
 
 // Rows of this rank's tokens at their destinations (dst_row, dst_expanded) and, in hybrid mode,
 // the forwarder slot of each token at each destination node's master lane (node_slot, -1 elsewhere).
-void plan_sources(RoutingPlan& plan, const TopkRows& topk, const PlanningRank& me);
+// `listed` is this rank's list_by_destination of topk.
+void plan_sources(RoutingPlan& plan, const TopkRows& topk, const PlanningRank& me, std::span<const ListedToken> listed);
 
 // Sizes the receive plan for the rows_at(me) rows this rank receives.
 void start_receive_plan(RoutingPlan& plan, int k, const PlanningRank& me);
@@ -69,9 +70,16 @@ void start_receive_plan(RoutingPlan& plan, int k, const PlanningRank& me);
 // token index i); tokens[i] its token index at the source (null: i itself).
 void receive_source(RoutingPlan& plan, const PlanningRank& me, int source, const TopkRows& ids,
                     const std::int32_t* tokens);
-// Every source of this physical node with rows here, from its top-k ids (sources[s], unused for
-// ranks of other nodes).
-void plan_receive_local(RoutingPlan& plan, const PlanningRank& me, std::span<const TopkRows> sources);
+// A source of this physical node as its node peers read it: its top-k ids and its
+// list_by_destination (whole: every destination's group).
+struct LocalSource {
+  TopkRows ids;
+  const ListedToken* listed = nullptr;
+};
+// Every source of this physical node with rows here (sources[s], unused for ranks of other
+// nodes), from the group of the source's list for this rank: the work is the rows received, not
+// every token of every source. Throws StateError if a listed entry is outside the source's tokens.
+void plan_receive_local(RoutingPlan& plan, const PlanningRank& me, std::span<const LocalSource> sources);
 // The records of `source` that arrive here from another node: 0 for a source of this node or one
 // with no rows here; else one per row (direct) or one per token for this routing node (hybrid).
 std::int32_t remote_records(const GlobalLayout& layout, const PlanningRank& me, int source);

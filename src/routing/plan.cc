@@ -66,6 +66,26 @@ void count_local(const TopkRows& topk, const Geometry& geometry, LocalCounts& ou
   }
 }
 
+void list_by_destination(const TopkRows& topk, const Geometry& geometry, std::span<const std::int32_t> per_rank,
+                         std::span<ListedToken> out) {
+  std::vector<std::size_t> next(per_rank.size());
+  std::size_t offset = 0;
+  for (std::size_t d = 0; d < per_rank.size(); ++d) {
+    next[d] = offset;
+    offset += static_cast<std::size_t>(per_rank[d]);
+  }
+  if (offset != out.size())
+    throw StateError(fmt::format("list_by_destination: {} entries for {} rows", out.size(), offset));
+  std::array<Destination, kMaxTopk> dests;
+  for (int t = 0; t < topk.num_tokens; ++t) {
+    const int n = token_ranks(topk.row(t), topk.k, geometry, dests);
+    for (int i = 0; i < n; ++i) {
+      const Destination& d = dests[static_cast<size_t>(i)];
+      out[next[static_cast<size_t>(d.target)]++] = {t, d.master_lane};
+    }
+  }
+}
+
 void GlobalLayout::reset(const Geometry& geometry, int alignment, int expert_stride) {
   geo_ = geometry;
   alignment_ = alignment;

@@ -11,7 +11,8 @@
 // local expert, its (token, lane) pairs in the same (source, token) order, each expert block
 // padded to a multiple of the alignment, or (with a fixed expert stride S) local expert i's block
 // starting at row i x S and holding at most S rows, the rest of it padding. Because every party
-// derives rows from the same gathered counts with RowAssigner, sources, forwarders and receivers
+// derives rows from the same gathered counts in that order (RowAssigner over a source's tokens, or
+// a receiver walking the source's list_by_destination group), sources, forwarders and receivers
 // agree on every row without exchanging row indices.
 #pragma once
 
@@ -66,6 +67,17 @@ struct LocalCounts {
   std::vector<std::int32_t> per_node;    // [nodes] tokens with >= 1 expert on the node
 };
 void count_local(const TopkRows& topk, const Geometry& geometry, LocalCounts& out);
+
+// A token of one source bound for one destination rank, and its master lane for that rank.
+struct ListedToken {
+  std::int32_t token;
+  std::int32_t master_lane;
+};
+// A source's tokens grouped by destination rank: ranks ascending, each rank's tokens ascending,
+// so entry i of rank d's group is the source's i-th row at d. `per_rank` is count_local's; `out`
+// holds their sum. Receivers read their group instead of every token of the source.
+void list_by_destination(const TopkRows& topk, const Geometry& geometry, std::span<const std::int32_t> per_rank,
+                         std::span<ListedToken> out);
 
 // Everyone's counts and the row bases derived from them.
 class GlobalLayout {

@@ -17,6 +17,7 @@
 
 #include <vector>
 
+#include "moe_ep/error.hpp"
 #include "routing/combine_order.hh"
 #include "routing/handle_plan.hh"
 
@@ -52,15 +53,47 @@ RoutingPlan plan_with_layout(int alignment = 1) {
   return plan;
 }
 
+// Rank `rank`'s tokens grouped by destination (list_by_destination over its own counts).
+std::vector<ListedToken> listed_of(int rank) {
+  const Geometry geo{kRanks, kExperts, 2};
+  LocalCounts counts;
+  count_local(rows_of(rank), geo, counts);
+  std::int32_t total = 0;
+  for (const std::int32_t c : counts.per_rank) total += c;
+  std::vector<ListedToken> listed(static_cast<size_t>(total));
+  list_by_destination(rows_of(rank), geo, counts.per_rank, listed);
+  return listed;
+}
+
 PlanningRank planner(int rank, bool hybrid, bool expand = true) {
   return {.rank = rank, .physical_scaleup = 2, .hybrid = hybrid, .expand = expand};
 }
 
 using Ints = std::vector<std::int32_t>;
 
+TEST(ListByDestination, TokensGroupedByRankWithTheirMasterLanes) {
+  const std::vector<ListedToken> listed = listed_of(0);
+  // Rank 0: t0 (lane 0); rank 1: t1 (lane 1, expert 2); rank 2: t0 (lane 1); rank 3: t2 (lane 1).
+  const std::vector<std::pair<int, int>> expected = {{0, 0}, {1, 1}, {0, 1}, {2, 1}};
+  ASSERT_EQ(listed.size(), expected.size());
+  for (std::size_t i = 0; i < listed.size(); ++i) {
+    EXPECT_EQ(listed[i].token, expected[i].first) << i;
+    EXPECT_EQ(listed[i].master_lane, expected[i].second) << i;
+  }
+  EXPECT_TRUE(listed_of(3).empty());
+}
+
+TEST(ListByDestination, RefusesAnOutputOfAnotherSize) {
+  const Geometry geo{kRanks, kExperts, 2};
+  LocalCounts counts;
+  count_local(rows_of(0), geo, counts);
+  std::vector<ListedToken> listed(3);
+  EXPECT_THROW(list_by_destination(rows_of(0), geo, counts.per_rank, listed), StateError);
+}
+
 TEST(PlanSources, RowsAndExpandedRowsOfEachLane) {
   RoutingPlan plan = plan_with_layout();
-  plan_sources(plan, rows_of(0), planner(0, false));
+  plan_sources(plan, rows_of(0), planner(0, false), listed_of(0));
   // t0: row 0 at rank 0 and at rank 2; t1: only lane 1 (rank 1's master lane), row 0; t2: row 0 at rank 3.
   EXPECT_EQ(plan.dst_row, (Ints{0, 0, -1, 0, -1, 0}));
   // Expanded: expert 1 row 1, expert 4 row 0; expert 3 row 2, expert 2 row 0; -, expert 7 row 1.
@@ -70,7 +103,7 @@ TEST(PlanSources, RowsAndExpandedRowsOfEachLane) {
 
 TEST(PlanSources, SecondSourceStartsAfterTheFirstAtEachDestination) {
   RoutingPlan plan = plan_with_layout();
-  plan_sources(plan, rows_of(2), planner(2, false));
+  plan_sources(plan, rows_of(2), planner(2, false), listed_of(2));
   // s2.t0 is the second row at rank 2 (after s0.t0) and at rank 1 (after s0.t1).
   EXPECT_EQ(plan.dst_row, (Ints{1, 1}));
   // Expert 5's block at rank 2 starts at 1; expert 2 holds s0.t1 first.
@@ -79,7 +112,7 @@ TEST(PlanSources, SecondSourceStartsAfterTheFirstAtEachDestination) {
 
 TEST(PlanSources, HybridForwarderSlotsPerNodeAtTheNodeMasterLane) {
   RoutingPlan plan = plan_with_layout();
-  plan_sources(plan, rows_of(0), planner(0, true));
+  plan_sources(plan, rows_of(0), planner(0, true), listed_of(0));
   // Node 0 gets t0 (lane 0) then t1 (lane 1); node 1 gets t0 (lane 1) then t2 (lane 1).
   EXPECT_EQ(plan.node_slot, (Ints{0, 0, -1, 1, -1, 1}));
 }
@@ -89,9 +122,10 @@ TEST(ReceivePlan, LocalThenRemoteSourcesInReceiveOrder) {
   const PlanningRank me = planner(1, false);
   start_receive_plan(plan, kTopk, me);
   ASSERT_EQ(plan.rows.size(), 2u);
-  std::vector<TopkRows> sources(kRanks);
-  sources[0] = rows_of(0);
-  sources[1] = rows_of(1);
+  const std::vector<ListedToken> listed0 = listed_of(0), listed1 = listed_of(1);
+  std::vector<LocalSource> sources(kRanks);
+  sources[0] = {rows_of(0), listed0.data()};
+  sources[1] = {rows_of(1), listed1.data()};
   plan_receive_local(plan, me, sources);
   // Row 0: rank 0's token 1, master lane 1, local ids [3 - 2, 2 - 2], expanded [2, 0].
   EXPECT_EQ(plan.rows[0].source, 0);
@@ -112,6 +146,19 @@ TEST(ReceivePlan, LocalThenRemoteSourcesInReceiveOrder) {
   EXPECT_EQ(plan.local_ids, (Ints{1, 0, -1, 0}));
   // s2.t0's lane 1 (expert 2) is expert 2's second row; lane 0 is not at rank 1.
   EXPECT_EQ(plan.expanded_rows, (Ints{2, 0, -1, 1}));
+}
+
+TEST(ReceivePlan, AListedTokenOutsideTheSourceIsAStateError) {
+  RoutingPlan plan = plan_with_layout();
+  const PlanningRank me = planner(1, false);
+  start_receive_plan(plan, kTopk, me);
+  std::vector<ListedToken> listed0 = listed_of(0);
+  listed0[1] = {3, 1};  // rank 0 has 3 tokens
+  std::vector<LocalSource> sources(kRanks);
+  sources[0] = {rows_of(0), listed0.data()};
+  EXPECT_THROW(plan_receive_local(plan, me, sources), StateError);
+  listed0[1] = {1, kTopk};  // lane past top-k
+  EXPECT_THROW(plan_receive_local(plan, me, sources), StateError);
 }
 
 TEST(ReceivePlan, HybridRemoteRecordsCountTokensForTheRoutingNode) {
@@ -171,12 +218,12 @@ TEST(HandleCounts, PrefixSumsPerScaleupRankAndExpert) {
 
 TEST(HandleCounts, BufferSlotsAreRowsWithinTheSourceBlock) {
   RoutingPlan plan = plan_with_layout();
-  plan_sources(plan, rows_of(2), planner(2, false));
+  plan_sources(plan, rows_of(2), planner(2, false), listed_of(2));
   // Rank 2's only token is the first of its block at ranks 2 and 1: slot 2 * T + 0 at both lanes.
   const Tensor slots = buffer_slots(plan.layout, 2, 3, rows_of(2), plan.dst_row);
   EXPECT_EQ(slots.data_as<std::int32_t>()[0], 6);
   EXPECT_EQ(slots.data_as<std::int32_t>()[1], 6);
-  plan_sources(plan, rows_of(0), planner(0, false));
+  plan_sources(plan, rows_of(0), planner(0, false), listed_of(0));
   const Tensor first = buffer_slots(plan.layout, 0, 3, rows_of(0), plan.dst_row);
   const Ints expected = {0, 0, -1, 0, -1, 0};
   for (int i = 0; i < 6; ++i) EXPECT_EQ(first.data_as<std::int32_t>()[i], expected[static_cast<size_t>(i)]) << i;
