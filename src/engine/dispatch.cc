@@ -162,14 +162,14 @@ void Dispatch::prepare_routing() {
     for (int t = 0; t < N; ++t)
       std::memcpy(state_->topk.data_as<std::int64_t>() + std::int64_t{t} * k,
                   req_.topk_idx.data_as<const std::int64_t>() + t * req_.topk_idx.stride(0), sizeof(std::int64_t) * k);
-  routing::count_local({state_->topk.data_as<const std::int64_t>(), state_->topk.stride(0), N, k}, geo_, counts_);
+  routing::TokenRanks ranks;
+  routing::count_local({state_->topk.data_as<const std::int64_t>(), state_->topk.stride(0), N, k}, geo_, counts_, &ranks);
   if (!req_.expert_counts.empty()) counts_.per_expert = req_.expert_counts;
   std::int64_t sent = 0;
   for (const std::int32_t c : counts_.per_rank) sent += c;
   // Node peers read this list while planning what they receive (shared like the tensors).
   listed_ = Tensor::empty({sent, 2}, DType::kInt32);
-  routing::list_by_destination({state_->topk.data_as<const std::int64_t>(), state_->topk.stride(0), N, k}, geo_,
-                               counts_.per_rank,
+  routing::list_by_destination(ranks, counts_.per_rank,
                                {reinterpret_cast<routing::ListedToken*>(listed_.data()), static_cast<std::size_t>(sent)});
 }
 

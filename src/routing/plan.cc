@@ -41,49 +41,60 @@ void validate_topk(std::string_view context, const TopkRows& topk, int num_exper
   }
 }
 
+// The divisors are read once, outside the lanes' loop (the output array could alias the geometry,
+// so the compiler would otherwise divide twice per lane). A node is e / (El x ranks per node):
+// floor(floor(e / El) / rpn) = floor(e / (El x rpn)) for non-negative integers.
 int token_ranks(const std::int64_t* ids, int k, const Geometry& geometry, std::array<Destination, kMaxTopk>& out) {
-  return distinct_targets(ids, k, [&](std::int64_t e) { return geometry.rank_of_expert(e); }, out);
+  const int El = geometry.experts_per_rank();
+  return distinct_targets(ids, k, [El](std::int64_t e) { return static_cast<int>(e) / El; }, out);
 }
 
 int token_nodes(const std::int64_t* ids, int k, const Geometry& geometry, std::array<Destination, kMaxTopk>& out) {
-  return distinct_targets(
-      ids, k, [&](std::int64_t e) { return geometry.node_of_rank(geometry.rank_of_expert(e)); }, out);
+  const int per_node = geometry.experts_per_rank() * geometry.ranks_per_node();
+  return distinct_targets(ids, k, [per_node](std::int64_t e) { return static_cast<int>(e) / per_node; }, out);
 }
 
-void count_local(const TopkRows& topk, const Geometry& geometry, LocalCounts& out) {
+void count_local(const TopkRows& topk, const Geometry& geometry, LocalCounts& out, TokenRanks* ranks) {
   out.per_rank.assign(static_cast<size_t>(geometry.num_ranks), 0);
   out.per_expert.assign(static_cast<size_t>(geometry.num_experts), 0);
   out.per_node.assign(static_cast<size_t>(geometry.num_nodes), 0);
+  if (ranks) {
+    ranks->offset.assign(static_cast<size_t>(topk.num_tokens) + 1, 0);
+    ranks->ranks.resize(static_cast<size_t>(topk.num_tokens) * static_cast<size_t>(std::min(topk.k, geometry.num_ranks)));
+  }
   std::array<Destination, kMaxTopk> dests;
+  std::size_t used = 0;
   for (int t = 0; t < topk.num_tokens; ++t) {
     const std::int64_t* ids = topk.row(t);
     for (int j = 0; j < topk.k; ++j)
       if (ids[j] >= 0) ++out.per_expert[static_cast<size_t>(ids[j])];
     const int nr = token_ranks(ids, topk.k, geometry, dests);
     for (int i = 0; i < nr; ++i) ++out.per_rank[static_cast<size_t>(dests[static_cast<size_t>(i)].target)];
+    if (ranks) {
+      std::copy(dests.begin(), dests.begin() + nr, ranks->ranks.begin() + static_cast<std::ptrdiff_t>(used));
+      used += static_cast<std::size_t>(nr);
+      ranks->offset[static_cast<size_t>(t) + 1] = static_cast<std::int32_t>(used);
+    }
     const int nn = token_nodes(ids, topk.k, geometry, dests);
     for (int i = 0; i < nn; ++i) ++out.per_node[static_cast<size_t>(dests[static_cast<size_t>(i)].target)];
   }
 }
 
-void list_by_destination(const TopkRows& topk, const Geometry& geometry, std::span<const std::int32_t> per_rank,
-                         std::span<ListedToken> out) {
+void list_by_destination(const TokenRanks& ranks, std::span<const std::int32_t> per_rank, std::span<ListedToken> out) {
   std::vector<std::size_t> next(per_rank.size());
   std::size_t offset = 0;
   for (std::size_t d = 0; d < per_rank.size(); ++d) {
     next[d] = offset;
     offset += static_cast<std::size_t>(per_rank[d]);
   }
-  if (offset != out.size())
+  const std::size_t tokens = ranks.offset.empty() ? 0 : ranks.offset.size() - 1;
+  if (offset != out.size() || (tokens > 0 && static_cast<std::size_t>(ranks.offset.back()) != offset))
     throw StateError(fmt::format("list_by_destination: {} entries for {} rows", out.size(), offset));
-  std::array<Destination, kMaxTopk> dests;
-  for (int t = 0; t < topk.num_tokens; ++t) {
-    const int n = token_ranks(topk.row(t), topk.k, geometry, dests);
-    for (int i = 0; i < n; ++i) {
-      const Destination& d = dests[static_cast<size_t>(i)];
-      out[next[static_cast<size_t>(d.target)]++] = {t, d.master_lane};
+  for (std::size_t t = 0; t < tokens; ++t)
+    for (std::int32_t i = ranks.offset[t]; i < ranks.offset[t + 1]; ++i) {
+      const Destination& d = ranks.ranks[static_cast<size_t>(i)];
+      out[next[static_cast<size_t>(d.target)]++] = {static_cast<std::int32_t>(t), d.master_lane};
     }
-  }
 }
 
 void GlobalLayout::reset(const Geometry& geometry, int alignment, int expert_stride) {

@@ -66,7 +66,13 @@ struct LocalCounts {
   std::vector<std::int32_t> per_expert;  // [E] (token, lane) pairs naming the expert
   std::vector<std::int32_t> per_node;    // [nodes] tokens with >= 1 expert on the node
 };
-void count_local(const TopkRows& topk, const Geometry& geometry, LocalCounts& out);
+// The distinct destination ranks of every token (token_ranks), as count_local found them.
+struct TokenRanks {
+  std::vector<std::int32_t> offset;  // [tokens + 1]: token t's ranks are ranks[offset[t], offset[t + 1])
+  std::vector<Destination> ranks;
+};
+// With `ranks`, also records every token's destination ranks there.
+void count_local(const TopkRows& topk, const Geometry& geometry, LocalCounts& out, TokenRanks* ranks = nullptr);
 
 // A token of one source bound for one destination rank, and its master lane for that rank.
 struct ListedToken {
@@ -74,10 +80,10 @@ struct ListedToken {
   std::int32_t master_lane;
 };
 // A source's tokens grouped by destination rank: ranks ascending, each rank's tokens ascending,
-// so entry i of rank d's group is the source's i-th row at d. `per_rank` is count_local's; `out`
-// holds their sum. Receivers read their group instead of every token of the source.
-void list_by_destination(const TopkRows& topk, const Geometry& geometry, std::span<const std::int32_t> per_rank,
-                         std::span<ListedToken> out);
+// so entry i of rank d's group is the source's i-th row at d. `ranks` and `per_rank` are
+// count_local's; `out` holds the sum of per_rank (StateError otherwise). Receivers read their
+// group instead of every token of the source.
+void list_by_destination(const TokenRanks& ranks, std::span<const std::int32_t> per_rank, std::span<ListedToken> out);
 
 // Everyone's counts and the row bases derived from them.
 class GlobalLayout {

@@ -57,11 +57,12 @@ RoutingPlan plan_with_layout(int alignment = 1) {
 std::vector<ListedToken> listed_of(int rank) {
   const Geometry geo{kRanks, kExperts, 2};
   LocalCounts counts;
-  count_local(rows_of(rank), geo, counts);
+  TokenRanks ranks;
+  count_local(rows_of(rank), geo, counts, &ranks);
   std::int32_t total = 0;
   for (const std::int32_t c : counts.per_rank) total += c;
   std::vector<ListedToken> listed(static_cast<size_t>(total));
-  list_by_destination(rows_of(rank), geo, counts.per_rank, listed);
+  list_by_destination(ranks, counts.per_rank, listed);
   return listed;
 }
 
@@ -86,9 +87,10 @@ TEST(ListByDestination, TokensGroupedByRankWithTheirMasterLanes) {
 TEST(ListByDestination, RefusesAnOutputOfAnotherSize) {
   const Geometry geo{kRanks, kExperts, 2};
   LocalCounts counts;
-  count_local(rows_of(0), geo, counts);
+  TokenRanks ranks;
+  count_local(rows_of(0), geo, counts, &ranks);
   std::vector<ListedToken> listed(3);
-  EXPECT_THROW(list_by_destination(rows_of(0), geo, counts.per_rank, listed), StateError);
+  EXPECT_THROW(list_by_destination(ranks, counts.per_rank, listed), StateError);
 }
 
 TEST(PlanSources, RowsAndExpandedRowsOfEachLane) {
