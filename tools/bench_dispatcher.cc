@@ -14,6 +14,7 @@
 
 #include "bench.hh"
 #include "core/timeout.hh"
+#include "elastic/elastic_access.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/dispatcher.hpp"
 #include "moe_ep/elastic_buffer.hpp"
@@ -102,23 +103,39 @@ std::vector<Operation> direct_operations(Group& g, const BenchOptions& o, int to
                              .use_fp8_dispatch = true, .allow_hybrid_mode = o.allow_hybrid,
                              .num_cpu_timeout_secs = core::timeout_from_env()});
   auto last = std::make_shared<DispatchResult>();
-  // Low-latency: the expanded dispatch without host wait, R x tokens rows per local expert.
+  // Low-latency: what the dispatcher's V2 route does on the built-in buffer (dispatcher.md §5):
+  // the expanded dispatch without host wait straight into the per-expert slab (R x tokens rows
+  // per local expert, FP8 scales column-major per expert block), and a combine that weights
+  // each slab row by its received weight as it reads it.
+  const int stride = o.ranks * tokens;
   auto dispatch = [=] {
     const Fp8Tensor q = quantize_fp8(in->x);
     DispatchArgs a{.x = q.data, .x_scales = q.scales, .topk_idx = in->topk, .topk_weights = in->weights,
                    .num_experts = o.experts, .num_sms = workers};
-    if (low_latency) {
-      a.num_max_tokens_per_rank = tokens;
-      a.expert_alignment = o.ranks * tokens;
-      a.do_cpu_sync = false;
-      a.do_expand = true;
+    if (!low_latency) {
+      *last = buffer->dispatch(a);
+      return;
     }
-    *last = buffer->dispatch(a);
+    a.num_max_tokens_per_rank = tokens;
+    a.async_with_compute_stream = true;
+    a.do_cpu_sync = false;
+    a.do_expand = true;
+    a.use_tma_aligned_col_major_sf = true;
+    *last = elastic::Access::dispatch(*buffer, a, {.expert_stride = stride});
+    last->event.wait();
   };
   dispatch();
   auto y = std::make_shared<Tensor>(Tensor::zeros({last->recv_x.size(0), o.hidden}, DType::kBF16));
-  return {{"direct dispatch", dispatch},
-          {"direct combine", [=] { buffer->combine({.x = *y, .handle = last->handle, .num_sms = workers}); }}};
+  auto combine = [=] {
+    if (!low_latency) {
+      buffer->combine({.x = *y, .handle = last->handle, .num_sms = workers});
+      return;
+    }
+    CombineArgs a{.x = *y, .handle = last->handle, .num_sms = workers, .async_with_compute_stream = true};
+    CombineResult r = elastic::Access::combine(*buffer, a, {.row_weights = last->recv_topk_weights});
+    r.event.wait();
+  };
+  return {{"direct dispatch", dispatch}, {"direct combine", combine}};
 }
 
 // One shape: the dispatcher's dispatch and combine beside the direct ones, alternating.
