@@ -41,6 +41,10 @@ void plan_sources(RoutingPlan& plan, const TopkRows& topk, const PlanningRank& m
   const std::size_t nk = at(N, k);
   const Geometry& geo = plan.layout.geometry();
   // Row i of this rank's group for destination d is listed token i of that group.
+  std::size_t rows = 0;
+  for (int d = 0; d < geo.num_ranks; ++d) rows += static_cast<std::size_t>(plan.layout.count(me.rank, d));
+  if (listed.size() != rows)
+    throw StateError(fmt::format("plan_sources: rank {} listed {} rows, its counts say {}", me.rank, listed.size(), rows));
   plan.dst_row.assign(nk, -1);
   std::size_t entry = 0;
   for (int d = 0; d < geo.num_ranks; ++d) {
@@ -99,6 +103,8 @@ void plan_receive_local(RoutingPlan& plan, const PlanningRank& me, std::span<con
     const std::int32_t count = layout.count(src, me.rank);
     if (!me.same_node(src) || count == 0) continue;
     const LocalSource& source = sources[static_cast<size_t>(src)];
+    if (source.listed == nullptr)
+      throw StateError(fmt::format("receive plan: rank {} sends {} rows here but published no list", src, count));
     const int k = source.ids.k;
     std::size_t offset = 0;  // this rank's group in the source's list
     for (int d = 0; d < me.rank; ++d) offset += static_cast<std::size_t>(layout.count(src, d));

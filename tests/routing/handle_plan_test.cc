@@ -112,6 +112,13 @@ TEST(PlanSources, SecondSourceStartsAfterTheFirstAtEachDestination) {
   EXPECT_EQ(plan.dst_expanded, (Ints{1, 1}));
 }
 
+TEST(PlanSources, AListOfAnotherSizeIsAStateError) {
+  RoutingPlan plan = plan_with_layout();
+  std::vector<ListedToken> listed = listed_of(0);
+  listed.pop_back();
+  EXPECT_THROW(plan_sources(plan, rows_of(0), planner(0, false), listed), StateError);
+}
+
 TEST(PlanSources, HybridForwarderSlotsPerNodeAtTheNodeMasterLane) {
   RoutingPlan plan = plan_with_layout();
   plan_sources(plan, rows_of(0), planner(0, true), listed_of(0));
@@ -160,6 +167,8 @@ TEST(ReceivePlan, AListedTokenOutsideTheSourceIsAStateError) {
   sources[0] = {rows_of(0), listed0.data()};
   EXPECT_THROW(plan_receive_local(plan, me, sources), StateError);
   listed0[1] = {1, kTopk};  // lane past top-k
+  EXPECT_THROW(plan_receive_local(plan, me, sources), StateError);
+  sources[0].listed = nullptr;  // rows here, but no list
   EXPECT_THROW(plan_receive_local(plan, me, sources), StateError);
 }
 
