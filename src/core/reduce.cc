@@ -179,8 +179,6 @@ void weighted_sum_fp32_rows(std::span<const float* const> inputs, std::span<cons
   }
 }
 
-void copy_bytes(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
-
 #ifdef MOE_EP_X86_DISPATCH
 namespace {
 // 128 bytes per step: unaligned loads, aligned streaming stores (dst is 32-byte aligned).

@@ -25,9 +25,8 @@ void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::s
 // The same sum over FP32 rows (decoded LogFMT rows): out[h] = bf16_rne(w[0]*in[0][h] + ...).
 void weighted_sum_fp32_rows(std::span<const float* const> inputs, std::span<const float> weights, std::uint16_t* out,
                             std::int64_t hidden);
-void copy_bytes(void* dst, const void* src, std::size_t bytes);
-// The same copy with non-temporal stores where the CPU has them (AVX2, dst 32-byte aligned, 256
-// bytes or more): the destination lines are written without being read into the cache first, so a
+// memcpy with non-temporal stores where the CPU has them (AVX2, dst 32-byte aligned, 256 bytes or
+// more; a plain memcpy otherwise): the destination lines are written without being read into the cache first, so a
 // copy into an output much larger than the cache moves two bytes of memory traffic per byte
 // instead of three. The stores are weakly ordered: call streaming_fence() on the copying thread
 // before anything that publishes the bytes to another thread (a release store, a barrier).

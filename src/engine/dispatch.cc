@@ -245,9 +245,9 @@ void Dispatch::take_layout(const std::vector<std::span<const std::byte>>& payloa
 void Dispatch::plan_local(const std::vector<PeerTensors>& peers) {
   HandleState& s = *state_;
   const routing::PlanningRank me = planning_rank();
-  const PeerTensors& mine = peers[static_cast<size_t>(me.rank)];
   routing::plan_sources(s, {s.topk.data_as<const std::int64_t>(), s.topk.stride(0), shape_.tokens, shape_.topk}, me,
-                        {mine.listed, static_cast<std::size_t>(listed_.size(0))});
+                        {reinterpret_cast<const routing::ListedToken*>(listed_.data()),
+                         static_cast<std::size_t>(listed_.size(0))});
   comm::PeerReads reads(engine_.transport(), "dispatch: receive plan");  // node peers' top-k ids and lists
   routing::start_receive_plan(s, shape_.topk, me);
   std::vector<routing::LocalSource> sources(peers.size());
