@@ -17,7 +17,7 @@ namespace moe_ep::core {
 struct Placement {
   bool bound = false;            // false: no binding ("none"); the other fields are empty
   int numa_node = -1;            // logical index of the NUMA node
-  std::vector<unsigned> node_pus;  // every PU of the node (the memory-binding set)
+  std::vector<unsigned> node_pus;  // every PU of the node
   std::vector<unsigned> share_pus;  // the rank's share (the whole node when cores are too few)
   std::vector<unsigned> rank_pus;  // the rank thread's PUs
   std::vector<std::vector<unsigned>> worker_pus;  // one list per worker
