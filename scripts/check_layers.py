@@ -3,7 +3,10 @@
 
 Layers, bottom to top (docs/architecture.md):
 
-    core -> comm -> routing -> engine -> elastic | legacy -> dispatcher
+    core -> comm -> routing -> engine -> elastic | legacy -> dispatcher -> cuda
+
+cuda is the CUDA provider (src/cuda/, built only when nvcc is found): it implements the provider
+interface of the dispatcher layer, so it sits above it and nothing in the library includes it.
 
 A file may include headers of its own layer and of any layer below it; elastic and legacy are
 two buffer generations on one level and may not include each other. Public headers belong to
@@ -21,7 +24,7 @@ import re
 import sys
 
 # Rank of each layer: a file may include a layer of lower rank, or its own layer.
-LAYERS = {"core": 0, "comm": 1, "routing": 2, "engine": 3, "elastic": 4, "legacy": 4, "dispatcher": 5}
+LAYERS = {"core": 0, "comm": 1, "routing": 2, "engine": 3, "elastic": 4, "legacy": 4, "dispatcher": 5, "cuda": 6}
 
 # src/<folder>/ -> layer (src/comm/host and src/comm/mpi are part of comm).
 SOURCE_FOLDERS = {name: name for name in LAYERS}
@@ -82,7 +85,7 @@ def resolve(root, including, target):
 
 def check(root):
     root = root.resolve()
-    files = sorted(p for p in (root / "src").rglob("*") if p.suffix in (".cc", ".hh", ".hpp", ".h"))
+    files = sorted(p for p in (root / "src").rglob("*") if p.suffix in (".cc", ".hh", ".hpp", ".h", ".cu", ".cuh"))
     files += sorted((root / "include" / "moe_ep").glob("*.hpp"))
     files += sorted((root / "include" / "moe_ep").glob("*.hpp.in"))
     problems = []
@@ -121,7 +124,7 @@ def check(root):
                 relation = "above" if LAYERS[theirs] > LAYERS[own] else "beside"
                 problems.append(f'{rel}:{number}: includes "{target}" of layer {theirs} from layer {own} '
                                 f'({theirs} is {relation} {own}; order: core -> comm -> routing -> engine -> '
-                                f'elastic | legacy -> dispatcher)')
+                                f'elastic | legacy -> dispatcher -> cuda)')
     return problems
 
 

@@ -4,8 +4,9 @@
 // result types V1 returns too).
 //
 // Plain structs without behaviour: layouts, names and namespace are part of the provider ABI
-// (moe_ep/provider.hpp), so any change to them bumps provider::kAbiVersion. Tensors in them are
-// host tensors; views are read only for the duration of a call. ElasticBuffer
+// (moe_ep/provider.hpp), so any change to them bumps provider::kAbiVersion. Tensors in them live
+// where the provider that made them works: host memory for the built-in provider, the device for
+// the CUDA provider (docs/cuda.md); views are read only for the duration of a call. ElasticBuffer
 // (moe_ep/elastic_buffer.hpp) and Buffer (moe_ep/legacy_buffer.hpp) include this header, so
 // their users get these types as before.
 #pragma once
@@ -26,7 +27,7 @@ struct HandleState;
 }  // namespace engine
 
 // Routing state of one non-cached dispatch, reusable for cached dispatch and needed by combine.
-// Fields follow DeepEP's EPHandle; tensors are host tensors.
+// Fields follow DeepEP's EPHandle; tensors live where the provider works (host or device).
 struct EPHandle {
   bool do_expand = false;
   int num_experts = 0;
@@ -45,7 +46,8 @@ struct EPHandle {
   Tensor num_unaligned_recv_tokens_per_expert;       // int32 [local experts]
   Tensor recv_src_metadata;                          // int32 [rows, k + 2]
   Tensor dst_buffer_slot_idx;                        // int32 [N, k]
-  std::shared_ptr<const engine::HandleState> state;  // internal
+  std::shared_ptr<const engine::HandleState> state;  // internal (built-in provider)
+  std::shared_ptr<const void> provider_state;        // internal (other providers' routing state)
 };
 
 struct DispatchArgs {
@@ -69,6 +71,9 @@ struct DispatchArgs {
   bool do_expand = false;
   bool do_zero_padding = false;
   bool use_tma_aligned_col_major_sf = false;  // recv scales column-major, strides (1, align(M, 4))
+  // Device providers: the caller's stream (a cudaStream_t; 0 = the legacy default stream), which
+  // the call orders its work after and its outputs before (docs/cuda.md). Ignored on the host.
+  std::uintptr_t stream = 0;
   // Non-empty: the caller refused this rank's arguments before the call (a binding that could not
   // convert one). The call then takes part in the collective only to report it: this rank raises
   // InvalidArgument with this message, every other rank a PeerError naming this rank.
@@ -95,6 +100,7 @@ struct CombineArgs {
   std::optional<Event> previous_event_before_epilogue;
   bool async_with_compute_stream = false;
   bool allocate_on_comm_stream = false;
+  std::uintptr_t stream = 0;  // as DispatchArgs::stream
   std::string rejection;  // as DispatchArgs::rejection
 };
 

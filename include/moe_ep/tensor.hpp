@@ -1,6 +1,11 @@
 // Tensors: a non-owning strided view and a reference-counted owning tensor, both exchangeable
 // through DLPack.
 //
+// Every view names the device its bytes live on (DLPack's DLDevice): host memory (kDLCPU, or
+// kDLCUDAHost for pinned memory) by default, or a CUDA device's memory (kDLCUDA, with its ordinal).
+// The built-in provider moves host tensors only and refuses others by name; the CUDA provider
+// (docs/cuda.md) moves device tensors.
+//
 // A TensorView describes memory it does not own: a data pointer, a dtype, up to six sizes and
 // element strides (none: a scalar, one element at the data pointer). Library calls read input
 // views and never keep them past the call (or past the returned Event, for asynchronous calls). Constructors refuse (InvalidArgument naming the
@@ -38,6 +43,15 @@ class TensorView {
              std::span<const std::int64_t> strides);
 
   bool defined() const { return ndim_ > 0 || data_ != nullptr; }
+  // Where the bytes live; host memory unless set by on_device() or a DLPack import.
+  DLDevice device() const { return device_; }
+  bool on_host() const { return device_.device_type == kDLCPU || device_.device_type == kDLCUDAHost; }
+  // The same view, describing memory on `device`.
+  TensorView on_device(DLDevice device) const {
+    TensorView v = *this;
+    v.device_ = device;
+    return v;
+  }
   void* data() const { return data_; }
   template <class T>
   T* data_as() const {
@@ -64,7 +78,7 @@ class TensorView {
   bool is_contiguous() const;
   // Swaps two dimensions without moving data.
   TensorView transposed(int a, int b) const;
-  // "bfloat16[4, 7168]" (strides are printed when not contiguous).
+  // "bfloat16[4, 7168]" (strides are printed when not contiguous; " on cuda:0" off the host).
   std::string describe() const;
 
  protected:
@@ -75,6 +89,7 @@ class TensorView {
   int ndim_ = 0;
   std::array<std::int64_t, kMaxDims> shape_{};
   std::array<std::int64_t, kMaxDims> strides_{};
+  DLDevice device_{kDLCPU, 0};
 };
 
 class Tensor : public TensorView {
@@ -112,7 +127,9 @@ class Tensor : public TensorView {
   std::size_t storage_bytes_ = 0;
 };
 
-// A non-owning view of a DLPack tensor (CPU memory; no lanes; dtypes listed in docs/).
+// A non-owning view of a DLPack tensor (host or CUDA memory; no lanes; dtypes listed in docs/).
+// "cuda:1", "cpu", "cuda_host": how messages name a device.
+std::string device_name(DLDevice device);
 TensorView view_from_dlpack(const DLTensor& tensor);
 
 }  // namespace moe_ep

@@ -10,9 +10,23 @@
 
 namespace moe_ep::core {
 
+void expect_device(std::string_view context, std::string_view name, const TensorView& t, DLDevice device) {
+  if (!t.defined()) return;
+  const bool host_wanted = device.device_type == kDLCPU || device.device_type == kDLCUDAHost;
+  if (host_wanted ? t.on_host()
+                  : t.device().device_type == device.device_type && t.device().device_id == device.device_id)
+    return;
+  if (host_wanted)
+    fail(context, "{} lives on {} ({} is {}); this provider moves host tensors (the cuda provider moves device "
+         "tensors: docs/cuda.md)", name, device_name(t.device()), name, t.describe());
+  fail(context, "{} lives on {}, expected {} ({} is {})", name, device_name(t.device()), device_name(device), name,
+       t.describe());
+}
+
 void expect_tensor(std::string_view context, std::string_view name, const TensorView& t, DType dtype,
-                   std::initializer_list<std::int64_t> shape) {
+                   std::initializer_list<std::int64_t> shape, DLDevice device) {
   if (!t.defined()) fail(context, "{} is missing", name);
+  expect_device(context, name, t, device);
   if (t.dtype() != dtype)
     fail(context, "{} has dtype {}, expected {} ({} is {})", name, dtype_name(t.dtype()), dtype_name(dtype),
          name, t.describe());

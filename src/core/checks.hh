@@ -21,9 +21,11 @@ template <class... Args>
 // Size d of t as an int (the engine indexes rows, columns and experts with int32): a size above
 // INT32_MAX is refused, never truncated.
 int int_size(std::string_view context, std::string_view name, const TensorView& t, int d);
-// Size -1 in `shape` accepts any size in that dimension.
+// Size -1 in `shape` accepts any size in that dimension. `device`: where the bytes must live
+// (kDLCPU accepts any host memory, pinned included); the message names both devices.
 void expect_tensor(std::string_view context, std::string_view name, const TensorView& t, DType dtype,
-                   std::initializer_list<std::int64_t> shape);
+                   std::initializer_list<std::int64_t> shape, DLDevice device = {kDLCPU, 0});
+void expect_device(std::string_view context, std::string_view name, const TensorView& t, DLDevice device);
 // The last dimension has stride 1 and rows do not overlap.
 void expect_rows_contiguous(std::string_view context, std::string_view name, const TensorView& t);
 void expect_contiguous(std::string_view context, std::string_view name, const TensorView& t);

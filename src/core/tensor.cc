@@ -201,6 +201,7 @@ std::string TensorView::describe() const {
   if (!defined()) return "<undefined>";
   std::string s = fmt::format("{}[{}]", dtype_name(dtype_), fmt::join(shape(), ", "));
   if (!is_contiguous()) s += fmt::format(" strides ({})", fmt::join(strides(), ", "));
+  if (device_.device_type != kDLCPU) s += " on " + device_name(device_);
   return s;
 }
 
@@ -222,6 +223,9 @@ Tensor Tensor::zeros(std::span<const std::int64_t> shape, DType dtype) {
 }
 
 Tensor Tensor::with_view(const TensorView& view) const {
+  if (use_count() > 0 && (view.device().device_type != device_.device_type || view.device().device_id != device_.device_id))
+    throw InvalidArgument(fmt::format("Tensor::with_view: the view {} names another device than the storage ({})",
+                                      view.describe(), device_name(device_)));
   if (use_count() > 0) {
     // Addresses of the view's first and last byte exist (checked when the view was made).
     const auto address = reinterpret_cast<std::uintptr_t>(view.data());
@@ -265,7 +269,7 @@ DLManagedTensor* Tensor::to_dlpack() const {
   }
   DLTensor& t = e->managed.dl_tensor;
   t.data = data();
-  t.device = {kDLCPU, 0};
+  t.device = device();
   t.ndim = ndim();
   t.dtype = to_dl(dtype());
   t.shape = e->shape.data();
@@ -298,10 +302,27 @@ Tensor Tensor::from_dlpack(DLManagedTensor* managed) {
   return t;
 }
 
+std::string device_name(DLDevice device) {
+  switch (device.device_type) {
+    case kDLCPU:
+      return "cpu";
+    case kDLCUDAHost:
+      return "cuda_host";
+    case kDLCUDA:
+      return fmt::format("cuda:{}", device.device_id);
+    default:
+      return fmt::format("device type {} id {}", static_cast<int>(device.device_type), device.device_id);
+  }
+}
+
 TensorView view_from_dlpack(const DLTensor& tensor) {
-  if (tensor.device.device_type != kDLCPU && tensor.device.device_type != kDLCUDAHost)
-    throw InvalidArgument(fmt::format("DLPack tensor lives on device type {}; moe-ep needs CPU memory",
+  if (tensor.device.device_type != kDLCPU && tensor.device.device_type != kDLCUDAHost &&
+      tensor.device.device_type != kDLCUDA)
+    throw InvalidArgument(fmt::format("DLPack tensor lives on device type {}; moe-ep takes CPU, CUDA-host and CUDA memory",
                                       static_cast<int>(tensor.device.device_type)));
+  if (tensor.device.device_id < 0)
+    throw InvalidArgument(fmt::format("DLPack tensor on device type {} has a negative device id {}",
+                                      static_cast<int>(tensor.device.device_type), tensor.device.device_id));
   if (tensor.ndim < 0 || tensor.ndim > TensorView::kMaxDims)
     throw InvalidArgument(fmt::format("DLPack tensor rank {} is outside [0, {}]", tensor.ndim, TensorView::kMaxDims));
   const DType dtype = from_dl(tensor.dtype);
@@ -315,9 +336,10 @@ TensorView view_from_dlpack(const DLTensor& tensor) {
   // Null strides: row-major. The layout is checked (sizes, strides, byte range) before any
   // address is formed from the data pointer.
   auto make = [&](void* data) {
-    return tensor.strides == nullptr
-               ? TensorView(data, dtype, shape)
-               : TensorView(data, dtype, shape, std::span<const std::int64_t>(tensor.strides, shape.size()));
+    const TensorView v = tensor.strides == nullptr
+                             ? TensorView(data, dtype, shape)
+                             : TensorView(data, dtype, shape, std::span<const std::int64_t>(tensor.strides, shape.size()));
+    return v.on_device(tensor.device);
   };
   const TensorView layout = make(nullptr);
   if (tensor.data == nullptr) {

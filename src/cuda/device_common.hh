@@ -1,0 +1,117 @@
+// What the CUDA provider's device code and its host executor share: the qualifiers that make one
+// function both a device and a host function, flag loads and stores with acquire/release
+// ordering across processes and devices, a nanosecond clock for bounded waits, and the BF16
+// widening and rounding of the built-in provider (core/reduce.cc), bit for bit.
+//
+// Compiled by nvcc (device code, __CUDACC__ defined) and by the host compiler (the executor that
+// runs the same steps on host threads, tests/cuda), so nothing here may need either one only.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda/atomic>
+#define MOE_EP_HD __host__ __device__
+#define MOE_EP_DEVICE_LAMBDA __device__
+#else
+#include <atomic>
+#include <chrono>
+#define MOE_EP_HD
+#define MOE_EP_DEVICE_LAMBDA
+#endif
+
+namespace moe_ep::cuda {
+
+inline constexpr int kMaxRanks = 64;  // ranks of one host the provider serves
+inline constexpr int kMaxTopk = 32;
+
+// A flag another rank (thread, process or device) writes: release stores, acquire loads, at
+// system scope (peers may be processes, other devices over NVLink, or host threads).
+MOE_EP_HD inline void store_release(std::uint64_t* flag, std::uint64_t value) {
+#if defined(__CUDACC__)
+  ::cuda::atomic_ref<std::uint64_t, ::cuda::thread_scope_system>(*flag).store(value, ::cuda::memory_order_release);
+#else
+  std::atomic_ref<std::uint64_t>(*flag).store(value, std::memory_order_release);
+#endif
+}
+
+MOE_EP_HD inline std::uint64_t load_acquire(std::uint64_t* flag) {
+#if defined(__CUDACC__)
+  return ::cuda::atomic_ref<std::uint64_t, ::cuda::thread_scope_system>(*flag).load(::cuda::memory_order_acquire);
+#else
+  return std::atomic_ref<std::uint64_t>(*flag).load(std::memory_order_acquire);
+#endif
+}
+
+// Sets *word to value if it is 0 (the first error wins); returns whether it did.
+MOE_EP_HD inline bool set_first(std::uint64_t* word, std::uint64_t value) {
+#if defined(__CUDACC__)
+  std::uint64_t expected = 0;
+  return ::cuda::atomic_ref<std::uint64_t, ::cuda::thread_scope_system>(*word).compare_exchange_strong(
+      expected, value, ::cuda::memory_order_acq_rel);
+#else
+  std::uint64_t expected = 0;
+  return std::atomic_ref<std::uint64_t>(*word).compare_exchange_strong(expected, value, std::memory_order_acq_rel);
+#endif
+}
+
+MOE_EP_HD inline std::uint64_t now_ns() {
+#if defined(__CUDA_ARCH__)
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return static_cast<std::uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+#endif
+}
+
+MOE_EP_HD inline float widen_bf16(std::uint16_t b) {
+  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// FP32 -> BF16, round to nearest even; NaN keeps its sign and gets the quiet bit.
+MOE_EP_HD inline std::uint16_t narrow_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const std::uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const std::uint32_t nan = (u >> 16) | 0x40u;
+  return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
+}
+
+MOE_EP_HD inline std::int64_t align_up(std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; }
+
+// 16 bytes, the unit every row copy moves (rows are multiples of 16 bytes).
+struct alignas(16) Chunk {
+  std::uint32_t w[4];
+};
+
+// One error per rank and call, packed in 64 bits: 0 = none. The host decodes it (error_word.hh).
+enum class ErrorCode : std::uint32_t {
+  kNone = 0,
+  kExpertOutOfRange = 1,  // a = token, b = lane, value = the id (its low 32 bits)
+  kDuplicateExpert = 2,   // a = token, b = lane, value = the id
+  kTimeout = 3,           // a = the peer that did not arrive, b = the barrier of the call, value = its step
+  kPeerRejected = 4,      // a = the peer whose top-k ids were bad
+};
+
+// code: 4 bits, a: 22 bits (tokens are below 2^22: the provider's limit), b: 6 bits, value: 32 bits.
+MOE_EP_HD inline std::uint64_t pack_error(ErrorCode code, std::uint32_t a, std::uint32_t b, std::int64_t value) {
+  return (static_cast<std::uint64_t>(code) << 60) | (static_cast<std::uint64_t>(a & 0x3fffffu) << 38) |
+         (static_cast<std::uint64_t>(b & 0x3fu) << 32) | static_cast<std::uint32_t>(value);
+}
+struct UnpackedError {
+  ErrorCode code;
+  std::uint32_t a, b;
+  std::int32_t value;
+};
+MOE_EP_HD inline UnpackedError unpack_error(std::uint64_t w) {
+  return {static_cast<ErrorCode>(w >> 60), static_cast<std::uint32_t>((w >> 38) & 0x3fffffu),
+          static_cast<std::uint32_t>((w >> 32) & 0x3fu), static_cast<std::int32_t>(static_cast<std::uint32_t>(w))};
+}
+
+}  // namespace moe_ep::cuda

@@ -1,0 +1,272 @@
+// ElasticDevice<Exec>'s member functions (included by elastic_device.hh; see there).
+#pragma once
+
+#include "cuda/elastic_device.hh"
+
+namespace moe_ep::cuda {
+
+namespace detail {
+
+inline std::atomic<std::uint64_t> next_buffer_id{1};
+
+inline bool payload_dtype(DType d) {
+  const std::size_t s = element_size(d);
+  return d != DType::kBool && (s == 1 || s == 2 || s == 4);
+}
+
+struct ConfigBlock {
+  std::int64_t pid;
+  std::int64_t device;
+};
+
+struct MemoryBlock {
+  std::uint64_t address;
+  char ipc[64];
+};
+
+// A lane's destination rank, or -1.
+MOE_EP_HD inline int rank_of(std::int64_t e, int El) { return e < 0 ? -1 : static_cast<int>(e / El); }
+
+}  // namespace detail
+
+template <class Exec>
+ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& config, int device)
+    : group_(group), config_(config), rank_(group.rank()), R_(group.size()) {
+  const std::string ctx = context("ElasticBuffer (cuda provider)");
+  comm::Transport& transport = group.transport();
+  std::exception_ptr local;
+  try {
+    timeout_ = core::checked_timeout(ctx, "num_cpu_timeout_secs", config.num_cpu_timeout_secs);
+    if (R_ > kMaxRanks)
+      core::fail(ctx, "the group has {} ranks; the cuda provider serves at most {} ranks on one host", R_, kMaxRanks);
+    if (group.num_scaleout() != 1)
+      core::fail(ctx, "the group spans {} nodes; the cuda provider needs every rank on one node (use the built-in "
+                 "provider across nodes)", group.num_scaleout());
+    if (transport.ranks_on_host() != R_)
+      core::fail(ctx, "{} of the group's {} ranks run on this host; the cuda provider needs all of them here",
+                 transport.ranks_on_host(), R_);
+    if (config.num_max_tokens_per_rank < 1 || config.num_max_tokens_per_rank > kMaxTokens)
+      core::fail(ctx, "num_max_tokens_per_rank = {} is outside [1, {}]", config.num_max_tokens_per_rank, kMaxTokens);
+    if (config.hidden < 0 || config.hidden > (1 << 24)) core::fail(ctx, "hidden = {} is outside [0, 2^24]", config.hidden);
+    if (config.num_topk < 0 || config.num_topk > kMaxTopk)
+      core::fail(ctx, "num_topk = {} is outside [0, {}]", config.num_topk, kMaxTopk);
+    if (config.num_bytes < 0 || config.num_bytes % (std::int64_t{2} << 20) != 0)
+      core::fail(ctx, "num_bytes = {} must be a non-negative multiple of 2 MiB (0: derived from the shape)",
+                 config.num_bytes);
+  } catch (const Error&) {
+    local = std::current_exception();
+  }
+  const detail::ConfigBlock mine{static_cast<std::int64_t>(::getpid()), device};
+  comm::Agreement agreement(ctx, "ElasticBuffer");
+  agreement.field("num_bytes", config.num_bytes)
+      .field("num_max_tokens_per_rank", config.num_max_tokens_per_rank)
+      .field("hidden", config.hidden)
+      .field("num_topk", config.num_topk)
+      .field("use_fp8_dispatch", config.use_fp8_dispatch)
+      .field("allow_hybrid_mode", config.allow_hybrid_mode)
+      .field("allow_multiple_reduction", config.allow_multiple_reduction)
+      .local_error(local);
+  const auto blocks = agreement.exchange(transport, comm::Scope::kWorld, wait("ElasticBuffer: agreement"),
+                                         {reinterpret_cast<const std::byte*>(&mine), sizeof mine});
+  for (int r = 0; r < R_; ++r) {
+    detail::ConfigBlock b;
+    std::memcpy(&b, blocks[static_cast<size_t>(r)].data(), sizeof b);
+    direct_ = direct_ && b.pid == mine.pid;
+  }
+  channel_ = transport.duplicate(wait("ElasticBuffer: channel"));
+  exec_ = std::make_unique<Exec>(device);
+  const int T = config.num_max_tokens_per_rank;
+  layout_ = sym_layout(R_, T);
+  if (config.num_bytes > 0) {
+    bytes_ = config.num_bytes;
+  } else {
+    std::int64_t stage = 0;
+    if (!direct_) {
+      const std::int64_t H = config.hidden > 0 ? config.hidden : 7168, k = config.num_topk > 0 ? config.num_topk : 32;
+      const std::int64_t dispatch = std::int64_t{T} * (k * 12 + H * 4 + (H / 128 + 1) * 4);
+      const std::int64_t combine = std::int64_t{T} * R_ * (H * 2 + k * 8);
+      stage = std::max(dispatch, combine) + 4096;
+    }
+    bytes_ = round_up(layout_.end + stage, std::int64_t{2} << 20);
+  }
+  if (bytes_ < layout_.end)
+    throw CapacityError(fmt::format("{}: num_bytes = {} is below the {} bytes of counts, lists and signals for {} ranks "
+                                    "of {} tokens", ctx, bytes_, layout_.end, R_, T),
+                        round_up(layout_.end, std::int64_t{2} << 20), bytes_);
+  sym_ = exec_->alloc_symmetric(static_cast<std::size_t>(bytes_));
+  exec_->zero(sym_.get(), static_cast<std::size_t>(bytes_));
+  exec_->synchronize();
+  detail::MemoryBlock block{reinterpret_cast<std::uint64_t>(sym_.get()), {}};
+  if (!direct_) exec_->ipc_handle(sym_.get(), block.ipc);
+  const comm::Gathered g = channel_->all_gather({reinterpret_cast<const std::byte*>(&block), sizeof block},
+                                                comm::Scope::kWorld, wait("ElasticBuffer: exchange of memory"));
+  for (int r = 0; r < R_; ++r) {
+    detail::MemoryBlock b;
+    std::memcpy(&b, g[r].data(), sizeof b);
+    if (r == rank_) {
+      peers_.base[r] = static_cast<std::byte*>(sym_.get());
+    } else if (direct_) {
+      exec_->enable_peer_access_to(reinterpret_cast<void*>(b.address));
+      peers_.base[r] = reinterpret_cast<std::byte*>(b.address);
+    } else {
+      mapped_.push_back(exec_->open_ipc(b.ipc));
+      peers_.base[r] = static_cast<std::byte*>(mapped_.back().get());
+    }
+  }
+  id_ = detail::next_buffer_id.fetch_add(1);
+  channel_->barrier(comm::Scope::kWorld, wait("ElasticBuffer: ready"));
+}
+
+template <class Exec>
+ElasticDevice<Exec>::~ElasticDevice() {
+  if (exec_) {
+    try {
+      exec_->synchronize();
+    } catch (...) {
+    }
+  }
+}
+
+template <class Exec>
+void ElasticDevice<Exec>::destroy() {
+  if (destroyed_) return;
+  exec_->synchronize();
+  if (!failed_) channel_->barrier(comm::Scope::kWorld, wait("ElasticBuffer: destroy"));
+  mapped_.clear();
+  sym_.reset();
+  destroyed_ = true;
+}
+
+template <class Exec>
+void ElasticDevice<Exec>::check_usable(const char* op) const {
+  if (destroyed_) throw StateError(fmt::format("{}: the buffer was destroyed", context(op)));
+  if (failed_)
+    throw StateError(fmt::format("{}: the buffer is unusable after an earlier failure: {}", context(op), failure_));
+}
+
+template <class Exec>
+std::uint64_t ElasticDevice<Exec>::publish_address(const void* p) const {
+  if (p == nullptr) return 0;
+  if (direct_) return reinterpret_cast<std::uint64_t>(p);
+  return static_cast<std::uint64_t>(static_cast<const std::byte*>(p) - peers_.base[rank_]);  // an offset in my region
+}
+
+template <class Exec>
+PeerTensors ElasticDevice<Exec>::resolve(const std::vector<std::span<const std::byte>>& payloads) const {
+  PeerTensors t{};
+  for (int r = 0; r < R_; ++r) {
+    Published p;
+    std::memcpy(&p, payloads[static_cast<size_t>(r)].data(), sizeof p);
+    auto at = [&](std::uint64_t v) -> const std::byte* {
+      if (v == 0) return nullptr;
+      return direct_ ? reinterpret_cast<const std::byte*>(v) : peers_.base[r] + v;
+    };
+    t.x[r] = at(p.x);
+    t.scales[r] = reinterpret_cast<const std::uint32_t*>(at(p.scales));
+    t.weights[r] = reinterpret_cast<const float*>(at(p.weights));
+    t.topk[r] = reinterpret_cast<const std::int64_t*>(at(p.topk));
+    t.lanes[r] = reinterpret_cast<const std::int32_t*>(at(p.lanes));
+    t.x_row[r] = p.x_row;
+    t.scale_stride0[r] = p.scale_stride0;
+    t.scale_stride1[r] = p.scale_stride1;
+    t.weights_row[r] = p.weights_row;
+    t.topk_row[r] = p.topk_row;
+  }
+  return t;
+}
+
+template <class Exec>
+std::int64_t ElasticDevice<Exec>::staging_bytes(std::int64_t need, const char* op) const {
+  if (direct_) return 0;
+  const std::int64_t have = bytes_ - layout_.stage;
+  if (need > have) {
+    const std::int64_t required = round_up(layout_.stage + need, std::int64_t{2} << 20);
+    throw CapacityError(fmt::format("{}: the call stages {} bytes for its peers, the buffer has {} (num_bytes = {}); "
+                                    "pass num_bytes = {}", context(op), need, have, bytes_, required),
+                        required, bytes_);
+  }
+  return need;
+}
+
+template <class Exec>
+void ElasticDevice<Exec>::barrier(int step) {
+  const std::uint64_t target = ++barriers_;
+  const Peers peers = peers_;
+  const int me = rank_;
+  const std::int64_t signals = layout_.signals;
+  std::uint64_t* error = reinterpret_cast<std::uint64_t*>(peers_.base[rank_] + layout_.status) + 1;
+  const std::uint64_t limit = timeout_ >= core::kNeverSecs ? ~std::uint64_t{0} : static_cast<std::uint64_t>(timeout_ * 1e9);
+  exec_->each(R_, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t p) {
+    store_release(reinterpret_cast<std::uint64_t*>(peers.base[p] + signals) + me, target);
+  });
+  exec_->each(R_, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t p) {
+    std::uint64_t* slot = reinterpret_cast<std::uint64_t*>(peers.base[me] + signals) + p;
+    const std::uint64_t start = now_ns();
+    while (load_acquire(slot) < target) {
+      if (load_acquire(error) != 0) return;  // this rank already failed: do not wait for more
+      if (now_ns() - start > limit) {
+        set_first(error, pack_error(ErrorCode::kTimeout, static_cast<std::uint32_t>(p), static_cast<std::uint32_t>(step),
+                                    0));
+        return;
+      }
+    }
+  });
+}
+
+template <class Exec>
+std::string ElasticDevice<Exec>::describe_error(std::uint64_t word, int rank) const {
+  const UnpackedError e = unpack_error(word);
+  switch (e.code) {
+    case ErrorCode::kExpertOutOfRange:
+      return fmt::format("topk_idx[{}, {}] = {} is outside [-1, num_experts)", e.a, e.b, e.value);
+    case ErrorCode::kDuplicateExpert:
+      return fmt::format("topk_idx[{}, {}] = {} names an expert the row already names", e.a, e.b, e.value);
+    case ErrorCode::kTimeout:
+      return fmt::format("rank {} did not arrive at barrier {} of the call within {} s (num_cpu_timeout_secs)", e.a, e.b,
+                         timeout_);
+    case ErrorCode::kPeerRejected:
+      return fmt::format("rank {} passed bad top-k ids", e.a);
+    default:
+      return fmt::format("device error word {:#x}", word);
+  }
+}
+
+template <class Exec>
+std::exception_ptr ElasticDevice<Exec>::take_device_error(const char* op) {
+  const std::uint64_t word = exec_->take_mirrored_error();
+  if (word == 0) return nullptr;
+  std::uint64_t* const status = reinterpret_cast<std::uint64_t*>(peers_.base[rank_] + layout_.status);
+  exec_->each(1, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t) { status[1] = 0; });
+  return error_from(word, op);
+}
+
+template <class Exec>
+std::exception_ptr ElasticDevice<Exec>::error_from(std::uint64_t word, const char* op) {
+  const UnpackedError e = unpack_error(word);
+  const std::string what = describe_error(word, rank_);
+  if (e.code == ErrorCode::kTimeout) {
+    failed_ = true;
+    failure_ = what;
+    return std::make_exception_ptr(TimeoutError(fmt::format("{}: {}", context(op), what), {static_cast<int>(e.a)}));
+  }
+  if (e.code == ErrorCode::kPeerRejected)
+    return std::make_exception_ptr(PeerError(fmt::format("{}: {} (found on the device)", context(op), what),
+                                             {static_cast<int>(e.a)}));
+  return std::make_exception_ptr(InvalidArgument(fmt::format("{}: {} (found on the device)", context(op), what)));
+}
+
+template <class Exec>
+void ElasticDevice<Exec>::finish(std::uintptr_t stream, bool async, Event& event, const char* op) {
+  if (!async) {
+    exec_->before_caller(stream);
+    return;
+  }
+  Event pending = Event::pending();
+  event = pending;
+  exec_->then([pending] { pending.complete(); });
+}
+
+}  // namespace moe_ep::cuda
+
+#include "cuda/elastic_dispatch.hh"
+#include "cuda/elastic_combine.hh"
