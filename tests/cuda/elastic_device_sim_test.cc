@@ -11,6 +11,7 @@
 #include "cuda/compare_case.hh"
 #include "cuda/elastic_device.hh"
 #include "cuda/host_exec.hh"
+#include "moe_ep/dispatcher.hpp"
 #include "support/errors.hh"
 
 namespace moe_ep::testing {
@@ -56,3 +57,28 @@ TEST(CudaProviderOnHost, RandomCasesMatchTheBuiltinProviderBitForBit) {
 
 }  // namespace
 }  // namespace moe_ep::testing
+
+#ifdef MOE_EP_CUDA_PROVIDER_PATH
+namespace moe_ep::testing {
+namespace {
+
+// The built provider library, probed through the provider ABI as the dispatcher loads it: it
+// offers V2 only, and on a machine without a GPU it says so instead of offering anything.
+TEST(CudaProviderLibrary, ProbesThroughTheProviderAbi) {
+  const ProbeReport& report = probe_providers(MOE_EP_CUDA_PROVIDER_PATH);
+  ASSERT_EQ(report.providers.size(), 1u);
+  const ProviderProbe& p = report.providers[0];
+  if (std::getenv("MOE_EP_EXPECT_GPU") == nullptr) {
+    // No device here (CI): the library loads, and init() names the reason.
+    EXPECT_FALSE(report.v2.available) << report.v2.reason;
+    EXPECT_NE(p.error.find("no CUDA device"), std::string::npos) << p.error;
+  } else {
+    EXPECT_TRUE(report.v2.available) << report.v2.reason;
+    EXPECT_EQ(p.name, "cuda");
+    EXPECT_FALSE(report.v1.available);
+  }
+}
+
+}  // namespace
+}  // namespace moe_ep::testing
+#endif

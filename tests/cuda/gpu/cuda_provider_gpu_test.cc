@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "cuda/compare_case.hh"
+#include "moe_ep/error.hpp"
 #include "moe_ep/provider.hpp"
 
 namespace moe_ep::testing {
@@ -28,7 +29,7 @@ const provider::Table* cuda_table() {
 }
 
 void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(fmt::format("{}: {}", what, cudaGetErrorString(e)));
+  if (e != cudaSuccess) throw moe_ep::Error(fmt::format("{}: {}", what, cudaGetErrorString(e)));
 }
 
 // Copies host views to the device and device results back to the host.
