@@ -58,6 +58,93 @@ TEST(CudaProviderOnHost, RandomCasesMatchTheBuiltinProviderBitForBit) {
 }  // namespace
 }  // namespace moe_ep::testing
 
+namespace moe_ep::testing {
+namespace {
+
+// Tensors on the wrong side are refused by name, before anything moves: the built-in provider
+// refuses device tensors, the CUDA provider host tensors.
+TEST(CudaProviderOnHost, TensorsOnTheWrongDeviceAreRefusedByName) {
+  LocalWorld world(2);
+  std::vector<Caught> cpu_errors(2), dev_errors(2);
+  world.run([&](Group& group) {
+    ElasticBufferConfig config;
+    config.num_max_tokens_per_rank = 4;
+    config.hidden = 8;
+    ElasticBuffer cpu(group, config);
+    Device dev(group, config, 0);
+    std::vector<std::uint16_t> x(4 * 8, 0);
+    std::vector<std::int64_t> ids = {0, 1, 2, 3};
+    DispatchArgs args;
+    args.x = TensorView(x.data(), DType::kBF16, {4, 8});
+    args.topk_idx = TensorView(ids.data(), DType::kInt64, {4, 1});
+    args.num_experts = 4;
+    DispatchArgs on_device = args;
+    on_device.x = args.x.on_device(kCuda0);
+    on_device.topk_idx = args.topk_idx.on_device(kCuda0);
+    DispatchArgs bad_cpu = group.rank() == 1 ? on_device : args;  // rank 1 passes device tensors to the cpu provider
+    cpu_errors[group.rank()] = catch_error([&] { cpu.dispatch(bad_cpu); });
+    DispatchArgs bad_dev = on_device;
+    if (group.rank() == 0) bad_dev.x = args.x;  // rank 0 passes a host x to the cuda provider
+    dev_errors[group.rank()] = catch_error([&] { dev.dispatch(bad_dev); });
+    dev.destroy();
+  });
+  EXPECT_EQ(cpu_errors[1].type, "InvalidArgument");
+  EXPECT_NE(cpu_errors[1].message.find("x lives on cuda:0"), std::string::npos) << cpu_errors[1].message;
+  EXPECT_EQ(cpu_errors[0].type, "PeerError");
+  EXPECT_EQ(dev_errors[0].type, "InvalidArgument");
+  EXPECT_NE(dev_errors[0].message.find("x lives on cpu, expected cuda:0"), std::string::npos) << dev_errors[0].message;
+  EXPECT_EQ(dev_errors[1].type, "PeerError");
+  EXPECT_EQ(dev_errors[1].ranks, std::vector<int>{0});
+}
+
+// An expert id out of range is seen only by the device: with CPU sync the call raises it on the
+// rank that passed it (naming the element) and a PeerError naming that rank on the others;
+// without, the next call does. The buffer stays usable.
+TEST(CudaProviderOnHost, BadExpertIdsAreReportedFromTheDevice) {
+  for (bool sync : {true, false}) {
+    LocalWorld world(3);
+    std::vector<Caught> first(3), second(3);
+    std::vector<std::int64_t> recovered(3, -1);
+    world.run([&](Group& group) {
+      ElasticBufferConfig config;
+      config.num_max_tokens_per_rank = 4;
+      config.hidden = 8;
+      Device dev(group, config, 0);
+      std::vector<std::uint16_t> x(4 * 8, 1);
+      std::vector<std::int64_t> ids = {0, 1, 2, group.rank() == 2 ? 99 : 5};
+      DispatchArgs args;
+      args.x = TensorView(x.data(), DType::kBF16, {4, 8}).on_device(kCuda0);
+      args.topk_idx = TensorView(ids.data(), DType::kInt64, {4, 1}).on_device(kCuda0);
+      args.num_experts = 6;
+      args.do_cpu_sync = sync;
+      first[group.rank()] = catch_error([&] { dev.dispatch(args); });
+      if (!sync) second[group.rank()] = catch_error([&] { dev.dispatch(args); });
+      ids[3] = 5;
+      const DispatchResult ok = dev.dispatch(args);
+      recovered[group.rank()] = sync ? ok.handle->num_recv_tokens : 0;
+      dev.destroy();
+    });
+    const std::vector<Caught>& seen = sync ? first : second;
+    if (!sync) {
+      for (const Caught& c : first) EXPECT_EQ(c.type, "") << c.message;
+    }
+    EXPECT_EQ(seen[2].type, "InvalidArgument");
+    EXPECT_NE(seen[2].message.find("topk_idx[3, 0] = 99 is outside [-1, num_experts)"), std::string::npos)
+        << seen[2].message;
+    for (int r : {0, 1}) {
+      EXPECT_EQ(seen[r].type, "PeerError") << seen[r].message;
+      EXPECT_EQ(seen[r].ranks, std::vector<int>{2});
+    }
+    if (sync) {
+      // Rank r receives the tokens naming its experts 2r and 2r + 1: ids {0, 1, 2, 5} on every rank.
+      EXPECT_EQ(recovered, (std::vector<std::int64_t>{6, 3, 3}));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe_ep::testing
+
 #ifdef MOE_EP_CUDA_PROVIDER_PATH
 namespace moe_ep::testing {
 namespace {
