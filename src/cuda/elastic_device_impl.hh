@@ -17,6 +17,7 @@ inline bool payload_dtype(DType d) {
 struct ConfigBlock {
   std::int64_t pid;
   std::int64_t device;
+  std::int64_t direct_allowed;  // the executor may publish tensors as they are to ranks of its process
 };
 
 struct MemoryBlock {
@@ -56,7 +57,8 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   } catch (const Error&) {
     local = std::current_exception();
   }
-  const detail::ConfigBlock mine{static_cast<std::int64_t>(::getpid()), device};
+  exec_ = std::make_unique<Exec>(device);
+  const detail::ConfigBlock mine{static_cast<std::int64_t>(::getpid()), device, exec_->direct_allowed() ? 1 : 0};
   comm::Agreement agreement(ctx, "ElasticBuffer");
   agreement.field("num_bytes", config.num_bytes)
       .field("num_max_tokens_per_rank", config.num_max_tokens_per_rank)
@@ -71,10 +73,9 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   for (int r = 0; r < R_; ++r) {
     detail::ConfigBlock b;
     std::memcpy(&b, blocks[static_cast<size_t>(r)].data(), sizeof b);
-    direct_ = direct_ && b.pid == mine.pid;
+    direct_ = direct_ && b.pid == mine.pid && b.direct_allowed != 0;
   }
   channel_ = transport.duplicate(wait("ElasticBuffer: channel"));
-  exec_ = std::make_unique<Exec>(device);
   const int T = config.num_max_tokens_per_rank;
   layout_ = sym_layout(R_, T);
   if (config.num_bytes > 0) {

@@ -95,6 +95,8 @@ class CudaExec {
   CudaExec& operator=(const CudaExec&) = delete;
 
   DLDevice dl_device() const { return {kDLCUDA, device_}; }
+  // Ranks of one process reach each other's tensors directly (one address space, peer access).
+  bool direct_allowed() const { return true; }
   cudaStream_t stream() const { return stream_.get(); }
   int device() const { return device_; }
 

@@ -34,7 +34,17 @@ std::unique_ptr<Device> make_device(Group& group, const ElasticBufferConfig& con
   return std::make_unique<Device>(group, config, 0);
 }
 
-TEST(CudaProviderOnHost, RandomCasesMatchTheBuiltinProviderBitForBit) {
+// Staging on (every rank copies what peers read into its symmetric region, as processes do) and
+// off (ranks read each other's tensors in place, as threads of one process do).
+class CudaProviderOnHost : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { cuda::testing::HostExec::staging = GetParam(); }
+  void TearDown() override { cuda::testing::HostExec::staging = false; }
+};
+INSTANTIATE_TEST_SUITE_P(Paths, CudaProviderOnHost, ::testing::Values(false, true),
+                         [](const auto& info) { return info.param ? "Staged" : "InPlace"; });
+
+TEST_P(CudaProviderOnHost, RandomCasesMatchTheBuiltinProviderBitForBit) {
   const int cases = 60;
   for (int c = 0; c < cases; ++c) {
     RunOptions options;
@@ -63,7 +73,7 @@ namespace {
 
 // Tensors on the wrong side are refused by name, before anything moves: the built-in provider
 // refuses device tensors, the CUDA provider host tensors.
-TEST(CudaProviderOnHost, TensorsOnTheWrongDeviceAreRefusedByName) {
+TEST_P(CudaProviderOnHost, TensorsOnTheWrongDeviceAreRefusedByName) {
   LocalWorld world(2);
   std::vector<Caught> cpu_errors(2), dev_errors(2);
   world.run([&](Group& group) {
@@ -100,7 +110,7 @@ TEST(CudaProviderOnHost, TensorsOnTheWrongDeviceAreRefusedByName) {
 // An expert id out of range is seen only by the device: with CPU sync the call raises it on the
 // rank that passed it (naming the element) and a PeerError naming that rank on the others;
 // without, the next call does. The buffer stays usable.
-TEST(CudaProviderOnHost, BadExpertIdsAreReportedFromTheDevice) {
+TEST_P(CudaProviderOnHost, BadExpertIdsAreReportedFromTheDevice) {
   for (bool sync : {true, false}) {
     LocalWorld world(3);
     std::vector<Caught> first(3), second(3);

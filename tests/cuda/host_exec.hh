@@ -21,6 +21,11 @@ class HostExec {
  public:
   explicit HostExec(int device) : device_(device) {}
 
+  // With staging, ranks behave as processes do: every tensor peers read is first copied into
+  // the rank's symmetric region, and regions are "mapped" through handles (here the address).
+  static inline std::atomic<bool> staging{false};
+  bool direct_allowed() const { return !staging.load(); }
+
   // Views of host memory labelled as memory of CUDA device `device` (only the label differs),
   // so the provider's device checks run as on a GPU.
   DLDevice dl_device() const { return {kDLCUDA, device_}; }
@@ -74,8 +79,12 @@ class HostExec {
   }
   std::uint64_t take_mirrored_error() { return std::atomic_ref<std::uint64_t>(mirrored_).exchange(0); }
 
-  void ipc_handle(void*, char*) { throw StateError("HostExec: ranks must be threads of one process"); }
-  std::shared_ptr<void> open_ipc(const char*) { throw StateError("HostExec: ranks must be threads of one process"); }
+  void ipc_handle(void* p, char* out) { std::memcpy(out, &p, sizeof p); }
+  std::shared_ptr<void> open_ipc(const char* handle) {
+    void* p = nullptr;
+    std::memcpy(&p, handle, sizeof p);
+    return {p, [](void*) {}};  // the owner frees it
+  }
   void enable_peer_access_to(const void*) {}
 
  private:
