@@ -73,7 +73,7 @@ def main():
     bad = 0
     for root in args:
         for p in sorted(pathlib.Path(root).rglob('*')):
-            if p.suffix not in ('.cc', '.hh', '.hpp', '.cpp', '.h'): continue
+            if p.suffix not in ('.cc', '.hh', '.hpp', '.cpp', '.h', '.cu', '.cuh'): continue
             text = p.read_text()
             lines = text.split('\n')
             n = text.count('\n')

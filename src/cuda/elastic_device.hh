@@ -33,6 +33,7 @@
 #include "core/checks.hh"
 #include "core/timeout.hh"
 #include "cuda/device_common.hh"
+#include "cuda/elastic_steps.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/provider.hpp"
@@ -40,24 +41,6 @@
 namespace moe_ep::cuda {
 
 inline constexpr int kMaxTokens = 1 << 22;  // tokens per rank (the error word's token field)
-
-// The base address of every rank's symmetric region, as this rank reaches it.
-struct Peers {
-  std::byte* base[kMaxRanks];
-};
-
-// Every rank's tensors of one call, as this rank reaches them (device addresses).
-struct PeerTensors {
-  const std::byte* x[kMaxRanks];
-  const std::uint32_t* scales[kMaxRanks];
-  const float* weights[kMaxRanks];
-  const std::int64_t* topk[kMaxRanks];
-  const std::int32_t* lanes[kMaxRanks];  // combine: expanded row of each (row, lane) at that rank
-  std::int64_t x_row[kMaxRanks];         // bytes between rows
-  std::int64_t scale_stride0[kMaxRanks], scale_stride1[kMaxRanks];
-  std::int64_t weights_row[kMaxRanks];
-  std::int64_t topk_row[kMaxRanks];
-};
 
 // What one rank publishes in a call's agreement: its tensors (addresses in its own address space,
 // or offsets into its staging area when ranks are processes).
@@ -98,18 +81,19 @@ struct DeviceHandleState {
   bool do_expand = false;
   int num_experts = 0, expert_alignment = 1, num_max_tokens_per_rank = 0, num_tokens = 0, num_topk = 0, hidden = 0;
   std::int64_t num_recv_tokens = 0, num_expanded_tokens = 0;  // as the handle's fields (worst case without sync)
-  std::int64_t row_capacity = 0;                              // rows of the arrays below: T * R
-  std::shared_ptr<void> memory;                               // every array below, one block
-  std::int64_t* topk = nullptr;         // [N, k] this rank's top-k ids, contiguous
-  std::int32_t* dst_slot = nullptr;     // [N, R] the token's position among this rank's tokens bound for d, or -1
-  std::int32_t* send_base = nullptr;    // [R] first row of this rank's tokens at d
-  std::int32_t* sizes = nullptr;        // [2]: real rows M, expanded rows M_exp
-  std::int32_t* row_src = nullptr;      // [cap] source rank * T + token
-  std::int32_t* row_master = nullptr;   // [cap] the row's master lane at its source
-  std::int32_t* local_ids = nullptr;    // [cap, k] local expert of lane j, or -1
-  std::int32_t* lane_rows = nullptr;    // [cap, k] expanded row of lane j, or -1 (expanded layout)
-  std::int32_t* expert_start = nullptr;  // [El] first expanded row of each local expert
-  std::int32_t* expert_count = nullptr;  // [El] unaligned rows of each local expert
+  std::shared_ptr<void> memory;                               // every array of `arrays`, one block
+  RoutingArrays arrays{};
+};
+
+// One dispatch call as the host sees it: what validation settled and what the steps share.
+struct DispatchCall {
+  Geometry g;
+  bool cached = false, fp8 = false, has_weights = false, cpu_sync = true;
+  DType x_dtype = DType::kUInt8, scale_dtype = DType::kFP32;
+  std::shared_ptr<const DeviceHandleState> cached_state;
+  std::shared_ptr<DeviceHandleState> state;  // new dispatches
+  const DeviceHandleState* plan = nullptr;    // the routing the rows follow
+  std::int64_t off_topk = 0, off_weights = 0, off_x = 0, off_scales = 0, stage_end = 0;  // staging offsets
 };
 
 template <class Exec>
@@ -125,21 +109,32 @@ class ElasticDevice final : public provider::ElasticBackend {
   // For tests and benches: the executor (device, streams).
   Exec& exec() { return *exec_; }
 
-  // Internal steps, public only because device lambdas may not be defined in private members.
+ private:
   // Signals every peer and waits for every peer's signal, on the stream (barrier `step` of the call).
   void barrier(int step);
   // The error the device recorded in earlier work of this rank (once), if any: read from the
   // executor's host copy of the error word, without waiting for the device.
   std::exception_ptr take_device_error(const char* op);
-
- private:
   struct Shape {
     int N = 0, H = 0, k = 0, E = 0, El = 1, T = 0, align = 1, P = 0;
   };
   std::string context(const char* op) const { return fmt::format("[rank {}] {}", rank_, op); }
+  std::int64_t default_bytes() const;  // num_bytes = 0: counts and lists, and staging for processes
+  void map_peers();                    // allocates the region and reaches every peer's
+  // Dispatch, in steps (elastic_dispatch.hh).
+  void check_dispatch(const DispatchArgs& a, DispatchCall& c, const std::string& ctx);
+  void check_handle(const DispatchArgs& a, DispatchCall& c, const std::string& ctx);
+  void new_routing_state(DispatchCall& c);
+  Published publish_dispatch(const DispatchArgs& a, const DispatchCall& c) const;
+  void stage_dispatch(const DispatchArgs& a, const DispatchCall& c);
+  std::shared_ptr<EPHandle> plan_receive(const DispatchArgs& a, DispatchCall& c, const PeerTensors& pt);
+  void make_outputs(const DispatchArgs& a, DispatchCall& c, EPHandle* handle, DispatchResult& result);
+  // Combine (elastic_combine.hh).
+  std::shared_ptr<const DeviceHandleState> check_combine(const CombineArgs& a, const std::string& ctx);
   comm::Wait wait(const char* phase) const { return {phase, timeout_}; }
   void check_usable(const char* op) const;
   std::exception_ptr error_from(std::uint64_t word, const char* op);
+  std::uint64_t* status() const { return reinterpret_cast<std::uint64_t*>(peers_.base[rank_] + layout_.status); }
   std::string describe_error(std::uint64_t word, int rank) const;
   // The addresses of every rank's tensors, from the agreement's payloads.
   PeerTensors resolve(const std::vector<std::span<const std::byte>>& payloads) const;

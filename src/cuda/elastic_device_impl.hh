@@ -25,9 +25,6 @@ struct MemoryBlock {
   char ipc[64];
 };
 
-// A lane's destination rank, or -1.
-MOE_EP_HD inline int rank_of(std::int64_t e, int El) { return e < 0 ? -1 : static_cast<int>(e / El); }
-
 }  // namespace detail
 
 template <class Exec>
@@ -54,11 +51,12 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
     if (config.num_bytes < 0 || config.num_bytes % (std::int64_t{2} << 20) != 0)
       core::fail(ctx, "num_bytes = {} must be a non-negative multiple of 2 MiB (0: derived from the shape)",
                  config.num_bytes);
+    exec_ = std::make_unique<Exec>(device);  // a device that cannot be used fails here, before the agreement
   } catch (const Error&) {
     local = std::current_exception();
   }
-  exec_ = std::make_unique<Exec>(device);
-  const detail::ConfigBlock mine{static_cast<std::int64_t>(::getpid()), device, exec_->direct_allowed() ? 1 : 0};
+  const detail::ConfigBlock mine{static_cast<std::int64_t>(::getpid()), device,
+                                 exec_ && exec_->direct_allowed() ? 1 : 0};
   comm::Agreement agreement(ctx, "ElasticBuffer");
   agreement.field("num_bytes", config.num_bytes)
       .field("num_max_tokens_per_rank", config.num_max_tokens_per_rank)
@@ -76,24 +74,32 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
     direct_ = direct_ && b.pid == mine.pid && b.direct_allowed != 0;
   }
   channel_ = transport.duplicate(wait("ElasticBuffer: channel"));
-  const int T = config.num_max_tokens_per_rank;
-  layout_ = sym_layout(R_, T);
-  if (config.num_bytes > 0) {
-    bytes_ = config.num_bytes;
-  } else {
-    std::int64_t stage = 0;
-    if (!direct_) {
-      const std::int64_t H = config.hidden > 0 ? config.hidden : 7168, k = config.num_topk > 0 ? config.num_topk : 32;
-      const std::int64_t dispatch = std::int64_t{T} * (k * 12 + H * 4 + (H / 128 + 1) * 4);
-      const std::int64_t combine = std::int64_t{T} * R_ * (H * 2 + k * 8);
-      stage = std::max(dispatch, combine) + 4096;
-    }
-    bytes_ = round_up(layout_.end + stage, std::int64_t{2} << 20);
-  }
+  layout_ = sym_layout(R_, config.num_max_tokens_per_rank);
+  bytes_ = config.num_bytes > 0 ? config.num_bytes : default_bytes();
   if (bytes_ < layout_.end)
     throw CapacityError(fmt::format("{}: num_bytes = {} is below the {} bytes of counts, lists and signals for {} ranks "
-                                    "of {} tokens", ctx, bytes_, layout_.end, R_, T),
+                                    "of {} tokens", ctx, bytes_, layout_.end, R_, config.num_max_tokens_per_rank),
                         round_up(layout_.end, std::int64_t{2} << 20), bytes_);
+  map_peers();
+  id_ = detail::next_buffer_id.fetch_add(1);
+  channel_->barrier(comm::Scope::kWorld, wait("ElasticBuffer: ready"));
+}
+
+template <class Exec>
+std::int64_t ElasticDevice<Exec>::default_bytes() const {
+  std::int64_t stage = 0;
+  if (!direct_) {
+    const std::int64_t T = config_.num_max_tokens_per_rank;
+    const std::int64_t H = config_.hidden > 0 ? config_.hidden : 7168, k = config_.num_topk > 0 ? config_.num_topk : 32;
+    const std::int64_t dispatch = T * (k * 12 + H * 4 + (H / 128 + 1) * 4);
+    const std::int64_t combine = T * R_ * (H * 2 + k * 8);
+    stage = std::max(dispatch, combine) + 4096;
+  }
+  return round_up(layout_.end + stage, std::int64_t{2} << 20);
+}
+
+template <class Exec>
+void ElasticDevice<Exec>::map_peers() {
   sym_ = exec_->alloc_symmetric(static_cast<std::size_t>(bytes_));
   exec_->zero(sym_.get(), static_cast<std::size_t>(bytes_));
   exec_->synchronize();
@@ -114,8 +120,6 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
       peers_.base[r] = static_cast<std::byte*>(mapped_.back().get());
     }
   }
-  id_ = detail::next_buffer_id.fetch_add(1);
-  channel_->barrier(comm::Scope::kWorld, wait("ElasticBuffer: ready"));
 }
 
 template <class Exec>
@@ -191,27 +195,8 @@ std::int64_t ElasticDevice<Exec>::staging_bytes(std::int64_t need, const char* o
 
 template <class Exec>
 void ElasticDevice<Exec>::barrier(int step) {
-  const std::uint64_t target = ++barriers_;
-  const Peers peers = peers_;
-  const int me = rank_;
-  const std::int64_t signals = layout_.signals;
-  std::uint64_t* error = reinterpret_cast<std::uint64_t*>(peers_.base[rank_] + layout_.status) + 1;
   const std::uint64_t limit = timeout_ >= core::kNeverSecs ? ~std::uint64_t{0} : static_cast<std::uint64_t>(timeout_ * 1e9);
-  exec_->each(R_, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t p) {
-    store_release(reinterpret_cast<std::uint64_t*>(peers.base[p] + signals) + me, target);
-  });
-  exec_->each(R_, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t p) {
-    std::uint64_t* slot = reinterpret_cast<std::uint64_t*>(peers.base[me] + signals) + p;
-    const std::uint64_t start = now_ns();
-    while (load_acquire(slot) < target) {
-      if (load_acquire(error) != 0) return;  // this rank already failed: do not wait for more
-      if (now_ns() - start > limit) {
-        set_first(error, pack_error(ErrorCode::kTimeout, static_cast<std::uint32_t>(p), static_cast<std::uint32_t>(step),
-                                    0));
-        return;
-      }
-    }
-  });
+  signal_and_wait(*exec_, peers_, rank_, R_, layout_.signals, ++barriers_, status() + 1, limit, step);
 }
 
 template <class Exec>
@@ -236,8 +221,7 @@ template <class Exec>
 std::exception_ptr ElasticDevice<Exec>::take_device_error(const char* op) {
   const std::uint64_t word = exec_->take_mirrored_error();
   if (word == 0) return nullptr;
-  std::uint64_t* const status = reinterpret_cast<std::uint64_t*>(peers_.base[rank_] + layout_.status);
-  exec_->each(1, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t) { status[1] = 0; });
+  clear_error(*exec_, status());
   return error_from(word, op);
 }
 

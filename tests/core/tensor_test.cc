@@ -94,10 +94,36 @@ TEST(DLPack, ImportRunsDeleterWhenLastReferenceDies) {
   EXPECT_EQ(deleted, 1);
 }
 
+// CUDA memory is described, not touched: the view keeps its device, an export carries it, and a
+// view of another device than a tensor's storage is refused.
+TEST(DLPack, CudaTensorsKeepTheirDevice) {
+  std::int64_t shape[] = {2, 3};
+  float storage[6] = {};
+  DLTensor t{storage, {kDLCUDA, 1}, 2, {kDLFloat, 32, 1}, shape, nullptr, 0};
+  const TensorView v = view_from_dlpack(t);
+  EXPECT_EQ(v.device().device_type, kDLCUDA);
+  EXPECT_EQ(v.device().device_id, 1);
+  EXPECT_FALSE(v.on_host());
+  EXPECT_EQ(v.describe(), "float32[2, 3] on cuda:1");
+  auto* managed = new DLManagedTensor{t, nullptr, [](DLManagedTensor* m) { delete m; }};
+  const Tensor owned = Tensor::from_dlpack(managed);
+  EXPECT_EQ(owned.device().device_id, 1);
+  DLManagedTensor* out = owned.to_dlpack();
+  EXPECT_EQ(out->dl_tensor.device.device_type, kDLCUDA);
+  EXPECT_EQ(out->dl_tensor.device.device_id, 1);
+  out->deleter(out);
+  EXPECT_THROW(owned.with_view(TensorView(storage, DType::kFP32, {2, 3})), InvalidArgument);  // a host view
+  EXPECT_EQ(owned.with_view(owned.view()).device().device_id, 1);
+  EXPECT_TRUE(TensorView(storage, DType::kFP32, {6}).on_host());
+  EXPECT_EQ(device_name({kDLCUDAHost, 0}), "cuda_host");
+}
+
 TEST(DLPack, RejectsUnsupportedTypesAndDevices) {
   std::int64_t shape[] = {4};
   float storage[4] = {};
-  DLTensor t{storage, {kDLCUDA, 0}, 1, {kDLFloat, 32, 1}, shape, nullptr, 0};
+  DLTensor t{storage, {kDLROCM, 0}, 1, {kDLFloat, 32, 1}, shape, nullptr, 0};
+  EXPECT_THROW(view_from_dlpack(t), InvalidArgument);
+  t.device = {kDLCUDA, -1};
   EXPECT_THROW(view_from_dlpack(t), InvalidArgument);
   t.device = {kDLCPU, 0};
   t.dtype = {kDLFloat, 64, 1};

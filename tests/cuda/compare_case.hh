@@ -69,6 +69,7 @@ struct CaseFlags {
 // dispatch, combine and destroy), same inputs; `Mover` puts host views on the device (in) and
 // brings device tensors back (out), keeping what it allocated until it is destroyed. Returns every
 // rank's mismatches.
+// Long: one case's every output, in the order of the result structs, on every rank.
 template <class Mover, class Make>
 std::vector<std::string> compare_case(const reference::CaseSpec& spec, const CaseFlags& flags, Make make) {
   std::vector<std::string> all;

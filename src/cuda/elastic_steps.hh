@@ -1,0 +1,477 @@
+// The device steps of the CUDA provider's dispatch and combine: each is a group of index-parallel
+// lambdas queued on an executor (CudaExec: kernels on the rank's stream; HostExec: loops on the
+// rank's thread). They see only the values and device pointers they are given (no host state),
+// read peers' memory only after the barrier that published it, and do nothing once this rank's
+// error word is set, so a failure moves no rows.
+//
+// Ordering (docs/semantics.md): rows are received by source rank, then source token; expert
+// blocks hold their rows in that order; combine sums biases, then units in ascending key order,
+// in FP32 with one BF16 rounding per level.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/device_common.hh"
+
+namespace moe_ep::cuda {
+
+// The base address of every rank's symmetric region, as this rank reaches it.
+struct Peers {
+  std::byte* base[kMaxRanks];
+};
+
+// Every rank's tensors of one call, as this rank reaches them (device addresses).
+struct PeerTensors {
+  const std::byte* x[kMaxRanks];
+  const std::uint32_t* scales[kMaxRanks];
+  const float* weights[kMaxRanks];
+  const std::int64_t* topk[kMaxRanks];
+  const std::int32_t* lanes[kMaxRanks];  // combine: expanded row of each (row, lane) at that rank
+  std::int64_t x_row[kMaxRanks];         // bytes between rows
+  std::int64_t scale_stride0[kMaxRanks], scale_stride1[kMaxRanks];
+  std::int64_t weights_row[kMaxRanks];
+  std::int64_t topk_row[kMaxRanks];
+};
+
+// The sizes of one dispatch or combine, as validated and agreed.
+struct Geometry {
+  int N = 0;       // this rank's tokens
+  int k = 1;       // top-k
+  int T = 1;       // tokens per rank the buffer is sized for
+  int R = 1;       // ranks
+  int E = 1;       // experts
+  int El = 1;      // experts per rank
+  int me = 0;      // this rank
+  int P = 0;       // scale columns (FP8)
+  int align = 1;   // expert alignment
+  bool expand = false;
+  std::int64_t row_bytes = 0;  // payload bytes per row
+  std::int64_t cap() const { return std::int64_t{T} * R; }  // rows a rank can receive
+};
+
+// A lane's destination rank, or -1.
+MOE_EP_HD inline int rank_of(std::int64_t e, int El) { return e < 0 ? -1 : static_cast<int>(e / El); }
+
+// Where the routing state of a dispatch lives (device arrays of the handle; see DeviceHandleState).
+struct RoutingArrays {
+  std::int64_t* topk;     // [N, k]
+  std::int32_t* dst_slot;  // [N, R]
+  std::int32_t* send_base;  // [R]
+  std::int32_t* sizes;      // [2]: M, M_exp
+  std::int32_t* row_src;    // [cap]
+  std::int32_t* row_master;  // [cap]
+  std::int32_t* local_ids;   // [cap, k]
+  std::int32_t* lane_rows;   // [cap, k]
+  std::int32_t* expert_start;  // [El]
+  std::int32_t* expert_count;  // [El]
+};
+
+// Barrier: signals every peer (its counter for this rank becomes `target`) and waits until every
+// peer's counter here reached it. A wait longer than limit_ns records a timeout naming the peer
+// and the call's barrier `step` in this rank's error word; nothing waits once that word is set.
+template <class Exec>
+void signal_and_wait(Exec& exec, const Peers& peers, int me, int R, std::int64_t signals_off, std::uint64_t target,
+                     std::uint64_t* error, std::uint64_t limit_ns, int step) {
+  const Peers p = peers;
+  exec.each(R, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t peer) {
+    store_release(reinterpret_cast<std::uint64_t*>(p.base[peer] + signals_off) + me, target);
+  });
+  exec.each(R, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t peer) {
+    std::uint64_t* slot = reinterpret_cast<std::uint64_t*>(p.base[me] + signals_off) + peer;
+    const std::uint64_t start = now_ns();
+    while (load_acquire(slot) < target) {
+      if (load_acquire(error) != 0) return;
+      if (now_ns() - start > limit_ns) {
+        set_first(error, pack_error(ErrorCode::kTimeout, static_cast<std::uint32_t>(peer), static_cast<std::uint32_t>(step), 0));
+        return;
+      }
+    }
+  });
+}
+
+// Clears this rank's error word (status[1]) once the host has taken the error.
+template <class Exec>
+void clear_error(Exec& exec, std::uint64_t* status) {
+  exec.each(1, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t) { status[1] = 0; });
+}
+
+// Copies rows x cols elements of T from a strided source into a packed destination.
+template <class Exec, class T>
+void pack(Exec& exec, T* dst, const T* src, std::int64_t rows, std::int64_t cols, std::int64_t s0, std::int64_t s1) {
+  exec.each(rows * cols, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) { dst[i] = src[(i / cols) * s0 + (i % cols) * s1]; });
+}
+
+// Route: per destination d, this rank's tokens bound for d in ascending order (lists[d * T + slot]),
+// their count (counts[d]) and each token's slot (dst_slot[t * R + d], -1 when not bound for d).
+// Ids outside [-1, E) and repeated experts are recorded in status[0] (first one) and skipped.
+template <class Exec>
+void route(Exec& exec, const Geometry& g, const std::int64_t* topk, std::uint64_t* status, std::int32_t* counts,
+           std::int32_t* lists, std::int32_t* dst_slot) {
+  const int N = g.N, k = g.k, R = g.R, E = g.E, El = g.El, T = g.T;
+  const std::int64_t n = std::int64_t{R} * N + 1;
+  auto* const flags = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(n) * 4));
+  auto* const pos = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(n) * 4));
+  exec.each(1, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t) {
+    status[0] = 0;
+    flags[n - 1] = 0;
+  });
+  exec.each(N, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t t) {
+    const std::int64_t* ids = topk + t * k;
+    for (int d = 0; d < R; ++d) flags[d * std::int64_t{N} + t] = 0;
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t e = ids[j];
+      if (e < -1 || e >= E) {
+        set_first(status, pack_error(ErrorCode::kExpertOutOfRange, static_cast<std::uint32_t>(t), j, e));
+        continue;
+      }
+      if (e < 0) continue;
+      bool twice = false;
+      for (int l = 0; l < j; ++l) twice = twice || ids[l] == e;
+      if (twice) {
+        set_first(status, pack_error(ErrorCode::kDuplicateExpert, static_cast<std::uint32_t>(t), j, e));
+        continue;
+      }
+      flags[rank_of(e, El) * std::int64_t{N} + t] = 1;
+    }
+  });
+  exec.scan(flags, pos, n);
+  exec.each(std::int64_t{R} * N, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
+    const std::int64_t d = i / N, t = i % N;
+    const std::int32_t slot = pos[i] - pos[d * N];
+    if (flags[i]) lists[d * T + slot] = static_cast<std::int32_t>(t);
+    dst_slot[t * R + d] = flags[i] ? slot : -1;
+  });
+  exec.each(R, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t d) { counts[d] = pos[(d + 1) * N] - pos[d * N]; });
+}
+
+// After the count barrier: the first rank with bad ids (every rank finds the same one) goes into
+// this rank's error word; else each source's first row here (base[R + 1]), the rows M (sizes[0]),
+// this rank's first row at each destination (send_base) and the inclusive prefix per scale-up
+// index (psum_su).
+template <class Exec>
+void plan_counts(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t counts_off, std::int64_t status_off,
+                 std::uint64_t* status, std::int32_t* base, const RoutingArrays& a, std::int32_t* psum_su) {
+  const int R = g.R, me = g.me, SU = g.R;
+  const Peers p = peers;
+  std::int32_t* const sizes = a.sizes;
+  std::int32_t* const send_base = a.send_base;
+  exec.each(1, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t) {
+    for (int r = 0; r < R; ++r) {
+      const std::uint64_t w = *reinterpret_cast<const std::uint64_t*>(p.base[r] + status_off);
+      if (w != 0) {
+        set_first(status + 1, r == me ? w : pack_error(ErrorCode::kPeerRejected, static_cast<std::uint32_t>(r), 0, 0));
+        break;
+      }
+    }
+    const bool bad = load_acquire(status + 1) != 0;
+    auto count = [&](int src, int dst) {
+      return bad ? 0 : reinterpret_cast<const std::int32_t*>(p.base[src] + counts_off)[dst];
+    };
+    std::int32_t total = 0;
+    for (int r = 0; r < SU; ++r) psum_su[r] = 0;
+    for (int r = 0; r < R; ++r) {
+      base[r] = total;
+      total += count(r, me);
+      psum_su[r % SU] += count(r, me);
+    }
+    base[R] = total;
+    for (int r = 1; r < SU; ++r) psum_su[r] += psum_su[r - 1];
+    sizes[0] = total;
+    for (int d = 0; d < R; ++d) {
+      std::int32_t b = 0;
+      for (int r = 0; r < me; ++r) b += count(r, d);
+      send_base[d] = b;
+    }
+  });
+}
+
+// Every received row: its source and token (from the source's list), master lane and local
+// experts; then the expert blocks (a scan over per-expert flags) and each lane's expanded row;
+// the handle's per-expert counts and the statistics.
+template <class Exec>
+void plan_rows(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t lists_off, const PeerTensors& pt,
+               const std::int32_t* base, const RoutingArrays& a, std::int32_t* psum_e, std::int32_t* unaligned,
+               std::int32_t* stats) {
+  const int k = g.k, T = g.T, El = g.El, me = g.me, align = g.align;
+  const bool expand = g.expand;
+  const std::int64_t cap = g.cap(), nf = std::int64_t{El} * cap + 1;
+  auto* const eflag = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(nf) * 4));
+  auto* const epos = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(nf) * 4));
+  const Peers p = peers;
+  const PeerTensors src_t = pt;
+  const RoutingArrays r = a;
+  exec.each(cap, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
+    for (int l = 0; l < El; ++l) eflag[l * cap + i] = 0;
+    if (i == 0) eflag[nf - 1] = 0;
+    if (i >= r.sizes[0]) return;
+    int src = 0;
+    while (base[src + 1] <= i) ++src;
+    const std::int32_t t =
+        reinterpret_cast<const std::int32_t*>(p.base[src] + lists_off)[std::int64_t{me} * T + (i - base[src])];
+    const std::int64_t* ids = src_t.topk[src] + std::int64_t{t} * src_t.topk_row[src];
+    r.row_src[i] = src * T + t;
+    int master = -1;
+    for (int j = 0; j < k; ++j) {
+      const std::int64_t e = ids[j];
+      const bool here = e >= 0 && rank_of(e, El) == me;
+      r.local_ids[i * k + j] = here ? static_cast<std::int32_t>(e - std::int64_t{me} * El) : -1;
+      if (here) {
+        master = j;
+        eflag[(e - std::int64_t{me} * El) * cap + i] = 1;
+      }
+    }
+    r.row_master[i] = master;
+  });
+  exec.scan(eflag, epos, nf);
+  exec.each(1, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t) {
+    std::int32_t next = 0, psum = 0;
+    for (int l = 0; l < El; ++l) {
+      const std::int32_t c = epos[(l + 1) * cap] - epos[l * cap];
+      const auto aligned = static_cast<std::int32_t>(align_up(c, align));
+      r.expert_count[l] = c;
+      r.expert_start[l] = next;
+      unaligned[l] = c;
+      psum += aligned;
+      psum_e[l] = expand ? next + c : psum;
+      next += aligned;
+      if (stats) stats[l] += c;
+    }
+    r.sizes[1] = next;
+  });
+  exec.each(cap, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
+    if (i >= r.sizes[0]) return;
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t l = r.local_ids[i * k + j];
+      r.lane_rows[i * k + j] = l < 0 ? -1 : r.expert_start[l] + (epos[l * cap + i] - epos[l * cap]);
+    }
+  });
+}
+
+// dst_buffer_slot_idx [N, k]: this rank * T + the token's slot at each destination's master lane.
+template <class Exec>
+void write_slots(Exec& exec, const Geometry& g, const RoutingArrays& a, std::int32_t* slots) {
+  const int k = g.k, R = g.R, El = g.El, me = g.me, T = g.T;
+  const std::int64_t* const topk = a.topk;
+  const std::int32_t* const dst_slot = a.dst_slot;
+  exec.each(std::int64_t{g.N} * k, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
+    const std::int64_t t = i / k;
+    const int j = static_cast<int>(i % k);
+    const int d = rank_of(topk[i], El);
+    bool master = d >= 0;
+    for (int l = j + 1; l < k && master; ++l) master = rank_of(topk[t * k + l], El) != d;
+    slots[i] = master ? me * T + dst_slot[t * R + d] : -1;
+  });
+}
+
+// The outputs of one dispatch (device pointers; null when absent).
+struct DispatchOutputs {
+  std::byte* x = nullptr;
+  std::uint32_t* scales = nullptr;
+  std::int64_t scale_block = 1;  // 1: row-major [rows, P]; else column-major with this column stride
+  std::int64_t* ids = nullptr;   // compact only
+  float* weights = nullptr;
+  std::int32_t* metadata = nullptr;  // non-cached only
+  std::int64_t rows = 0;             // rows of ids and metadata (compact rows allocated)
+  std::int64_t expanded_rows = 0;
+};
+
+// Copies every received row from its source (16 bytes per index), then the row's scales,
+// weights, local ids and metadata; rows past the real count get -1 ids and metadata.
+template <class Exec>
+void pull_rows(Exec& exec, const Geometry& g, const PeerTensors& pt, const RoutingArrays& a, std::uint64_t* status,
+               const DispatchOutputs& o) {
+  const int k = g.k, T = g.T, P = g.P;
+  const bool expand = g.expand;
+  const std::int64_t row_bytes = g.row_bytes, chunks = g.row_bytes / 16, scale_block = o.scale_block;
+  const PeerTensors src_t = pt;
+  const RoutingArrays r = a;
+  const DispatchOutputs out = o;
+  exec.each(out.rows * chunks, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t idx) {
+    const std::int64_t i = idx / chunks, c = idx % chunks;
+    if (i >= r.sizes[0] || load_acquire(status + 1) != 0) return;
+    const int src = r.row_src[i] / T, t = r.row_src[i] % T;
+    const Chunk v = reinterpret_cast<const Chunk*>(src_t.x[src] + std::int64_t{t} * src_t.x_row[src])[c];
+    if (!expand) {
+      reinterpret_cast<Chunk*>(out.x + i * row_bytes)[c] = v;
+      return;
+    }
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t row = r.lane_rows[i * k + j];
+      if (row >= 0) reinterpret_cast<Chunk*>(out.x + std::int64_t{row} * row_bytes)[c] = v;
+    }
+  });
+  exec.each(out.rows, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
+    if (i >= r.sizes[0] || load_acquire(status + 1) != 0) {
+      for (int j = 0; j < k && out.ids; ++j) out.ids[i * k + j] = -1;
+      for (int j = 0; j < k + 2 && out.metadata; ++j) out.metadata[i * (k + 2) + j] = -1;
+      return;
+    }
+    const int src = r.row_src[i] / T, t = r.row_src[i] % T;
+    const std::uint32_t* sc = out.scales ? src_t.scales[src] + std::int64_t{t} * src_t.scale_stride0[src] : nullptr;
+    const float* w = out.weights ? src_t.weights[src] + std::int64_t{t} * src_t.weights_row[src] : nullptr;
+    auto put_scales = [&](std::int64_t row) {
+      for (int q = 0; q < P && sc; ++q)
+        out.scales[scale_block == 1 ? row * P + q : q * scale_block + row] = sc[q * src_t.scale_stride1[src]];
+    };
+    if (!expand) {
+      put_scales(i);
+      for (int j = 0; j < k; ++j) out.ids[i * k + j] = r.local_ids[i * k + j];
+      for (int j = 0; j < k && w; ++j) out.weights[i * k + j] = w[j];
+    } else {
+      for (int j = 0; j < k; ++j) {
+        const std::int64_t row = r.lane_rows[i * k + j];
+        if (row < 0) continue;
+        put_scales(row);
+        if (w) out.weights[row] = w[j];
+      }
+    }
+    if (out.metadata) {
+      std::int32_t* m = out.metadata + i * (k + 2);
+      m[0] = r.row_src[i];
+      m[1] = src * k + r.row_master[i];
+      for (int j = 0; j < k; ++j) m[2 + j] = expand ? r.lane_rows[i * k + j] : -1;
+    }
+  });
+}
+
+// Expanded layout with do_zero_padding: the rows past each expert's count, up to its aligned end,
+// are zero (payload, scales, weight).
+template <class Exec>
+void zero_padding(Exec& exec, const Geometry& g, const RoutingArrays& a, std::uint64_t* status, const DispatchOutputs& o) {
+  const int El = g.El, align = g.align, P = g.P;
+  const std::int64_t row_bytes = g.row_bytes, chunks = g.row_bytes / 16, scale_block = o.scale_block;
+  const RoutingArrays r = a;
+  const DispatchOutputs out = o;
+  exec.each(out.expanded_rows * chunks, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t idx) {
+    const std::int64_t row = idx / chunks, c = idx % chunks;
+    if (load_acquire(status + 1) != 0) return;
+    int l = 0;
+    while (l + 1 < El && r.expert_start[l + 1] <= row) ++l;
+    const std::int64_t begin = r.expert_start[l] + r.expert_count[l];
+    const std::int64_t end = r.expert_start[l] + align_up(r.expert_count[l], align);
+    if (row < begin || row >= end) return;
+    reinterpret_cast<Chunk*>(out.x + row * row_bytes)[c] = Chunk{};
+    if (c != 0) return;
+    for (int q = 0; q < P && out.scales; ++q) out.scales[scale_block == 1 ? row * P + q : q * scale_block + row] = 0;
+    if (out.weights) out.weights[row] = 0.0f;
+  });
+}
+
+// Combine, step 1: every token's inputs in reduction order, as (rank, row) pairs; unit u of
+// token t spans inputs [end[u - 1], end[u]) and end[k] holds the unit count. Keys: compact and
+// expanded with multiple reduction, one unit per destination rank at its master lane (expanded:
+// its lanes ascending); expanded without, one unit per lane.
+template <class Exec>
+void combine_units(Exec& exec, const Geometry& g, bool multi, const PeerTensors& pt, const RoutingArrays& a,
+                   std::int64_t* inputs, std::int32_t* unit_end) {
+  const int k = g.k, R = g.R, El = g.El;
+  const bool expand = g.expand;
+  const PeerTensors src_t = pt;
+  const std::int64_t* const topk = a.topk;
+  const std::int32_t* const dst_slot = a.dst_slot;
+  const std::int32_t* const send_base = a.send_base;
+  exec.each(g.N, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t t) {
+    const std::int64_t* ids = topk + t * k;
+    std::int64_t* in = inputs + t * k;
+    std::int32_t* end = unit_end + t * (k + 1);
+    int n = 0, units = 0;
+    auto row_at = [&](int d) { return std::int64_t{send_base[d] + dst_slot[t * R + d]}; };
+    auto input = [&](int d, std::int64_t row) { in[n++] = (std::int64_t{d} << 32) | static_cast<std::uint32_t>(row); };
+    for (int j = 0; j < k; ++j) {
+      const int d = rank_of(ids[j], El);
+      if (d < 0) continue;
+      if (expand && !multi) {
+        input(d, src_t.lanes[d][row_at(d) * k + j]);
+        end[units++] = n;
+        continue;
+      }
+      bool master = true;
+      for (int l = j + 1; l < k && master; ++l) master = rank_of(ids[l], El) != d;
+      if (!master) continue;
+      if (!expand) {
+        input(d, row_at(d));
+      } else {
+        for (int l = 0; l < k; ++l)
+          if (rank_of(ids[l], El) == d) input(d, src_t.lanes[d][row_at(d) * k + l]);
+      }
+      end[units++] = n;
+    }
+    end[k] = units;
+  });
+}
+
+// Combine, step 2: out[t] = bf16(sum(bias0, bias1, units...)) in FP32, the first input taken as
+// is; a unit of several inputs is their FP32 sum rounded to BF16 (level 1); nothing gives +0.
+// Eight elements per index.
+template <class Exec>
+void combine_sums(Exec& exec, const Geometry& g, int H, const PeerTensors& pt, const std::int64_t* inputs,
+                  const std::int32_t* unit_end, const std::uint16_t* b0, std::int64_t s0, const std::uint16_t* b1,
+                  std::int64_t s1, std::uint64_t* status, std::uint16_t* out) {
+  const int k = g.k;
+  const std::int64_t groups = (std::int64_t{H} + 7) / 8;
+  const PeerTensors src_t = pt;
+  exec.each(std::int64_t{g.N} * groups, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t idx) {
+    const std::int64_t t = idx / groups, h0 = (idx % groups) * 8;
+    const int m = static_cast<int>(H - h0 < 8 ? H - h0 : 8);
+    if (load_acquire(status + 1) != 0) return;
+    float acc[8], v[8];
+    bool started = false;
+    auto add = [&] {
+      for (int e = 0; e < m; ++e) acc[e] = started ? acc[e] + v[e] : v[e];
+      started = true;
+    };
+    auto load = [&](const std::uint16_t* row) {
+      for (int e = 0; e < m; ++e) v[e] = widen_bf16(row[h0 + e]);
+    };
+    const std::int64_t* in = inputs + t * k;
+    auto row_of = [&](int i) {
+      const int d = static_cast<int>(in[i] >> 32);
+      const std::int64_t r = static_cast<std::int32_t>(in[i] & 0xffffffff);
+      return reinterpret_cast<const std::uint16_t*>(src_t.x[d] + r * src_t.x_row[d]);
+    };
+    if (b0) load(b0 + t * s0), add();
+    if (b1) load(b1 + t * s1), add();
+    const std::int32_t* end = unit_end + t * (k + 1);
+    for (int u = 0, first = 0; u < end[k]; first = end[u++]) {
+      if (end[u] - first == 1) {
+        load(row_of(first));
+      } else {
+        float unit[8];
+        for (int i = first; i < end[u]; ++i) {
+          load(row_of(i));
+          for (int e = 0; e < m; ++e) unit[e] = i == first ? v[e] : unit[e] + v[e];
+        }
+        for (int e = 0; e < m; ++e) v[e] = widen_bf16(narrow_bf16(unit[e]));
+      }
+      add();
+    }
+    for (int e = 0; e < m; ++e) out[t * H + h0 + e] = started ? narrow_bf16(acc[e]) : 0;
+  });
+}
+
+// Combine, step 3: combined_topk_weights[t, j] = the weight the rank of lane j's expert returned
+// for the lane (compact: column j of its row; expanded: its lane row's weight), 0 for id -1.
+template <class Exec>
+void combine_weights(Exec& exec, const Geometry& g, const PeerTensors& pt, const RoutingArrays& a, std::uint64_t* status,
+                     float* out) {
+  const int k = g.k, R = g.R, El = g.El;
+  const bool expand = g.expand;
+  const PeerTensors src_t = pt;
+  const std::int64_t* const topk = a.topk;
+  const std::int32_t* const dst_slot = a.dst_slot;
+  const std::int32_t* const send_base = a.send_base;
+  exec.each(std::int64_t{g.N} * k, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
+    if (load_acquire(status + 1) != 0) return;
+    const std::int64_t t = i / k;
+    const int j = static_cast<int>(i % k), d = rank_of(topk[i], El);
+    if (d < 0) {
+      out[i] = 0.0f;
+      return;
+    }
+    const std::int64_t row = send_base[d] + dst_slot[t * R + d];
+    out[i] = expand ? src_t.weights[d][std::int64_t{src_t.lanes[d][row * k + j]} * src_t.weights_row[d]]
+                    : src_t.weights[d][row * src_t.weights_row[d] + j];
+  });
+}
+
+}  // namespace moe_ep::cuda
