@@ -4,16 +4,22 @@
 # installed here). Runs the GPU test (every output against the built-in provider, bit for bit)
 # and the GPU bench, and writes one log.
 # Usage: scripts/gpu-check.sh [build-dir] [log]   (defaults: build, $OUT/gpu-check.log or ./gpu-check.log)
+# Time: the tests take about a minute, the bench (DeepSeek-V3 shape, 4096 and 128 tokens per rank,
+# 8 ranks) a few; each has a timeout so the whole stays under 8 minutes.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
 log=${2:-${OUT:-.}/gpu-check.log}
 mkdir -p "$(dirname "$log")"
 status=0
+# The build may have been carried to another path than it was made at: name its libraries.
+export LD_LIBRARY_PATH="$build/src${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export MOE_EP_CUDA_PROVIDER="$build/src/libmoe_ep_cuda.so"
+export MOE_EP_PROVIDER_PATH="$MOE_EP_CUDA_PROVIDER"
 {
   echo "# moe-ep gpu-check $(date -u +%FT%TZ) on $(hostname)"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 || echo "nvidia-smi: not available"
-  for f in "$build/src/libmoe_ep_cuda.so" "$build/tests/cuda_gpu_test" "$build/bench/cuda_bench"; do
+  for f in "$build/src/libmoe_ep_cuda.so" "$build/tests/cuda_gpu_test" "$build/tests/cuda_host_test" "$build/moe-ep"; do
     [ -e "$f" ] || { echo "gpu-check: $f is missing: build with CUDA first (MOE_EP_WITH_CUDA=ON)"; exit 2; }
   done
   echo "## the provider library, probed through the provider ABI"
@@ -21,7 +27,7 @@ status=0
   echo "## GPU test (tests/cuda/gpu): outputs against the built-in provider"
   timeout 300 "$build/tests/cuda_gpu_test" --gtest_brief=1 || status=1
   echo "## GPU bench: DeepSeek-V3 shape, 8 ranks on the device(s) present"
-  timeout 180 "$build/bench/cuda_bench" || status=1
+  timeout 240 "$build/moe-ep" bench --provider cuda || status=1
   echo "## gpu-check: $([ $status -eq 0 ] && echo PASSED || echo FAILED)"
   exit $status
 } 2>&1 | tee "$log"

@@ -49,6 +49,7 @@ struct BenchOptions {
   std::string sweep;     // KEY=LIST (tokens, ranks, hidden or experts); empty = the two shapes
   std::string csv_path;  // with sweep
   bool quiet = false;  // no progress line on a terminal's stderr
+  std::string provider = "cpu";  // cuda: the CUDA provider's bench on device tensors (docs/cuda.md)
   LaunchOptions launch;
 };
 
@@ -58,6 +59,8 @@ void add_bench_record_options(CLI::App& bench, BenchOptions& options);  // --swe
 int run_command(const RunOptions& options, Launch& launch);
 int dispatcher_command(const RunOptions& options, const DispatcherRunOptions& run);
 int bench_command(const BenchOptions& options, Launch& launch);
+// `moe-ep bench --provider cuda`: loads the CUDA provider and runs its bench entry.
+int cuda_bench_command(const BenchOptions& options);
 int env_command(bool markdown);
 
 }  // namespace moe_ep::tools

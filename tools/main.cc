@@ -153,6 +153,10 @@ void add_bench_command(CLI::App& app, BenchCommand& bench) {
                 "time dispatch and combine through the token dispatcher beside the same calls on its buffer "
                 "(generation from --api, else MOE_EP_USE_V2; decode in the mode the dispatcher resolves)");
   cmd->add_flag("--quiet", o.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
+  cmd->add_option("--provider", o.provider,
+                  "cpu: this library on host memory; cuda: the CUDA provider on device tensors (from MOE_EP_PROVIDER_PATH, "
+                  "else the one built with this tool; docs/cuda.md)")
+      ->check(one_of({"cpu", "cuda"}));
 }
 
 void add_launch_options(CLI::App& cmd, moe_ep::tools::LaunchOptions& launch) {
@@ -261,6 +265,18 @@ int run_main(RunCommand& run, int& argc, char**& argv) {
 int bench_main(BenchCommand& bench, int& argc, char**& argv) {
   using namespace moe_ep::tools;
   BenchOptions& o = bench.options;
+  if (o.provider == "cuda") {
+    for (const char* flag : {"--dispatcher", "--sweep", "--csv", "--json", "--transport", "--nodes", "--ranks-per-node",
+                             "--no-hybrid", "--workers"})
+      need(!bench.given(flag), fmt::format("{} is not an option of --provider cuda (it times the V2 buffer on device "
+                                           "tensors, ranks as threads)", flag));
+    need(o.api == "v2", "--provider cuda offers the V2 buffer only: drop --api v1");
+    need(o.ranks <= 64, fmt::format("--ranks {} is more than the 64 ranks the cuda provider serves", o.ranks));
+    check_shape(o.ranks, o.experts, o.topk, o.hidden, false, "");
+    need(o.hidden % 8 == 0, fmt::format("--provider cuda moves BF16 rows of a multiple of 16 bytes: --hidden {} is not "
+                                        "a multiple of 8", o.hidden));
+    return cuda_bench_command(o);
+  }
   o.launch.transport_given = bench.given("--transport");
   o.api_given = bench.given("--api");
   need(!(o.dispatcher && (!o.sweep.empty() || !o.csv_path.empty())), "--dispatcher and --sweep: pick one");

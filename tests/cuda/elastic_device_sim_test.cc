@@ -5,6 +5,7 @@
 // here: the two share no routing, planning or reduction code.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 
@@ -162,7 +163,8 @@ namespace {
 // The built provider library, probed through the provider ABI as the dispatcher loads it: it
 // offers V2 only, and on a machine without a GPU it says so instead of offering anything.
 TEST(CudaProviderLibrary, ProbesThroughTheProviderAbi) {
-  const ProbeReport& report = probe_providers(MOE_EP_CUDA_PROVIDER_PATH);
+  const char* given = std::getenv("MOE_EP_CUDA_PROVIDER");  // a build carried to another path
+  const ProbeReport& report = probe_providers(given && *given ? given : MOE_EP_CUDA_PROVIDER_PATH);
   ASSERT_EQ(report.providers.size(), 1u);
   const ProviderProbe& p = report.providers[0];
   if (std::getenv("MOE_EP_EXPECT_GPU") == nullptr) {

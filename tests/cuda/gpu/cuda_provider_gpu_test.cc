@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 
 #include "cuda/compare_case.hh"
@@ -18,9 +19,15 @@
 namespace moe_ep::testing {
 namespace {
 
+// The library built with this test, or MOE_EP_CUDA_PROVIDER (a build carried to another path).
+const char* provider_path() {
+  const char* given = std::getenv("MOE_EP_CUDA_PROVIDER");
+  return given && *given ? given : MOE_EP_CUDA_PROVIDER_PATH;
+}
+
 const provider::Table* cuda_table() {
   static const provider::Table* table = [] {
-    void* lib = dlopen(MOE_EP_CUDA_PROVIDER_PATH, RTLD_NOW | RTLD_LOCAL);
+    void* lib = dlopen(provider_path(), RTLD_NOW | RTLD_LOCAL);
     if (lib == nullptr) return static_cast<const provider::Table*>(nullptr);
     auto entry = reinterpret_cast<const provider::Table* (*)()>(dlsym(lib, provider::kEntrySymbol));
     return entry ? entry() : nullptr;
@@ -96,7 +103,7 @@ std::unique_ptr<provider::ElasticBackend> make_cuda(Group& group, const ElasticB
 }
 
 TEST(CudaProviderOnGpu, RandomCasesMatchTheBuiltinProviderBitForBit) {
-  ASSERT_NE(cuda_table(), nullptr) << "cannot load " << MOE_EP_CUDA_PROVIDER_PATH << ": " << dlerror();
+  ASSERT_NE(cuda_table(), nullptr) << "cannot load " << provider_path() << ": " << dlerror();
   const int cases = 60;
   for (int c = 0; c < cases; ++c) {
     RunOptions options;

@@ -1,9 +1,9 @@
-// The CUDA provider's bench (docs/cuda.md): the DeepSeek-V3 shape (hidden 7168, top-8 of 256
-// experts, BF16) at 4096 and 128 tokens per rank, 8 ranks as threads on the device(s) present.
-// Prints dispatch and combine logical bandwidth (bytes of the rows every rank receives or
-// returns, per second) beside the device-to-device copy bandwidth measured in the same run
-// (cudaMemcpy of 2 GiB: bytes copied per second), their ratio, and the decode latency in µs.
-// Without a CUDA device it prints "SKIP: no CUDA device" and exits 77.
+// The CUDA provider's bench (bench_entry.hh; `moe-ep bench --provider cuda`, docs/cuda.md): by
+// default the DeepSeek-V3 shape (hidden 7168, top-8 of 256 experts, BF16) at 4096 and 128 tokens
+// per rank, 8 ranks as threads on the device(s) present. Prints dispatch and combine logical
+// bandwidth (rows every rank receives, times the row bytes, per second of the slowest rank)
+// beside the device-to-device copy bandwidth measured in the same run (cudaMemcpy of 2 GiB:
+// bytes copied per second), their ratio, and the times in µs (the decode latency).
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 #include <fmt/format.h>
@@ -16,8 +16,11 @@
 #include <random>
 #include <vector>
 
+#include "cuda/bench_entry.hh"
 #include "moe_ep/group.hpp"
 #include "moe_ep/provider.hpp"
+
+extern "C" const moe_ep::provider::Table* moe_ep_provider_abi_4();
 
 namespace {
 
@@ -48,8 +51,8 @@ struct Timing {
   std::int64_t bytes = 0;  // rows received by every rank, times the row size
 };
 
-Timing run(const moe_ep::provider::Table* table, int ranks, int tokens, int iters) {
-  const int H = 7168, k = 8, E = 256;
+Timing run(const moe_ep::provider::Table* table, const MoeEpCudaBenchOptions& o, int tokens, int iters) {
+  const int ranks = o.ranks, H = o.hidden, k = o.topk, E = o.experts;
   Timing timing;
   std::atomic<std::int64_t> bytes{0};
   std::vector<double> dispatch(ranks), combine(ranks);
@@ -64,7 +67,7 @@ Timing run(const moe_ep::provider::Table* table, int ranks, int tokens, int iter
     config.hidden = H;
     config.num_topk = k;
     std::unique_ptr<moe_ep::provider::ElasticBackend> buffer(table->create_elastic(group, config));
-    std::mt19937_64 rng(1234 + rank);
+    std::mt19937_64 rng(o.seed * 7919 + static_cast<unsigned>(rank));
     std::vector<std::int64_t> topk(static_cast<size_t>(tokens) * k);
     std::vector<int> experts(E);
     for (int e = 0; e < E; ++e) experts[e] = e;
@@ -117,35 +120,36 @@ Timing run(const moe_ep::provider::Table* table, int ranks, int tokens, int iter
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("SKIP: no CUDA device\n");
-    return 77;
-  }
-  const char* path = argc > 1 ? argv[1] : MOE_EP_CUDA_PROVIDER_PATH;
-  void* lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    std::fprintf(stderr, "cuda_bench: cannot load %s: %s\n", path, dlerror());
+extern "C" __attribute__((visibility("default"))) int moe_ep_cuda_bench_1(const MoeEpCudaBenchOptions* options) {
+  try {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+      std::printf("SKIP: no CUDA device\n");
+      return 77;
+    }
+    const MoeEpCudaBenchOptions& o = *options;
+    const moe_ep::provider::Table* table = moe_ep_provider_abi_4();
+    cudaDeviceProp prop{};
+    check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    const double copy = copy_bandwidth();
+    std::printf("device: %s (%d present); %d ranks; hidden %d, top-%d of %d experts, BF16\n", prop.name, devices, o.ranks,
+                o.hidden, o.topk, o.experts);
+    std::printf("baseline: cudaMemcpy device to device, 2 GiB, bytes copied / s: %.1f GB/s\n", copy);
+    std::printf("formula: logical GB/s = rows received by all ranks x hidden x 2 B / time of the slowest rank "
+                "(mean over the timed iterations); ratio = logical / baseline\n");
+    for (const auto& [tokens, iters] : {std::pair{o.prefill_tokens, o.prefill_iterations},
+                                        std::pair{o.decode_tokens, o.decode_iterations}}) {
+      const Timing t = run(table, o, tokens, iters);
+      const double d = static_cast<double>(t.bytes) / t.dispatch_s / 1e9;
+      const double c = static_cast<double>(t.bytes) / t.combine_s / 1e9;
+      std::printf("tokens/rank %5d: dispatch %9.1f us %7.1f GB/s (%.2f of copy) | combine %9.1f us %7.1f GB/s "
+                  "(%.2f of copy)\n",
+                  tokens, t.dispatch_s * 1e6, d, d / copy, t.combine_s * 1e6, c, c / copy);
+    }
+    std::fflush(stdout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "moe-ep bench --provider cuda: %s\n", e.what());
     return 1;
   }
-  auto entry = reinterpret_cast<const moe_ep::provider::Table* (*)()>(dlsym(lib, moe_ep::provider::kEntrySymbol));
-  const moe_ep::provider::Table* table = entry ? entry() : nullptr;
-  if (table == nullptr || table->init() != nullptr) {
-    std::fprintf(stderr, "cuda_bench: provider unusable: %s\n", table ? table->init() : "no table");
-    return 1;
-  }
-  cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, 0);
-  const double copy = copy_bandwidth();
-  std::printf("device: %s (%d present); 8 ranks; copy bandwidth (cudaMemcpy D2D, 2 GiB, bytes copied / s): %.1f GB/s\n",
-              prop.name, devices, copy);
-  for (int tokens : {4096, 128}) {
-    const Timing t = run(table, 8, tokens, tokens > 1000 ? 5 : 20);
-    const double d = static_cast<double>(t.bytes) / t.dispatch_s / 1e9, c = static_cast<double>(t.bytes) / t.combine_s / 1e9;
-    std::printf("tokens/rank %5d: dispatch %8.1f us %7.1f GB/s (%.2f of copy) | combine %8.1f us %7.1f GB/s (%.2f of copy)"
-                "   [logical = rows received by all ranks x 14336 B / time of the slowest rank]\n",
-                tokens, t.dispatch_s * 1e6, d, d / copy, t.combine_s * 1e6, c, c / copy);
-  }
-  return 0;
 }
