@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "cuda/elastic_device.hh"
@@ -27,6 +28,10 @@ int device_count(std::string* why) {
 }
 
 const char* init() {
+  // Every rank's stream spins in its barriers while peers' streams run: give streams their own
+  // hardware queues (8 by default), unless the user chose, before the first CUDA call makes the
+  // process's context (later the setting has no effect).
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   static std::string why;
   static const int devices = device_count(&why);
   return devices > 0 ? nullptr : why.c_str();

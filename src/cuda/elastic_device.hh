@@ -135,7 +135,6 @@ class ElasticDevice final : public provider::ElasticBackend {
   void check_usable(const char* op) const;
   std::exception_ptr error_from(std::uint64_t word, const char* op);
   std::uint64_t* status() const { return reinterpret_cast<std::uint64_t*>(peers_.base[rank_] + layout_.status); }
-  std::string describe_error(std::uint64_t word, int rank) const;
   // The addresses of every rank's tensors, from the agreement's payloads.
   PeerTensors resolve(const std::vector<std::span<const std::byte>>& payloads) const;
   std::uint64_t publish_address(const void* p) const;

@@ -199,8 +199,8 @@ void ElasticDevice<Exec>::barrier(int step) {
   signal_and_wait(*exec_, peers_, rank_, R_, layout_.signals, ++barriers_, status() + 1, limit, step);
 }
 
-template <class Exec>
-std::string ElasticDevice<Exec>::describe_error(std::uint64_t word, int rank) const {
+// What an error word says, for messages (timeout_secs: the timeout a barrier waited for).
+inline std::string describe_error(std::uint64_t word, double timeout_secs) {
   const UnpackedError e = unpack_error(word);
   switch (e.code) {
     case ErrorCode::kExpertOutOfRange:
@@ -209,7 +209,7 @@ std::string ElasticDevice<Exec>::describe_error(std::uint64_t word, int rank) co
       return fmt::format("topk_idx[{}, {}] = {} names an expert the row already names", e.a, e.b, e.value);
     case ErrorCode::kTimeout:
       return fmt::format("rank {} did not arrive at barrier {} of the call within {} s (num_cpu_timeout_secs)", e.a, e.b,
-                         timeout_);
+                         timeout_secs);
     case ErrorCode::kPeerRejected:
       return fmt::format("rank {} passed bad top-k ids", e.a);
     default:
@@ -228,7 +228,7 @@ std::exception_ptr ElasticDevice<Exec>::take_device_error(const char* op) {
 template <class Exec>
 std::exception_ptr ElasticDevice<Exec>::error_from(std::uint64_t word, const char* op) {
   const UnpackedError e = unpack_error(word);
-  const std::string what = describe_error(word, rank_);
+  const std::string what = describe_error(word, timeout_);
   if (e.code == ErrorCode::kTimeout) {
     failed_ = true;
     failure_ = what;
@@ -246,9 +246,22 @@ void ElasticDevice<Exec>::finish(std::uintptr_t stream, bool async, Event& event
     exec_->before_caller(stream);
     return;
   }
+  // Completes when the work finished; fails with the device's error if it recorded one (which
+  // the next call on the buffer raises as well, on every rank alike).
   Event pending = Event::pending();
   event = pending;
-  exec_->then([pending] { pending.complete(); });
+  const std::uint64_t* word = exec_->mirrored_error();
+  const std::string where = context(op);
+  const double timeout = timeout_;
+  exec_->then([pending, word, where, timeout] {
+    const std::uint64_t w = std::atomic_ref<std::uint64_t>(*const_cast<std::uint64_t*>(word)).load();
+    if (w == 0) {
+      pending.complete();
+    } else {
+      pending.fail(std::make_exception_ptr(Error(fmt::format("{}: {} (found on the device; the next call on the buffer "
+                                                             "raises it)", where, describe_error(w, timeout)))));
+    }
+  });
 }
 
 }  // namespace moe_ep::cuda

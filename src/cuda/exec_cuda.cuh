@@ -244,6 +244,8 @@ class CudaExec {
     });
   }
   std::uint64_t take_mirrored_error() { return std::atomic_ref<std::uint64_t>(*mirror_).exchange(0); }
+  // The host copy of the error word (for host callbacks, which must not call CUDA).
+  const std::uint64_t* mirrored_error() const { return mirror_; }
 
   void ipc_handle(void* p, char* out) {
     set();

@@ -114,7 +114,7 @@ TEST_P(CudaProviderOnHost, TensorsOnTheWrongDeviceAreRefusedByName) {
 TEST_P(CudaProviderOnHost, BadExpertIdsAreReportedFromTheDevice) {
   for (bool sync : {true, false}) {
     LocalWorld world(3);
-    std::vector<Caught> first(3), second(3);
+    std::vector<Caught> first(3), second(3), event(3);
     std::vector<std::int64_t> recovered(3, -1);
     world.run([&](Group& group) {
       ElasticBufferConfig config;
@@ -128,7 +128,12 @@ TEST_P(CudaProviderOnHost, BadExpertIdsAreReportedFromTheDevice) {
       args.topk_idx = TensorView(ids.data(), DType::kInt64, {4, 1}).on_device(kCuda0);
       args.num_experts = 6;
       args.do_cpu_sync = sync;
-      first[group.rank()] = catch_error([&] { dev.dispatch(args); });
+      args.async_with_compute_stream = !sync;
+      first[group.rank()] = catch_error([&] {
+        const DispatchResult r = dev.dispatch(args);
+        event[group.rank()] = catch_error([&] { r.event.wait(); });
+      });
+      args.async_with_compute_stream = false;
       if (!sync) second[group.rank()] = catch_error([&] { dev.dispatch(args); });
       ids[3] = 5;
       const DispatchResult ok = dev.dispatch(args);
@@ -138,6 +143,9 @@ TEST_P(CudaProviderOnHost, BadExpertIdsAreReportedFromTheDevice) {
     const std::vector<Caught>& seen = sync ? first : second;
     if (!sync) {
       for (const Caught& c : first) EXPECT_EQ(c.type, "") << c.message;
+      // The asynchronous call's event fails on every rank, naming what the device found.
+      for (const Caught& c : event) EXPECT_NE(c.message.find("found on the device"), std::string::npos) << c.message;
+      EXPECT_NE(event[2].message.find("topk_idx[3, 0] = 99"), std::string::npos) << event[2].message;
     }
     EXPECT_EQ(seen[2].type, "InvalidArgument");
     EXPECT_NE(seen[2].message.find("topk_idx[3, 0] = 99 is outside [-1, num_experts)"), std::string::npos)

@@ -78,6 +78,7 @@ class HostExec {
     if (w != 0) std::atomic_ref<std::uint64_t>(mirrored_).store(w);
   }
   std::uint64_t take_mirrored_error() { return std::atomic_ref<std::uint64_t>(mirrored_).exchange(0); }
+  const std::uint64_t* mirrored_error() const { return &mirrored_; }
 
   void ipc_handle(void* p, char* out) { std::memcpy(out, &p, sizeof p); }
   std::shared_ptr<void> open_ipc(const char* handle) {
