@@ -28,10 +28,13 @@ inline constexpr int kMaxTopk = 32;
 
 // A flag another rank (thread, process or device) writes: release stores, acquire loads, at
 // system scope (peers may be processes, other devices over NVLink, or host threads).
+// The fence first: the writes earlier steps made (other threads, earlier kernels of the stream)
+// are ordered before the flag at system scope, for peers on other devices and processes.
 MOE_EP_HD inline void store_release(std::uint64_t* flag, std::uint64_t value) {
 #if defined(__CUDACC__)
+  ::cuda::atomic_thread_fence(::cuda::memory_order_seq_cst, ::cuda::thread_scope_system);
   ::cuda::atomic_ref<std::uint64_t, ::cuda::thread_scope_system>(*flag).store(value, ::cuda::memory_order_release);
-#else
+#else  // host steps run on the rank's one thread: the release store orders all of its writes
   std::atomic_ref<std::uint64_t>(*flag).store(value, std::memory_order_release);
 #endif
 }
