@@ -93,6 +93,30 @@ struct alignas(16) Chunk {
   std::uint32_t w[4];
 };
 
+// 16 bytes at p (16-byte aligned) as 8 BF16 values widened to FP32, and 8 BF16 values stored.
+MOE_EP_HD inline void load8_bf16(const std::uint16_t* p, float* v) {
+  Chunk c;
+#if defined(__CUDA_ARCH__)
+  c = *reinterpret_cast<const Chunk*>(p);
+#else
+  std::memcpy(&c, p, sizeof c);
+#endif
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = widen_bf16(static_cast<std::uint16_t>(c.w[i] & 0xffffu));
+    v[2 * i + 1] = widen_bf16(static_cast<std::uint16_t>(c.w[i] >> 16));
+  }
+}
+MOE_EP_HD inline void store8_bf16(std::uint16_t* p, const std::uint16_t* v) {
+  Chunk c;
+  for (int i = 0; i < 4; ++i) c.w[i] = static_cast<std::uint32_t>(v[2 * i]) | (static_cast<std::uint32_t>(v[2 * i + 1]) << 16);
+#if defined(__CUDA_ARCH__)
+  *reinterpret_cast<Chunk*>(p) = c;
+#else
+  std::memcpy(p, &c, sizeof c);
+#endif
+}
+MOE_EP_HD inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
+
 // One error per rank and call, packed in 64 bits: 0 = none. The host decodes it (error_word.hh).
 enum class ErrorCode : std::uint32_t {
   kNone = 0,

@@ -420,8 +420,12 @@ void combine_sums(Exec& exec, const Geometry& g, int H, const PeerTensors& pt, c
       for (int e = 0; e < m; ++e) acc[e] = started ? acc[e] + v[e] : v[e];
       started = true;
     };
-    auto load = [&](const std::uint16_t* row) {
-      for (int e = 0; e < m; ++e) v[e] = widen_bf16(row[h0 + e]);
+    auto load = [&](const std::uint16_t* row) {  // one 16-byte load where the row allows
+      if (m == 8 && aligned16(row + h0)) {
+        load8_bf16(row + h0, v);
+      } else {
+        for (int e = 0; e < m; ++e) v[e] = widen_bf16(row[h0 + e]);
+      }
     };
     const std::int64_t* in = inputs + t * k;
     auto row_of = [&](int i) {
@@ -445,7 +449,13 @@ void combine_sums(Exec& exec, const Geometry& g, int H, const PeerTensors& pt, c
       }
       add();
     }
-    for (int e = 0; e < m; ++e) out[t * H + h0 + e] = started ? narrow_bf16(acc[e]) : 0;
+    std::uint16_t result[8];
+    for (int e = 0; e < m; ++e) result[e] = started ? narrow_bf16(acc[e]) : 0;
+    if (m == 8 && aligned16(out + t * H + h0)) {
+      store8_bf16(out + t * H + h0, result);
+    } else {
+      for (int e = 0; e < m; ++e) out[t * H + h0 + e] = result[e];
+    }
   });
 }
 

@@ -1,5 +1,6 @@
 // CudaExec: ElasticDevice's executor on a GPU. One non-blocking communication stream per rank;
-// each step is a grid-stride kernel over its indices; scans are one-block kernels (deterministic);
+// each step is a grid-stride kernel over its indices; scans are CUB device-wide exclusive sums of
+// integers (exact, so the same on every run);
 // memory is device memory (cudaMalloc for the symmetric region, which CUDA IPC can export; the
 // stream-ordered pool for handles, outputs and per-call scratch). Output tensors are DLPack
 // tensors on the device; their memory is released on the communication stream after the work
@@ -7,6 +8,7 @@
 // name the call and the device.
 #pragma once
 
+#include <cub/device/device_scan.cuh>
 #include <cuda_runtime.h>
 #include <dlpack/dlpack.h>
 #include <fmt/format.h>
@@ -33,33 +35,6 @@ template <class F>
 __global__ void each_kernel(std::int64_t n, F f) {
   const std::int64_t step = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) f(i);
-}
-
-// Exclusive scan of n int32 in one block of 1024 threads: each thread sums a contiguous span,
-// the span sums are scanned in shared memory, then each thread writes its span.
-__global__ void scan_kernel(const std::int32_t* in, std::int32_t* out, std::int64_t n) {
-  __shared__ std::int32_t partial[1024];
-  const std::int64_t per = (n + blockDim.x - 1) / blockDim.x;
-  const std::int64_t begin = threadIdx.x * per, end = begin + per < n ? begin + per : n;
-  std::int32_t sum = 0;
-  for (std::int64_t i = begin; i < end; ++i) sum += in[i];
-  partial[threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    std::int32_t run = 0;
-    for (unsigned t = 0; t < blockDim.x; ++t) {
-      const std::int32_t v = partial[t];
-      partial[t] = run;
-      run += v;
-    }
-  }
-  __syncthreads();
-  std::int32_t run = partial[threadIdx.x];
-  for (std::int64_t i = begin; i < end; ++i) {
-    const std::int32_t v = in[i];
-    out[i] = run;
-    run += v;
-  }
 }
 
 class CudaExec {
@@ -189,8 +164,9 @@ class CudaExec {
   }
   void scan(const std::int32_t* in, std::int32_t* out, std::int64_t n) {
     set();
-    scan_kernel<<<1, 1024, 0, stream()>>>(in, out, n);
-    check_cuda(cudaGetLastError(), "the scan kernel launch", device_);
+    std::size_t bytes = 0;
+    check_cuda(cub::DeviceScan::ExclusiveSum(nullptr, bytes, in, out, n, stream()), "cub::DeviceScan (size)", device_);
+    check_cuda(cub::DeviceScan::ExclusiveSum(temp(bytes), bytes, in, out, n, stream()), "cub::DeviceScan", device_);
   }
   void copy(void* dst, const void* src, std::size_t bytes) {
     if (bytes == 0) return;

@@ -74,6 +74,23 @@ namespace {
 
 // Tensors on the wrong side are refused by name, before anything moves: the built-in provider
 // refuses device tensors, the CUDA provider host tensors.
+// Hidden sizes that are not a multiple of 8 (FP32 payloads): combine's rows are then neither
+// whole 16-byte groups nor 16-byte aligned, the element-wise path of the sums.
+TEST_P(CudaProviderOnHost, HiddenSizesOffTheVectorWidthMatch) {
+  for (int c = 0; c < 8; ++c) {
+    RunOptions options;
+    reference::CaseSpec spec = random_case(0xC0DA1000u + static_cast<std::uint64_t>(c), 2 + c % 3, 1, &options);
+    spec.fp8 = false;
+    spec.scale_cols = 0;
+    spec.payload_element_bytes = 4;
+    spec.hidden = c % 2 ? 12 : 20;
+    CaseFlags flags;
+    flags.cpu_sync = c % 4 != 3;
+    const std::vector<std::string> problems = compare_case<LabelMover>(spec, flags, make_device);
+    EXPECT_TRUE(problems.empty()) << "case " << c << " (" << describe(spec, options) << "): " << problems.front();
+  }
+}
+
 TEST_P(CudaProviderOnHost, TensorsOnTheWrongDeviceAreRefusedByName) {
   LocalWorld world(2);
   std::vector<Caught> cpu_errors(2), dev_errors(2);
