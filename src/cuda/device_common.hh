@@ -7,16 +7,17 @@
 // runs the same steps on host threads, tests/cuda), so nothing here may need either one only.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 
 #if defined(__CUDACC__)
 #include <cuda/atomic>
 #define MOE_EP_HD __host__ __device__
 #define MOE_EP_DEVICE_LAMBDA __device__
 #else
-#include <atomic>
-#include <chrono>
 #define MOE_EP_HD
 #define MOE_EP_DEVICE_LAMBDA
 #endif
@@ -56,6 +57,16 @@ MOE_EP_HD inline bool set_first(std::uint64_t* word, std::uint64_t value) {
 #else
   std::uint64_t expected = 0;
   return std::atomic_ref<std::uint64_t>(*word).compare_exchange_strong(expected, value, std::memory_order_acq_rel);
+#endif
+}
+
+// Between two polls of a flag: the GPU thread sleeps briefly (fewer memory polls), a host thread
+// yields its core to the ranks it waits for.
+MOE_EP_HD inline void pause_between_polls() {
+#if defined(__CUDA_ARCH__)
+  __nanosleep(64);
+#else
+  std::this_thread::yield();
 #endif
 }
 

@@ -85,6 +85,7 @@ void signal_and_wait(Exec& exec, const Peers& peers, int me, int R, std::int64_t
         set_first(error, pack_error(ErrorCode::kTimeout, static_cast<std::uint32_t>(peer), static_cast<std::uint32_t>(step), 0));
         return;
       }
+      pause_between_polls();
     }
   });
 }
