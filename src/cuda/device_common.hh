@@ -135,7 +135,13 @@ enum class ErrorCode : std::uint32_t {
   kDuplicateExpert = 2,   // a = token, b = lane, value = the id
   kTimeout = 3,           // a = the peer that did not arrive, b = the barrier of the call, value = its step
   kPeerRejected = 4,      // a = the peer whose top-k ids were bad
+  kPeerLeft = 5,          // a = the rank whose failure after the agreement made ranks leave (the root cause), b = the barrier
 };
+
+// The signal a rank leaves in its peers' counters when it fails after a call's agreement, or
+// leaves because a peer did: kLeftSignal | the root cause's rank. Waits for it end at once
+// (kPeerLeft naming the root cause) instead of running into the timeout.
+inline constexpr std::uint64_t kLeftSignal = ~std::uint64_t{0xffff};
 
 // code: 4 bits, a: 22 bits (tokens are below 2^22: the provider's limit), b: 6 bits, value: 32 bits.
 MOE_EP_HD inline std::uint64_t pack_error(ErrorCode code, std::uint32_t a, std::uint32_t b, std::int64_t value) {

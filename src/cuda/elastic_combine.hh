@@ -54,7 +54,6 @@ std::shared_ptr<const DeviceHandleState> ElasticDevice<Exec>::check_combine(cons
   return state;
 }
 
-// Long: the call's host sequence (checks, agreement, staging, the three steps, completion).
 template <class Exec>
 CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
   const char* op = "combine";
@@ -108,11 +107,22 @@ CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
   const auto payloads = agreement.exchange(*channel_, comm::Scope::kWorld, wait("combine: agreement"),
                                            {reinterpret_cast<const std::byte*>(&mine), sizeof mine});
   ++op_number_;
-  if (a.previous_event) a.previous_event->wait();
-  const PeerTensors pt = resolve(payloads);
+  return after_agreement(op, [&] {
+    if (a.previous_event) a.previous_event->wait();
+    return reduce_rows(a, *state, g, rows, off_w, off_x, resolve(payloads));
+  });
+}
+
+template <class Exec>
+CombineResult ElasticDevice<Exec>::reduce_rows(const CombineArgs& a, const DeviceHandleState& handle, const Geometry& g,
+                                               std::int64_t rows, std::int64_t off_w, std::int64_t off_x,
+                                               const PeerTensors& pt) {
+  const char* op = "combine";
+  const int H = handle.hidden;
+  const bool has_weights = a.topk_weights.defined();
   exec_->after_caller(a.stream);
   if (!direct_) {
-    if (g.expand) exec_->copy(stage_at(0), state->arrays.lane_rows, static_cast<std::size_t>(g.cap()) * g.k * 4);
+    if (g.expand) exec_->copy(stage_at(0), handle.arrays.lane_rows, static_cast<std::size_t>(g.cap()) * g.k * 4);
     pack(*exec_, reinterpret_cast<std::uint16_t*>(stage_at(off_x)), a.x.data_as<const std::uint16_t>(), rows, H,
          a.x.stride(0), 1);
     if (has_weights)
@@ -128,12 +138,12 @@ CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
   auto* const inputs = static_cast<std::int64_t*>(exec_->temp(static_cast<std::size_t>(std::max(g.N, 1)) * g.k * 8));
   auto* const unit_end =
       static_cast<std::int32_t*>(exec_->temp(static_cast<std::size_t>(std::max(g.N, 1)) * (g.k + 1) * 4));
-  combine_units(*exec_, g, config_.allow_multiple_reduction, pt, state->arrays, inputs, unit_end);
+  combine_units(*exec_, g, config_.allow_multiple_reduction, pt, handle.arrays, inputs, unit_end);
   const std::size_t nb = a.bias.size();
   combine_sums(*exec_, g, H, pt, inputs, unit_end, nb > 0 ? a.bias[0].data_as<const std::uint16_t>() : nullptr,
                nb > 0 ? a.bias[0].stride(0) : 0, nb > 1 ? a.bias[1].data_as<const std::uint16_t>() : nullptr,
                nb > 1 ? a.bias[1].stride(0) : 0, status(), result.combined_x.data_as<std::uint16_t>());
-  if (has_weights) combine_weights(*exec_, g, pt, state->arrays, status(), result.combined_topk_weights.data_as<float>());
+  if (has_weights) combine_weights(*exec_, g, pt, handle.arrays, status(), result.combined_topk_weights.data_as<float>());
   barrier(1);
   exec_->mirror_error(status() + 1);
   exec_->end_op();

@@ -129,7 +129,17 @@ class ElasticDevice final : public provider::ElasticBackend {
   void stage_dispatch(const DispatchArgs& a, const DispatchCall& c);
   std::shared_ptr<EPHandle> plan_receive(const DispatchArgs& a, DispatchCall& c, const PeerTensors& pt);
   void make_outputs(const DispatchArgs& a, DispatchCall& c, EPHandle* handle, DispatchResult& result);
+  DispatchResult move_rows(const DispatchArgs& a, DispatchCall& c, const PeerTensors& pt);
   // Combine (elastic_combine.hh).
+  CombineResult reduce_rows(const CombineArgs& a, const DeviceHandleState& handle, const Geometry& g, std::int64_t rows,
+                            std::int64_t off_w, std::int64_t off_x, const PeerTensors& pt);
+  // Runs the part of a call after its agreement. A failure every rank shares (bad ids found on
+  // the device: InvalidArgument, PeerError) leaves the buffer usable; any other leaves the ranks
+  // out of step (peers time out at the next barrier, naming this rank): the buffer becomes unusable.
+  template <class F>
+  auto after_agreement(const char* op, F f) -> decltype(f());
+  // Marks the buffer unusable and releases the peers' waits, naming `culprit` as the root cause.
+  void leave(const std::string& reason, int culprit) noexcept;
   std::shared_ptr<const DeviceHandleState> check_combine(const CombineArgs& a, const std::string& ctx);
   comm::Wait wait(const char* phase) const { return {phase, timeout_}; }
   void check_usable(const char* op) const;

@@ -130,13 +130,25 @@ ElasticDevice<Exec>::~ElasticDevice() {
     } catch (...) {
     }
   }
+  // Without the collective destroy() (or after a failure) peers may still signal into this
+  // rank's region or read it: it stays allocated, and mapped, until the process ends.
+  if (!destroyed_ && sym_) {
+    static std::mutex mu;
+    static std::vector<std::shared_ptr<void>>* kept = new std::vector<std::shared_ptr<void>>;
+    const std::lock_guard<std::mutex> lock(mu);
+    kept->push_back(sym_);
+    for (auto& m : mapped_) kept->push_back(m);
+  }
 }
 
+// Collective: once every rank's device work finished (each synchronizes before the barrier), no
+// peer touches this region again and it can be freed. After a failure it is kept (~ElasticDevice).
 template <class Exec>
 void ElasticDevice<Exec>::destroy() {
   if (destroyed_) return;
   exec_->synchronize();
-  if (!failed_) channel_->barrier(comm::Scope::kWorld, wait("ElasticBuffer: destroy"));
+  if (failed_) return;
+  channel_->barrier(comm::Scope::kWorld, wait("ElasticBuffer: destroy"));
   mapped_.clear();
   sym_.reset();
   destroyed_ = true;
@@ -212,6 +224,8 @@ inline std::string describe_error(std::uint64_t word, double timeout_secs) {
                          timeout_secs);
     case ErrorCode::kPeerRejected:
       return fmt::format("rank {} passed bad top-k ids", e.a);
+    case ErrorCode::kPeerLeft:
+      return fmt::format("rank {} failed after the call's agreement and left the buffer (barrier {})", e.a, e.b);
     default:
       return fmt::format("device error word {:#x}", word);
   }
@@ -234,10 +248,46 @@ std::exception_ptr ElasticDevice<Exec>::error_from(std::uint64_t word, const cha
     failure_ = what;
     return std::make_exception_ptr(TimeoutError(fmt::format("{}: {}", context(op), what), {static_cast<int>(e.a)}));
   }
+  if (e.code == ErrorCode::kPeerLeft) {
+    failed_ = true;
+    failure_ = what;
+    return std::make_exception_ptr(PeerError(fmt::format("{}: {}", context(op), what), {static_cast<int>(e.a)}));
+  }
   if (e.code == ErrorCode::kPeerRejected)
     return std::make_exception_ptr(PeerError(fmt::format("{}: {} (found on the device)", context(op), what),
                                              {static_cast<int>(e.a)}));
   return std::make_exception_ptr(InvalidArgument(fmt::format("{}: {} (found on the device)", context(op), what)));
+}
+
+template <class Exec>
+template <class F>
+auto ElasticDevice<Exec>::after_agreement(const char* op, F f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const InvalidArgument&) {  // bad ids every rank saw (error_from)
+    throw;
+  } catch (const PeerError& e) {  // a timeout or a peer that left (error_from marked the buffer): leave too
+    if (failed_) leave(e.what(), e.ranks().empty() ? rank_ : e.ranks().front());
+    throw;
+  } catch (const Error& e) {
+    leave(e.what(), rank_);
+    throw;
+  } catch (const std::exception& e) {
+    leave(e.what(), rank_);
+    throw ResourceError(fmt::format("{}: {}", context(op), e.what()));
+  }
+}
+
+template <class Exec>
+void ElasticDevice<Exec>::leave(const std::string& reason, int culprit) noexcept {
+  failed_ = true;
+  failure_ = reason;
+  try {
+    signal_left(*exec_, peers_, rank_, R_, layout_.signals, culprit);
+    exec_->end_op();
+  } catch (...) {  // the device may be what failed: the peers then time out, naming this rank
+  }
+  channel_->abandon(reason, culprit == rank_ ? std::vector<int>{} : std::vector<int>{culprit});
 }
 
 template <class Exec>

@@ -351,8 +351,15 @@ DispatchResult ElasticDevice<Exec>::dispatch(const DispatchArgs& a) {
   const auto payloads = agreement.exchange(*channel_, comm::Scope::kWorld, wait("dispatch: agreement"),
                                            {reinterpret_cast<const std::byte*>(&mine), sizeof mine});
   ++op_number_;
-  if (a.previous_event) a.previous_event->wait();
-  const PeerTensors pt = resolve(payloads);
+  return after_agreement(op, [&] {
+    if (a.previous_event) a.previous_event->wait();
+    return move_rows(a, c, resolve(payloads));
+  });
+}
+
+template <class Exec>
+DispatchResult ElasticDevice<Exec>::move_rows(const DispatchArgs& a, DispatchCall& c, const PeerTensors& pt) {
+  const char* op = "dispatch";
   exec_->after_caller(a.stream);
   stage_dispatch(a, c);
   if (!c.cached)

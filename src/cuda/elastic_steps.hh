@@ -79,14 +79,32 @@ void signal_and_wait(Exec& exec, const Peers& peers, int me, int R, std::int64_t
   exec.each(R, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t peer) {
     std::uint64_t* slot = reinterpret_cast<std::uint64_t*>(p.base[me] + signals_off) + peer;
     const std::uint64_t start = now_ns();
-    while (load_acquire(slot) < target) {
-      if (load_acquire(error) != 0) return;
+    for (;;) {
+      const std::uint64_t seen = load_acquire(slot);
+      if (seen >= kLeftSignal) {
+        set_first(error, pack_error(ErrorCode::kPeerLeft, static_cast<std::uint32_t>(seen & 0xffff),
+                                    static_cast<std::uint32_t>(step), 0));
+        return;
+      }
+      if (seen >= target || load_acquire(error) != 0) return;  // arrived, or this rank already failed
       if (now_ns() - start > limit_ns) {
         set_first(error, pack_error(ErrorCode::kTimeout, static_cast<std::uint32_t>(peer), static_cast<std::uint32_t>(step), 0));
         return;
       }
       pause_between_polls();
     }
+  });
+}
+
+// Leaves: every peer's counter for this rank becomes kLeftSignal | culprit (after a failure past
+// the agreement; culprit: the root cause, this rank or the peer it saw leave), so their waits for
+// this rank end at once.
+template <class Exec>
+void signal_left(Exec& exec, const Peers& peers, int me, int R, std::int64_t signals_off, int culprit) {
+  const Peers p = peers;
+  const std::uint64_t value = kLeftSignal | static_cast<std::uint64_t>(culprit);
+  exec.each(R, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t peer) {
+    store_release(reinterpret_cast<std::uint64_t*>(p.base[peer] + signals_off) + me, value);
   });
 }
 

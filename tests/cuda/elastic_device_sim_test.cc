@@ -125,6 +125,43 @@ TEST_P(CudaProviderOnHost, TensorsOnTheWrongDeviceAreRefusedByName) {
   EXPECT_EQ(dev_errors[1].ranks, std::vector<int>{0});
 }
 
+// A rank that fails after the agreement (here: its previous_event failed) leaves: its peers'
+// device waits for it end with a PeerError naming it (a wait that ran into the timeout would be a
+// TimeoutError instead), and the buffer is unusable on every rank afterwards.
+TEST_P(CudaProviderOnHost, ARankFailingAfterTheAgreementReleasesItsPeers) {
+  LocalWorld world(3);
+  std::vector<Caught> first(3), later(3);
+  world.run([&](Group& group) {
+    ElasticBufferConfig config;
+    config.num_max_tokens_per_rank = 4;
+    config.hidden = 8;
+    config.num_cpu_timeout_secs = 120;
+    Device dev(group, config, 0);
+    std::vector<std::uint16_t> x(4 * 8, 1);
+    std::vector<std::int64_t> ids = {0, 1, 2, 5};
+    DispatchArgs args;
+    args.x = TensorView(x.data(), DType::kBF16, {4, 8}).on_device(kCuda0);
+    args.topk_idx = TensorView(ids.data(), DType::kInt64, {4, 1}).on_device(kCuda0);
+    args.num_experts = 6;
+    if (group.rank() == 1) {
+      Event failed = Event::pending();
+      failed.fail(std::make_exception_ptr(ResourceError("the caller's work failed")));
+      args.previous_event = failed;
+    }
+    first[group.rank()] = catch_error([&] { dev.dispatch(args); });
+    args.previous_event.reset();
+    later[group.rank()] = catch_error([&] { dev.dispatch(args); });
+  });
+  EXPECT_EQ(first[1].type, "ResourceError");
+  EXPECT_NE(first[1].message.find("the caller's work failed"), std::string::npos) << first[1].message;
+  for (int r : {0, 2}) {
+    EXPECT_EQ(first[r].type, "PeerError") << first[r].message;
+    EXPECT_EQ(first[r].ranks, std::vector<int>{1});
+    EXPECT_NE(first[r].message.find("rank 1 failed after the call's agreement"), std::string::npos) << first[r].message;
+  }
+  for (const Caught& c : later) EXPECT_EQ(c.type, "StateError") << c.message;
+}
+
 // An expert id out of range is seen only by the device: with CPU sync the call raises it on the
 // rank that passed it (naming the element) and a PeerError naming that rank on the others;
 // without, the next call does. The buffer stays usable.
