@@ -144,9 +144,6 @@ CombineResult ElasticDevice<Exec>::reduce_rows(const CombineArgs& a, const Devic
                nb > 0 ? a.bias[0].stride(0) : 0, nb > 1 ? a.bias[1].data_as<const std::uint16_t>() : nullptr,
                nb > 1 ? a.bias[1].stride(0) : 0, status(), result.combined_x.data_as<std::uint16_t>());
   if (has_weights) combine_weights(*exec_, g, pt, handle.arrays, status(), result.combined_topk_weights.data_as<float>());
-  barrier(1);
-  exec_->mirror_error(status() + 1);
-  exec_->end_op();
   finish(a.stream, a.async_with_compute_stream, result.event, op);
   return result;
 }

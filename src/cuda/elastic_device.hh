@@ -149,6 +149,8 @@ class ElasticDevice final : public provider::ElasticBackend {
   PeerTensors resolve(const std::vector<std::span<const std::byte>>& payloads) const;
   std::uint64_t publish_address(const void* p) const;
   std::byte* stage_at(std::int64_t offset) const { return peers_.base[rank_] + layout_.stage + offset; }
+  // The call's end: barrier 1, the error word's host copy, the scratch released, and the
+  // caller's stream ordered after the work (or an Event for asynchronous calls).
   void finish(std::uintptr_t stream, bool async, Event& event, const char* op);
   std::int64_t staging_bytes(std::int64_t need, const char* op) const;
 

@@ -292,6 +292,9 @@ void ElasticDevice<Exec>::leave(const std::string& reason, int culprit) noexcept
 
 template <class Exec>
 void ElasticDevice<Exec>::finish(std::uintptr_t stream, bool async, Event& event, const char* op) {
+  barrier(1);  // every peer is done reading this rank's memory
+  exec_->mirror_error(status() + 1);
+  exec_->end_op();
   if (!async) {
     exec_->before_caller(stream);
     return;

@@ -382,9 +382,6 @@ DispatchResult ElasticDevice<Exec>::move_rows(const DispatchArgs& a, DispatchCal
   out.expanded_rows = c.plan->num_expanded_tokens;
   pull_rows(*exec_, c.g, pt, c.plan->arrays, status(), out);
   if (c.g.expand && a.do_zero_padding) zero_padding(*exec_, c.g, c.plan->arrays, status(), out);
-  barrier(1);
-  exec_->mirror_error(status() + 1);
-  exec_->end_op();
   finish(a.stream, a.async_with_compute_stream, result.event, op);
   return result;
 }

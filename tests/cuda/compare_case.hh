@@ -5,6 +5,7 @@
 #pragma once
 
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstring>
@@ -246,5 +247,28 @@ std::vector<std::string> compare_case(const reference::CaseSpec& spec, const Cas
   return all;
 }
 
+
+// The random cases of the host and GPU tests: ranks 1 to 8, every layout and dtype the seeds
+// draw, CPU sync, zero padding, column-major scales and handle copies varied by case number.
+template <class Mover, class Make>
+void expect_random_cases_match(Make make, int cases = 60) {
+  for (int c = 0; c < cases; ++c) {
+    RunOptions options;
+    const int ranks = 1 + c % 8;
+    reference::CaseSpec spec = random_case(0xC0DA0000u + static_cast<std::uint64_t>(c), ranks, 1, &options);
+    CaseFlags flags;
+    flags.cpu_sync = c % 3 != 2;
+    flags.zero_padding = spec.expand && c % 4 == 1;
+    flags.col_major = spec.fp8 && c % 5 == 3;
+    flags.handle_copy = c % 6 != 4;
+    const std::vector<std::string> problems = compare_case<Mover>(spec, flags, make);
+    std::string all;
+    for (std::size_t i = 0; i < problems.size() && i < 12; ++i) all += problems[i] + "\n";
+    EXPECT_TRUE(problems.empty()) << "case " << c << " (" << describe(spec, options) << ", cpu_sync " << flags.cpu_sync
+                                  << ", zero_padding " << flags.zero_padding << ", col_major " << flags.col_major
+                                  << "):\n"
+                                  << all;
+  }
+}
 
 }  // namespace moe_ep::testing

@@ -46,24 +46,7 @@ INSTANTIATE_TEST_SUITE_P(Paths, CudaProviderOnHost, ::testing::Values(false, tru
                          [](const auto& info) { return info.param ? "Staged" : "InPlace"; });
 
 TEST_P(CudaProviderOnHost, RandomCasesMatchTheBuiltinProviderBitForBit) {
-  const int cases = 60;
-  for (int c = 0; c < cases; ++c) {
-    RunOptions options;
-    const int ranks = 1 + c % 8;
-    reference::CaseSpec spec = random_case(0xC0DA0000u + static_cast<std::uint64_t>(c), ranks, 1, &options);
-    CaseFlags flags;
-    flags.cpu_sync = c % 3 != 2;
-    flags.zero_padding = spec.expand && c % 4 == 1;
-    flags.col_major = spec.fp8 && c % 5 == 3;
-    flags.handle_copy = c % 6 != 4;
-    const std::vector<std::string> problems = compare_case<LabelMover>(spec, flags, make_device);
-    std::string all;
-    for (std::size_t i = 0; i < problems.size() && i < 12; ++i) all += problems[i] + "\n";
-    EXPECT_TRUE(problems.empty()) << "case " << c << " (" << describe(spec, options) << ", cpu_sync " << flags.cpu_sync
-                                  << ", zero_padding " << flags.zero_padding << ", col_major " << flags.col_major
-                                  << "):\n"
-                                  << all;
-  }
+  expect_random_cases_match<LabelMover>(make_device);
 }
 
 }  // namespace

@@ -104,21 +104,7 @@ std::unique_ptr<provider::ElasticBackend> make_cuda(Group& group, const ElasticB
 
 TEST(CudaProviderOnGpu, RandomCasesMatchTheBuiltinProviderBitForBit) {
   ASSERT_NE(cuda_table(), nullptr) << "cannot load " << provider_path() << ": " << dlerror();
-  const int cases = 60;
-  for (int c = 0; c < cases; ++c) {
-    RunOptions options;
-    const int ranks = 1 + c % 8;
-    reference::CaseSpec spec = random_case(0xC0DA0000u + static_cast<std::uint64_t>(c), ranks, 1, &options);
-    CaseFlags flags;
-    flags.cpu_sync = c % 3 != 2;
-    flags.zero_padding = spec.expand && c % 4 == 1;
-    flags.col_major = spec.fp8 && c % 5 == 3;
-    flags.handle_copy = c % 6 != 4;
-    const std::vector<std::string> problems = compare_case<CudaMover>(spec, flags, make_cuda);
-    std::string all;
-    for (std::size_t i = 0; i < problems.size() && i < 12; ++i) all += problems[i] + "\n";
-    EXPECT_TRUE(problems.empty()) << "case " << c << " (" << describe(spec, options) << "):\n" << all;
-  }
+  expect_random_cases_match<CudaMover>(make_cuda);
 }
 
 }  // namespace
