@@ -255,9 +255,18 @@ class CudaExec {
     const cudaError_t e = cudaDeviceEnablePeerAccess(attr.device, 0);
     if (e == cudaErrorPeerAccessAlreadyEnabled) {
       cudaGetLastError();
-      return;
+    } else {
+      check_cuda(e, "cudaDeviceEnablePeerAccess", device_);
     }
-    check_cuda(e, "cudaDeviceEnablePeerAccess", device_);
+    // Peers read this rank's handle arrays, which come from the stream-ordered pool: its memory
+    // is reachable from another device only when the pool grants it.
+    cudaMemPool_t pool;
+    check_cuda(cudaDeviceGetDefaultMemPool(&pool, device_), "cudaDeviceGetDefaultMemPool", device_);
+    cudaMemAccessDesc access{};
+    access.location.type = cudaMemLocationTypeDevice;
+    access.location.id = attr.device;
+    access.flags = cudaMemAccessFlagsProtReadWrite;
+    check_cuda(cudaMemPoolSetAccess(pool, &access, 1), "cudaMemPoolSetAccess", device_);
   }
 
  private:
