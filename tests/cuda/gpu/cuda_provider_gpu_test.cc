@@ -98,7 +98,12 @@ struct CudaMover {
   }
 };
 
+// Made on the rank's thread before its tensors: the thread's device is the one the provider
+// uses for the rank (its local index modulo the devices), so CudaMover allocates there.
 std::unique_ptr<provider::ElasticBackend> make_cuda(Group& group, const ElasticBufferConfig& config) {
+  int devices = 1;
+  check(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+  check(cudaSetDevice(group.scaleup_rank() % devices), "cudaSetDevice");
   return std::unique_ptr<provider::ElasticBackend>(cuda_table()->create_elastic(group, config));
 }
 
