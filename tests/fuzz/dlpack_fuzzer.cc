@@ -182,7 +182,9 @@ void check_subview(const Tensor& imported, Reader& in, const std::byte* buffer, 
   const std::span<const std::int64_t> s(shape, static_cast<std::size_t>(ndim)), st(strides, static_cast<std::size_t>(ndim));
   TensorView view;
   try {
-    view = TensorView(reinterpret_cast<void*>(static_cast<std::uintptr_t>(address)), dtype, s, st);
+    // On the storage's device: a view naming another device is refused whatever its bytes.
+    view = TensorView(reinterpret_cast<void*>(static_cast<std::uintptr_t>(address)), dtype, s, st)
+               .on_device(imported.device());
   } catch (const InvalidArgument&) {
     return;  // a layout no view may have (its bytes would wrap around the address space)
   }
