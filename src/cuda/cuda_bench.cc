@@ -5,7 +5,6 @@
 // beside the device-to-device copy bandwidth measured in the same run (cudaMemcpy of 2 GiB:
 // bytes copied per second), their ratio, and the times in µs (the decode latency).
 #include <cuda_runtime.h>
-#include <dlfcn.h>
 #include <fmt/format.h>
 
 #include <algorithm>

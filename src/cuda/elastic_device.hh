@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -115,9 +114,6 @@ class ElasticDevice final : public provider::ElasticBackend {
   // The error the device recorded in earlier work of this rank (once), if any: read from the
   // executor's host copy of the error word, without waiting for the device.
   std::exception_ptr take_device_error(const char* op);
-  struct Shape {
-    int N = 0, H = 0, k = 0, E = 0, El = 1, T = 0, align = 1, P = 0;
-  };
   std::string context(const char* op) const { return fmt::format("[rank {}] {}", rank_, op); }
   std::int64_t default_bytes() const;  // num_bytes = 0: counts and lists, and staging for processes
   void map_peers();                    // allocates the region and reaches every peer's
