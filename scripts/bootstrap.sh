@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Installs the Debian packages moe-ep needs (only those missing), then configures and builds.
+# Installs the Debian packages moe-ep needs (only those missing) and, unless the build turns the
+# Python package off, the project's Python environment (scripts/python-env.sh: .venv with the
+# pinned torch), then configures and builds.
 # Usage: scripts/bootstrap.sh [build-dir]   (default: build). Env: BUILD_TYPE (default Release), JOBS,
-# CMAKE_ARGS (more configure arguments), TARGETS (build only these), CC/CXX (the compiler).
+# CMAKE_ARGS (more configure arguments), TARGETS (build only these), CC/CXX (the compiler),
+# MOE_EP_VENV (where the Python environment lives; default .venv in the source tree).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
 
 packages=(g++ cmake ninja-build pkg-config libgtest-dev libgmock-dev libbenchmark-dev libdlpack-dev
           libcli11-dev nlohmann-json3-dev libfmt-dev libopenmpi-dev openmpi-bin python3 python3-numpy
-          clang-14 libclang-rt-14-dev python3-dev python3-pybind11 pybind11-dev python3-torch python3-pytest
-          python3-mpi4py python3-matplotlib libhwloc-dev)
+          clang-14 libclang-rt-14-dev python3-dev python3-venv libhwloc-dev)
 missing=()
 for p in "${packages[@]}"; do
   status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
@@ -24,9 +26,15 @@ if ((${#missing[@]})); then
   $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+python_args=()
+case " ${CMAKE_ARGS:-} " in
+  *" -DMOE_EP_WITH_PYTHON=OFF "*) ;;
+  *) python_args=(-DPython_EXECUTABLE="$("$root/scripts/python-env.sh" | tail -1)") ;;
+esac
+
 jobs=${JOBS:-$(nproc)}
 # shellcheck disable=SC2086  # CMAKE_ARGS and TARGETS are lists of words
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" ${CMAKE_ARGS:-} >/dev/null
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" "${python_args[@]}" ${CMAKE_ARGS:-} >/dev/null
 if [ -n "${TARGETS:-}" ]; then
   # shellcheck disable=SC2086
   cmake --build "$build" -j "$jobs" --target ${TARGETS}

@@ -56,9 +56,11 @@ struct DispatchArgs {
   TensorView topk_idx;      // int64 [N, k], -1 = no selection; not with a handle
   TensorView topk_weights;  // optional float32 [N, k]
   TensorView cumulative_local_expert_recv_stats;  // optional int32 [local experts]; not with a handle
+  // With a handle (cached dispatch), the shape is the handle's: these may be left at their
+  // defaults (0; do_expand false) or must equal it.
   int num_experts = 0;                            // required unless handle
-  int num_max_tokens_per_rank = 0;                // 0: the buffer's
-  int expert_alignment = 1;
+  int num_max_tokens_per_rank = 0;                // 0: the buffer's (the handle's, cached)
+  int expert_alignment = 0;                       // 0: 1 (the handle's, cached)
   int num_sms = 0;  // worker threads; 0: get_theoretical_num_sms
   int num_qps = 0;  // in-flight scale-out transfers per peer; 0: get_theoretical_num_qps
   std::optional<Event> previous_event;
@@ -68,7 +70,7 @@ struct DispatchArgs {
   std::shared_ptr<const EPHandle> handle;  // cached dispatch
   bool do_handle_copy = true;
   std::optional<bool> do_cpu_sync;  // default: true, false with a handle
-  bool do_expand = false;
+  bool do_expand = false;  // cached: the handle's (true with a compact handle is an error)
   bool do_zero_padding = false;
   bool use_tma_aligned_col_major_sf = false;  // recv scales column-major, strides (1, align(M, 4))
   // Device providers: the caller's stream (a cudaStream_t; 0 = the legacy default stream), which

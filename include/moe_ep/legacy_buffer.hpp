@@ -212,7 +212,7 @@ struct LowLatencyCombineArgs {
   TensorView topk_weights;  // float32 [N_tokens, k]
   std::shared_ptr<const LowLatencyHandle> handle;
   bool use_logfmt = false;  // LogFMT-10 on the wire (docs/quantized-formats.md); not with zero_copy
-  bool zero_copy = false;   // x is get_next_low_latency_combine_buffer(handle), already filled
+  bool zero_copy = false;   // the rows are already in get_next_low_latency_combine_buffer(handle); x gives the shape
   bool async_finish = false;
   bool return_recv_hook = false;
   TensorView out;                              // optional bfloat16 [N_tokens, H] to write into

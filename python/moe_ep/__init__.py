@@ -8,12 +8,31 @@ outputs are torch tensors over moe-ep memory, exchanged through DLPack without a
 See docs/python.md.
 """
 
-from . import _C
-from ._C import (CapacityError, Error, InvalidArgument, PeerError, ResourceError, StateError,
+import re as _re
+
+import torch as _torch
+
+# The torch versions moe-ep supports (docs/python.md): float8_e4m3fn, DLPack for every dtype moe-ep
+# moves, and gloo's bfloat16 all arrived by 2.1; 3.x is unknown.
+_TORCH_RANGE = ((2, 1), (3, 0))
+
+
+def _check_torch(version):
+    m = _re.match(r"(\d+)\.(\d+)", version)
+    if m is None or not _TORCH_RANGE[0] <= (int(m.group(1)), int(m.group(2))) < _TORCH_RANGE[1]:
+        low, high = _TORCH_RANGE
+        raise ImportError(f"moe_ep needs torch >= {low[0]}.{low[1]} and < {high[0]}.{high[1]}; this interpreter "
+                          f"has torch {version} (scripts/python-env.sh makes the project's environment)")
+
+
+_check_torch(_torch.__version__)
+
+from . import _C  # noqa: E402  (after the torch check)
+from ._C import (CapacityError, Error, InvalidArgument, PeerError, ResourceError, StateError,  # noqa: E402
                  TimeoutError, Group)
-from ._groups import LocalWorld, resolve_group
-from ._dispatcher import BufferCache, TokenDispatcher, env, probe_providers
-from ._memory import empty, empty_like, zeros
+from ._groups import LocalWorld, resolve_group  # noqa: E402
+from ._dispatcher import BufferCache, TokenDispatcher, env, probe_providers  # noqa: E402
+from ._memory import empty, empty_like, zeros  # noqa: E402
 
 __version__ = _C.__version__  # the C++ library's version (CMakeLists.txt's project version)
 

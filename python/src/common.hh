@@ -4,10 +4,11 @@
 // with __dlpack__ (torch CPU tensors, numpy arrays): it is imported without a copy and the
 // returned Tensor keeps the producer's tensor alive. Outputs are moe-ep tensors exported to torch
 // (torch.utils.dlpack.from_dlpack): torch holds a reference on moe-ep's storage and returns it
-// when the last torch view goes; no copy either way. Dtypes torch 1.13 cannot exchange through
-// DLPack travel as uint8 and are re-viewed on the other side: bool always, FP8 E4M3 where torch
-// has no float8_e4m3fn. Every C++ error becomes the Python class of the same name (moe_ep.Error
-// and its subclasses) with the same message. Calls that wait or move data release the GIL.
+// when the last torch view goes; no copy either way. bool and float8_e4m3fn outputs travel as
+// uint8 and are viewed back as torch.bool / torch.float8_e4m3fn (any torch 2.x, whatever DLPack
+// codes it knows); a torch dtype moe-ep does not move is a TypeError naming the argument and the
+// dtype. Every C++ error becomes the Python class of the same name (moe_ep.Error and its
+// subclasses) with the same message. Calls that wait or move data release the GIL.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -30,7 +31,8 @@ namespace py = pybind11;
 
 namespace moe_ep::python {
 
-// What an argument must be; `dtype`: re-tag a 1-byte input as this dtype (FP8 sent as uint8, bool).
+// What an argument must be; `dtype`: re-tag a uint8 input as this 1-byte dtype (FP8 data given as
+// its uint8 codes).
 Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt);
 // None -> an undefined Tensor.
 inline Tensor import_optional(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt) {

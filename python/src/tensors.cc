@@ -14,7 +14,9 @@ constexpr const char* kUsedCapsuleName = "used_dltensor";
 struct Torch {
   // The C functions behind torch.utils.dlpack (the Python wrappers around them cost more than
   // the exchange itself); tensor_type: torch.Tensor, whose instances take the direct path.
-  py::object from_dlpack, to_dlpack, tensor_type, uint8, boolean, float8;  // float8: None without float8_e4m3fn
+  py::object from_dlpack, to_dlpack, tensor_type, uint8, boolean, float8;
+  // torch dtype -> what moe-ep moves it as (the dtypes of docs/python.md's table).
+  py::dict movable;
 };
 
 const Torch& torch_api() {
@@ -29,7 +31,13 @@ const Torch& torch_api() {
     t->tensor_type = torch.attr("Tensor");
     t->uint8 = torch.attr("uint8");
     t->boolean = torch.attr("bool");
-    t->float8 = py::hasattr(torch, "float8_e4m3fn") ? torch.attr("float8_e4m3fn") : py::none();
+    t->float8 = torch.attr("float8_e4m3fn");  // every supported torch has it (moe_ep/__init__.py checks)
+    const std::pair<const char*, DType> movable[] = {
+        {"bfloat16", DType::kBF16},  {"float16", DType::kFP16}, {"float32", DType::kFP32},
+        {"float8_e4m3fn", DType::kFP8E4M3}, {"int8", DType::kInt8},   {"int16", DType::kInt16},
+        {"int32", DType::kInt32},    {"int64", DType::kInt64},  {"uint8", DType::kUInt8},
+        {"bool", DType::kBool}};
+    for (const auto& [name, dtype] : movable) t->movable[torch.attr(name)] = static_cast<int>(dtype);
     return t;
   }();
   return *api;
@@ -53,23 +61,61 @@ TensorView retagged(const TensorView& v, DType dtype) {
   return TensorView(v.data(), dtype, v.shape(), v.strides());
 }
 
-}  // namespace
-
-namespace {
-
 [[noreturn]] void not_a_tensor(py::handle obj, const char* name) {
   throw py::type_error(fmt::format("{} must be a tensor (torch.Tensor or numpy.ndarray), not {}", name, type_name(obj)));
 }
 
+constexpr const char* kMovableDtypes =
+    "bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, uint8 or bool";
+
+// What moe-ep moves a torch tensor's dtype as; a dtype it does not move (float64, complex,
+// float8_e5m2, ...) is a TypeError naming the argument and the dtype.
+DType movable_dtype(py::handle tensor, const char* name) {
+  py::object dtype = tensor.attr("dtype");
+  PyObject* code = PyDict_GetItem(torch_api().movable.ptr(), dtype.ptr());  // borrowed
+  if (code == nullptr)
+    throw py::type_error(fmt::format("{} has dtype {}, which moe-ep does not move (it moves {})", name,
+                                     py::str(dtype).cast<std::string>(), kMovableDtypes));
+  return static_cast<DType>(PyLong_AsLong(code));
+}
+
+[[noreturn]] void not_on_cpu(py::handle obj, const char* name, int device_type) {
+  const std::string where = py::hasattr(obj, "device") ? py::str(obj.attr("device")).cast<std::string>()
+                                                       : fmt::format("DLPack device type {}", device_type);
+  throw py::type_error(fmt::format("{} is on {}; moe-ep's CPU provider needs CPU tensors (no GPU provider is built "
+                                   "into this module)",
+                                   name, where));
+}
+
 // The DLPack capsule of `obj`. The common case (a CPU tensor torch or numpy can export) is one
-// call; bool tensors (torch 1.13 exports no bool), tensors that require grad (only their data is
-// read) and tensors on other devices take the slow path.
-py::object dlpack_capsule(py::handle obj, const char* name, bool* is_bool) {
+// call. The slow path: tensors that require grad (only their data is read), tensors on other
+// devices, and 1-byte dtypes a torch's DLPack cannot name (bool, float8_e4m3fn), which travel as
+// uint8 and are re-tagged (*retag).
+py::object dlpack_capsule(py::handle obj, const char* name, std::optional<DType>* retag) {
   const Torch& torch = torch_api();
-  if (!torch.to_dlpack.is_none() && PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(torch.tensor_type.ptr()))) {
+  const bool is_torch = PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(torch.tensor_type.ptr()));
+  if (is_torch && !torch.to_dlpack.is_none()) {
     PyObject* capsule = PyObject_CallOneArg(torch.to_dlpack.ptr(), obj.ptr());
     if (capsule != nullptr) return py::reinterpret_steal<py::object>(capsule);  // the device is checked by the caller
     PyErr_Clear();
+  }
+  if (is_torch) {
+    const DType dtype = movable_dtype(obj, name);  // refused here with the torch dtype's name
+    py::object source = py::reinterpret_borrow<py::object>(obj);
+    if (py::cast<bool>(source.attr("requires_grad"))) source = source.attr("detach")();
+    const std::string device = py::str(source.attr("device").attr("type")).cast<std::string>();
+    if (device != "cpu") {
+      py::object capsule = source.attr("__dlpack__")();  // a CUDA tensor still names its device
+      return capsule;
+    }
+    if (dtype == DType::kBool || dtype == DType::kFP8E4M3) {
+      PyObject* capsule = PyObject_CallMethod(source.ptr(), "__dlpack__", nullptr);
+      if (capsule != nullptr) return py::reinterpret_steal<py::object>(capsule);
+      PyErr_Clear();
+      *retag = dtype;
+      source = source.attr("view")(torch.uint8);
+    }
+    return source.attr("__dlpack__")();
   }
   PyObject* method = PyObject_GetAttrString(obj.ptr(), "__dlpack__");
   if (method == nullptr) {
@@ -78,69 +124,48 @@ py::object dlpack_capsule(py::handle obj, const char* name, bool* is_bool) {
   }
   PyObject* capsule = PyObject_CallNoArgs(method);
   Py_DECREF(method);
-  if (capsule != nullptr) return py::reinterpret_steal<py::object>(capsule);
-  py::error_already_set failure;  // takes the Python error
-  if (py::hasattr(obj, "__dlpack_device__")) {
-    const auto device = obj.attr("__dlpack_device__")().cast<std::pair<int, int>>();
-    if (device.first != kDLCPU && device.first != kDLCUDAHost) {
-      const std::string where = py::hasattr(obj, "device") ? py::str(obj.attr("device")).cast<std::string>()
-                                                           : fmt::format("DLPack device type {}", device.first);
-      throw py::type_error(fmt::format("{} is on {}; moe-ep's CPU provider needs CPU tensors (no GPU provider is "
-                                       "built into this module)",
-                                       name, where));
-    }
-  }
-  py::object source = py::reinterpret_borrow<py::object>(obj);
-  if (py::hasattr(source, "detach")) source = source.attr("detach")();
-  if (py::hasattr(source, "dtype") && py::object(source.attr("dtype")).is(torch_api().boolean)) {
-    source = source.attr("view")(torch_api().uint8);
-    *is_bool = true;
-  }
-  if (source.is(obj)) throw failure;
-  return source.attr("__dlpack__")();
+  if (capsule == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(capsule);
 }
 
 }  // namespace
 
 Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype) {
   if (obj.is_none()) throw py::type_error(fmt::format("{} is None; a tensor is required", name));
-  bool is_bool = false;
-  py::object capsule = dlpack_capsule(obj, name, &is_bool);
+  std::optional<DType> retag;
+  py::object capsule = dlpack_capsule(obj, name, &retag);
   if (!PyCapsule_IsValid(capsule.ptr(), kCapsuleName))
     throw py::type_error(fmt::format("{}.__dlpack__() did not return a DLPack capsule", name));
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
   const int device = managed->dl_tensor.device.device_type;
-  if (device != kDLCPU && device != kDLCUDAHost) {  // the capsule still owns the tensor and releases it
-    const std::string where = py::hasattr(obj, "device") ? py::str(obj.attr("device")).cast<std::string>()
-                                                         : fmt::format("DLPack device type {}", device);
-    throw py::type_error(fmt::format("{} is on {}; moe-ep's CPU provider needs CPU tensors (no GPU provider is built "
-                                     "into this module)",
-                                     name, where));
-  }
+  // The capsule still owns the tensor and releases it.
+  if (device != kDLCPU && device != kDLCUDAHost) not_on_cpu(obj, name, device);
   PyCapsule_SetName(capsule.ptr(), kUsedCapsuleName);
   Tensor t;
   try {
     t = Tensor::from_dlpack(managed);
   } catch (const InvalidArgument& e) {
+    // A dtype DLPack names but moe-ep does not move (float64, complex, ...; numpy arrays too).
+    if (py::hasattr(obj, "dtype"))
+      throw py::type_error(fmt::format("{} has dtype {}, which moe-ep does not move (it moves {})", name,
+                                       py::str(obj.attr("dtype")).cast<std::string>(), kMovableDtypes));
     throw InvalidArgument(fmt::format("{}: {}", name, e.what()));
   }
-  const DType want = is_bool ? DType::kBool : dtype.value_or(t.dtype());
-  if (want != t.dtype() && element_size(t.dtype()) == 1 && element_size(want) == 1 &&
-      (t.dtype() == DType::kUInt8 || t.dtype() == DType::kFP8E4M3 || want == DType::kBool))
-    t = t.with_view(retagged(t, want));
+  if (retag) return t.with_view(retagged(t, *retag));
+  // FP8 data given as its uint8 codes (x = (x_fp8, scales) with a uint8 x_fp8).
+  if (dtype && *dtype != t.dtype() && t.dtype() == DType::kUInt8 && element_size(*dtype) == 1)
+    t = t.with_view(retagged(t, *dtype));
   return t;
 }
 
+// bool and float8_e4m3fn leave as uint8 and are viewed back (a real torch.bool or
+// torch.float8_e4m3fn tensor, whatever DLPack codes the installed torch knows).
 py::object export_tensor(const Tensor& t) {
   if (!t.defined()) return py::none();
   const DType dtype = t.dtype();
-  const bool as_bytes = dtype == DType::kBool || (dtype == DType::kFP8E4M3 && torch_api().float8.is_none());
-  const bool as_float8 = dtype == DType::kFP8E4M3 && !torch_api().float8.is_none();
-  const Tensor sent = (as_bytes || as_float8) ? t.with_view(retagged(t, DType::kUInt8)) : t;
-  py::object out = capsule_to_torch(sent.to_dlpack());
-  if (dtype == DType::kBool) return out.attr("view")(torch_api().boolean);
-  if (as_float8) return out.attr("view")(torch_api().float8);
-  return out;
+  if (dtype != DType::kBool && dtype != DType::kFP8E4M3) return capsule_to_torch(t.to_dlpack());
+  py::object bytes = capsule_to_torch(t.with_view(retagged(t, DType::kUInt8)).to_dlpack());
+  return bytes.attr("view")(dtype == DType::kBool ? torch_api().boolean : torch_api().float8);
 }
 
 namespace {

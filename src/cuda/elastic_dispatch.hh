@@ -32,11 +32,14 @@ void ElasticDevice<Exec>::check_handle(const DispatchArgs& a, DispatchCall& c, c
   same("hidden", a.handle->hidden, h.hidden);
   same("num_recv_tokens", a.handle->num_recv_tokens, h.num_recv_tokens);
   same("num_expanded_tokens", a.handle->num_expanded_tokens, h.num_expanded_tokens);
+  // Shape arguments left at their defaults (0, false) take the handle's values.
   if (a.num_experts != 0 && a.num_experts != h.num_experts)
     core::fail(ctx, "num_experts = {} differs from the handle's {}", a.num_experts, h.num_experts);
-  if (a.do_expand != h.do_expand) core::fail(ctx, "do_expand = {} differs from the handle's {}", a.do_expand, h.do_expand);
-  if (c.g.align != h.expert_alignment)
-    core::fail(ctx, "expert_alignment = {} differs from the handle's {}", c.g.align, h.expert_alignment);
+  if (a.do_expand && !h.do_expand) core::fail(ctx, "do_expand = true differs from the handle's false");
+  c.g.expand = h.do_expand;
+  if (a.expert_alignment != 0 && a.expert_alignment != h.expert_alignment)
+    core::fail(ctx, "expert_alignment = {} differs from the handle's {}", a.expert_alignment, h.expert_alignment);
+  c.g.align = h.expert_alignment;
   if (c.g.N != h.num_tokens) core::fail(ctx, "x has {} tokens, the handle's dispatch had {}", c.g.N, h.num_tokens);
   if (a.x.size(1) != h.hidden) core::fail(ctx, "x has hidden size {}, the handle's dispatch had {}", a.x.size(1), h.hidden);
   c.g.k = h.num_topk;
@@ -87,9 +90,8 @@ void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c,
     core::fail(ctx, "x_scales is given but x has dtype {} (scales travel with float8_e4m3fn only)",
                dtype_name(c.x_dtype));
   }
-  if (a.expert_alignment < 1) core::fail(ctx, "expert_alignment = {} must be at least 1", a.expert_alignment);
-  g.align = a.expert_alignment;
-  if (a.do_zero_padding && !a.do_expand) core::fail(ctx, "do_zero_padding = true requires do_expand = true");
+  if (a.expert_alignment < 0) core::fail(ctx, "expert_alignment = {} must be at least 1", a.expert_alignment);
+  g.align = a.expert_alignment == 0 ? 1 : a.expert_alignment;
   if (c.cached) {
     check_handle(a, c, ctx);
   } else {
@@ -101,6 +103,7 @@ void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c,
     if (g.E <= 0 || g.E % R_ != 0)
       core::fail(ctx, "num_experts = {} must be positive and a multiple of the {} ranks", g.E, R_);
   }
+  if (a.do_zero_padding && !g.expand) core::fail(ctx, "do_zero_padding = true requires do_expand = true");
   g.El = g.E / R_;
   const std::int64_t k64 = g.k, El64 = g.El;
   if (a.topk_weights.defined()) {

@@ -32,12 +32,13 @@ void Dispatch::take_sizes() {
       core::fail(ctx_, "cumulative_local_expert_recv_stats is not allowed with a cached handle");
     if (a.num_experts != 0 && a.num_experts != h.num_experts)
       core::fail(ctx_, "num_experts = {} differs from the handle's {}", a.num_experts, h.num_experts);
-    if (a.expert_alignment != h.expert_alignment)
+    // Shape arguments left at their defaults (0, false) take the handle's values.
+    if (a.expert_alignment != 0 && a.expert_alignment != h.expert_alignment)
       core::fail(ctx_, "expert_alignment = {} differs from the handle's {}", a.expert_alignment, h.expert_alignment);
     if (a.max_tokens != 0 && a.max_tokens != h.num_max_tokens_per_rank)
       core::fail(ctx_, "num_max_tokens_per_rank = {} differs from the handle's {}", a.max_tokens,
                  h.num_max_tokens_per_rank);
-    if (a.expand != h.do_expand) core::fail(ctx_, "do_expand = {} differs from the handle's {}", a.expand, h.do_expand);
+    if (a.expand && !h.do_expand) core::fail(ctx_, "do_expand = true differs from the handle's false");
     if (a.expert_stride != h.expert_stride)
       core::fail(ctx_, "the expert stride {} differs from the handle's {}", a.expert_stride, h.expert_stride);
     shape_.experts = h.num_experts;
@@ -45,13 +46,14 @@ void Dispatch::take_sizes() {
     shape_.alignment = h.expert_alignment;
     shape_.max_tokens = h.num_max_tokens_per_rank;
     cpu_sync_ = false;
+    expand_ = h.do_expand;
   } else {
     shape_.experts = a.num_experts;
-    shape_.alignment = a.expert_alignment;
+    shape_.alignment = a.expert_alignment == 0 ? 1 : a.expert_alignment;
     shape_.max_tokens = a.max_tokens;
     cpu_sync_ = a.cpu_sync;
+    expand_ = a.expand;
   }
-  expand_ = a.expand;
   stride_ = a.expert_stride;
 }
 
@@ -133,9 +135,9 @@ void Dispatch::check_options() {
                         DType::kInt32, {shape_.local_experts});
     core::expect_contiguous(ctx_, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats);
   }
-  if (a.zero_padding && !a.expand) core::fail(ctx_, "do_zero_padding = true requires do_expand = true");
+  if (a.zero_padding && !expand_) core::fail(ctx_, "do_zero_padding = true requires do_expand = true");
   if (stride_ < 0) core::fail(ctx_, "the expert stride {} is negative", stride_);
-  if (stride_ > 0 && !a.expand) core::fail(ctx_, "an expert stride ({}) requires do_expand = true", stride_);
+  if (stride_ > 0 && !expand_) core::fail(ctx_, "an expert stride ({}) requires do_expand = true", stride_);
   if (shape_.max_tokens == 0 && !cpu_sync_ && a.worst_rows <= 0)
     core::fail(ctx_, "outputs of worst-case size need num_max_tokens_per_rank or a worst-case row count");
   if (a.worst_rows < 0) core::fail(ctx_, "the worst-case row count {} is negative", a.worst_rows);

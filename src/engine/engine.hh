@@ -207,7 +207,7 @@ struct DispatchRequest {
   std::shared_ptr<const EPHandle> handle;  // cached dispatch
   int num_experts = 0;
   int max_tokens = 0;  // T; 0: the largest token count of any rank in this call
-  int expert_alignment = 1;
+  int expert_alignment = 0;  // 0: 1, or the handle's (cached dispatch)
   // Worker threads, given the validated (num_experts, num_topk).
   std::function<int(int, int)> workers = [](int, int) { return 1; };
   int num_qps = 0;

@@ -64,7 +64,7 @@ class LowLatencyCombine final : public engine::Operation {
     const auto* state = args_.handle ? args_.handle->state.get() : nullptr;
     take_slot(core_, ctx_, state ? state->max_tokens : 0, state ? state->hidden : 0, state ? state->num_experts : 0,
               args_.return_recv_hook, use, [&] { check_arguments(); });
-    check_zero_copy();
+    read_combine_buffer();
   }
   std::vector<std::byte> prepare() override;
   void describe(comm::Agreement& agreement) const override;
@@ -72,8 +72,9 @@ class LowLatencyCombine final : public engine::Operation {
 
   void check_arguments();
   void check_tensors();
-  // Checks that need the slot: a zero-copy slab must be the buffer of this call's slot.
-  void check_zero_copy();
+  // zero_copy: the caller wrote the expert outputs into this call's slot
+  // (get_next_low_latency_combine_buffer); x gave only the shape, the rows are read from there.
+  void read_combine_buffer();
   void take_slabs(const std::vector<std::span<const std::byte>>& payloads);
   void stage_and_publish();
   int32_t rows_from(int expert_rank) const;
@@ -151,11 +152,13 @@ void LowLatencyCombine::check_tensors() {
   }
 }
 
-void LowLatencyCombine::check_zero_copy() {
+void LowLatencyCombine::read_combine_buffer() {
   if (!args_.zero_copy) return;
-  const auto* expected = core_.slot_base(core_.engine.facts.rank, use.slot) + SlotLayout::kHeaderBytes;
-  if (args_.x.data() != static_cast<const void*>(expected))
-    core::fail(ctx_, "zero_copy = true but x is not get_next_low_latency_combine_buffer(handle) for this call");
+  const std::int64_t rows = slab_rows(), row_elements = layout_->combine_row_elements;
+  const std::int64_t shape[] = {shape_.local_experts, rows, shape_.hidden};
+  const std::int64_t strides[] = {rows * row_elements, row_elements, 1};
+  args_.x = TensorView(core_.slot_base(core_.engine.facts.rank, use.slot) + SlotLayout::kHeaderBytes, DType::kBF16,
+                       shape, strides);
 }
 
 // This rank's slab: without staging, node peers read x itself, so it is shared (Transport::share).

@@ -1,7 +1,8 @@
 // Cached dispatch replays a handle with new x, scales and weights (docs/semantics.md §3, "the
 // handle is routing only"): the outputs are the new inputs placed by the first call's layout, on
 // one node, across nodes (hybrid and direct), compact and expanded (with zero padding), BF16 and
-// FP8 (row-major and column-major scales), with and without CPU sync, sync and async. The checks
+// FP8 (row-major and column-major scales), with and without CPU sync, sync and async, with the
+// shape arguments given or left at their defaults (then the handle's). The checks
 // are those of tests/support/elastic_harness.cc (RunOptions::cached_new_inputs).
 #include <gtest/gtest.h>
 
@@ -49,6 +50,7 @@ TEST(ElasticCached, ReplayWithNewInputsPlacesTheNewRows) {
       o.col_major_scales = fp8 && p.ranks == 8;
       o.async = variant == 3;
       o.cpu_sync = variant != 1;
+      o.cached_defaults = variant == 1 || variant == 2;  // shape arguments left for the handle to give
       run(spec_for(p.ranks, p.scaleout, p.hybrid, expand, fp8, seed++), o);
     }
 }

@@ -117,6 +117,55 @@ TEST(ElasticLimits, AHandleWhoseFieldsWereChangedIsRefused) {
   });
 }
 
+// Cached dispatch: shape arguments left at their defaults are the handle's; given, they must
+// equal it (DeepEP's rule), and do_expand = true with a compact handle is refused.
+TEST(ElasticLimits, CachedDispatchTakesTheHandlesShapeAndRefusesAnother) {
+  LocalWorld(kRanks).run([&](Group& g) {
+    ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_cpu_timeout_secs = 30});
+    Tokens in(g.rank());
+    DispatchArgs first = in.args();
+    first.expert_alignment = 4;
+    first.do_expand = true;
+    const auto d = b.dispatch(first);
+    ASSERT_EQ(d.handle->expert_alignment, 4);
+    DispatchArgs again = in.args();
+    again.topk_idx = {};
+    again.num_experts = 0;
+    again.handle = d.handle;  // expert_alignment 0, do_expand false, num_max_tokens_per_rank 0
+    const auto cached = b.dispatch(again);
+    EXPECT_EQ(cached.recv_x.size(0), d.recv_x.size(0));
+    EXPECT_FALSE(cached.recv_topk_idx.defined()) << "an expanded handle replays expanded";
+    EXPECT_EQ(cached.recv_x.size(0), d.handle->num_expanded_tokens);
+    const Outcome wrong_alignment = capture([&] {
+      DispatchArgs a = again;
+      a.expert_alignment = 1;
+      b.dispatch(a);
+    });
+    EXPECT_EQ(wrong_alignment.type, "InvalidArgument") << wrong_alignment.message;
+    EXPECT_NE(wrong_alignment.message.find("expert_alignment = 1 differs from the handle's 4"), std::string::npos)
+        << wrong_alignment.message;
+    const Outcome wrong_experts = capture([&] {
+      DispatchArgs a = again;
+      a.num_experts = 2 * kExperts;
+      b.dispatch(a);
+    });
+    EXPECT_NE(wrong_experts.message.find(fmt::format("num_experts = {} differs from the handle's {}", 2 * kExperts,
+                                                     kExperts)),
+              std::string::npos)
+        << wrong_experts.message;
+    const auto compact = b.dispatch(in.args());
+    const Outcome expand_compact = capture([&] {
+      DispatchArgs a = in.args();
+      a.topk_idx = {};
+      a.handle = compact.handle;
+      a.do_expand = true;
+      b.dispatch(a);
+    });
+    EXPECT_NE(expand_compact.message.find("do_expand = true differs from the handle's false"), std::string::npos)
+        << expand_compact.message;
+  });
+}
+
 // The worker-count model's bandwidths are measured once per process, when a buffer is built, so
 // that the first dispatch with num_sms = 0 does not pay for the measurement.
 TEST(ElasticLimits, TheMachineIsMeasuredWhenABufferIsBuiltNotInADispatch) {

@@ -27,6 +27,9 @@ using testing::report_problems;
 struct LLOptions {
   bool fp8 = false, round_scale = false, ue8m0 = false;
   bool hook = false, combine_hook = false, zero_copy = false, async = false;
+  // zero_copy: combine is given another tensor of the slab's shape (NaN-filled); the rows must be
+  // read from the combine buffer, x gives only the shape.
+  bool zero_copy_shape_only = false;
 };
 
 CaseSpec ll_spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed) {
@@ -106,7 +109,7 @@ std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o,
     // Expert outputs, unweighted: low-latency combine applies the weights.
     const std::int64_t slab_rows = static_cast<std::int64_t>(s.ranks) * N;
     Tensor own;
-    TensorView y;
+    TensorView y, x_arg;
     if (o.zero_copy) {
       y = b.get_next_low_latency_combine_buffer(*d.handle);
     } else {
@@ -114,9 +117,15 @@ std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o,
       y = own;
     }
     fill_expert_outputs(s, all, me, y);
+    x_arg = y;
+    if (o.zero_copy_shape_only) {
+      own = Tensor::empty({El, slab_rows, H}, DType::kBF16);
+      std::fill(own.data_as<std::uint16_t>(), own.data_as<std::uint16_t>() + El * slab_rows * H, 0x7fc1);
+      x_arg = own;
+    }
     Tensor out = Tensor::empty({n, H}, DType::kBF16);
     std::fill(out.data_as<std::uint16_t>(), out.data_as<std::uint16_t>() + n * H, 0x7fc1);
-    LowLatencyCombineResult c = b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle,
+    LowLatencyCombineResult c = b.low_latency_combine({.x = x_arg, .topk_idx = topk, .topk_weights = weights, .handle = d.handle,
                                                        .zero_copy = o.zero_copy, .async_finish = o.async,
                                                        .return_recv_hook = o.combine_hook, .out = out});
     c.event.wait();
@@ -155,6 +164,8 @@ TEST(LowLatency, HooksCompleteTheReceive) {
 TEST(LowLatency, ZeroCopyAndAsync) {
   run(ll_spec(4, 1, 16, 4, 6, 128, 7), {.zero_copy = true});
   run(ll_spec(4, 1, 16, 4, 6, 128, 8), {.async = true});
+  run(ll_spec(4, 1, 16, 4, 6, 128, 13), {.zero_copy = true, .zero_copy_shape_only = true});
+  run(ll_spec(4, 2, 8, 2, 4, 128, 14), {.zero_copy = true, .async = true, .zero_copy_shape_only = true});
 }
 TEST(LowLatency, AcrossNodes) {
   run(ll_spec(8, 2, 16, 4, 5, 128, 9), {});

@@ -17,6 +17,8 @@ def assert_same(actual, expected, what):
     assert actual is not None, f"{what} is None"
     assert tuple(actual.shape) == tuple(expected.shape), f"{what}: shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, expected {expected.dtype}"
+    if actual.dtype == torch.float8_e4m3fn:  # compared as codes: float8 has no equality kernels
+        actual, expected = actual.view(torch.uint8), expected.view(torch.uint8)
     if not torch.equal(actual, expected):
         diff = (actual != expected)
         if diff.dim() > 1:
@@ -33,13 +35,14 @@ def group_info(group):
 
 
 def _fp8_pair(x, seed_rank):
-    """A pass-through FP8 input: arbitrary bytes (valid E4M3 codes) and FP32 scales [N, H/128]."""
+    """A pass-through FP8 input: a torch.float8_e4m3fn tensor of arbitrary valid E4M3 codes, and
+    FP32 scales [N, H/128]."""
     gen = torch.Generator().manual_seed(4242 + seed_rank)
     n, h = x.shape
     codes = torch.randint(0, 126, (n, h), generator=gen, dtype=torch.int64).to(torch.uint8)
     codes |= (torch.randint(0, 2, (n, h), generator=gen) * 128).to(torch.uint8)
     scales = torch.rand(n, h // 128, generator=gen) + 0.5
-    return codes, scales
+    return codes.view(torch.float8_e4m3fn), scales
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,7 +357,7 @@ def check_ll_dispatch(inputs, rank, E, cap, recv_x, count, handle, fp8=False, ro
     assert count.dtype == torch.int32 and count.tolist() == [len(p) for p in per], "packed_recv_count"
     if fp8:
         data, scales = recv_x
-        assert data.shape == (El, R * cap, H) and data.dtype == torch.uint8
+        assert data.shape == (El, R * cap, H) and data.dtype == torch.float8_e4m3fn
         if use_ue8m0:
             assert scales.dtype == torch.int32 and scales.shape == (El, R * cap, (H + 511) // 512)
         else:
@@ -388,7 +391,7 @@ def check_ll_dispatch(inputs, rank, E, cap, recv_x, count, handle, fp8=False, ro
             assert_same(recv_x[i, :n], xs, f"low-latency recv_x of local expert {i}")
         else:
             q, scale_inv = ref.fp8_block_cast(xs, round_scale=round_scale)
-            got_q = ref.e4m3_decode(data[i, :n].contiguous().numpy())
+            got_q = ref.e4m3_decode(data[i, :n].contiguous().view(torch.uint8).numpy())
             bad = ~((got_q == q) | (np.isnan(got_q) & np.isnan(q)))
             assert not bad.any(), (f"FP8 payload of local expert {i}: {int(bad.sum())} of {bad.size} values differ "
                                    f"from E4M3(x * 448 / amax); e.g. got {got_q[bad][:4]}, expected {q[bad][:4]}")

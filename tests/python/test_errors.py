@@ -245,7 +245,7 @@ def test_capacity_error_v1_across_nodes():
         x, idx, w = inputs[g.rank()]
         buf = deep_ep.Buffer(g, 1 << 20, 128 << 10, explicitly_destroy=True)
         per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-        e = expect(moe_ep.CapacityError, "", lambda: buf.dispatch(
+        e = expect(moe_ep.CapacityError, r"this call needs \d+ bytes of buffer", lambda: buf.dispatch(
             x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
             num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w))
         assert e.required_bytes > e.available_bytes, (e.required_bytes, e.available_bytes)
@@ -267,7 +267,7 @@ def test_capacity_error_v1_low_latency():
         inputs, (x, idx, w) = inputs_of(g)
         need = deep_ep.Buffer.get_low_latency_rdma_size_hint(16, H, g.size(), E)
         buf = deep_ep.Buffer(g, 0, (need // 4) // 128 * 128, low_latency_mode=True, explicitly_destroy=True)
-        e = expect(moe_ep.CapacityError, "", lambda: buf.low_latency_dispatch(x, idx, 16, E, use_fp8=False))
+        e = expect(moe_ep.CapacityError, r"need num_rdma_bytes >= \d+", lambda: buf.low_latency_dispatch(x, idx, 16, E, use_fp8=False))
         assert e.required_bytes > e.available_bytes
         buf.destroy()
         return True
@@ -285,7 +285,7 @@ def test_capacity_error_v2():
             return "construction"
         inputs = ref.make_inputs(g.size(), 2048, 2048, E, K, 71, vary=False, mask_every=0)
         x, idx, w = inputs[g.rank()]
-        e = expect(moe_ep.CapacityError, "", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E))
+        e = expect(moe_ep.CapacityError, r"this call needs \d+ bytes of buffer", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E))
         assert e.required_bytes > e.available_bytes
         buf.destroy()
         return "call"
@@ -397,18 +397,21 @@ def test_numpy_inputs_accepted_and_checked():
 
 
 def test_one_rank_unimportable_argument():
-    """A refusal while the arguments are read (a dtype DLPack cannot carry) is also an argument
-    error of that rank: its peers must raise PeerError naming it, and the next calls pair up."""
+    """A refusal while the arguments are read (a dtype moe-ep does not move) is also an argument
+    error of that rank: it raises TypeError naming the argument and the dtype, its peers PeerError
+    naming it, and the next calls pair up."""
     def fn(g):
         buf = v2_buffer(g)
         _, (x, idx, w) = inputs_of(g)
         try:
             buf.dispatch(x, topk_idx=idx, topk_weights=w.double() if g.rank() == 1 else w, num_experts=E)
-            got = ("none", [])
-        except moe_ep.Error as e:
-            got = (type(e).__name__, list(getattr(e, "ranks", [])))
+            got = ("none", [], "")
+        except (moe_ep.Error, TypeError) as e:
+            got = (type(e).__name__, list(getattr(e, "ranks", [])), str(e))
         check_v2_works(buf, g)
         buf.destroy()
         return got
     out = moe_ep.LocalWorld(2).run(fn)
-    assert out == [("PeerError", [1]), ("InvalidArgument", [])]
+    assert [o[:2] for o in out] == [("PeerError", [1]), ("TypeError", [])]
+    assert "topk_weights has dtype torch.float64" in out[1][2], out[1][2]
+    assert "rank 1" in out[0][2] and "topk_weights has dtype torch.float64" in out[0][2], out[0][2]

@@ -101,7 +101,8 @@ def test_numpy_inputs():
                                     explicitly_destroy=True)
         pairs = [scenarios._fp8_pair(inputs[s][0], s) for s in range(g.size())]
         codes, scales = pairs[g.rank()]
-        (rx, rsf), ridx, rw, _, _ = buf.dispatch((codes.numpy(), scales.numpy()), topk_idx=idx.numpy(),
+        # numpy has no float8: FP8 data comes as its uint8 codes.
+        (rx, rsf), ridx, rw, _, _ = buf.dispatch((codes.view(torch.uint8).numpy(), scales.numpy()), topk_idx=idx.numpy(),
                                                  topk_weights=w.numpy(), num_experts=E)
         exp = ref.v2_dispatch_compact(inputs, g.rank(), E, payload=lambda s: pairs[s][0])
         assert_same(rx, exp["recv_x"], "recv_x from numpy FP8 codes")

@@ -243,6 +243,11 @@ DispatchArgs cached_args(const CaseSpec& spec, const RunOptions& opt, const Disp
                      .do_expand = spec.expand,
                      .do_zero_padding = opt.zero_padding,
                      .use_tma_aligned_col_major_sf = opt.col_major_scales};
+  if (opt.cached_defaults) {
+    again.num_max_tokens_per_rank = 0;
+    again.expert_alignment = 0;
+    again.do_expand = false;
+  }
   if (spec.fp8) again.x_scales = cscales;
   if (spec.weights) again.topk_weights = cweights;
   return again;
@@ -497,12 +502,12 @@ std::string describe(const CaseSpec& s, const RunOptions& o) {
   return fmt::format(
       "seed {} ranks {} topology {}x{} hybrid {} multi {} E {} k {} T {} H {} fp8 {} P {} expand {} align {} weights {} "
       "bias {} mask {} skew {} routing {} wide_range {} tokens [{}] async {} cpu_sync {} zero_pad {} col_major {} "
-      "workers {} cached {} cached_new_inputs {} handle_copy {} payload {}",
+      "workers {} cached {} cached_new_inputs {} cached_defaults {} handle_copy {} payload {}",
       s.seed, s.ranks, s.scaleout, s.ranks / s.scaleout, s.allow_hybrid, s.multi, s.num_experts, s.k, s.max_tokens,
       s.hidden, s.fp8, s.scale_cols, s.expand, s.alignment, s.weights, s.num_bias, s.mask_ratio, s.skew,
       s.fixed_topk.empty() ? std::to_string(s.routing_style) : std::string("fixed"), s.wide_range,
       fmt::join(s.tokens, ","), o.async, o.cpu_sync, o.zero_padding, o.col_major_scales, o.num_sms, o.cached,
-      o.cached_new_inputs, o.handle_copy, o.payload_dtype ? dtype_name(*o.payload_dtype) : "default");
+      o.cached_new_inputs, o.cached_defaults, o.handle_copy, o.payload_dtype ? dtype_name(*o.payload_dtype) : "default");
 }
 
 }  // namespace moe_ep::testing

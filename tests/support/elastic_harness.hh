@@ -23,6 +23,9 @@ struct RunOptions {
   // After the cached replay with the same inputs, one with new x, scales and weights (same
   // routing): its outputs must be the new inputs placed by the handle's layout.
   bool cached_new_inputs = false;
+  // The cached dispatches leave the shape arguments (num_max_tokens_per_rank, expert_alignment,
+  // do_expand) at their defaults: they are the handle's.
+  bool cached_defaults = false;
   // do_handle_copy of the first dispatch: the handle's topk_idx is a copy, or the caller's tensor.
   bool handle_copy = true;
   bool zero_padding = false;

@@ -129,7 +129,7 @@ class ElasticBuffer:
         native = handle._native if isinstance(handle, EPHandle) else handle
         recv_x, recv_sf, recv_idx, recv_w, new_native, ev = self._rt().dispatch(
             x, topk_idx, topk_weights, cumulative_local_expert_recv_stats, or_default(num_experts, 0),
-            or_default(num_max_tokens_per_rank, 0), or_default(expert_alignment, 1), num_sms, num_qps,
+            or_default(num_max_tokens_per_rank, 0), or_default(expert_alignment, 0), num_sms, num_qps,
             _native(previous_event, "previous_event"),
             _native(previous_event_before_epilogue, "previous_event_before_epilogue"), async_with_compute_stream,
             allocate_on_comm_stream, native, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
