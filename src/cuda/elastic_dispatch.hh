@@ -52,6 +52,8 @@ void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c,
   const DLDevice dev = exec_->dl_device();
   Geometry& g = c.g;
   if (a.num_sms < 0 || a.num_sms > 1024) core::fail(ctx, "num_sms = {} is outside [0, 1024]", a.num_sms);
+  if (a.previous_event && !a.allocate_on_comm_stream)
+    core::fail(ctx, "previous_event requires allocate_on_comm_stream = true (DeepEP's rule)");
   if (g.T != config_.num_max_tokens_per_rank)
     core::fail(ctx, "num_max_tokens_per_rank = {} differs from the buffer's {} (the cuda provider sizes its lists "
                "for the buffer's)", g.T, config_.num_max_tokens_per_rank);

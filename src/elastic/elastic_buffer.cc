@@ -160,8 +160,11 @@ engine::DispatchRequest dispatch_request(engine::Engine& engine, const ElasticBu
   r.col_major_scales = args.use_tma_aligned_col_major_sf;
   const int num_sms = args.num_sms, requested_tokens = args.num_max_tokens_per_rank, tokens = r.max_tokens;
   const bool cached = args.handle != nullptr;
-  r.validate_more = [num_sms, requested_tokens, tokens, cached](const std::string& context) {
+  const bool event_without_allocation = args.previous_event.has_value() && !args.allocate_on_comm_stream;
+  r.validate_more = [num_sms, requested_tokens, tokens, cached, event_without_allocation](const std::string& context) {
     check_num_sms(context, num_sms);
+    if (event_without_allocation)
+      core::fail(context, "previous_event requires allocate_on_comm_stream = true (DeepEP's rule)");
     if (requested_tokens < 0) core::fail(context, "num_max_tokens_per_rank = {} is negative", requested_tokens);
     if (tokens == 0 && !cached)
       core::fail(context, "num_max_tokens_per_rank is 0: give it here or to the buffer's constructor");

@@ -119,6 +119,11 @@ class BufferCore {
 // (legacy_buffer.cc).
 std::function<int(int, int)> normal_mode_workers(const engine::Engine& e, const Config& config);
 
+// DeepEP's rule of the normal-mode calls: allocate_on_comm_stream = true needs previous_event and
+// async_finish = true (InvalidArgument otherwise).
+void check_comm_stream_flags(const std::string& ctx, bool allocate_on_comm_stream, bool has_previous_event,
+                             bool async_finish);
+
 // Low-latency operations (low_latency_dispatch.cc, low_latency_combine.cc; the slots and the
 // clean in low_latency.cc).
 LowLatencyDispatchResult low_latency_dispatch(BufferCore& core, const LowLatencyDispatchArgs& args);

@@ -148,6 +148,13 @@ std::function<int(int, int)> normal_mode_workers(const engine::Engine& e, const 
   return [channels, cap](int, int) { return std::min(channels, cap); };
 }
 
+void check_comm_stream_flags(const std::string& ctx, bool allocate_on_comm_stream, bool has_previous_event,
+                             bool async_finish) {
+  if (allocate_on_comm_stream && !(has_previous_event && async_finish))
+    core::fail(ctx, "allocate_on_comm_stream = true requires previous_event and async_finish = true (previous_event "
+               "{}, async_finish = {})", has_previous_event ? "given" : "missing", async_finish);
+}
+
 }  // namespace legacy
 
 // ---- Buffer ------------------------------------------------------------------------------------
@@ -203,6 +210,7 @@ DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_e
     core::fail(ctx, "num_experts = {} must be a positive multiple of the {} ranks", num_experts, e.facts.num_ranks);
   const routing::TopkRows rows{topk_idx.data_as<const std::int64_t>(), topk_idx.stride(0), n, k};
   routing::validate_topk(ctx, rows, num_experts);
+  legacy::check_comm_stream_flags(ctx, allocate_on_comm_stream, previous_event.has_value(), async_finish);
   e.wait_for_event(previous_event, ctx, "previous_event");
   const int R = e.facts.num_ranks, nodes = e.facts.physical.num_scaleout;
   const routing::Geometry geo{R, num_experts, nodes};
@@ -224,8 +232,6 @@ DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_e
       const std::int64_t id = rows.row(t)[j];
       if (id >= 0) in_rank[static_cast<std::int64_t>(t) * R + geo.rank_of_expert(id)] = 1;
     }
-  (void)async_finish;
-  (void)allocate_on_comm_stream;
   return out;
 }
 
@@ -243,6 +249,10 @@ CombineResult Buffer::combine(const LegacyCombineArgs& args) {
   r.previous_event = args.previous_event;
   r.async = args.async_finish;
   r.sum_weights_over_ranks = true;
+  r.validate_more = [allocate = args.allocate_on_comm_stream, previous = args.previous_event.has_value(),
+                     async = args.async_finish](const std::string& ctx) {
+    legacy::check_comm_stream_flags(ctx, allocate, previous, async);
+  };
   if (e.facts.physical.num_scaleout > 1) core_->normal_call_used_pool();
   return e.execute(engine::make_combine(e, std::move(r), e.next_sequence()), args.async_finish);
 }

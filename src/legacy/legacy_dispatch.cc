@@ -282,6 +282,7 @@ struct V1Checks {
   void operator()(const std::string& ctx) const {
     if (nvfp4_error) std::rethrow_exception(nvfp4_error);
     config.validate(ctx);
+    legacy::check_comm_stream_flags(ctx, args.allocate_on_comm_stream, args.previous_event.has_value(), args.async_finish);
     if (args.num_worst_tokens < 0) core::fail(ctx, "num_worst_tokens = {} is negative", args.num_worst_tokens);
     if (cached) return check_cached(ctx);
     const auto [n, E] = check_layout_tensors(ctx);
@@ -289,12 +290,10 @@ struct V1Checks {
     check_layout_of_topk(ctx, n, E);
   }
 
+  // DeepEP's rule: the top-k arguments must be absent; layout tensors given with a handle are
+  // ignored (the handle's layout is used).
   void check_cached(const std::string& ctx) const {
-    for (const auto& [name, t] : {std::pair{"num_tokens_per_rank", args.num_tokens_per_rank},
-                                  {"num_tokens_per_rdma_rank", args.num_tokens_per_rdma_rank},
-                                  {"is_token_in_rank", args.is_token_in_rank},
-                                  {"num_tokens_per_expert", args.num_tokens_per_expert},
-                                  {"topk_idx", args.topk_idx}, {"topk_weights", args.topk_weights}})
+    for (const auto& [name, t] : {std::pair{"topk_idx", args.topk_idx}, {"topk_weights", args.topk_weights}})
       if (t.defined()) core::fail(ctx, "{} must not be given with a cached handle", name);
   }
 

@@ -130,6 +130,7 @@ TEST_P(CudaProviderOnHost, ARankFailingAfterTheAgreementReleasesItsPeers) {
       Event failed = Event::pending();
       failed.fail(std::make_exception_ptr(ResourceError("the caller's work failed")));
       args.previous_event = failed;
+      args.allocate_on_comm_stream = true;
     }
     first[group.rank()] = catch_error([&] { dev.dispatch(args); });
     args.previous_event.reset();

@@ -80,7 +80,7 @@ TEST(ElasticAsync, EventsOrderWorkAfterACallerEvent) {
     // Cached dispatch has known shapes: it returns at once and waits for the caller's event.
     Event before = Event::pending();
     auto pending = b.dispatch({.x = batch.xv(), .previous_event = before, .async_with_compute_stream = true,
-                               .handle = sync.handle});
+                               .allocate_on_comm_stream = true, .handle = sync.handle});
     EXPECT_FALSE(pending.event.wait_for(0.05));
     before.complete();
     pending.event.wait();

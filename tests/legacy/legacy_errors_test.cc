@@ -101,9 +101,29 @@ TEST(LegacyErrors, LayoutMustMatchTheRouting) {
     EXPECT_NE(error_of([&] { b.dispatch(a); }).find("num_tokens_per_expert is missing"), std::string::npos);
     // The buffer is still usable.
     auto d = b.dispatch(args);
-    // Cached dispatch takes nothing but x (and scales).
+    // Cached dispatch refuses the top-k arguments and ignores layout tensors (DeepEP's rules).
     LegacyDispatchArgs cached{.x = in.xv(), .handle = d.handle, .topk_idx = in.tv()};
     EXPECT_NE(error_of([&] { b.dispatch(cached); }).find("topk_idx must not be given with a cached handle"), std::string::npos);
+    LegacyDispatchArgs with_layout = args;
+    with_layout.handle = d.handle;
+    with_layout.topk_idx = TensorView();
+    with_layout.topk_weights = TensorView();
+    const auto again = b.dispatch(with_layout);
+    ASSERT_EQ(again.recv_x.nbytes(), d.recv_x.nbytes());
+    EXPECT_EQ(std::memcmp(again.recv_x.data(), d.recv_x.data(), d.recv_x.nbytes()), 0);
+    // allocate_on_comm_stream needs previous_event and async_finish.
+    a = args;
+    a.allocate_on_comm_stream = true;
+    EXPECT_NE(error_of([&] { b.dispatch(a); })
+                  .find("allocate_on_comm_stream = true requires previous_event and async_finish = true (previous_event "
+                        "missing, async_finish = false)"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { b.combine({.x = d.recv_x, .handle = d.handle, .allocate_on_comm_stream = true}); })
+                  .find("allocate_on_comm_stream = true requires previous_event"),
+              std::string::npos);
+    EXPECT_NE(error_of([&] { b.get_dispatch_layout(in.tv(), 8, std::nullopt, false, true); })
+                  .find("allocate_on_comm_stream = true requires previous_event"),
+              std::string::npos);
     // Config checks go through the agreement too.
     a = args;
     a.config = Config{.num_sms = 7};

@@ -206,14 +206,17 @@ def v2_expanded(group, deep_ep, alignment=4, base_tokens=12, hidden=256, num_exp
         assert_same(combined_w, exp_w, "expanded combined_topk_weights")
     if cached and do_cpu_sync:
         x2 = ref.make_inputs(R, base_tokens, hidden, E, k, seed + 5)
-        rx2, _, _, h2, _ = buf.dispatch(x2[rank][0], handle=handle, do_expand=True, expert_alignment=alignment)
-        assert h2 is handle
-        for i in range(El):
-            st = exp["starts"][i]
-            rows = exp["per_expert"][i]
-            if rows:
-                assert_same(rx2[st:st + len(rows)], torch.stack([x2[s][0][t] for s, t, _ in rows]),
-                            f"cached expanded recv_x of local expert {i}")
+        # With the shape arguments repeated, and left at their defaults (DeepEP: the handle's).
+        for kwargs in (dict(do_expand=True, expert_alignment=alignment), dict()):
+            rx2, ri2, _, h2, _ = buf.dispatch(x2[rank][0], handle=handle, **kwargs)
+            assert h2 is handle and ri2 is None
+            assert rx2.shape == (exp["total"], hidden), (tuple(rx2.shape), kwargs)
+            for i in range(El):
+                st = exp["starts"][i]
+                rows = exp["per_expert"][i]
+                if rows:
+                    assert_same(rx2[st:st + len(rows)], torch.stack([x2[s][0][t] for s, t, _ in rows]),
+                                f"cached expanded recv_x of local expert {i} ({kwargs})")
     buf.destroy()
     return {"rank": rank, "total": exp["total"]}
 
@@ -404,7 +407,9 @@ def check_ll_dispatch(inputs, rank, E, cap, recv_x, count, handle, fp8=False, ro
 
 def v1_low_latency(group, deep_ep, base_tokens=12, hidden=256, num_experts=16, num_topk=4, cap=16, fp8=False,
                    round_scale=False, use_ue8m0=False, return_recv_hook=False, async_finish=False, zero_copy=False,
-                   combine_hook=False, use_out=False, seed=3, rounds=1, buf=None):
+                   combine_hook=False, use_out=False, seed=3, rounds=1, buf=None, zero_copy_x="buffer"):
+    """zero_copy_x (with zero_copy): "buffer" passes the combine buffer as x; "shape" passes another
+    tensor of its shape filled with NaN (DeepEP reads the buffer; x gives only the shape)."""
     rank, R, SU, SO = group_info(group)
     E, k = num_experts, num_topk
     El = E // R
@@ -434,7 +439,7 @@ def v1_low_latency(group, deep_ep, base_tokens=12, hidden=256, num_experts=16, n
             assert target.shape == (El, R * cap, hidden) and target.dtype == torch.bfloat16
             assert target.stride() == (R * cap * m, m, 1), f"combine buffer strides {target.stride()}"
             target.copy_(y)
-            y_in = target
+            y_in = target if zero_copy_x == "buffer" else torch.full_like(y, float("nan"))
         else:
             y_in = y
         out = torch.full((x.shape[0], hidden), 3.0, dtype=torch.bfloat16) if use_out else None
