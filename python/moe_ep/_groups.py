@@ -13,6 +13,9 @@ from . import _C
 
 _lock = threading.Lock()
 _cache = {}  # id(process group or communicator) -> (the object, its moe_ep.Group)
+# Wrappers of LocalWorld.run's per-rank function (moe_ep.deep_ep.cpu_compat registers one while
+# installed, so that each rank's thread gets its device mapping).
+rank_thread_wrappers = []
 
 
 class LocalWorld:
@@ -35,6 +38,8 @@ class LocalWorld:
     def run(self, fn):
         if not callable(fn):
             raise TypeError(f"fn must be callable, not {type(fn).__name__}")
+        for wrap in list(rank_thread_wrappers):
+            fn = wrap(fn)
         return _C.run_local_world(self.num_ranks, self.num_scaleout, self.num_ranks // self.num_scaleout, fn)
 
 

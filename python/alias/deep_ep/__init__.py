@@ -6,7 +6,8 @@ import moe_ep.deep_ep as _impl
 import moe_ep.deep_ep.buffers.elastic
 import moe_ep.deep_ep.buffers.legacy
 import moe_ep.deep_ep.utils
+import moe_ep.deep_ep.cpu_compat
 
-for _name in ("utils", "buffers", "buffers.legacy", "buffers.elastic"):
+for _name in ("utils", "buffers", "buffers.legacy", "buffers.elastic", "cpu_compat"):
     sys.modules[f"{__name__}.{_name}"] = sys.modules[f"moe_ep.deep_ep.{_name}"]
 sys.modules[__name__] = _impl

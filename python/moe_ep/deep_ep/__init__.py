@@ -9,6 +9,7 @@ from .._groups import resolve_group
 from .buffers.elastic import ElasticBuffer, EPHandle
 from .buffers.legacy import Buffer, Config
 from .utils import EventHandle, EventOverlap
+from . import cpu_compat
 
 topk_idx_t = torch.int64
 __version__ = "2.1.0"
@@ -25,6 +26,8 @@ def get_logical_domain_size(group, allow_hybrid_mode=True):
     g = resolve_group(group)
     return (g.num_scaleout, g.num_scaleup) if allow_hybrid_mode else (1, g.size())
 
+
+cpu_compat._install_from_environment()  # MOE_EP_CPU_COMPAT=1 (off by default)
 
 __all__ = ["Buffer", "ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "Config", "topk_idx_t",
            "get_physical_domain_size", "get_logical_domain_size", "__version__"]

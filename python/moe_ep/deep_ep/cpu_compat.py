@@ -1,0 +1,462 @@
+"""An opt-in CPU compatibility layer for engines' CI: code written for GPUs runs its DeepEP path
+on a CPU-only host.
+
+Off unless asked for: ``install()`` (or ``MOE_EP_CPU_COMPAT=1`` in the environment when
+``moe_ep.deep_ep`` or the alias ``deep_ep`` is imported), undone by ``uninstall()``; ``enabled()``
+is the same as a context manager. A process that never asks sees torch exactly as it is. Once
+installed:
+
+- ``torch.cuda``'s device queries answer for a stand-in device: ``device_count()``,
+  ``current_device()``, ``set_device(i)`` (any index up to the device count),
+  ``torch.cuda.device(i)``, ``get_device_properties(...)`` (``multi_processor_count``,
+  ``total_memory`` = the host's memory, ``major``/``minor``, ``name``), ``get_device_capability()``,
+  ``get_device_name()``; memory queries answer from the host (``mem_get_info``) or 0.
+- Streams and events are CPU stand-ins with the same methods: ``torch.cuda.Stream``,
+  ``current_stream()``, ``default_stream()``, ``stream(s)``, ``set_stream(s)``,
+  ``torch.cuda.Event`` (``record``, ``wait``, ``query``, ``synchronize``, ``elapsed_time`` from the
+  host clock), ``synchronize()``, ``is_current_stream_capturing()`` (False). CPU work runs in
+  program order, so there is nothing to wait for; moe-ep's asynchronous calls still complete
+  through their own events (``event.current_stream_wait()``), as on GPUs.
+- ``device="cuda"`` (``"cuda:N"``, ``torch.device("cuda", N)``, an int device index) in torch's
+  functions, ``Tensor.to(...)``, ``Tensor.cuda()`` and ``torch.set_default_device("cuda")`` mean
+  the CPU; ``pin_memory=True`` is dropped; ``Tensor.record_stream`` and ``pin_memory()`` do nothing. Like torch's own
+  default device, this applies on the thread that installed the layer and on the ranks of
+  ``moe_ep.LocalWorld``; other threads call ``enter_thread()``.
+- ``torch.distributed.init_process_group`` and ``new_group`` with the ``nccl`` backend use
+  ``gloo`` (and ignore ``device_id``).
+
+``torch.cuda.is_available()`` still answers False: code that asks gets the truth. Install before
+the engine imports names from ``torch.cuda`` (``from torch.cuda import current_stream`` keeps
+torch's function). docs/integration.md, "Use moe-ep in your engine's CPU CI".
+"""
+
+import contextlib
+import os
+import threading
+import time
+import types
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from .. import _groups
+
+__all__ = ["install", "uninstall", "installed", "enabled", "enter_thread", "calls", "Stream", "Event"]
+
+_lock = threading.RLock()
+_state = None  # while installed: the settings and what was replaced
+_calls = {}  # stand-in name -> calls since install() (calls())
+
+
+# ---- streams and events ------------------------------------------------------------------------
+
+class Stream:
+    """A CPU stand-in for torch.cuda.Stream: work is already ordered, waits return at once."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        _calls["torch.cuda.Stream"] = _calls.get("torch.cuda.Stream", 0) + 1
+        self.device = torch.device("cpu")
+        self.priority = priority
+        self.stream_id = id(self)
+        self.cuda_stream = 0
+
+    def wait_stream(self, stream):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event if event is not None else Event()
+        event.record(self)
+        return event
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        _stream_context_stack().append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _stream_context_stack().pop()
+        return False
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.stream_id == self.stream_id
+
+    def __hash__(self):
+        return hash(self.stream_id)
+
+    def __repr__(self):
+        return f"<moe_ep cpu_compat Stream {self.stream_id:#x}>"
+
+
+class Event:
+    """A CPU stand-in for torch.cuda.Event: complete once recorded; elapsed_time is host time."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
+        _calls["torch.cuda.Event"] = _calls.get("torch.cuda.Event", 0) + 1
+        self.enable_timing = enable_timing
+        self._recorded_at = None
+
+    def record(self, stream=None):
+        self._recorded_at = time.perf_counter()
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end_event):
+        if not self.enable_timing or not getattr(end_event, "enable_timing", False):
+            raise RuntimeError("elapsed_time needs two events created with enable_timing=True")
+        if self._recorded_at is None or end_event._recorded_at is None:
+            raise RuntimeError("elapsed_time needs both events recorded")
+        return (end_event._recorded_at - self._recorded_at) * 1e3
+
+    def __repr__(self):
+        return "<moe_ep cpu_compat Event>"
+
+
+_default_stream = Stream()
+_thread = threading.local()
+
+
+def _stream_context_stack():
+    if not hasattr(_thread, "streams"):
+        _thread.streams = []
+    return _thread.streams
+
+
+def _current_stream(device=None):
+    stack = _stream_context_stack()
+    return stack[-1] if stack else getattr(_thread, "current", _default_stream)
+
+
+def _set_stream(stream):
+    _thread.current = stream
+
+
+@contextlib.contextmanager
+def _stream(stream):
+    if stream is None:
+        yield
+        return
+    with stream:
+        yield
+
+
+# ---- the stand-in device ------------------------------------------------------------------------
+
+def _host_memory_bytes():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _host_available_bytes():
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _index(device):
+    """The device index a torch.cuda query names (None: the current one)."""
+    if device is None:
+        return _state["current"]
+    if isinstance(device, int):
+        index = device
+    else:
+        d = torch.device(device)
+        if d.type not in ("cuda", "cpu"):
+            raise ValueError(f"device {device!r} is not a CUDA device")
+        index = _state["current"] if d.index is None else d.index
+    if not 0 <= index < _state["device_count"]:
+        raise ValueError(f"device index {index} is outside the {_state['device_count']} devices of moe_ep's "
+                         f"cpu_compat layer (install(device_count=...))")
+    return index
+
+
+def _properties(device=None):
+    index = _index(device)
+    s = _state
+    return types.SimpleNamespace(name=f"moe-ep cpu_compat device {index}", major=s["capability"][0],
+                                 minor=s["capability"][1], multi_processor_count=s["multi_processor_count"],
+                                 total_memory=_host_memory_bytes(), is_integrated=False, is_multi_gpu_board=False,
+                                 uuid=f"moe-ep-cpu-compat-{index}", L2_cache_size=0, warp_size=32)
+
+
+def _capability(device=None):
+    _index(device)
+    return tuple(_state["capability"])
+
+
+def _set_device(device):
+    _state["current"] = _index(device)
+
+
+class _DeviceContext:
+    """torch.cuda.device(i): selects device i inside the block."""
+
+    def __init__(self, device):
+        _calls["torch.cuda.device"] = _calls.get("torch.cuda.device", 0) + 1
+        self.index = None if device is None or (isinstance(device, int) and device < 0) else _index(device)
+
+    def __enter__(self):
+        self.previous = _state["current"]
+        if self.index is not None:
+            _state["current"] = self.index
+        return self
+
+    def __exit__(self, *exc):
+        _state["current"] = self.previous
+        return False
+
+
+def _cuda_functions():
+    """torch.cuda's attributes the layer replaces, and what replaces them."""
+    return {
+        "device_count": lambda: _state["device_count"],
+        "current_device": lambda: _state["current"],
+        "set_device": _set_device,
+        "device": _DeviceContext,
+        "get_device_properties": _properties,
+        "get_device_capability": _capability,
+        "get_device_name": lambda device=None: _properties(device).name,
+        "synchronize": lambda device=None: None,
+        "Stream": Stream,
+        "Event": Event,
+        "current_stream": _current_stream,
+        "default_stream": lambda device=None: _default_stream,
+        "stream": _stream,
+        "set_stream": _set_stream,
+        "is_current_stream_capturing": lambda: False,
+        "is_initialized": lambda: True,
+        "init": lambda: None,
+        "empty_cache": lambda: None,
+        "mem_get_info": lambda device=None: (_host_available_bytes(), _host_memory_bytes()),
+        "memory_allocated": lambda device=None: 0,
+        "max_memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: None,
+    }
+
+
+# ---- device="cuda" means the CPU ---------------------------------------------------------------
+
+def _is_cuda_device(d):
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    if isinstance(d, str):
+        return d == "cuda" or d.startswith("cuda:")
+    return isinstance(d, int) and not isinstance(d, bool)
+
+
+_CPU = torch.device("cpu")
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    """Rewrites CUDA devices to the CPU in every torch call of this thread."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            _calls["device mapped"] = _calls.get("device mapped", 0) + 1
+            return args[0]
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs["device"] = _CPU
+            _calls["device mapped"] = _calls.get("device mapped", 0) + 1
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU) + tuple(args[2:])
+            _calls["device mapped"] = _calls.get("device mapped", 0) + 1
+        return func(*args, **kwargs)
+
+
+def _record_stream(tensor, stream):
+    _calls["Tensor.record_stream"] = _calls.get("Tensor.record_stream", 0) + 1
+
+
+def enter_thread():
+    """Makes device="cuda" mean the CPU on the calling thread too (threads started after install)."""
+    with _lock:
+        if _state is None:
+            raise RuntimeError("moe_ep's cpu_compat layer is not installed")
+    if getattr(_thread, "mode", None) is None:
+        mode = _CudaOnCpu()
+        mode.__enter__()
+        _thread.mode = mode
+
+
+def _leave_thread():
+    mode = getattr(_thread, "mode", None)
+    if mode is not None:
+        mode.__exit__(None, None, None)
+        _thread.mode = None
+
+
+def _on_rank_threads(fn):
+    """LocalWorld's ranks: each rank's thread gets the device mapping."""
+    def run_on_rank(group):
+        enter_thread()
+        try:
+            return fn(group)
+        finally:
+            _leave_thread()
+    return run_on_rank
+
+
+# ---- torch.distributed: nccl means gloo ---------------------------------------------------------
+
+def _gloo_backend(backend):
+    if backend is None or "nccl" not in str(backend).lower():
+        return backend
+    _calls["nccl -> gloo"] = _calls.get("nccl -> gloo", 0) + 1
+    return "gloo"
+
+
+def _wrap_init_process_group(original):
+    def init_process_group(backend=None, *args, **kwargs):
+        kwargs.pop("device_id", None)
+        return original(_gloo_backend(backend), *args, **kwargs)
+    init_process_group.__wrapped__ = original
+    return init_process_group
+
+
+def _wrap_new_group(original):
+    def new_group(*args, **kwargs):
+        if "backend" in kwargs:
+            kwargs["backend"] = _gloo_backend(kwargs["backend"])
+        elif len(args) > 2:
+            args = args[:2] + (_gloo_backend(args[2]),) + tuple(args[3:])
+        kwargs.pop("device_id", None)
+        return original(*args, **kwargs)
+    new_group.__wrapped__ = original
+    return new_group
+
+
+# ---- what was used --------------------------------------------------------------------------------
+
+def _counted(name, fn):
+    """fn, counting its calls under `name` (calls() reports them)."""
+    def counted(*args, **kwargs):
+        _calls[name] = _calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+    counted.__name__ = getattr(fn, "__name__", name)
+    counted.__doc__ = getattr(fn, "__doc__", None)
+    return counted
+
+
+def calls():
+    """How often each stand-in was called since install(): {"torch.cuda.get_device_properties": n,
+    ..., "device mapped": n, "nccl -> gloo": n}. What an engine's DeepEP path needs of the layer."""
+    return dict(_calls)
+
+
+# ---- install / uninstall ------------------------------------------------------------------------
+
+def install(device_count=8, multi_processor_count=132, capability=(9, 0)):
+    """Installs the layer (idempotent: a second call with other settings updates them).
+    device_count: how many stand-in devices torch.cuda reports; multi_processor_count and
+    capability: what get_device_properties reports (an H100's by default)."""
+    global _state
+    if not isinstance(device_count, int) or isinstance(device_count, bool) or device_count < 1:
+        raise ValueError(f"device_count = {device_count!r}; expected an int >= 1")
+    if not isinstance(multi_processor_count, int) or isinstance(multi_processor_count, bool) or multi_processor_count < 1:
+        raise ValueError(f"multi_processor_count = {multi_processor_count!r}; expected an int >= 1")
+    if (not isinstance(capability, tuple) or len(capability) != 2
+            or not all(isinstance(v, int) and v >= 0 for v in capability)):
+        raise ValueError(f"capability = {capability!r}; expected a (major, minor) pair of ints")
+    with _lock:
+        if _state is not None:
+            _state.update(device_count=device_count, multi_processor_count=multi_processor_count,
+                          capability=capability, current=min(_state["current"], device_count - 1))
+            return
+        replaced = {}
+        state = dict(device_count=device_count, multi_processor_count=multi_processor_count, capability=capability,
+                     current=0, replaced=replaced, thread=threading.get_ident())
+        for name, fn in _cuda_functions().items():
+            replaced[("cuda", name)] = getattr(torch.cuda, name, None)
+            # Classes stay classes (isinstance works); they count their own constructions.
+            setattr(torch.cuda, name, fn if isinstance(fn, type) else _counted(f"torch.cuda.{name}", fn))
+        # record_stream(stream) with a stand-in stream: nothing to record (torch's argument parser
+        # refuses a stream that is not a torch.Stream before any mode sees the call).
+        replaced[("tensor", "record_stream")] = torch.Tensor.record_stream
+        torch.Tensor.record_stream = _record_stream
+        replaced[("torch", "set_default_device")] = torch.set_default_device
+        original_default = torch.set_default_device
+
+        def set_default_device(device):
+            if _is_cuda_device(device):
+                _calls["device mapped"] = _calls.get("device mapped", 0) + 1
+                device = _CPU
+            return original_default(device)
+        torch.set_default_device = set_default_device
+        replaced[("dist", "init_process_group")] = dist.init_process_group
+        dist.init_process_group = _wrap_init_process_group(dist.init_process_group)
+        replaced[("dist", "new_group")] = dist.new_group
+        dist.new_group = _wrap_new_group(dist.new_group)
+        _state = state
+        _calls.clear()
+        _groups.rank_thread_wrappers.append(_on_rank_threads)
+        enter_thread()
+
+
+def uninstall():
+    """Restores everything install() replaced (call it on the thread that installed)."""
+    global _state
+    with _lock:
+        if _state is None:
+            return
+        for (where, name), original in _state["replaced"].items():
+            target = {"cuda": torch.cuda, "torch": torch, "dist": dist, "tensor": torch.Tensor}[where]
+            if original is None:
+                delattr(target, name)
+            else:
+                setattr(target, name, original)
+        if _on_rank_threads in _groups.rank_thread_wrappers:
+            _groups.rank_thread_wrappers.remove(_on_rank_threads)
+        _state = None
+    _leave_thread()
+
+
+def installed():
+    return _state is not None
+
+
+@contextlib.contextmanager
+def enabled(**settings):
+    """install() for the block, uninstall() after it (unless it was installed before)."""
+    was = installed()
+    install(**settings)
+    try:
+        yield
+    finally:
+        if not was:
+            uninstall()
+
+
+def _install_from_environment():
+    """MOE_EP_CPU_COMPAT=1 installs the layer when moe_ep.deep_ep is imported."""
+    from .. import env
+    entry = next(e for e in env() if e["name"] == "MOE_EP_CPU_COMPAT")
+    if entry["error"]:
+        raise ValueError(entry["error"])
+    if entry["value"].strip().lower() in ("1", "true", "on", "yes"):
+        install()

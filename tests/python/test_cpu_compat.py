@@ -1,0 +1,215 @@
+"""moe_ep.deep_ep.cpu_compat: off unless asked for (torch's CUDA calls fail as torch makes them
+fail), and once installed, the stand-ins engines' DeepEP paths call. Tests that install the layer
+do it in a child interpreter, so that the pytest process keeps torch as it is."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import moe_ep
+from moe_ep.deep_ep import cpu_compat
+
+from conftest import ALIAS_DIR, PYTHON_DIR
+
+
+def run_python(code, env=None):
+    """Runs `code` in a fresh interpreter with the build tree's package; returns (rc, out, err)."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([PYTHON_DIR, ALIAS_DIR])
+    full_env.pop("MOE_EP_CPU_COMPAT", None)
+    full_env.update(env or {})
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=full_env,
+                       timeout=300)
+    return p.returncode, p.stdout, p.stderr
+
+
+def failure_of(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (the type is what is compared)
+        return type(e)
+    return None
+
+
+CUDA_ONLY_CALLS = {
+    "get_device_properties": lambda: torch.cuda.get_device_properties(0),
+    "current_stream": lambda: torch.cuda.current_stream(),
+    "zeros on cuda": lambda: torch.zeros(2, device="cuda"),
+    "Tensor.cuda": lambda: torch.zeros(2).cuda(),
+    "Event.record": lambda: torch.cuda.Event().record(),
+}
+
+
+@pytest.mark.parametrize("call", CUDA_ONLY_CALLS)
+def test_not_installed_cuda_calls_fail_as_torch_makes_them_fail(call):
+    """This process imported moe_ep.deep_ep without asking for the layer."""
+    assert not cpu_compat.installed()
+    assert failure_of(CUDA_ONLY_CALLS[call]) is not None, f"{call} worked on a host without CUDA"
+
+
+def test_importing_does_not_change_torch():
+    code = """
+        import torch
+        before = {n: getattr(torch.cuda, n) for n in ("get_device_properties", "current_stream", "Stream", "Event",
+                                                       "synchronize", "device_count", "set_device")}
+        init = __import__("torch.distributed", fromlist=["x"]).init_process_group
+        import deep_ep, moe_ep.deep_ep
+        assert deep_ep is moe_ep.deep_ep
+        after = {n: getattr(torch.cuda, n) for n in before}
+        assert before == after, [n for n in before if before[n] is not after[n]]
+        assert torch.distributed.init_process_group is init
+        assert not deep_ep.cpu_compat.installed()
+        try:
+            torch.zeros(1, device="cuda")
+        except Exception as e:
+            print(type(e).__name__)
+    """
+    rc, out, err = run_python(code)
+    assert rc == 0, err
+    assert out.strip() == failure_of(CUDA_ONLY_CALLS["zeros on cuda"]).__name__
+
+
+def test_installed_device_queries_streams_and_events():
+    code = """
+        import torch
+        from moe_ep.deep_ep import cpu_compat
+        cpu_compat.install(device_count=4, multi_processor_count=78, capability=(10, 0))
+        assert torch.cuda.device_count() == 4 and torch.cuda.current_device() == 0
+        torch.cuda.set_device(3)
+        assert torch.cuda.current_device() == 3
+        with torch.cuda.device(1):
+            assert torch.cuda.current_device() == 1
+        assert torch.cuda.current_device() == 3
+        props = torch.cuda.get_device_properties(device="cuda")
+        assert props.multi_processor_count == 78 and (props.major, props.minor) == (10, 0) and props.total_memory > 0
+        assert torch.cuda.get_device_capability() == (10, 0)
+        try:
+            torch.cuda.set_device(4)
+            raise SystemExit("set_device(4) of 4 devices was accepted")
+        except ValueError as e:
+            assert "device index 4 is outside the 4 devices" in str(e), e
+        s = torch.cuda.Stream()
+        assert isinstance(s, torch.cuda.Stream) and torch.cuda.current_stream() is torch.cuda.default_stream()
+        with torch.cuda.stream(s):
+            assert torch.cuda.current_stream() is s
+            s.wait_stream(torch.cuda.default_stream())
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sum(range(100000))
+        end.record(s)
+        assert end.query() and start.elapsed_time(end) > 0
+        try:
+            torch.cuda.Event().elapsed_time(torch.cuda.Event())
+            raise SystemExit("elapsed_time without enable_timing was accepted")
+        except RuntimeError:
+            pass
+        torch.cuda.synchronize()
+        assert torch.cuda.is_current_stream_capturing() is False
+        assert torch.get_device_module("cuda").current_stream() is torch.cuda.default_stream()
+        assert torch.cuda.is_available() is False  # code that asks gets the truth
+        calls = cpu_compat.calls()
+        assert calls["torch.cuda.get_device_properties"] == 1 and calls["torch.cuda.Event"] == 4, calls
+        print("ok")
+    """
+    rc, out, err = run_python(code)
+    assert rc == 0 and out.strip() == "ok", err
+
+
+def test_installed_cuda_devices_mean_the_cpu():
+    code = """
+        import torch
+        from moe_ep.deep_ep import cpu_compat
+        cpu_compat.install()
+        made = [torch.zeros(2, device="cuda"), torch.empty(2, device="cuda:3", pin_memory=True),
+                torch.arange(4, device=torch.device("cuda", 1)), torch.ones(2).cuda(), torch.ones(2).to("cuda"),
+                torch.ones(2).to(device="cuda:0", dtype=torch.float16), torch.ones(2).new_zeros(3, device="cuda"),
+                torch.randn(2, 2, device=0)]
+        assert all(t.device.type == "cpu" for t in made), [t.device for t in made]
+        assert made[5].dtype == torch.float16
+        torch.ones(2).record_stream(torch.cuda.current_stream())
+        torch.set_default_device("cuda")
+        assert torch.zeros(1).device.type == "cpu"
+        torch.set_default_device("cpu")
+        # The ranks of a LocalWorld get the mapping too.
+        import moe_ep
+        print(moe_ep.LocalWorld(2).run(lambda g: torch.zeros(1, device="cuda").device.type))
+        cpu_compat.uninstall()
+        try:
+            torch.zeros(1, device="cuda")
+            raise SystemExit("device='cuda' still mapped after uninstall")
+        except RuntimeError:
+            pass
+        assert not cpu_compat.installed()
+    """
+    rc, out, err = run_python(code)
+    assert rc == 0, err
+    assert out.strip() == "['cpu', 'cpu']"
+
+
+def test_uninstall_restores_what_install_replaced():
+    code = """
+        import torch, torch.distributed as dist
+        names = ("get_device_properties", "current_stream", "Stream", "Event", "synchronize", "set_device", "device")
+        before = {n: getattr(torch.cuda, n) for n in names}
+        init, new_group, default = dist.init_process_group, dist.new_group, torch.set_default_device
+        record = torch.Tensor.record_stream
+        from moe_ep.deep_ep import cpu_compat
+        with cpu_compat.enabled():
+            assert torch.cuda.Stream is not before["Stream"] and cpu_compat.installed()
+            assert torch.Tensor.record_stream is not record
+        assert {n: getattr(torch.cuda, n) for n in names} == before
+        assert (dist.init_process_group, dist.new_group, torch.set_default_device) == (init, new_group, default)
+        assert torch.Tensor.record_stream is record
+        print("ok")
+    """
+    rc, out, err = run_python(code)
+    assert rc == 0 and out.strip() == "ok", err
+
+
+def test_nccl_process_groups_are_gloo():
+    code = """
+        import os, tempfile, torch, torch.distributed as dist
+        from moe_ep.deep_ep import cpu_compat
+        cpu_compat.install()
+        path = tempfile.mktemp()
+        dist.init_process_group("nccl", init_method=f"file://{path}", rank=0, world_size=1,
+                                device_id=torch.device("cuda", 0))
+        sub = dist.new_group([0], backend="nccl")
+        t = torch.ones(3, device="cuda")
+        dist.all_reduce(t, group=sub)
+        print(dist.get_backend(), dist.get_backend(sub), t.tolist(), cpu_compat.calls()["nccl -> gloo"])
+        dist.destroy_process_group()
+    """
+    rc, out, err = run_python(code)
+    assert rc == 0, err
+    assert out.strip() == "gloo gloo [1.0, 1.0, 1.0] 2"
+
+
+def test_the_environment_variable_installs_it_at_import():
+    code = """
+        import torch
+        import deep_ep
+        print(deep_ep.cpu_compat.installed(), torch.zeros(1, device="cuda").device.type)
+    """
+    rc, out, err = run_python(code, {"MOE_EP_CPU_COMPAT": "1"})
+    assert rc == 0 and out.strip() == "True cpu", err
+    rc, out, err = run_python("import deep_ep; print(deep_ep.cpu_compat.installed())", {"MOE_EP_CPU_COMPAT": "0"})
+    assert rc == 0 and out.strip() == "False", err
+    rc, out, err = run_python("import deep_ep", {"MOE_EP_CPU_COMPAT": "maybe"})
+    assert rc != 0 and "MOE_EP_CPU_COMPAT" in err and "maybe" in err, err
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(device_count=0), "device_count = 0"),
+    (dict(multi_processor_count=-1), "multi_processor_count = -1"),
+    (dict(capability=(9,)), "capability = (9,)"),
+])
+def test_bad_settings_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cpu_compat.install(**settings)
+    assert not cpu_compat.installed()
