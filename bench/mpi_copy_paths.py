@@ -1,6 +1,6 @@
 """How this host's MPI moves one large message: contiguous against strided (a vector datatype).
 
-Run: mpirun -np 2 /usr/bin/python3 bench/mpi_copy_paths.py
+Run: mpirun -np 2 .venv/bin/python bench/mpi_copy_paths.py   (mpi4py and numpy: the project's environment)
 
 Rank 0 sends 4096 rows of 7168 bytes to rank 1, once from a contiguous buffer and once through a
 vector datatype that picks every other row of a buffer twice as large, alternating, after a

@@ -26,4 +26,5 @@ if [ -n "${NP:-}" ]; then
 fi
 echo "+ ${cmd[*]}" >&2
 "${cmd[@]}"
-/usr/bin/python3 "$root/tools/plot_bench.py" "$out/sweep-$key.json" --out "$out"
+# matplotlib lives in the project's Python environment (scripts/python-env.sh, made by bootstrap.sh).
+"$("$root/scripts/python-env.sh" | tail -1)" "$root/tools/plot_bench.py" "$out/sweep-$key.json" --out "$out"

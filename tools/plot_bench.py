@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots of a `moe-ep bench --sweep` record: bandwidth and time against the swept parameter.
 
-Usage: /usr/bin/python3 tools/plot_bench.py SWEEP.json [--out DIR] [--title TEXT]
+Usage: .venv/bin/python tools/plot_bench.py SWEEP.json [--out DIR] [--title TEXT]
 
 Writes DIR/sweep-<parameter>-bandwidth.png (logical GB/s of each operation, the MPI_Alltoallv
 baseline's when the sweep ran under mpirun, and the memcpy ceiling measured beside each point)

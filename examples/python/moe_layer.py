@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """An engine-shaped MoE layer on moe-ep: N processes over a gloo group, through the token dispatcher.
 
 Each process holds its own tokens. The layer routes them (a linear router, softmax, top-k,
@@ -8,7 +8,9 @@ renormalised weights), dispatches them to the ranks that own their experts, runs
 (a decode batch), and checks every output against the same layer computed in one process with
 plain torch.
 
-    /usr/bin/python3 examples/python/moe_layer.py --ranks 4
+    PYTHONPATH=build/python .venv/bin/python examples/python/moe_layer.py --ranks 4
+
+(.venv is the project's Python environment, made by scripts/python-env.sh.)
 """
 
 import argparse
@@ -17,13 +19,7 @@ import sys
 import tempfile
 import traceback
 
-try:
-    import torch
-except ImportError:
-    # A python3 without torch came first on PATH: use Debian's interpreter, which has it.
-    if os.path.realpath(sys.executable) != os.path.realpath("/usr/bin/python3") and os.path.exists("/usr/bin/python3"):
-        os.execv("/usr/bin/python3", ["/usr/bin/python3"] + sys.argv)
-    raise
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 

@@ -28,7 +28,7 @@ def _fp8_inputs(tokens, seed, rank):
     g = torch.Generator().manual_seed(seed * 1000 + rank)
     x = (torch.randn(tokens, HIDDEN, generator=g) * 0.5).clamp(-448, 448)
     # Any E4M3 bytes will do for a bandwidth measurement: the library copies them verbatim.
-    x_fp8 = torch.randint(0, 0x7e, (tokens, HIDDEN), dtype=torch.uint8, generator=g)
+    x_fp8 = torch.randint(0, 0x7e, (tokens, HIDDEN), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
     scales = torch.rand(tokens, HIDDEN // 128, generator=g) + 0.5
     idx = torch.rand(tokens, EXPERTS, generator=g).topk(TOPK, dim=1).indices.to(torch.int64)
     weights = torch.rand(tokens, TOPK, generator=g)

@@ -129,3 +129,18 @@ def test_torch_outside_the_supported_range_is_refused(version):
 @pytest.mark.parametrize("version", ["2.1.0", "2.15.0+cu132", "2.99.0a0"])
 def test_torch_inside_the_supported_range_is_accepted(version):
     moe_ep._check_torch(version)
+
+
+def test_import_refuses_an_old_torch(tmp_path):
+    """`import moe_ep` under a torch that reports 1.13.1 (a stand-in package first on the path)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import PYTHON_DIR
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text('__version__ = "1.13.1"\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), PYTHON_DIR]))
+    p = subprocess.run([sys.executable, "-c", "import moe_ep"], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode != 0
+    assert "ImportError: moe_ep needs torch >= 2.1 and < 3.0; this interpreter has torch 1.13.1" in p.stderr, p.stderr
