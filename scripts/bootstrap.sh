@@ -29,7 +29,13 @@ fi
 python_args=()
 case " ${CMAKE_ARGS:-} " in
   *" -DMOE_EP_WITH_PYTHON=OFF "*) ;;
-  *) python_args=(-DPython_EXECUTABLE="$("$root/scripts/python-env.sh" | tail -1)") ;;
+  *)
+    if ! python=$("$root/scripts/python-env.sh" | tail -1); then
+      echo "bootstrap: the Python environment could not be set up (above); CMAKE_ARGS=-DMOE_EP_WITH_PYTHON=OFF" \
+           "builds everything but the Python package" >&2
+      exit 1
+    fi
+    python_args=(-DPython_EXECUTABLE="$python") ;;
 esac
 
 jobs=${JOBS:-$(nproc)}
