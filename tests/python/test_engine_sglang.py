@@ -72,6 +72,27 @@ def _expert_rows(rows, e, weight=None):
     return y if weight is None else y * weight[:, None]
 
 
+def _dispatch_batch(dispatcher, rank, batch, extend, empty):
+    """SGLang's forward-batch flag, then the dispatcher's dispatch of this rank's tokens."""
+    from sglang.srt.layers.dp_attention import set_is_extend_in_batch
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+    set_is_extend_in_batch(extend)
+    x, ids, weights, logits = batch_inputs(rank, batch, empty)
+    return dispatcher.dispatch(x, StandardTopKOutput(topk_weights=weights, topk_ids=ids.to(torch.int32),
+                                                     router_logits=logits))
+
+
+def _compact_rows(hidden, local_ids, weights, rank, El):
+    """The runner on rows with local expert ids (-1 elsewhere): sum over the row's local experts of
+    weight * expert(row), rounded to BF16 once."""
+    y = torch.zeros(hidden.shape[0], H)
+    for j in range(K):
+        for i in range(El):
+            sel = local_ids[:, j] == i
+            y[sel] += _expert_rows(hidden[sel], rank * El + i, weights[sel, j])
+    return y.to(torch.bfloat16)
+
+
 def _dequantize(data, scales):
     """The runner's view of an FP8 slab: E4M3 values times their per-128 scales."""
     values = data.float()
@@ -82,9 +103,7 @@ def _run_v1(rank, world, group, settings, batches):
     import deep_ep
     import moe_ep
     from sglang.srt.layers import deep_gemm_wrapper
-    from sglang.srt.layers.dp_attention import set_is_extend_in_batch
     from sglang.srt.layers.moe.token_dispatcher import deepep as sg
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
     from sglang.srt.layers.moe.utils import DeepEPMode
 
     assert sg.use_deepep and sg.Buffer is moe_ep.deep_ep.Buffer is deep_ep.Buffer
@@ -98,22 +117,13 @@ def _run_v1(rank, world, group, settings, batches):
                                      return_recv_hook=settings["return_recv_hook"])
     outputs = []
     for b, (extend, empty) in enumerate(batches):
-        set_is_extend_in_batch(extend)
-        x, ids, weights, logits = batch_inputs(rank, b, empty)
-        out = dispatcher.dispatch(x, StandardTopKOutput(topk_weights=weights, topk_ids=ids.to(torch.int32),
-                                                        router_logits=logits))
+        out = _dispatch_batch(dispatcher, rank, b, extend, empty)
         if type(out).__name__ == "DeepEPNormalDispatchOutput":
             assert extend and out.hidden_states_scale is None
-            local = out.topk_ids
-            counts = [int((local == i).sum()) for i in range(El)]
+            counts = [int((out.topk_ids == i).sum()) for i in range(El)]
             assert list(out.num_recv_tokens_per_expert) == [-(-c // ALIGN) * ALIGN for c in counts]
-            y = torch.zeros(out.hidden_states.shape[0], H)
-            for j in range(K):
-                for i in range(El):
-                    sel = local[:, j] == i
-                    y[sel] += _expert_rows(out.hidden_states[sel], rank * El + i, out.topk_weights[sel, j])
-            combined = dispatcher.combine(sg.DeepEPNormalCombineInput(y.to(torch.bfloat16), out.topk_ids,
-                                                                      out.topk_weights))
+            y = _compact_rows(out.hidden_states, out.topk_ids, out.topk_weights, rank, El)
+            combined = dispatcher.combine(sg.DeepEPNormalCombineInput(y, out.topk_ids, out.topk_weights))
         else:
             assert type(out).__name__ == "DeepEPLLDispatchOutput" and not (extend and settings["deepep_mode"] == "auto")
             if settings.get("output_dtype") == "fp8":
@@ -137,9 +147,7 @@ def _run_v2(rank, world, group, settings, batches):
     import deep_ep
     import moe_ep
     os.environ["SGLANG_DEEPEP_V2_ENABLE_PREFILL_EXPAND"] = "1" if settings["prefill_expand"] else "0"
-    from sglang.srt.layers.dp_attention import set_is_extend_in_batch
     from sglang.srt.layers.moe.token_dispatcher import deepep_v2 as sg
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     assert sg.use_deepep_v2 and sg.ElasticBuffer is moe_ep.deep_ep.ElasticBuffer is deep_ep.ElasticBuffer
     hybrid = moe_ep.resolve_group(group).num_scaleout > 1
@@ -149,10 +157,7 @@ def _run_v2(rank, world, group, settings, batches):
                                        params_dtype=torch.bfloat16, use_fp8_dispatch=False)
     outputs = []
     for b, (extend, empty) in enumerate(batches):
-        set_is_extend_in_batch(extend)
-        x, ids, weights, logits = batch_inputs(rank, b, empty)
-        out = dispatcher.dispatch(x, StandardTopKOutput(topk_weights=weights, topk_ids=ids.to(torch.int32),
-                                                        router_logits=logits))
+        out = _dispatch_batch(dispatcher, rank, b, extend, empty)
         assert out.use_masked_gemm == (not extend) and out.expert_alignment == ALIGN
         if out.is_expanded:
             # Expert i's rows: [align(psum[i-1]), psum[i]); the rest is padding.
@@ -165,12 +170,7 @@ def _run_v2(rank, world, group, settings, batches):
                 start = -(-end // ALIGN) * ALIGN
         else:
             assert extend and out.topk_ids.shape == (out.hidden_states.shape[0], K)
-            y = torch.zeros(out.hidden_states.shape[0], H)
-            for j in range(K):
-                for i in range(El):
-                    sel = out.topk_ids[:, j] == i
-                    y[sel] += _expert_rows(out.hidden_states[sel], rank * El + i, out.topk_weights[sel, j])
-            y = y.to(torch.bfloat16)
+            y = _compact_rows(out.hidden_states, out.topk_ids, out.topk_weights, rank, El)
         combined = dispatcher.combine(sg.DeepEPv2CombineInput(y, None))
         outputs.append(dict(format=("expanded" if out.is_expanded else "compact") + ("_masked" if out.use_masked_gemm
                                                                                       else ""),
