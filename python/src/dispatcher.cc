@@ -266,6 +266,9 @@ void register_dispatcher(py::module_& m) {
       },
       py::arg("path_list") = "");
 
+  // A bool variable of the registry, parsed as the library parses it (InvalidArgument naming the
+  // variable and its value otherwise).
+  m.def("env_bool", [](const std::string& name) { return env::get_bool(name); }, py::arg("name"));
   m.def("env_registry", [] {
     py::list out;
     for (const env::Variable& v : env::registry()) {

@@ -68,14 +68,17 @@ TensorView retagged(const TensorView& v, DType dtype) {
 constexpr const char* kMovableDtypes =
     "bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, uint8 or bool";
 
+[[noreturn]] void not_moved(const char* name, py::handle dtype) {
+  throw py::type_error(fmt::format("{} has dtype {}, which moe-ep does not move (it moves {})", name,
+                                   py::str(dtype).cast<std::string>(), kMovableDtypes));
+}
+
 // What moe-ep moves a torch tensor's dtype as; a dtype it does not move (float64, complex,
 // float8_e5m2, ...) is a TypeError naming the argument and the dtype.
 DType movable_dtype(py::handle tensor, const char* name) {
   py::object dtype = tensor.attr("dtype");
   PyObject* code = PyDict_GetItem(torch_api().movable.ptr(), dtype.ptr());  // borrowed
-  if (code == nullptr)
-    throw py::type_error(fmt::format("{} has dtype {}, which moe-ep does not move (it moves {})", name,
-                                     py::str(dtype).cast<std::string>(), kMovableDtypes));
+  if (code == nullptr) not_moved(name, dtype);
   return static_cast<DType>(PyLong_AsLong(code));
 }
 
@@ -146,9 +149,7 @@ Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtyp
     t = Tensor::from_dlpack(managed);
   } catch (const InvalidArgument& e) {
     // A dtype DLPack names but moe-ep does not move (float64, complex, ...; numpy arrays too).
-    if (py::hasattr(obj, "dtype"))
-      throw py::type_error(fmt::format("{} has dtype {}, which moe-ep does not move (it moves {})", name,
-                                       py::str(obj.attr("dtype")).cast<std::string>(), kMovableDtypes));
+    if (py::hasattr(obj, "dtype")) not_moved(name, obj.attr("dtype"));
     throw InvalidArgument(fmt::format("{}: {}", name, e.what()));
   }
   if (retag) return t.with_view(retagged(t, *retag));

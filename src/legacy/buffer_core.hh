@@ -92,6 +92,11 @@ class BufferCore {
   // Start of `slot` in `rank`'s pool (a rank of this node), and its offset in any rank's pool.
   std::byte* slot_base(int rank, int slot);
   std::int64_t slot_offset(int slot) const;
+  // This rank's zero-copy combine buffer in `slot`: bfloat16 [El, slab_rows = R*N, H], rows
+  // combine_row_elements apart (what get_next_low_latency_combine_buffer returns and a zero_copy
+  // combine reads).
+  TensorView combine_buffer(int slot, const SlotLayout& layout, std::int64_t local_experts, std::int64_t slab_rows,
+                            std::int64_t hidden);
   // The problem with writing into the next slot now (a result still pending there), or empty.
   std::string next_slot_problem() const;
 

@@ -135,6 +135,13 @@ std::int64_t BufferCore::slot_offset(int slot) const {
 
 std::byte* BufferCore::slot_base(int rank, int slot) { return engine.memory().node_peer(rank) + slot_offset(slot); }
 
+TensorView BufferCore::combine_buffer(int slot, const SlotLayout& layout, std::int64_t local_experts,
+                                      std::int64_t slab_rows, std::int64_t hidden) {
+  const std::int64_t shape[] = {local_experts, slab_rows, hidden};
+  const std::int64_t strides[] = {slab_rows * layout.combine_row_elements, layout.combine_row_elements, 1};
+  return TensorView(slot_base(engine.facts.rank, slot) + SlotLayout::kHeaderBytes, DType::kBF16, shape, strides);
+}
+
 BufferCore::SlotUse BufferCore::take_slot(int max_tokens, int hidden, int num_experts, bool hook_pending,
                                           bool arguments_valid) {
   std::lock_guard lock(mutex_);
@@ -230,10 +237,8 @@ TensorView next_combine_buffer(BufferCore& core, const LowLatencyHandle& handle)
   const std::string stale = core.slot_problem(s.slot, s.slot_generation, "handle");
   if (!stale.empty()) throw StateError(fmt::format("{}: {}", ctx, stale));
   const SlotLayout layout(s.max_tokens, s.hidden, e.facts.num_ranks, s.num_experts, s.num_topk, RowFormat{});
-  const std::int64_t El = s.num_experts / e.facts.num_ranks, rows = static_cast<std::int64_t>(e.facts.num_ranks) * s.max_tokens;
-  const std::int64_t shape[] = {El, rows, s.hidden};
-  const std::int64_t strides[] = {rows * layout.combine_row_elements, layout.combine_row_elements, 1};
-  return TensorView(core.slot_base(e.facts.rank, core.next_slot()) + SlotLayout::kHeaderBytes, DType::kBF16, shape, strides);
+  return core.combine_buffer(core.next_slot(), layout, s.num_experts / e.facts.num_ranks,
+                             static_cast<std::int64_t>(e.facts.num_ranks) * s.max_tokens, s.hidden);
 }
 
 void clean_low_latency_buffer(BufferCore& core, int max_tokens, int hidden, int num_experts) {

@@ -154,11 +154,7 @@ void LowLatencyCombine::check_tensors() {
 
 void LowLatencyCombine::read_combine_buffer() {
   if (!args_.zero_copy) return;
-  const std::int64_t rows = slab_rows(), row_elements = layout_->combine_row_elements;
-  const std::int64_t shape[] = {shape_.local_experts, rows, shape_.hidden};
-  const std::int64_t strides[] = {rows * row_elements, row_elements, 1};
-  args_.x = TensorView(core_.slot_base(core_.engine.facts.rank, use.slot) + SlotLayout::kHeaderBytes, DType::kBF16,
-                       shape, strides);
+  args_.x = core_.combine_buffer(use.slot, *layout_, shape_.local_experts, slab_rows(), shape_.hidden);
 }
 
 // This rank's slab: without staging, node peers read x itself, so it is shared (Transport::share).

@@ -49,13 +49,17 @@ _state = None  # while installed: the settings and what was replaced
 _calls = {}  # stand-in name -> calls since install() (calls())
 
 
+def _count(name):
+    _calls[name] = _calls.get(name, 0) + 1
+
+
 # ---- streams and events ------------------------------------------------------------------------
 
 class Stream:
     """A CPU stand-in for torch.cuda.Stream: work is already ordered, waits return at once."""
 
     def __init__(self, device=None, priority=0, **kwargs):
-        _calls["torch.cuda.Stream"] = _calls.get("torch.cuda.Stream", 0) + 1
+        _count("torch.cuda.Stream")
         self.device = torch.device("cpu")
         self.priority = priority
         self.stream_id = id(self)
@@ -100,7 +104,7 @@ class Event:
     """A CPU stand-in for torch.cuda.Event: complete once recorded; elapsed_time is host time."""
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
-        _calls["torch.cuda.Event"] = _calls.get("torch.cuda.Event", 0) + 1
+        _count("torch.cuda.Event")
         self.enable_timing = enable_timing
         self._recorded_at = None
 
@@ -157,16 +161,10 @@ def _stream(stream):
 
 # ---- the stand-in device ------------------------------------------------------------------------
 
-def _host_memory_bytes():
+def _host_bytes(pages="SC_PHYS_PAGES"):
+    """The host's memory (SC_PHYS_PAGES) or what is free of it (SC_AVPHYS_PAGES); 0 if unknown."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def _host_available_bytes():
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
     except (ValueError, OSError, AttributeError):
         return 0
 
@@ -193,7 +191,7 @@ def _properties(device=None):
     s = _state
     return types.SimpleNamespace(name=f"moe-ep cpu_compat device {index}", major=s["capability"][0],
                                  minor=s["capability"][1], multi_processor_count=s["multi_processor_count"],
-                                 total_memory=_host_memory_bytes(), is_integrated=False, is_multi_gpu_board=False,
+                                 total_memory=_host_bytes(), is_integrated=False, is_multi_gpu_board=False,
                                  uuid=f"moe-ep-cpu-compat-{index}", L2_cache_size=0, warp_size=32)
 
 
@@ -210,7 +208,7 @@ class _DeviceContext:
     """torch.cuda.device(i): selects device i inside the block."""
 
     def __init__(self, device):
-        _calls["torch.cuda.device"] = _calls.get("torch.cuda.device", 0) + 1
+        _count("torch.cuda.device")
         self.index = None if device is None or (isinstance(device, int) and device < 0) else _index(device)
 
     def __enter__(self):
@@ -245,7 +243,7 @@ def _cuda_functions():
         "is_initialized": lambda: True,
         "init": lambda: None,
         "empty_cache": lambda: None,
-        "mem_get_info": lambda device=None: (_host_available_bytes(), _host_memory_bytes()),
+        "mem_get_info": lambda device=None: (_host_bytes("SC_AVPHYS_PAGES"), _host_bytes()),
         "memory_allocated": lambda device=None: 0,
         "max_memory_allocated": lambda device=None: 0,
         "memory_reserved": lambda device=None: 0,
@@ -273,24 +271,24 @@ class _CudaOnCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
-            _calls["device mapped"] = _calls.get("device mapped", 0) + 1
+            _count("device mapped")
             return args[0]
         if func is torch.Tensor.pin_memory:
             return args[0]
         device = kwargs.get("device")
         if device is not None and _is_cuda_device(device):
             kwargs["device"] = _CPU
-            _calls["device mapped"] = _calls.get("device mapped", 0) + 1
+            _count("device mapped")
         if kwargs.get("pin_memory"):
             kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU) + tuple(args[2:])
-            _calls["device mapped"] = _calls.get("device mapped", 0) + 1
+            _count("device mapped")
         return func(*args, **kwargs)
 
 
 def _record_stream(tensor, stream):
-    _calls["Tensor.record_stream"] = _calls.get("Tensor.record_stream", 0) + 1
+    _count("Tensor.record_stream")
 
 
 def enter_thread():
@@ -327,7 +325,7 @@ def _on_rank_threads(fn):
 def _gloo_backend(backend):
     if backend is None or "nccl" not in str(backend).lower():
         return backend
-    _calls["nccl -> gloo"] = _calls.get("nccl -> gloo", 0) + 1
+    _count("nccl -> gloo")
     return "gloo"
 
 
@@ -356,7 +354,7 @@ def _wrap_new_group(original):
 def _counted(name, fn):
     """fn, counting its calls under `name` (calls() reports them)."""
     def counted(*args, **kwargs):
-        _calls[name] = _calls.get(name, 0) + 1
+        _count(name)
         return fn(*args, **kwargs)
     counted.__name__ = getattr(fn, "__name__", name)
     counted.__doc__ = getattr(fn, "__doc__", None)
@@ -390,7 +388,7 @@ def install(device_count=8, multi_processor_count=132, capability=(9, 0)):
             return
         replaced = {}
         state = dict(device_count=device_count, multi_processor_count=multi_processor_count, capability=capability,
-                     current=0, replaced=replaced, thread=threading.get_ident())
+                     current=0, replaced=replaced)
         for name, fn in _cuda_functions().items():
             replaced[("cuda", name)] = getattr(torch.cuda, name, None)
             # Classes stay classes (isinstance works); they count their own constructions.
@@ -404,7 +402,7 @@ def install(device_count=8, multi_processor_count=132, capability=(9, 0)):
 
         def set_default_device(device):
             if _is_cuda_device(device):
-                _calls["device mapped"] = _calls.get("device mapped", 0) + 1
+                _count("device mapped")
                 device = _CPU
             return original_default(device)
         torch.set_default_device = set_default_device
@@ -453,10 +451,8 @@ def enabled(**settings):
 
 
 def _install_from_environment():
-    """MOE_EP_CPU_COMPAT=1 installs the layer when moe_ep.deep_ep is imported."""
-    from .. import env
-    entry = next(e for e in env() if e["name"] == "MOE_EP_CPU_COMPAT")
-    if entry["error"]:
-        raise ValueError(entry["error"])
-    if entry["value"].strip().lower() in ("1", "true", "on", "yes"):
+    """MOE_EP_CPU_COMPAT=1 installs the layer when moe_ep.deep_ep is imported (read through the
+    registry: a value that is not a bool raises InvalidArgument naming the variable)."""
+    from .. import _C
+    if _C.env_bool("MOE_EP_CPU_COMPAT"):
         install()
