@@ -136,18 +136,17 @@ def local_world(n, fn, num_scaleout=1):
 
 
 def shm_listing():
-    """/dev/shm's entries, less Python multiprocessing's semaphores (sem.mp-*): those of other
-    programs running at the same time (tests run in parallel) come and go there, and moe-ep
-    creates none."""
+    """/dev/shm's entries under moe-ep's names: the only ones a test of moe-ep can call its own
+    (other programs, and the tests running beside this one, create and remove theirs meanwhile)."""
     try:
-        return {name for name in os.listdir("/dev/shm") if not name.startswith("sem.mp-")}
+        return {name for name in os.listdir("/dev/shm") if name.startswith(("moe-ep", "moe_ep"))}
     except FileNotFoundError:
         return set()
 
 
 @pytest.fixture
 def shm_unchanged():
-    """Asserts that the test leaves no new entry in /dev/shm."""
+    """Asserts that the test leaves no new entry under moe-ep's names in /dev/shm."""
     before = shm_listing()
     yield
     time.sleep(0.2)

@@ -7,7 +7,10 @@ namespace moe_ep::testing {
 std::set<std::string> dev_shm_entries() {
   std::set<std::string> names;
   if (DIR* d = opendir("/dev/shm")) {
-    while (dirent* e = readdir(d)) names.insert(e->d_name);
+    while (dirent* entry = readdir(d)) {
+      const std::string name = entry->d_name;
+      if (name.starts_with("moe-ep") || name.starts_with("moe_ep")) names.insert(name);
+    }
     closedir(d);
   }
   return names;

@@ -1,7 +1,8 @@
-// The /dev/shm leak check: a test fixture that lists /dev/shm before each test and fails the test
-// for every entry found there afterwards that was not there before (shared-memory segments of
-// processes or transports the test left behind). Tests using it must not run concurrently with
-// others that create entries there (CTest RUN_SERIAL, or one test binary at a time).
+// The /dev/shm leak check: a test fixture that lists /dev/shm's entries under moe-ep's names
+// (moe-ep*, moe_ep*) before each test and fails the test for every such entry found there
+// afterwards that was not there before (shared-memory segments the test's transports left
+// behind). Only moe-ep's names are looked at, so tests using it may run beside other programs
+// that create and remove entries of their own there.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,7 +12,7 @@
 
 namespace moe_ep::testing {
 
-// The names in /dev/shm now (empty when it cannot be read).
+// The names under moe-ep's prefixes in /dev/shm now (empty when it cannot be read).
 std::set<std::string> dev_shm_entries();
 
 class DevShmUnchanged : public ::testing::Test {
