@@ -1,7 +1,7 @@
 """api "v1": a Buffer normal-mode dispatch and combine, with the V1 handle."""
 import numpy as np
 
-from .compare import bitwise
+from .compare import bitwise, check_combined
 from .expected import Layer, combine_expected, load_source, reduce_token, routing
 from .formats import F32
 from .rows import align, check_compact, check_fp8_inputs, expert_counts
@@ -45,14 +45,10 @@ def check_v1(directory, cfg, err):
             err.add(f"rank {d}: is_token_in_rank")
         if not bitwise(load(d, "send_head"), head):
             err.add(f"rank {d}: send_head")
-    for s, src in enumerate(sources):
-        combined, combined_w = load(s, "combined_x"), load(s, "combined_topk_weights")
-        for t in range(src.n):
-            # V1 across nodes: the forwarder sums its node first (the hybrid order with multiple reduction).
-            if not bitwise(combined[t], combine_expected(src, t, layer, k, El, False, True, nodes, per_node)):
-                err.add(f"rank {s}: combined_x token {t}")
-            if not bitwise(combined_w[t], combined_weights(src, t, k, El, nodes, per_node)):
-                err.add(f"rank {s}: combined_topk_weights token {t}")
+    # V1 across nodes: the forwarder sums its node first (the hybrid order with multiple reduction).
+    check_combined(err, sources, load,
+                   lambda src, t: combine_expected(src, t, layer, k, El, False, True, nodes, per_node),
+                   lambda src, t: combined_weights(src, t, k, El, nodes, per_node))
     return (f"V1 normal-mode order and payloads, ids, weights, handle (rank_prefix_matrix, recv_src_idx, "
             f"is_token_in_rank, send_head), expert counts, expert outputs and combined outputs of {R} ranks")
 

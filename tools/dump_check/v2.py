@@ -1,7 +1,7 @@
 """api "v2": an ElasticBuffer dispatch and combine (compact or expanded, FP8 or BF16, hybrid)."""
 import numpy as np
 
-from .compare import bitwise
+from .compare import bitwise, check_combined
 from .expected import Layer, combine_expected, load_source, routing
 from .formats import F32
 from .rows import align, check_compact, check_expanded, check_fp8_inputs, expert_counts
@@ -40,12 +40,7 @@ def check_v2(directory, cfg, err):
                                                           for j in range(k)]
             if not bitwise(meta[i], np.array(expected, dtype=np.int32)):
                 err.add(f"rank {d}: recv_src_metadata row {i}: {meta[i].tolist()}, expected {expected}")
-    for s, src in enumerate(sources):
-        combined, combined_w = load(s, "combined_x"), load(s, "combined_topk_weights")
-        for t in range(src.n):
-            if not bitwise(combined[t], combine_expected(src, t, layer, k, El, expand, multi, nodes, per_node)):
-                err.add(f"rank {s}: combined_x token {t}")
-            expected_w = np.where(src.topk[t] >= 0, src.w[t], F32(0)).astype(np.float32)
-            if not bitwise(combined_w[t], expected_w):
-                err.add(f"rank {s}: combined_topk_weights token {t}")
+    check_combined(err, sources, load,
+                   lambda src, t: combine_expected(src, t, layer, k, El, expand, multi, nodes, per_node),
+                   lambda src, t: np.where(src.topk[t] >= 0, src.w[t], F32(0)).astype(np.float32))
     return f"V2 dispatch order and payloads, metadata, expert outputs and combined outputs of {R} ranks"
