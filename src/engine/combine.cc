@@ -1,15 +1,5 @@
-// The combine operation of both buffer generations. Reduction order and rounding:
-// docs/semantics.md ("Combine").
-//
-// A token's contributions are grouped into units, each keyed by a top-k position (its master
-// lane), and summed in ascending key order after the biases, in FP32 with one BF16 rounding:
-//  - compact layout: one unit per destination rank (the row that rank returned);
-//  - expanded layout with multiple reduction: one unit per destination rank, itself the sum of
-//    that rank's lanes in ascending order, rounded to BF16 (level 1);
-//  - expanded layout without multiple reduction: one unit per lane;
-//  - hybrid with multiple reduction: one unit per destination node, the sum of that node's rank
-//    units in ascending master-lane order, rounded to BF16 (level 2).
-// Units with a single input are passed through unchanged.
+// The combine operation of both buffer generations (engine/combine_op.hh): validation, the
+// contributions of other nodes' tokens and the reduction of this rank's tokens.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -20,13 +10,11 @@
 #include "core/failure.hh"
 #include "core/log.hh"
 #include "core/reduce.hh"
-#include "engine/call_shape.hh"
-#include "engine/counted_exchange.hh"
-#include "engine/engine.hh"
+#include "engine/combine_op.hh"
 #include "moe_ep/error.hpp"
-#include "routing/combine_order.hh"
 
 namespace moe_ep::engine {
+namespace combine_detail {
 namespace {
 
 constexpr std::int64_t kTokensPerTask = 8;
@@ -59,109 +47,34 @@ void sum_weight_rows(std::span<const float* const> rows, int k, float* out) {
   }
 }
 
-struct Unit {
-  int key;
-  const std::uint16_t* row;
-  const float* weights = nullptr;  // the unit's whole weight row (compact layout), or null
-};
+}  // namespace
 
-class Combine final : public CombineOperation {
- public:
-  Combine(Engine& engine, CombineRequest request, std::uint64_t sequence)
-      : CombineOperation(engine.facts.context(request.operation), request.operation, "combine: agreement"),
-        engine_(engine),
-        req_(std::move(request)),
-        sequence_(sequence),
-        ctx_(context()) {}
+Combine::Combine(Engine& engine, CombineRequest request, std::uint64_t sequence)
+    : CombineOperation(engine.facts.context(request.operation), request.operation, "combine: agreement"),
+      engine_(engine),
+      req_(std::move(request)),
+      sequence_(sequence),
+      ctx_(context()) {}
 
-  bool outputs_known_early() const override { return true; }
-  void allocate_outputs_early() override;
+const std::uint16_t* Combine::row_of(int d, std::int32_t r, int& scratch) const {
+  const PeerTensors& p = peers_[static_cast<size_t>(d)];
+  const auto* row = reinterpret_cast<const std::uint16_t*>(p.x + r * p.x_row_bytes);
+  if (!p.row_weights) return row;
+  std::uint16_t* out = scratch_row(scratch++, shape_.hidden);
+  core::weighted_sum_bf16_rows({&row, 1}, {p.row_weights + r, 1}, out, shape_.hidden);
+  return out;
+}
 
- private:
-  void validate() override;
-  std::vector<std::byte> prepare() override;
-  void describe(comm::Agreement& agreement) const override;
-  void run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) override;
-  void put_contributions(CountedExchange& contributions);
-  // The records of one token to `peer`: its units on this node (level-2 sum keyed by routing node
-  // when node_unit_key, else one per unit keyed by its lane).
-  void send_token(CountedExchange& contributions, int peer, std::int32_t token, const std::int64_t* ids,
-                  const std::int32_t* rows, const std::int32_t* expanded, bool node_unit_key);
-  // The record's weights: the unit's whole weight row (weights summed over ranks), or the
-  // weights of the lanes selected by keep, 0 elsewhere (in send_weights_).
-  template <class Keep>
-  const float* record_weights(const Unit& unit, const std::int64_t* ids, const std::int32_t* rows,
-                              const std::int32_t* expanded, Keep keep);
-  void wait_contributions(CountedExchange& contributions);
-  void reduce_tokens();
-  void reduce_token(int t);
-  routing::ReductionScheme scheme() const {
-    return {.expand = expand_, .multiple_reduction = multi_, .hybrid = engine_.facts.paths.hybrid(),
-            .physical_scaleup = engine_.facts.physical.num_scaleup};
-  }
-
-  // Row r of rank d's combine input (d on this node); with row weights, the weighted row
-  // bf16(w[r] * float(x[r])) in the next scratch row.
-  const std::uint16_t* row_of(int d, std::int32_t r, int& scratch) const {
-    const PeerTensors& p = peers_[static_cast<size_t>(d)];
-    const auto* row = reinterpret_cast<const std::uint16_t*>(p.x + r * p.x_row_bytes);
-    if (!p.row_weights) return row;
-    std::uint16_t* out = scratch_row(scratch++, shape_.hidden);
-    core::weighted_sum_bf16_rows({&row, 1}, {p.row_weights + r, 1}, out, shape_.hidden);
-    return out;
-  }
-  // The whole weight row rank d (on this node) returned with its compact row r, or null.
-  const float* weight_row(int d, std::int32_t r) const {
-    const PeerTensors& p = peers_[static_cast<size_t>(d)];
-    if (!has_weights_) return nullptr;
-    return p.weights + r * p.weights_row;
-  }
-  // The weight that lane j's rank (on this node) returned for the token: column j of the rank's
-  // row at its master lane (compact), or the weight of lane j's expanded row.
-  float lane_weight(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int j) const {
-    const int d = geo_.rank_of_expert(ids[j]);
-    const PeerTensors& p = peers_[static_cast<size_t>(d)];
-    const float* w = p.weights;
-    if (expand_) return w[expanded[j]];
-    for (int l = shape_.topk - 1; l >= 0; --l)
-      if (ids[l] >= 0 && geo_.rank_of_expert(ids[l]) == d) return w[rows[l] * p.weights_row + j];
-    return 0.0f;
-  }
-  // The unit of destination rank d (on this node) for a token: its row, or the level-1 sum of
-  // its lanes (expanded layout). rows/expanded: the token's rows at the lanes' ranks.
-  const std::uint16_t* rank_unit(int d, const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded,
-                                 int& scratch) const;
-  // Fills `units` with the units of the token's destinations on this node, for combine targets
-  // selected by `take(rank)`; keys are master lanes (or lanes without multiple reduction).
-  int node_units(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int node,
-                 std::array<Unit, kMaxTopk>& units, int& scratch) const;
-  // Level 2: the sum of a node's rank units in ascending master-lane order (row null if none);
-  // its weights are the sum of theirs (compact layout).
-  Unit node_sum(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int node,
-                int& scratch) const;
-  // The unit a reference of this node names (kLane, kRank or kNode).
-  Unit local_unit(const routing::UnitRef& ref, const std::int64_t* ids, const std::int32_t* rows,
-                  const std::int32_t* expanded, int& scratch) const;
-  std::byte* combine_record(int key, std::int32_t token) {
-    return engine_.memory().local() + (static_cast<std::int64_t>(key) * shape_.max_tokens + token) * record_.bytes;
-  }
-  void put_record(CountedExchange& contributions, int peer, int key, std::int32_t token, const std::uint16_t* payload,
-                  const float* weights);
-
-  Engine& engine_;
-  CombineRequest req_;
-  std::uint64_t sequence_;
-  std::string ctx_;
-  const HandleState* plan_ = nullptr;
-  PeerTensors mine_;  // this rank's input rows and weights (before sharing)
-  std::size_t own_x_bytes_ = 0;  // the extent of mine_.x
-  bool expand_ = false, multi_ = true, has_weights_ = false;
-  CallShape shape_;
-  std::array<float, kMaxTopk> send_weights_{};
-  CombineRecord record_{1, 1};
-  routing::Geometry geo_;
-  std::vector<PeerTensors> peers_;
-};
+float Combine::lane_weight(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded,
+                           int j) const {
+  const int d = geo_.rank_of_expert(ids[j]);
+  const PeerTensors& p = peers_[static_cast<size_t>(d)];
+  const float* w = p.weights;
+  if (expand_) return w[expanded[j]];
+  for (int l = shape_.topk - 1; l >= 0; --l)
+    if (ids[l] >= 0 && geo_.rank_of_expert(ids[l]) == d) return w[rows[l] * p.weights_row + j];
+  return 0.0f;
+}
 
 void Combine::validate() {
   const auto& a = req_;
@@ -513,10 +426,10 @@ void Combine::reduce_token(int t) {
                       shape_.hidden);
 }
 
-}  // namespace
+}  // namespace combine_detail
 
 std::shared_ptr<CombineOperation> make_combine(Engine& engine, CombineRequest request, std::uint64_t sequence) {
-  return std::make_shared<Combine>(engine, std::move(request), sequence);
+  return std::make_shared<combine_detail::Combine>(engine, std::move(request), sequence);
 }
 
 }  // namespace moe_ep::engine

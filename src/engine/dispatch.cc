@@ -269,18 +269,48 @@ void Dispatch::make_outputs() {
 // Scale-out records, forwarding (hybrid), the remote receive plan, then the copies.
 void Dispatch::move_rows(const std::vector<PeerTensors>& peers) {
   const bool hybrid = engine_.facts.paths.hybrid();
-  CountedExchange records(engine_, "dispatch: scale-out records");
-  put_records(peers, records);
-  wait_records(records);
-  if (!cached_ && hybrid) plan_forwarding();
+  DispatchRecordExchange records(
+      engine_, geo_,
+      {.row_bytes = row_bytes_, .scale_columns = shape_.scale_columns, .topk = shape_.topk, .weights = has_weights_},
+      shape_.max_tokens);
+  records.send(*plan_, peers[static_cast<size_t>(engine_.facts.rank)]);
+  records.receive(plan_->layout, planning_rank());
+  if (!cached_ && hybrid) plan_forwarding(records);
   if (hybrid) engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("dispatch: forwarded records ready"));
-  if (!cached_ && (hybrid || engine_.facts.paths.direct_remote())) plan_receive_remote();
+  if (!cached_ && records.used()) plan_receive_remote(records);
   {
     comm::PeerReads reads(engine_.transport(), "dispatch: copy");  // node peers' x, scales and weights
-    copy_rows(peers);
+    copy_rows(peers, records);
   }
   if (req_.zero_padding) zero_padding();
   add_expert_stats();
+}
+
+// Hybrid: the rows, at this node's ranks, of every token this rank forwards (used by combine).
+void Dispatch::plan_forwarding(const DispatchRecordExchange& records) {
+  HandleState& s = *state_;
+  const int k = shape_.topk;
+  routing::start_forwarding(s.forward, s.layout, engine_.facts.rank, k);
+  for (routing::ForwardPlan& f : s.forward)
+    if (f.source >= 0) records.read_arrived(f.source, f.count, f.ids.data(), f.token.data());
+  routing::plan_forwarding(s.forward, s.layout, engine_.facts.rank, k);
+}
+
+// The rows this rank receives from other nodes, once their records arrived.
+void Dispatch::plan_receive_remote(const DispatchRecordExchange& records) {
+  HandleState& s = *state_;
+  const routing::PlanningRank me = planning_rank();
+  const int k = shape_.topk;
+  std::vector<std::int64_t> ids;
+  std::vector<std::int32_t> tokens;
+  for (int src = 0; src < geo_.num_ranks; ++src) {
+    const std::int32_t count = routing::remote_records(s.layout, me, src);
+    if (count == 0) continue;
+    ids.resize(static_cast<size_t>(count) * static_cast<size_t>(k));
+    tokens.resize(static_cast<size_t>(count));
+    records.read_received(src, count, ids.data(), tokens.data());
+    routing::receive_source(s, me, src, {ids.data(), k, count, k}, tokens.data());
+  }
 }
 
 void Dispatch::finish() {

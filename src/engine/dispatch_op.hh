@@ -1,6 +1,8 @@
 // The dispatch operation (private to the engine): its validation (dispatch_validate.cc), its
-// sequence of steps around the agreement (dispatch.cc) and its data path (dispatch_records.cc).
-// The routing plan itself is computed by routing/handle_plan.hh; this class moves the data.
+// sequence of steps around the agreement (dispatch.cc) and its copies into the outputs
+// (dispatch_rows.cc). The routing plan itself is computed by routing/handle_plan.hh, the records
+// of other nodes move through a DispatchRecordExchange (dispatch_record_exchange.hh); this class
+// moves the data.
 //
 // Guarantees: the phases of engine/operation.hh (a rejection in validate() or prepare() is reported
 // through the agreement); run() executes the steps in a fixed order on every rank, so that the
@@ -15,7 +17,7 @@
 
 #include "comm/agreement.hh"
 #include "engine/call_shape.hh"
-#include "engine/counted_exchange.hh"
+#include "engine/dispatch_record_exchange.hh"
 #include "engine/engine.hh"
 #include "routing/handle_plan.hh"
 
@@ -64,25 +66,16 @@ class Dispatch final : public DispatchOperation {
   void fill_handle();
   routing::PlanningRank planning_rank() const;
 
-  // Data path (dispatch_records.cc).
-  void put_records(const std::vector<PeerTensors>& peers, CountedExchange& records);
-  void fill_record_meta(const PeerTensors& mine, int token);
-  void wait_records(CountedExchange& records);
-  void plan_forwarding();
-  void plan_receive_remote();
-  void copy_rows(const std::vector<PeerTensors>& peers);
-  void copy_row(const std::vector<PeerTensors>& peers, std::int64_t row, std::int32_t* metadata);
+  // The plans read from the records of other nodes (dispatch.cc).
+  void plan_forwarding(const DispatchRecordExchange& records);
+  void plan_receive_remote(const DispatchRecordExchange& records);
+
+  // Copies into the outputs (dispatch_rows.cc).
+  void copy_rows(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records);
+  void copy_row(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records, std::int64_t row,
+                std::int32_t* metadata);
   void zero_padding();
   void add_expert_stats();
-
-  // The record of (source, slot) in this rank's region (direct) or its forwarder's (hybrid).
-  std::byte* region_record(int source, std::int32_t slot);
-  std::int64_t region_offset(int source, std::int32_t slot) const {
-    const int region = engine_.facts.paths.hybrid() ? engine_.facts.routing_node_of(source) : source;
-    return (static_cast<std::int64_t>(region) * shape_.max_tokens + slot) * record_.bytes;
-  }
-  // The ids (as int64) and token index of a record of this rank's symmetric memory or a node peer's.
-  void read_record(const std::byte* record, std::int64_t* ids, std::int32_t* token) const;
 
   Engine& engine_;
   DispatchRequest req_;
@@ -96,7 +89,6 @@ class Dispatch final : public DispatchOperation {
   int handle_hidden_ = 0;  // the handle's hidden: shape_.hidden, or the request's handle_hidden
   DType x_dtype_ = DType::kBF16, scale_dtype_ = DType::kFP32;
   std::int64_t row_bytes_ = 0;
-  DispatchRecord record_{0, 0, 1};
   routing::Geometry geo_;
   const HandleState* cached_state_ = nullptr;
   std::shared_ptr<HandleState> state_;  // the new handle's state (non-cached)
@@ -104,7 +96,6 @@ class Dispatch final : public DispatchOperation {
   PeerTensors mine_;                    // this rank's tensors (before sharing)
   routing::LocalCounts counts_;
   Tensor listed_;  // new dispatch: int32 [rows this rank sends, 2], routing::list_by_destination
-  std::vector<std::byte> record_scratch_;
   // Where row r, column p of the output scales lives (DispatchRequest::col_major_scales): blocks
   // of `block` rows, column-major within a block; block 1 is row-major.
   struct ScaleLayout {

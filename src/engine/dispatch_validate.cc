@@ -143,7 +143,6 @@ void Dispatch::check_options() {
   if (a.worst_rows < 0) core::fail(ctx_, "the worst-case row count {} is negative", a.worst_rows);
   engine_.facts.check_num_qps(ctx_, a.num_qps);
   geo_ = routing::Geometry{engine_.facts.num_ranks, shape_.experts, engine_.facts.logical_scaleout};
-  record_ = DispatchRecord(row_bytes_, fp8_ ? std::int64_t{shape_.scale_columns} * 4 : 0, shape_.topk);
   if (shape_.max_tokens > 0) check_capacity(shape_.max_tokens);
 
   // The routing of a new dispatch is checked here, before anything moves.
@@ -163,7 +162,8 @@ void Dispatch::check_capacity(int tokens_bound) const {
   if (worst > (std::int64_t{1} << 31) - 1)
     core::fail(ctx_, "num_max_tokens_per_rank = {} x {} ranks x min(k, local experts) = {} rows exceed the int32 "
                "row index", tokens_bound, engine_.facts.num_ranks, worst);
-  const RegionSizes need = region_sizes(engine_.facts.paths, tokens_bound, H, row_bytes_, record_.scales_bytes, k,
+  const std::int64_t scale_bytes = std::int64_t{shape_.scale_columns} * 4;
+  const RegionSizes need = region_sizes(engine_.facts.paths, tokens_bound, H, row_bytes_, scale_bytes, k,
                                         engine_.facts.config.allow_multiple_reduction);
   if (need.dispatch_bytes > engine_.facts.config.pool_bytes) {
     const std::int64_t bytes = align_to(need.dispatch_bytes, engine_.facts.config.pool_alignment);

@@ -1,6 +1,6 @@
 """The data-path scenarios with an mpi4py communicator as the group (moe-ep's MPI transport).
 
-Run by CTest under mpirun (tests/CMakeLists.txt): every rank runs each scenario of scenarios.py
+Run by CTest under mpirun (tests/CMakeLists.txt): every rank runs each scenario of scenarios/
 (every output checked against reference.py) and exits non-zero on any mismatch or error.
 """
 

@@ -29,8 +29,6 @@ def make_dispatcher(g, **kw):
 def check_round(g, d, kind, seed, expect_format, alignment=1, micro_batch=0, split=False):
     """One dispatch + combine, every output checked; returns the format."""
     R, rank = g.size(), g.rank()
-    SU, SO = g.num_scaleup, g.num_scaleout
-    El = E // R
     inputs = ref.make_inputs(R, 12, H, E, K, seed)
     x, idx, w = inputs[rank]
     if split:
@@ -41,47 +39,14 @@ def check_round(g, d, kind, seed, expect_format, alignment=1, micro_batch=0, spl
     assert out.format == expect_format, (out.format, expect_format)
     assert out["format"] == out.format and out.micro_batch == micro_batch
     v2 = d.generation == "V2"
-    hybrid = v2 and SO > 1
+    ranks_per_node = g.num_scaleup if g.num_scaleout > 1 else None
     if out.format == "normal":
-        exp = ref.v1_dispatch(inputs, rank, E, alignment)
-        assert_same(out.hidden_states, exp["recv_x"], "hidden_states")
-        assert_same(out.topk_ids, exp["recv_topk_idx"], "topk_ids")
-        assert_same(out.topk_weights, exp["recv_topk_weights"], "topk_weights (0 where the id is -1)")
-        assert list(out.num_recv_tokens_per_expert) == exp["num_recv_tokens_per_expert_list"]
-        y = ref.rank_transform(out.hidden_states, rank)
-        want = ref.combine_rank(inputs, rank, E, rank_rows_of=lambda dd, t: ref.rank_transform(x[t], dd),
-                                ranks_per_node=SU if SO > 1 else None)
+        y, want = check_normal(out, inputs, rank, alignment, ranks_per_node)
     elif out.format == "v2_expanded":
-        exp = ref.v2_dispatch_expanded(inputs, rank, E, alignment)
-        assert list(out.num_recv_tokens_per_expert) == [ref.align(c, alignment) for c in exp["counts"]]
-        assert out.masked_m.tolist() == exp["counts"]
-        y = torch.full((out.hidden_states.shape[0], H), 1e4, dtype=torch.bfloat16)
-        for i in range(El):
-            st = exp["starts"][i]
-            for r, (s, t, j) in enumerate(exp["per_expert"][i]):
-                assert_same(out.hidden_states[st + r], inputs[s][0][t], f"expanded row {st + r}")
-                assert float(out.topk_weights[st + r]) == float(inputs[s][2][t, j])
-                y[st + r] = ref.bf16(out.topk_weights[st + r] * ref.expert_transform(out.hidden_states[st + r],
-                                                                                     rank * El + i).float())
-        want = ref.combine_rank(inputs, rank, E, lane_rows_of=lambda t, j: ref.bf16(
-            w[t, j] * ref.expert_transform(x[t], int(idx[t, j])).float()), ranks_per_node=SU if hybrid else None)
+        y, want = check_v2_expanded(out, inputs, rank, alignment, ranks_per_node if v2 else None)
     else:
         assert out.format == "low_latency"
-        per = ref.ll_expert_tokens(inputs, rank, E)
-        assert out.hidden_states.shape == (El, R * CAP, H)
-        assert out.masked_m.dtype == torch.int32 and out.masked_m.tolist() == [len(p) for p in per]
-        assert out.expected_m == (x.shape[0] * R * K + E) // E
-        y = torch.zeros(El, R * CAP, H, dtype=torch.bfloat16)
-        for i, p in enumerate(per):
-            if p:
-                assert_same(out.hidden_states[i, :len(p)], torch.stack([inputs[s][0][t] for s, t in p]),
-                            f"slab of local expert {i} (source rank, then token order)")
-                y[i, :len(p)] = ref.expert_transform(out.hidden_states[i, :len(p)], rank * El + i)
-        if v2:
-            want = ref.combine_rank(inputs, rank, E, lane_rows_of=lambda t, j: ref.bf16(
-                w[t, j] * ref.expert_transform(x[t], int(idx[t, j])).float()), ranks_per_node=SU if hybrid else None)
-        else:
-            want = ref.ll_combine(inputs, rank, E, lambda t, e: ref.expert_transform(x[t], e))
+        y, want = check_low_latency(out, inputs, rank, v2, ranks_per_node if v2 else None)
     if split:
         d.combine_a(y, micro_batch)
         got = d.combine_b(micro_batch)
@@ -89,6 +54,63 @@ def check_round(g, d, kind, seed, expect_format, alignment=1, micro_batch=0, spl
         got = d.combine(y, micro_batch)
     assert_same(got, want, f"combined ({out.format}, {d.generation})")
     return out.format
+
+
+# Each format's check of what the experts got returns what they give back (y) and the combine's
+# expected result.
+
+def check_normal(out, inputs, rank, alignment, ranks_per_node):
+    x = inputs[rank][0]
+    exp = ref.v1_dispatch(inputs, rank, E, alignment)
+    assert_same(out.hidden_states, exp["recv_x"], "hidden_states")
+    assert_same(out.topk_ids, exp["recv_topk_idx"], "topk_ids")
+    assert_same(out.topk_weights, exp["recv_topk_weights"], "topk_weights (0 where the id is -1)")
+    assert list(out.num_recv_tokens_per_expert) == exp["num_recv_tokens_per_expert_list"]
+    y = ref.rank_transform(out.hidden_states, rank)
+    want = ref.combine_rank(inputs, rank, E, rank_rows_of=lambda dd, t: ref.rank_transform(x[t], dd),
+                            ranks_per_node=ranks_per_node)
+    return y, want
+
+
+def check_v2_expanded(out, inputs, rank, alignment, ranks_per_node):
+    El = E // len(inputs)
+    exp = ref.v2_dispatch_expanded(inputs, rank, E, alignment)
+    assert list(out.num_recv_tokens_per_expert) == [ref.align(c, alignment) for c in exp["counts"]]
+    assert out.masked_m.tolist() == exp["counts"]
+    y = torch.full((out.hidden_states.shape[0], H), 1e4, dtype=torch.bfloat16)
+    for i in range(El):
+        st = exp["starts"][i]
+        for r, (s, t, j) in enumerate(exp["per_expert"][i]):
+            assert_same(out.hidden_states[st + r], inputs[s][0][t], f"expanded row {st + r}")
+            assert float(out.topk_weights[st + r]) == float(inputs[s][2][t, j])
+            y[st + r] = ref.bf16(out.topk_weights[st + r] * ref.expert_transform(out.hidden_states[st + r],
+                                                                                 rank * El + i).float())
+    return y, weighted_lanes_combined(inputs, rank, ranks_per_node)
+
+
+def check_low_latency(out, inputs, rank, v2, ranks_per_node):
+    R, x = len(inputs), inputs[rank][0]
+    El = E // R
+    per = ref.ll_expert_tokens(inputs, rank, E)
+    assert out.hidden_states.shape == (El, R * CAP, H)
+    assert out.masked_m.dtype == torch.int32 and out.masked_m.tolist() == [len(p) for p in per]
+    assert out.expected_m == (x.shape[0] * R * K + E) // E
+    y = torch.zeros(El, R * CAP, H, dtype=torch.bfloat16)
+    for i, p in enumerate(per):
+        if p:
+            assert_same(out.hidden_states[i, :len(p)], torch.stack([inputs[s][0][t] for s, t in p]),
+                        f"slab of local expert {i} (source rank, then token order)")
+            y[i, :len(p)] = ref.expert_transform(out.hidden_states[i, :len(p)], rank * El + i)
+    if v2:
+        return y, weighted_lanes_combined(inputs, rank, ranks_per_node)
+    return y, ref.ll_combine(inputs, rank, E, lambda t, e: ref.expert_transform(x[t], e))
+
+
+def weighted_lanes_combined(inputs, rank, ranks_per_node):
+    """The V2 combine of lanes that each returned bf16(w * f_e(x))."""
+    x, idx, w = inputs[rank]
+    return ref.combine_rank(inputs, rank, E, lane_rows_of=lambda t, j: ref.bf16(
+        w[t, j] * ref.expert_transform(x[t], int(idx[t, j])).float()), ranks_per_node=ranks_per_node)
 
 
 TOPOLOGIES = [pytest.param(2, 1, id="2x1"), pytest.param(4, 2, id="2x2")]

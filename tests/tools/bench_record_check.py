@@ -95,67 +95,81 @@ def single(moe_ep, version):
 
 def sweep(moe_ep, plot):
     with tempfile.TemporaryDirectory() as d:
-        argv = [moe_ep, "bench", *SHAPE, "--prefill-iters", "2", "--sweep", "tokens=8,16,...,64", "--json", "s.json",
-                "--csv", "s.csv"]
-        run(argv, d)
-        with open(os.path.join(d, "s.json")) as f:
-            rec = json.load(f)
-        with open(os.path.join(d, "s.csv")) as f:
-            rows = list(csv.DictReader(f))
-        check_header(rec, argv, rec["version"])
-        values = [8, 16, 32, 64]  # 8, 16, ... continues by 16 / 8 = 2 up to 64
-        check(rec["sweep"] == {"parameter": "tokens", "values": values}, f"sweep {rec['sweep']}")
-        check([p["value"] for p in rec["points"]] == values, "points are not the swept values")
-        ops = ["dispatch", "cached dispatch", "combine"]
-        check(len(rows) == len(values) * len(ops), f"{len(rows)} CSV rows, expected {len(values) * len(ops)}")
-        i = 0
-        for p in rec["points"]:
-            check(p["tokens_per_rank"] == p["value"] and p["hidden"] == 256 and p["ranks"] == 4, f"point {p['value']}")
-            check([r["operation"] for r in p["results"]] == ops, f"point {p['value']}: operations")
-            for r in p["results"]:
-                check_result(r, 2, p["memcpy_gbs"])
-                row = rows[i]
-                i += 1
-                check(row["parameter"] == "tokens" and int(row["value"]) == p["value"] and row["operation"] == r["operation"],
-                      f"CSV row {i}: {row}")
-                check(math.isclose(float(row["seconds"]), r["seconds"], rel_tol=1e-6), f"CSV row {i}: seconds")
-                check(float(row["bytes"]) == r["bytes"], f"CSV row {i}: bytes")
-                check(row["speedup_vs_alltoallv"] == "", f"CSV row {i}: a speed-up without a baseline")
-        # Dispatch's logical bytes grow with the tokens: the same routing scaled (skewed router,
-        # so only monotonic, not proportional).
-        dispatch = [p["results"][0]["bytes"] for p in rec["points"]]
-        check(all(a < b for a, b in zip(dispatch, dispatch[1:])), f"dispatch bytes {dispatch} do not grow with tokens")
-
-        # ranks: in-process, a new group per point.
-        argv = [moe_ep, "bench", *SHAPE, "--prefill-iters", "1", "--prefill-tokens", "16", "--sweep", "ranks=2,4,8"]
-        run(argv, d)
-        with open(os.path.join(d, "sweep-ranks.json")) as f:
-            ranks = json.load(f)
-        check([p["ranks"] for p in ranks["points"]] == [2, 4, 8], "ranks sweep: points' ranks")
-        check(os.path.exists(os.path.join(d, "sweep-ranks.csv")), "ranks sweep: default CSV missing")
-
-        # experts: the same ranks and top-k, more experts per rank at each point.
-        argv = [moe_ep, "bench", *SHAPE, "--prefill-iters", "1", "--prefill-tokens", "16", "--sweep", "experts=16,32,...,64"]
-        run(argv, d)
-        with open(os.path.join(d, "sweep-experts.json")) as f:
-            experts = json.load(f)
-        check(experts["sweep"] == {"parameter": "experts", "values": [16, 32, 64]}, f"experts sweep {experts['sweep']}")
-        check([p["experts"] for p in experts["points"]] == [16, 32, 64], "experts sweep: points' experts")
-
-        out = os.path.join(d, "plots")
-        p = subprocess.run([sys.executable, plot, os.path.join(d, "s.json"), "--out", out], capture_output=True, text=True)
-        check(p.returncode == 0, f"plot_bench.py exited {p.returncode}: {p.stderr.strip()}")
-        for name in ("sweep-tokens-bandwidth.png", "sweep-tokens-time.png"):
-            path = os.path.join(out, name)
-            check(os.path.exists(path), f"{name} not written")
-            with open(path, "rb") as f:
-                head = f.read(24)
-            check(head[:8] == b"\x89PNG\r\n\x1a\n", f"{name} is not a PNG")
-            width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
-            check(width > 100 and height > 100, f"{name} is {width}x{height}")
-        p = subprocess.run([sys.executable, plot, os.path.join(d, "sweep-ranks.csv")], capture_output=True, text=True)
-        check(p.returncode != 0, "plot_bench.py accepted a file that is not a sweep record")
+        check_tokens_sweep(moe_ep, d)
+        check_ranks_and_experts_sweeps(moe_ep, d)
+        check_plots(plot, d)
     print("sweep record and plots: PASS")
+
+
+def check_tokens_sweep(moe_ep, d):
+    """A tokens sweep in directory d: its JSON record (s.json) and CSV rows (s.csv)."""
+    argv = [moe_ep, "bench", *SHAPE, "--prefill-iters", "2", "--sweep", "tokens=8,16,...,64", "--json", "s.json",
+            "--csv", "s.csv"]
+    run(argv, d)
+    with open(os.path.join(d, "s.json")) as f:
+        rec = json.load(f)
+    with open(os.path.join(d, "s.csv")) as f:
+        rows = list(csv.DictReader(f))
+    check_header(rec, argv, rec["version"])
+    values = [8, 16, 32, 64]  # 8, 16, ... continues by 16 / 8 = 2 up to 64
+    check(rec["sweep"] == {"parameter": "tokens", "values": values}, f"sweep {rec['sweep']}")
+    check([p["value"] for p in rec["points"]] == values, "points are not the swept values")
+    ops = ["dispatch", "cached dispatch", "combine"]
+    check(len(rows) == len(values) * len(ops), f"{len(rows)} CSV rows, expected {len(values) * len(ops)}")
+    i = 0
+    for p in rec["points"]:
+        check(p["tokens_per_rank"] == p["value"] and p["hidden"] == 256 and p["ranks"] == 4, f"point {p['value']}")
+        check([r["operation"] for r in p["results"]] == ops, f"point {p['value']}: operations")
+        for r in p["results"]:
+            check_result(r, 2, p["memcpy_gbs"])
+            row = rows[i]
+            i += 1
+            check(row["parameter"] == "tokens" and int(row["value"]) == p["value"] and row["operation"] == r["operation"],
+                  f"CSV row {i}: {row}")
+            check(math.isclose(float(row["seconds"]), r["seconds"], rel_tol=1e-6), f"CSV row {i}: seconds")
+            check(float(row["bytes"]) == r["bytes"], f"CSV row {i}: bytes")
+            check(row["speedup_vs_alltoallv"] == "", f"CSV row {i}: a speed-up without a baseline")
+    # Dispatch's logical bytes grow with the tokens: the same routing scaled (skewed router,
+    # so only monotonic, not proportional).
+    dispatch = [p["results"][0]["bytes"] for p in rec["points"]]
+    check(all(a < b for a, b in zip(dispatch, dispatch[1:])), f"dispatch bytes {dispatch} do not grow with tokens")
+
+
+def check_ranks_and_experts_sweeps(moe_ep, d):
+    """Sweeps over ranks and experts in directory d, with their default record names."""
+    # ranks: in-process, a new group per point.
+    argv = [moe_ep, "bench", *SHAPE, "--prefill-iters", "1", "--prefill-tokens", "16", "--sweep", "ranks=2,4,8"]
+    run(argv, d)
+    with open(os.path.join(d, "sweep-ranks.json")) as f:
+        ranks = json.load(f)
+    check([p["ranks"] for p in ranks["points"]] == [2, 4, 8], "ranks sweep: points' ranks")
+    check(os.path.exists(os.path.join(d, "sweep-ranks.csv")), "ranks sweep: default CSV missing")
+
+    # experts: the same ranks and top-k, more experts per rank at each point.
+    argv = [moe_ep, "bench", *SHAPE, "--prefill-iters", "1", "--prefill-tokens", "16", "--sweep", "experts=16,32,...,64"]
+    run(argv, d)
+    with open(os.path.join(d, "sweep-experts.json")) as f:
+        experts = json.load(f)
+    check(experts["sweep"] == {"parameter": "experts", "values": [16, 32, 64]}, f"experts sweep {experts['sweep']}")
+    check([p["experts"] for p in experts["points"]] == [16, 32, 64], "experts sweep: points' experts")
+
+
+def check_plots(plot, d):
+    """tools/plot_bench.py on the tokens sweep of directory d (PNG files); it refuses a file that is
+    not a sweep record."""
+    out = os.path.join(d, "plots")
+    p = subprocess.run([sys.executable, plot, os.path.join(d, "s.json"), "--out", out], capture_output=True, text=True)
+    check(p.returncode == 0, f"plot_bench.py exited {p.returncode}: {p.stderr.strip()}")
+    for name in ("sweep-tokens-bandwidth.png", "sweep-tokens-time.png"):
+        path = os.path.join(out, name)
+        check(os.path.exists(path), f"{name} not written")
+        with open(path, "rb") as f:
+            head = f.read(24)
+        check(head[:8] == b"\x89PNG\r\n\x1a\n", f"{name} is not a PNG")
+        width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        check(width > 100 and height > 100, f"{name} is {width}x{height}")
+    p = subprocess.run([sys.executable, plot, os.path.join(d, "sweep-ranks.csv")], capture_output=True, text=True)
+    check(p.returncode != 0, "plot_bench.py accepted a file that is not a sweep record")
 
 
 def mpi_sweep(path):
