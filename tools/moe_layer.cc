@@ -2,13 +2,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string_view>
 
-#include "core/logfmt_rows.hh"
-#include "moe_ep/convert.hpp"
 #include "moe_ep/dtype.hpp"
+#include "reference/logfmt_reference.hh"
+#include "reference/numeric_reference.hh"
 
 namespace moe_ep::tools {
 namespace {
@@ -32,7 +34,7 @@ void expert_row(const float* x, const ExpertParams& params, std::int64_t expert,
   const float* b = params.bias.data_as<const float>() + expert * hidden;
   for (int h = 0; h < hidden; ++h) {
     const float value = x[h] * s[h] + b[h];
-    out[h] = float_to_bf16(value);
+    out[h] = reference::bf16_from_float(value);
   }
 }
 
@@ -40,12 +42,13 @@ void expert_row(const float* x, const ExpertParams& params, std::int64_t expert,
 void load_row(bool fp8, int H, const std::byte* x, const float* scales, std::int64_t scale_step, float* out) {
   static const std::vector<float> decoded = [] {
     std::vector<float> table(256);
-    for (int code = 0; code < 256; ++code) table[static_cast<size_t>(code)] = fp8_e4m3_to_float(static_cast<std::uint8_t>(code));
+    for (int code = 0; code < 256; ++code)
+      table[static_cast<size_t>(code)] = static_cast<float>(reference::fp8_e4m3_value(static_cast<std::uint8_t>(code)));
     return table;
   }();
   if (!fp8) {
     const auto* in = reinterpret_cast<const std::uint16_t*>(x);
-    for (int h = 0; h < H; ++h) out[h] = bf16_to_float(in[h]);
+    for (int h = 0; h < H; ++h) out[h] = reference::float_from_bf16(in[h]);
     return;
   }
   const auto* q = reinterpret_cast<const std::uint8_t*>(x);
@@ -53,6 +56,14 @@ void load_row(bool fp8, int H, const std::byte* x, const float* scales, std::int
     const float scale = scales[block * scale_step];
     for (int h = block * 128; h < (block + 1) * 128; ++h) out[h] = decoded[q[h]] * scale;
   }
+}
+
+// One NVFP4 element as the consumer dequantizes it (docs/quantized-formats.md): e2m1(q) * fp32(sf) / gs
+// (FP32 product, then quotient), or e2m1(q) * 2^(sf - 127) with UE8M0 scales.
+float nvfp4_value(const LayerConfig& c, std::uint8_t code, std::uint8_t sf) {
+  const float v = static_cast<float>(reference::e2m1_value(code));
+  if (c.nvfp4_ue8m0) return std::ldexp(v, static_cast<int>(sf) - 127);
+  return v * static_cast<float>(reference::fp8_e4m3_value(sf)) / c.nvfp4_global_scale;
 }
 
 // Row t of the received or local activations as FP32.
@@ -63,16 +74,16 @@ void load_row(const LayerConfig& config, const TensorView& x, const TensorView& 
 }
 
 void round_row(const float* acc, int hidden, std::uint16_t* out) {
-  for (int h = 0; h < hidden; ++h) out[h] = float_to_bf16(acc[h]);
+  for (int h = 0; h < hidden; ++h) out[h] = reference::bf16_from_float(acc[h]);
 }
 
 // Sums BF16 rows in FP32 in order (first row as is) and rounds once; one row passes through.
 std::vector<std::uint16_t> sum_rows(const std::vector<const std::uint16_t*>& rows, int hidden) {
   std::vector<std::uint16_t> out(static_cast<size_t>(hidden), 0);
   for (int h = 0; h < hidden && !rows.empty(); ++h) {
-    float acc = bf16_to_float(rows[0][h]);
-    for (std::size_t i = 1; i < rows.size(); ++i) acc += bf16_to_float(rows[i][h]);
-    out[static_cast<size_t>(h)] = float_to_bf16(acc);
+    float acc = reference::float_from_bf16(rows[0][h]);
+    for (std::size_t i = 1; i < rows.size(); ++i) acc += reference::float_from_bf16(rows[i][h]);
+    out[static_cast<size_t>(h)] = reference::bf16_from_float(acc);
   }
   return out;
 }
@@ -118,11 +129,16 @@ RankBatch make_batch(const LayerConfig& c, int rank) {
   std::mt19937_64 rng(c.seed * 0x9e3779b97f4a7c15ULL + static_cast<std::uint64_t>(rank) + 1);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   b.x = Tensor::empty({n, c.hidden}, DType::kBF16);
-  for (std::int64_t i = 0; i < b.x.numel(); ++i) b.x.data_as<std::uint16_t>()[i] = float_to_bf16(normal(rng));
-  if (c.fp8) {
-    Fp8Tensor q = quantize_fp8(b.x);
-    b.x_fp8 = q.data;
-    b.x_scales = q.scales;
+  for (std::int64_t i = 0; i < b.x.numel(); ++i) b.x.data_as<std::uint16_t>()[i] = reference::bf16_from_float(normal(rng));
+  if (c.fp8) {  // per-128 scales amax / 448, as the library's default FP8 cast (moe_ep/convert.hpp)
+    b.x_fp8 = Tensor::empty({n, c.hidden}, DType::kFP8E4M3);
+    b.x_scales = Tensor::empty({n, c.hidden / 128}, DType::kFP32);
+    for (int t = 0; t < n; ++t) {
+      const reference::Fp8Row q =
+          reference::quantize_row_fp8(b.x.data_as<const std::uint16_t>() + t * c.hidden, c.hidden, false, false);
+      std::memcpy(b.x_fp8.data_as<std::uint8_t>() + t * c.hidden, q.codes.data(), q.codes.size());
+      std::memcpy(b.x_scales.data_as<float>() + t * (c.hidden / 128), q.scales.data(), sizeof(std::uint32_t) * q.scales.size());
+    }
   }
   if (c.nvfp4) {
     b.x_global_scale = Tensor::empty({}, DType::kFP32);
@@ -195,10 +211,8 @@ void load_nvfp4_row(const LayerConfig& c, const TensorView& recv_x, const Tensor
   const auto* s = static_cast<const std::uint8_t*>(sc.data()) + i * sc.stride(5) * static_cast<std::int64_t>(element_size(sc.dtype()));
   for (std::int64_t j = 0; j < H / 16; ++j) {
     const std::uint8_t sf = s[((row / 128) * rk + j / 4) * 512 + (row % 32) * 16 + ((row % 128) / 32) * 4 + j % 4];
-    for (std::int64_t e = j * 16; e < j * 16 + 16; ++e) {
-      const float v = e2m1_to_float(static_cast<std::uint8_t>(e % 2 ? q[e / 2] >> 4 : q[e / 2] & 15));
-      out[e] = c.nvfp4_ue8m0 ? std::ldexp(v, static_cast<int>(sf) - 127) : v * fp8_e4m3_to_float(sf) / c.nvfp4_global_scale;
-    }
+    for (std::int64_t e = j * 16; e < j * 16 + 16; ++e)
+      out[e] = nvfp4_value(c, static_cast<std::uint8_t>(e % 2 ? q[e / 2] >> 4 : q[e / 2] & 15), sf);
   }
 }
 
@@ -267,10 +281,31 @@ Tensor run_experts(const LayerConfig& c, const ExpertParams& params, int rank, c
 
 namespace {
 
-// Token t's input row in FP32 as the experts see it: dequantized from the wire format.
-void reference_input_row(const LayerConfig& c, const RankBatch& b, const Tensor& dequantized, std::int64_t t, float* x) {
+// Every row of the batch cast to NVFP4 by the format's definition and dequantized, [N * H] FP32;
+// the E2M1 rounding is MOE_EP_NVFP4_ROUNDING's (docs/env.md), as the library's.
+std::vector<float> reference_nvfp4_rows(const LayerConfig& c, const RankBatch& b) {
+  const int H = c.hidden;
+  const char* rounding = std::getenv("MOE_EP_NVFP4_ROUNDING");
+  const bool sm90 = rounding != nullptr && std::string_view(rounding) == "sm90";
+  std::vector<float> rows(static_cast<size_t>(b.x.size(0) * H));
+  for (std::int64_t t = 0; t < b.x.size(0); ++t) {
+    const reference::Nvfp4Row q =
+        reference::quantize_row_nvfp4(b.x.data_as<const std::uint16_t>() + t * H, H, c.nvfp4_global_scale, c.nvfp4_ue8m0, sm90);
+    for (int e = 0; e < H; ++e) {
+      const std::uint8_t byte = q.packed[static_cast<size_t>(e / 2)];
+      rows[static_cast<size_t>(t * H + e)] =
+          nvfp4_value(c, static_cast<std::uint8_t>(e % 2 ? byte >> 4 : byte & 15), q.scales[static_cast<size_t>(e / 16)]);
+    }
+  }
+  return rows;
+}
+
+// Token t's input row in FP32 as the experts see it: dequantized from the wire format
+// (`nvfp4_rows`: reference_nvfp4_rows with NVFP4).
+void reference_input_row(const LayerConfig& c, const RankBatch& b, const std::vector<float>& nvfp4_rows, std::int64_t t,
+                         float* x) {
   if (c.nvfp4) {
-    std::memcpy(x, dequantized.data_as<const float>() + t * c.hidden, sizeof(float) * static_cast<size_t>(c.hidden));
+    std::memcpy(x, nvfp4_rows.data() + t * c.hidden, sizeof(float) * static_cast<size_t>(c.hidden));
   } else if (c.fp8) {
     load_row(c, b.x_fp8, b.x_scales, t, x);
   } else {
@@ -292,7 +327,7 @@ std::vector<std::vector<std::uint16_t>> reference_lane_rows(const LayerConfig& c
       std::vector<std::uint16_t> unweighted(static_cast<size_t>(H));
       expert_row(x, params, ids[j], H, unweighted.data());
       for (int h = 0; h < H; ++h)
-        lane_rows[static_cast<size_t>(j)][static_cast<size_t>(h)] = float_to_bf16(w[j] * bf16_to_float(unweighted[static_cast<size_t>(h)]));
+        lane_rows[static_cast<size_t>(j)][static_cast<size_t>(h)] = reference::bf16_from_float(w[j] * reference::float_from_bf16(unweighted[static_cast<size_t>(h)]));
       continue;
     }
     std::fill(acc.begin(), acc.end(), 0.0f);
@@ -311,13 +346,9 @@ Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const 
   const std::int64_t n = b.x.size(0);
   Tensor out = Tensor::empty({n, H}, DType::kBF16);
   std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H));
-  Tensor dequantized;
-  if (c.nvfp4) {
-    const Nvfp4Tensor q = quantize_nvfp4(b.x, {.global_scale = c.nvfp4_global_scale, .use_ue8m0_for_sf = c.nvfp4_ue8m0});
-    dequantized = dequantize_nvfp4(q.data, q.scales, c.nvfp4_global_scale, c.nvfp4_ue8m0);
-  }
+  const std::vector<float> nvfp4_rows = c.nvfp4 ? reference_nvfp4_rows(c, b) : std::vector<float>();
   for (std::int64_t t = 0; t < n; ++t) {
-    reference_input_row(c, b, dequantized, t, x.data());
+    reference_input_row(c, b, nvfp4_rows, t, x.data());
     const std::int64_t* ids = b.topk_idx.data_as<const std::int64_t>() + t * k;
     const float* w = b.topk_weights.data_as<const float>() + t * k;
     auto rank_of = [&](int j) { return static_cast<int>(ids[j] / El); };
@@ -399,30 +430,18 @@ Tensor reference_low_latency_output(const LayerConfig& c, const ExpertParams& pa
   Tensor out = Tensor::empty({n, H}, DType::kBF16);
   std::vector<float> x(static_cast<size_t>(H)), acc(static_cast<size_t>(H)), lane(static_cast<size_t>(H));
   std::vector<std::uint16_t> row(static_cast<size_t>(H));
-  std::vector<std::byte> encoded(static_cast<size_t>(core::logfmt_max_row_bytes(H)));
-  Tensor dequantized;
-  if (c.nvfp4) {
-    const Nvfp4Tensor q = quantize_nvfp4(b.x, {.global_scale = c.nvfp4_global_scale, .use_ue8m0_for_sf = c.nvfp4_ue8m0});
-    dequantized = dequantize_nvfp4(q.data, q.scales, c.nvfp4_global_scale, c.nvfp4_ue8m0);
-  }
+  const std::vector<float> nvfp4_rows = c.nvfp4 ? reference_nvfp4_rows(c, b) : std::vector<float>();
   for (std::int64_t t = 0; t < n; ++t) {
-    if (c.nvfp4) {
-      std::memcpy(x.data(), dequantized.data_as<const float>() + t * H, sizeof(float) * static_cast<size_t>(H));
-    } else if (c.fp8) {
-      load_row(c, b.x_fp8, b.x_scales, t, x.data());
-    } else {
-      load_row(c, b.x, TensorView(), t, x.data());
-    }
+    reference_input_row(c, b, nvfp4_rows, t, x.data());
     bool first = true;
     for (int j = 0; j < k; ++j) {
       const std::int64_t e = b.topk_idx.data_as<const std::int64_t>()[t * k + j];
       if (e < 0) continue;
       expert_row(x.data(), params, e, H, row.data());
       if (c.logfmt) {
-        core::logfmt_encode_row(row.data(), H, encoded.data());
-        core::logfmt_decode_row(encoded.data(), H, lane.data());
+        lane = reference::logfmt_decode(reference::logfmt_encode(row.data(), H), H);
       } else {
-        for (int h = 0; h < H; ++h) lane[static_cast<size_t>(h)] = bf16_to_float(row[static_cast<size_t>(h)]);
+        for (int h = 0; h < H; ++h) lane[static_cast<size_t>(h)] = reference::float_from_bf16(row[static_cast<size_t>(h)]);
       }
       const float w = b.topk_weights.data_as<const float>()[t * k + j];
       for (int h = 0; h < H; ++h) {
@@ -431,7 +450,7 @@ Tensor reference_low_latency_output(const LayerConfig& c, const ExpertParams& pa
       }
       first = false;
     }
-    for (int h = 0; h < H; ++h) out.data_as<std::uint16_t>()[t * H + h] = first ? 0 : float_to_bf16(acc[static_cast<size_t>(h)]);
+    for (int h = 0; h < H; ++h) out.data_as<std::uint16_t>()[t * H + h] = first ? 0 : reference::bf16_from_float(acc[static_cast<size_t>(h)]);
   }
   return out;
 }

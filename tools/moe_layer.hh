@@ -10,7 +10,10 @@
 //   compact layout:  row = bf16( sum over the token's local lanes j, ascending, of w_j * f_ej(x) )
 //   expanded layout: row = bf16( w_j * f_ej(x) )
 // The reference computes every token's final output with the reduction order of
-// docs/semantics.md, from the inputs of all ranks, without the library.
+// docs/semantics.md, from the inputs of all ranks, without the library: its BF16 roundings, FP8
+// and NVFP4 casts and LogFMT codes come from the format definitions of tests/reference
+// (numeric_reference, logfmt_reference), which share no code with src/. The FP8 inputs of a batch
+// are cast with them too; the experts decode what they receive with them.
 #pragma once
 
 #include <cstdint>

@@ -1,15 +1,21 @@
 // NUMA placement planning on synthetic hwloc topologies, against hand-worked placements: the
 // block mapping of ranks to nodes, the core shares, the fall-back to the whole node, one node =
-// no binding, the explicit MOE_EP_NUMA_NODES mapping and its errors; applying on this host.
+// no binding, the explicit MOE_EP_NUMA_NODES mapping and its errors, refused requests; applying a
+// placement, checked against the affinity the OS reports (sched_getaffinity), and this host's plan.
 #include "core/placement.hh"
 
 #include <gtest/gtest.h>
+#include <sched.h>
 
+#include <fstream>
+#include <iterator>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moe_ep/env.hpp"
 #include "support/errors.hh"
+#include "support/temp_dir.hh"
 
 namespace moe_ep::core {
 namespace {
@@ -146,15 +152,129 @@ TEST(Placement, BadNumaNodesAreInvalidArguments) {
   EXPECT_TRUE(parse_numa_nodes("", 2, 2).empty());
 }
 
-TEST(Placement, ApplyingOnThisHostIsHarmless) {
-  // This host's plan (one node here: none) and applying it, or an unbound placement, changes nothing.
+TEST(Placement, RefusedRequestsAreInvalidArguments) {
+  Synthetic t(kTwoNodes);
+  const testing::Caught outside = testing::catch_error([&] { plan(t, 2, 2, 0); });
+  EXPECT_EQ(outside.type, "InvalidArgument");
+  EXPECT_NE(outside.message.find("host_rank 2 is outside [0, ranks_on_host 2)"), std::string::npos) << outside.message;
+  const testing::Caught negative = testing::catch_error([&] { plan(t, 2, -1, 0); });
+  EXPECT_EQ(negative.type, "InvalidArgument");
+  const testing::Caught short_mapping = testing::catch_error([&] { plan(t, 2, 0, 0, {1}); });
+  EXPECT_EQ(short_mapping.type, "InvalidArgument");
+  EXPECT_NE(short_mapping.message.find("1 NUMA nodes given for 2 ranks"), std::string::npos) << short_mapping.message;
+  const testing::Caught bad_node = testing::catch_error([&] { plan(t, 2, 0, 0, {2, 0}); });
+  EXPECT_EQ(bad_node.type, "InvalidArgument");
+  EXPECT_NE(bad_node.message.find("NUMA node 2 is outside [0, 2)"), std::string::npos) << bad_node.message;
+}
+
+// The CPUs the calling thread may run on, as the OS reports them (sched_getaffinity of the thread).
+Pus thread_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  EXPECT_EQ(sched_getaffinity(0, sizeof set, &set), 0);
+  Pus cpus;
+  for (unsigned c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+void set_thread_cpus(const Pus& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (unsigned c : cpus) CPU_SET(c, &set);
+  ASSERT_EQ(sched_setaffinity(0, sizeof set, &set), 0);
+}
+
+// A bound placement whose node, share and rank PUs are all of `node`: apply_placement binds to the
+// PUs it is given, not to these.
+Placement bound_on(const Pus& node) {
+  Placement p;
+  p.bound = true;
+  p.numa_node = 0;
+  p.node_pus = p.share_pus = p.rank_pus = node;
+  return p;
+}
+
+// Each check runs on a thread of its own, whose affinity starts as the process's and ends with it.
+TEST(Placement, ApplyingBindsTheCallingThreadToThePus) {
+  const Pus allowed = thread_cpus();
+  if (allowed.size() < 2) GTEST_SKIP() << "this process may run on one CPU only: a binding would not be visible";
+  const Pus one = {allowed.back()}, two = {allowed.front(), allowed.back()};
+  Pus after_one, after_two;
+  std::thread([&] {
+    apply_placement(bound_on(allowed), one);
+    after_one = thread_cpus();
+    apply_placement(bound_on(allowed), two);
+    after_two = thread_cpus();
+  }).join();
+  EXPECT_EQ(after_one, one);
+  EXPECT_EQ(after_two, two);
+  EXPECT_EQ(thread_cpus(), allowed);  // only the calling thread was bound
+}
+
+// Runs f on a new thread with WARN lines logged to a file; returns what was logged.
+template <class F>
+std::string warnings_of(F f) {
+  testing::TempDir dir("moe-ep-placement");
+  const std::string log = dir.file("log");
+  {
+    env::ScopedOverride level("MOE_EP_DEBUG", "WARN");
+    env::ScopedOverride file("MOE_EP_DEBUG_FILE", log);
+    std::thread(f).join();
+  }
+  std::ifstream in(log);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+TEST(Placement, UnboundPlacementsAndEmptyListsBindNothing) {
+  // No-ops (placement.hh): the thread keeps its CPUs and nothing is logged.
+  const Pus allowed = thread_cpus();
+  if (allowed.size() < 2) GTEST_SKIP() << "this process may run on one CPU only: a binding would not be visible";
+  const Pus start = {allowed.back()}, other = {allowed.front()};
+  Pus after_unbound, after_empty;
+  const std::string log = warnings_of([&] {
+    set_thread_cpus(start);
+    apply_placement(Placement{}, other);  // bound = false: "none"
+    after_unbound = thread_cpus();
+    apply_placement(bound_on(other), {});
+    after_empty = thread_cpus();
+  });
+  EXPECT_EQ(after_unbound, start);
+  EXPECT_EQ(after_empty, start);
+  EXPECT_EQ(log.find("placement"), std::string::npos) << log;
+}
+
+TEST(Placement, AFailedBindingWarnsAndKeepsTheAffinity) {
+  // A PU this machine does not have: hwloc refuses the binding; the thread keeps its CPUs and a
+  // warning names the PUs.
+  const Pus allowed = thread_cpus();
+  const Pus missing = {allowed.back() + 4096};
+  Pus after;
+  const std::string log = warnings_of([&] {
+    apply_placement(bound_on(allowed), missing);
+    after = thread_cpus();
+  });
+  EXPECT_EQ(after, allowed);
+  EXPECT_NE(log.find("WARN INIT placement: binding the thread to PUs " + std::to_string(missing[0]) + " failed"),
+            std::string::npos)
+      << log;
+}
+
+TEST(Placement, ThisHostBindsOnlyWithSeveralNumaNodes) {
+  // The plan of one rank on this host: bound to a node's PUs exactly when hwloc sees more than one
+  // NUMA node (docs/performance.md), else "none".
   hwloc_topology_t host = host_topology();
   ASSERT_NE(host, nullptr);
-  PlacementRequest r;
-  const Placement p = plan_placement(host, r);
-  apply_placement(p, p.rank_pus);
-  apply_placement(Placement{}, {0});
-  SUCCEED();
+  const Placement p = plan_placement(host, PlacementRequest{});
+  if (hwloc_get_nbobjs_by_type(host, HWLOC_OBJ_NUMANODE) <= 1) {
+    EXPECT_FALSE(p.bound);
+    EXPECT_TRUE(p.rank_pus.empty());
+    EXPECT_EQ(p.describe(), "none");
+  } else {
+    EXPECT_TRUE(p.bound);
+    EXPECT_EQ(p.numa_node, 0);
+    EXPECT_FALSE(p.rank_pus.empty());
+  }
 }
 
 }  // namespace

@@ -1,9 +1,11 @@
 """The rest of the package's public surface: hybrid-ep's low-latency signature and its 7-tuple,
-moe-ep memory for inputs, the group's own all-gather, barriers, events and handle helpers, and
-the measurements the benchmark reads. Expected values come from reference.py or from the inputs
-themselves."""
+moe-ep memory for inputs, the group's own all-gather, barriers (and the error of each way a peer
+can fail to arrive), events and handle helpers, and the measurements the benchmark reads (the
+allocator's counters). Expected values come from reference.py or from the inputs themselves."""
 
 import inspect
+import os
+import threading
 
 import pytest
 import torch
@@ -93,20 +95,82 @@ def test_moe_ep_memory_tensors():
         moe_ep.empty(3, dtype=torch.float64)
 
 
-def test_barrier_names_an_absent_rank():
+def _second_barrier(g, timeout, rank1):
+    """Every rank passes one barrier; then rank 1 returns rank1(its buffer) instead of entering the
+    second one, which rank 0 enters. Returns rank 0's error as (type name, is a TimeoutError,
+    ranks, message)."""
+    buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=8, hidden=H, num_topk=K, num_cpu_timeout_secs=timeout)
+    buf.barrier()
+    if g.rank() == 1:
+        return rank1(buf)
+    try:
+        buf.barrier()
+        return "passed"
+    except moe_ep.PeerError as e:
+        return (type(e).__name__, isinstance(e, moe_ep.TimeoutError), list(e.ranks), str(e))
+
+
+def test_barrier_names_a_rank_that_left():
+    # Rank 1's thread returns (its buffer kept alive in its result): rank 0 raises PeerError naming
+    # it at once (docs/architecture.md, "Failures never hang"), not the TimeoutError of 300 s.
+    out = moe_ep.LocalWorld(2).run(lambda g: _second_barrier(g, 300.0, lambda buf: buf))
+    name, is_timeout, ranks, msg = out[0]
+    assert (name, is_timeout, ranks) == ("PeerError", False, [1]), out
+    assert "ranks [1] left the group instead of arriving; rank 1 returned from its rank function" in msg, msg
+
+
+def test_barrier_against_a_destruction_names_the_rank():
+    # Rank 1 drops its buffer instead: its destruction meets rank 0's barrier in the agreement, and
+    # rank 0 raises PeerError naming the operation and who holds which (docs/semantics.md).
+    out = moe_ep.LocalWorld(2).run(lambda g: _second_barrier(g, 300.0, lambda buf: "dropped"))
+    assert out[1] == "dropped"
+    name, is_timeout, ranks, msg = out[0]
+    assert (name, is_timeout, ranks) == ("PeerError", False, [1]), out
+    assert "ranks disagree on the operation: barrier on rank [0], destruction on rank [1]" in msg, msg
+
+
+def test_barrier_names_a_rank_that_never_arrives():
+    # Rank 1 stays in the group (it returns only once rank 0 has its error) but never arrives:
+    # rank 0 raises TimeoutError naming it after num_cpu_timeout_secs.
+    rank0_done = threading.Event()
+
     def fn(g):
-        buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=8, hidden=H, num_topk=K, num_cpu_timeout_secs=1.0)
-        buf.barrier()  # every rank: passes
-        if g.rank() == 1:
-            return "skipped"
         try:
-            buf.barrier()
-            return "passed"
-        except moe_ep.PeerError as e:  # TimeoutError, or PeerError once rank 1 has left
-            return (type(e).__name__, list(e.ranks))
+            return _second_barrier(g, 1.0, lambda buf: "stayed" if rank0_done.wait(600) else "rank 0 never finished")
+        finally:
+            if g.rank() == 0:
+                rank0_done.set()
     out = moe_ep.LocalWorld(2).run(fn)
-    assert out[1] == "skipped"
-    assert out[0][0] in ("TimeoutError", "PeerError") and out[0][1] == [1], out
+    assert out[1] == "stayed"
+    name, is_timeout, ranks, msg = out[0]
+    assert (name, is_timeout, ranks) == ("TimeoutError", True, [1]), out
+
+
+def test_allocator_stats_count_maps_and_reuse():
+    # One block larger than everything cached cannot be served from the cache: one mmap of its
+    # size rounded up to 2 MiB; released, it is cached; the same request again reuses it.
+    def stats():
+        return moe_ep._C.allocator_stats()
+    before = stats()
+    assert set(before) == {"mapped_bytes", "cached_bytes", "num_maps"}
+    nbytes = before["cached_bytes"] + (3 << 20) + 4096
+    rounded = (nbytes + (2 << 20) - 1) // (2 << 20) * (2 << 20)
+    if before["cached_bytes"] + rounded > int(os.environ.get("MOE_EP_ALLOCATOR_CACHE_BYTES", 1 << 36)):
+        pytest.skip("MOE_EP_ALLOCATOR_CACHE_BYTES leaves no room to cache the block")
+    block = moe_ep.empty(nbytes, dtype=torch.uint8)
+    mapped = stats()
+    assert mapped["num_maps"] == before["num_maps"] + 1
+    assert mapped["mapped_bytes"] == before["mapped_bytes"] + rounded
+    assert mapped["cached_bytes"] == before["cached_bytes"]
+    del block
+    released = stats()
+    assert released["cached_bytes"] == before["cached_bytes"] + rounded
+    assert released["mapped_bytes"] == mapped["mapped_bytes"]
+    again = moe_ep.empty(nbytes, dtype=torch.uint8)
+    reused = stats()
+    assert reused["num_maps"] == mapped["num_maps"]
+    assert reused["cached_bytes"] == before["cached_bytes"]
+    del again
 
 
 def test_handle_helpers_and_measurements():
@@ -114,11 +178,8 @@ def test_handle_helpers_and_measurements():
         inputs = ref.make_inputs(g.size(), N, H, E, K, seed=43)
         x, idx, w = inputs[g.rank()]
         buf = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=16, hidden=H, num_topk=K)
-        before = moe_ep._C.allocator_stats()
         recv_x, recv_idx, recv_w, handle, event = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
         native = moe_ep._C.last_native_seconds()
-        after = moe_ep._C.allocator_stats()
-        assert set(before) == {"mapped_bytes", "cached_bytes", "num_maps"} and after["num_maps"] >= before["num_maps"]
         assert native > 0
         # the order is already deterministic: the sort hands back what it was given
         sorted_out = handle.deterministic_sort(True, False, recv_x, None, recv_idx, recv_w)
