@@ -38,6 +38,31 @@ Departure ControlPage::read_departure() const {
   return gave_up(read_reason(), std::vector<int>(culprits, culprits + n));
 }
 
+void ControlPages::clear() noexcept {
+  for (const Entry& entry : entries_)
+    if (entry.page != nullptr && entry.mapped_bytes != 0) munmap(const_cast<ControlPage*>(entry.page), entry.mapped_bytes);
+  entries_.clear();
+}
+
+const ControlPage* ControlPages::of(int rank) const {
+  const int index = rank - first_;
+  if (index < 0 || index >= static_cast<int>(entries_.size())) return nullptr;
+  return entries_[static_cast<size_t>(index)].page;
+}
+
+std::optional<Departure> ControlPages::abandonment(int rank) const {
+  const ControlPage* page = of(rank);
+  if (page == nullptr || !page->has_abandoned()) return std::nullopt;
+  return page->read_departure();
+}
+
+std::optional<Departure> ControlPages::abandoned_before(int rank, int scope_index, std::uint64_t epoch) const {
+  const ControlPage* page = of(rank);
+  if (page == nullptr || !page->has_abandoned() || page->completed[scope_index].load(std::memory_order_acquire) >= epoch)
+    return std::nullopt;
+  return page->read_departure();
+}
+
 ControlRegion::ControlRegion(std::size_t extra_bytes) : bytes_(ControlPage::kBytes + extra_bytes) {
   fd_ = memfd_create("moe-ep-control", MFD_CLOEXEC);
   if (fd_ < 0 || ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) {

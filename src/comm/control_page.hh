@@ -5,7 +5,9 @@
 // system) that its peers open through /proc/<pid>/fd/<fd> and map: whether the rank abandoned
 // the channel (with why), how many peer-read sections it has open (Transport's PeerReads) and the
 // collectives it completed per scope. Only the owner writes its page. A transport may make the
-// memfd larger and keep its own state after the page (ControlRegion::extra()).
+// memfd larger and keep its own state after the page (ControlRegion::extra()). ControlPages is a
+// rank's view of its peers' pages: what the host and MPI transports read of their peers' part in
+// a channel (abandonment, open peer-read sections, completed collectives).
 #pragma once
 
 #include <sys/types.h>
@@ -13,6 +15,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -57,6 +60,47 @@ class ControlRegion {
   int fd_ = -1;
   std::size_t bytes_ = 0;
   ControlPage* page_ = nullptr;
+};
+
+// The control pages of a run of a channel's ranks (first, first + 1, ...; this rank's own among
+// them) as this process sees them. A rank whose page is missing (outside the run, not added yet,
+// or not mappable) reads as taking part, with no section open. Unmaps the pages it mapped
+// (add_mapped) when cleared or destroyed; this rank's own page belongs to its ControlRegion.
+class ControlPages {
+ public:
+  explicit ControlPages(int first = 0) : first_(first) {}
+  ~ControlPages() { clear(); }
+  ControlPages(const ControlPages&) = delete;
+  ControlPages& operator=(const ControlPages&) = delete;
+
+  // The next rank's page: this rank's own, or a peer's mapping of `mapped_bytes` (null when it
+  // could not be mapped).
+  void add_own(const ControlPage& page) { entries_.push_back({&page, 0}); }
+  void add_mapped(const ControlPage* page, std::size_t mapped_bytes) { entries_.push_back({page, mapped_bytes}); }
+  void clear() noexcept;
+
+  const ControlPage* of(int rank) const;
+  bool has_abandoned(int rank) const {
+    const ControlPage* page = of(rank);
+    return page != nullptr && page->has_abandoned();
+  }
+  // Why `rank` abandoned the channel, or nullopt.
+  std::optional<Departure> abandonment(int rank) const;
+  // Why `rank` abandoned the channel before completing collective `epoch` of scope `scope_index`.
+  std::optional<Departure> abandoned_before(int rank, int scope_index, std::uint64_t epoch) const;
+  // Its count of open peer-read sections, or null.
+  const std::atomic<std::uint64_t>* open_sections(int rank) const {
+    const ControlPage* page = of(rank);
+    return page == nullptr ? nullptr : &page->reading;
+  }
+
+ private:
+  struct Entry {
+    const ControlPage* page;
+    std::size_t mapped_bytes;  // 0: not mapped by this object
+  };
+  int first_;
+  std::vector<Entry> entries_;
 };
 
 // The first `bytes` of a peer's control region (process `pid`, descriptor `fd`), mapped here, or

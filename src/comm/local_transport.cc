@@ -1,15 +1,14 @@
 // In-process transport: ranks are threads of one process.
 //
-// Collectives publish into per-rank slots and bump a per-rank epoch (release); waiters read the
-// epochs (acquire). Slots alternate by epoch parity: a rank can be at most one collective ahead
-// of the slowest reader in a scope (it cannot finish collective e+1 before everyone published
-// e+1, which each rank does only after reading every block of e), so two slots per rank suffice
-// and no trailing barrier is needed. Every counter sits on its own cache line.
+// The medium of the shared protocols (gather_protocol.hh, peer_reads.hh): the channel's state
+// holds, per rank, the epoch and the two parity slots of each scope (plain vectors), the
+// completed-collectives and open-section counts, the signal counters and whether it abandoned the
+// channel (with why); every counter sits on its own cache line. A rank that returned or threw out
+// of its rank function has left the group (WorldState::departures).
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <atomic>
@@ -19,6 +18,8 @@
 #include <mutex>
 #include <thread>
 
+#include "comm/gather_protocol.hh"
+#include "comm/peer_reads.hh"
 #include "comm/transport.hh"
 #include "comm/wait.hh"
 #include "core/failure.hh"
@@ -135,14 +136,16 @@ class LocalSymmetricMemory final : public SymmetricMemory {
   std::vector<std::byte*> bases_;
 };
 
-class LocalTransport final : public Transport {
+class LocalTransport final : public Transport, private EpochSlots {
  public:
   LocalTransport(int rank, std::shared_ptr<WorldState> world, std::uint64_t channel_id,
                  std::shared_ptr<ChannelState> channel)
       : Transport(rank, world->size, world->topology),
         world_(std::move(world)),
         channel_id_(channel_id),
-        channel_(std::move(channel)) {}
+        channel_(std::move(channel)),
+        gather_(*this, *this),
+        peer_reads_(*this, channel_->reading[rank].value) {}
 
   int ranks_on_host() const override { return size(); }
 
@@ -154,50 +157,9 @@ class LocalTransport final : public Transport {
     return dup;
   }
 
-  void barrier(Scope scope, const Wait& wait) override { all_gather({}, scope, wait); }
-
   Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) override {
     check_in_step(wait);
-    ScopeSlots& s = slots(scope);
-    const int members = scope == Scope::kWorld ? size() : node_size();
-    const int me = scope == Scope::kWorld ? rank() : rank() - node_first_rank();
-    const int first = scope == Scope::kWorld ? 0 : node_first_rank();
-    const int scope_index = scope == Scope::kWorld ? 0 : 1;
-    const std::uint64_t epoch = ++epochs_[scope_index];
-    const int parity = static_cast<int>(epoch & 1);
-    s.slots[static_cast<size_t>(me)][static_cast<size_t>(parity)].assign(mine.begin(), mine.end());
-    s.epochs[me].value.store(epoch, std::memory_order_release);
-
-    leave_on_failure([&] {
-      Backoff backoff(wait.timeout_secs);
-      for (int m = 0; m < members; ++m) {
-        while (s.epochs[m].value.load(std::memory_order_acquire) < epoch) {
-          if (gone(first + m) || !backoff.pause()) {
-            std::vector<int> missing;
-            for (int q = 0; q < members; ++q)
-              if (s.epochs[q].value.load(std::memory_order_acquire) < epoch) missing.push_back(first + q);
-            if (missing.empty()) break;  // everyone arrived after all
-            fail_waiting(wait, missing, backoff.elapsed_secs());
-          }
-        }
-      }
-      // A member that published and then gave up on the channel before completing this
-      // collective (it timed out waiting for another rank) is gone: the collective is void. (One
-      // that gave up later completed it; reads of what it published are guarded by PeerReads.)
-      std::vector<std::pair<int, Departure>> departed;
-      for (int m = 0; m < members; ++m)
-        if (auto why = abandonment(first + m);
-            why && channel_->completed[2 * (first + m) + scope_index].value.load(std::memory_order_acquire) < epoch)
-          departed.emplace_back(first + m, std::move(*why));
-      if (!departed.empty()) fail_abandoned(rank(), wait, departed);
-    });
-    channel_->completed[2 * rank() + scope_index].value.store(epoch, std::memory_order_release);
-    std::vector<std::span<const std::byte>> blocks(static_cast<size_t>(members));
-    for (int m = 0; m < members; ++m) {
-      const auto& slot = s.slots[static_cast<size_t>(m)][static_cast<size_t>(parity)];
-      blocks[static_cast<size_t>(m)] = {slot.data(), slot.size()};
-    }
-    return Gathered(std::move(blocks));
+    return gather_.all_gather(mine, scope, wait);
   }
 
   std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait, bool prefault) override {
@@ -217,16 +179,8 @@ class LocalTransport final : public Transport {
       if (theirs.base == nullptr) failed.push_back(r);
       if (theirs.bytes != bytes) mismatched.push_back(r);
     }
-    if (!failed.empty() || !mismatched.empty()) {
-      if (mine.base) munmap(mine.base, bytes);
-      if (!failed.empty())
-        throw PeerError(fmt::format("[rank {}] symmetric allocation of {} bytes failed on ranks [{}]", rank(),
-                                    bytes, fmt::join(failed, ", ")),
-                        failed);
-      throw PeerError(fmt::format("[rank {}] symmetric allocation: ranks [{}] asked for a size other than {} bytes",
-                                  rank(), fmt::join(mismatched, ", "), bytes),
-                      mismatched);
-    }
+    if ((!failed.empty() || !mismatched.empty()) && mine.base) munmap(mine.base, bytes);
+    check_allocation_agreed(bytes, failed, mismatched);
     return std::make_unique<LocalSymmetricMemory>(*this, mine.base, bytes, std::move(bases));
   }
 
@@ -236,9 +190,7 @@ class LocalTransport final : public Transport {
   }
 
   void put(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) override {
-    if (offset > memory.bytes() || bytes > memory.bytes() - offset)
-      throw StateError(fmt::format("[rank {}] put of {} bytes at offset {} exceeds the {}-byte symmetric region",
-                                   rank(), bytes, offset, memory.bytes()));
+    check_put_range(memory, offset, bytes);
     auto& local = static_cast<LocalSymmetricMemory&>(memory);
     std::memcpy(local.any_peer(peer) + offset, src, bytes);
     world_->scaleout_bytes[rank()].value.fetch_add(bytes, std::memory_order_relaxed);
@@ -255,20 +207,13 @@ class LocalTransport final : public Transport {
   void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait) override {
     check_in_step(wait);
     leave_on_failure([&] {
-      Backoff backoff(wait.timeout_secs);
-      for (std::size_t i = 0; i < peers.size(); ++i) {
-        auto& counter = channel_->signals[rank() * size() + peers[i]].value;
-        while (counter.load(std::memory_order_acquire) < targets[i]) {
-          if (gone(peers[i]) || !backoff.pause()) {
-            std::vector<int> missing;
-            for (std::size_t j = 0; j < peers.size(); ++j)
-              if (channel_->signals[rank() * size() + peers[j]].value.load(std::memory_order_acquire) < targets[j])
-                missing.push_back(peers[j]);
-            if (missing.empty()) break;  // every signal arrived after all
-            fail_waiting(wait, missing, backoff.elapsed_secs());
-          }
-        }
-      }
+      wait_for_arrivals(
+          *this, static_cast<int>(peers.size()), [&](int i) { return peers[static_cast<size_t>(i)]; },
+          [&](int i) {
+            return channel_->signals[rank() * size() + peers[static_cast<size_t>(i)]].value.load(
+                       std::memory_order_acquire) >= targets[static_cast<size_t>(i)];
+          },
+          [&](int r, unsigned) { return gone(r); }, wait);
     });
   }
 
@@ -276,13 +221,9 @@ class LocalTransport final : public Transport {
     // Without memory left even for the reason, the peers time out instead.
     bool left_now = false;
     if (core::capture([&] { left_now = channel_->abandoned.leave(rank(), {reason, culprits}); }) || !left_now) return;
-    // seq_cst: either a node peer opening a section sees the flag set above, or this loop sees its
-    // section open (and waits for it to close).
-    const int first = node_first_rank();
-    for (int r = first; r < first + node_size(); ++r) {
-      if (r == rank()) continue;
-      while (channel_->reading[r].value.load(std::memory_order_seq_cst) != 0) std::this_thread::yield();
-    }
+    // A node peer in a section is a thread of this process doing bounded work: wait until it closes.
+    peer_reads_.wait_for_readers([&](int r) { return &channel_->reading[r].value; }, core::kNeverSecs,
+                                 [](int) { return false; }, [](int) {});
   }
 
   std::optional<Departure> departure(int peer) const override {
@@ -291,21 +232,42 @@ class LocalTransport final : public Transport {
   }
 
   void begin_peer_reads(const char* phase) override {
-    auto& mine = channel_->reading[rank()].value;
-    mine.fetch_add(1, std::memory_order_seq_cst);
-    const int first = node_first_rank();
-    std::vector<std::pair<int, Departure>> departed;
-    for (int r = first; r < first + node_size(); ++r)
-      if (r != rank())
-        if (auto why = abandonment(r)) departed.emplace_back(r, std::move(*why));
-    if (departed.empty()) return;
-    mine.fetch_sub(1, std::memory_order_release);
-    fail_abandoned(rank(), {phase, 0}, departed);
+    peer_reads_.open(phase, [&](int r) { return abandonment(r); });
   }
 
-  void end_peer_reads() noexcept override { channel_->reading[rank()].value.fetch_sub(1, std::memory_order_release); }
+  void end_peer_reads() noexcept override { peer_reads_.close(); }
 
  private:
+  // EpochSlots: the slots are the channel's per-scope vectors, the counters its padded lines.
+  void publish(const ScopeMembers& scope, int parity, std::span<const std::byte> block) override {
+    slots(scope).slots[static_cast<size_t>(rank() - scope.first)][static_cast<size_t>(parity)].assign(block.begin(),
+                                                                                                      block.end());
+  }
+  void announce(const ScopeMembers& scope, std::uint64_t epoch) override {
+    slots(scope).epochs[rank() - scope.first].value.store(epoch, std::memory_order_release);
+  }
+  std::uint64_t announced(const ScopeMembers& scope, int rank) const override {
+    return slots(scope).epochs[rank - scope.first].value.load(std::memory_order_acquire);
+  }
+  bool left(int rank, unsigned) const override { return gone(rank); }
+  std::optional<Departure> abandoned_before(const ScopeMembers& scope, int rank, std::uint64_t epoch) const override {
+    auto why = abandonment(rank);
+    if (why && completed(rank, scope).load(std::memory_order_acquire) < epoch) return why;
+    return std::nullopt;
+  }
+  Gathered read_blocks(const ScopeMembers& scope, int parity, std::span<const std::byte>) override {
+    const ScopeSlots& s = slots(scope);
+    std::vector<std::span<const std::byte>> blocks(static_cast<size_t>(scope.count));
+    for (int m = 0; m < scope.count; ++m) {
+      const auto& slot = s.slots[static_cast<size_t>(m)][static_cast<size_t>(parity)];
+      blocks[static_cast<size_t>(m)] = {slot.data(), slot.size()};
+    }
+    return Gathered(std::move(blocks));
+  }
+  void complete(const ScopeMembers& scope, std::uint64_t epoch) override {
+    completed(rank(), scope).store(epoch, std::memory_order_release);
+  }
+
   bool gone(int peer) const { return channel_->abandoned.left(peer) || world_->departures.left(peer); }
 
   // Collectives after this rank abandoned the channel are refused: the ranks are out of step.
@@ -319,18 +281,18 @@ class LocalTransport final : public Transport {
     return gave_up(why->reason, std::move(why->culprits));
   }
 
-  ScopeSlots& slots(Scope scope) {
-    return scope == Scope::kWorld ? channel_->world : channel_->nodes[static_cast<size_t>(node_of(rank()))];
+  ScopeSlots& slots(const ScopeMembers& scope) const {
+    return scope.index == 0 ? channel_->world : channel_->nodes[static_cast<size_t>(node_of(rank()))];
   }
-
-  [[noreturn]] void fail_waiting(const Wait& wait, const std::vector<int>& missing, double elapsed) {
-    fail_wait(rank(), wait, missing, elapsed, [&](int r) { return departure(r); });
+  std::atomic<std::uint64_t>& completed(int rank, const ScopeMembers& scope) const {
+    return channel_->completed[2 * rank + scope.index].value;
   }
 
   std::shared_ptr<WorldState> world_;
   std::uint64_t channel_id_;
   std::shared_ptr<ChannelState> channel_;
-  std::uint64_t epochs_[2] = {0, 0};
+  EpochGather gather_;
+  PeerReadSections peer_reads_;
   std::uint64_t duplicates_ = 0;
 };
 
@@ -361,142 +323,7 @@ std::string describe(const std::exception_ptr& e) {
 
 }  // namespace
 
-void retire(std::unique_ptr<SymmetricMemory> memory) {
-  if (memory && memory->peers_hold_own_mappings()) return;  // released here; the peers keep theirs
-  static std::mutex mutex;
-  static auto* retired = new std::vector<std::unique_ptr<SymmetricMemory>>();  // reachable until exit
-  std::lock_guard lock(mutex);
-  retired->push_back(std::move(memory));
-}
-
-namespace {
-
-// The ranks to name for departures: the culprits their failures named (other than this rank), or
-// the departed ranks themselves when they failed on their own account (or blamed only this rank).
-std::vector<int> root_cause(int rank, const std::vector<std::pair<int, Departure>>& departed) {
-  std::vector<int> culprits, ranks;
-  for (const auto& [r, why] : departed) {
-    ranks.push_back(r);
-    for (int c : why.culprits)
-      if (c != rank && std::find(culprits.begin(), culprits.end(), c) == culprits.end()) culprits.push_back(c);
-  }
-  std::sort(culprits.begin(), culprits.end());
-  return culprits.empty() ? ranks : culprits;
-}
-
-std::string reasons_of(const std::vector<std::pair<int, Departure>>& departed) {
-  std::string reasons;
-  for (const auto& [r, why] : departed) reasons += fmt::format("; rank {} {}", r, why.reason);
-  return reasons;
-}
-
-}  // namespace
-
-void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
-               const std::function<std::optional<Departure>(int)>& departure) {
-  std::vector<std::pair<int, Departure>> departed;
-  std::vector<int> ranks;
-  for (int r : missing)
-    if (auto why = departure(r)) {
-      ranks.push_back(r);
-      departed.emplace_back(r, std::move(*why));
-    }
-  if (!departed.empty())
-    throw PeerError(fmt::format("[rank {}] {}: ranks [{}] left the group instead of arriving{}", rank, wait.phase,
-                                fmt::join(ranks, ", "), reasons_of(departed)),
-                    root_cause(rank, departed));
-  throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s (timeout {:g} s) waiting for ranks [{}]", rank,
-                                 wait.phase, elapsed_secs, wait.timeout_secs, fmt::join(missing, ", ")),
-                     missing);
-}
-
-void fail_abandoned(int rank, const Wait& wait, const std::vector<std::pair<int, Departure>>& departed) {
-  std::vector<int> ranks;
-  for (const auto& [r, why] : departed) ranks.push_back(r);
-  throw PeerError(fmt::format("[rank {}] {}: ranks [{}] took part and then left (what they published is gone){}",
-                              rank, wait.phase, fmt::join(ranks, ", "), reasons_of(departed)),
-                  root_cause(rank, departed));
-}
-
-std::vector<int> culprits_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const PeerError& e) {
-    return e.ranks();
-  } catch (...) {
-    return {};
-  }
-}
-
-std::string message_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "a non-standard exception";
-  }
-}
-
-Departure gave_up(const std::string& reason, std::vector<int> culprits) {
-  return {"gave up on this channel: " + reason, std::move(culprits)};
-}
-
-void Transport::fail_left_channel(const Wait& wait, const std::string& reason) const {
-  throw StateError(fmt::format("[rank {}] {}: this rank left the channel after a failure ({}); create a new group or "
-                               "buffer",
-                               rank(), wait.phase, reason));
-}
-
-void Transport::check_peer(int peer, const char* phase) const {
-  auto why = departure(peer);
-  if (!why) return;
-  std::vector<std::pair<int, Departure>> departed;
-  departed.emplace_back(peer, std::move(*why));
-  throw PeerError(fmt::format("[rank {}] {}: rank {} left instead of arriving{}", rank(), phase, peer,
-                              reasons_of(departed)),
-                  root_cause(rank(), departed));
-}
-
-void Transport::check_same_node(int peer) const {
-  if (peer < 0 || peer >= size())
-    throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), peer, size()));
-  if (!same_node(peer))
-    throw StateError(fmt::format(
-        "[rank {}] rank {} is on node {}, not on this rank's node {}: it is reachable only through the "
-        "scale-out interface",
-        rank(), peer, node_of(peer), node_of(rank())));
-}
-
-Topology resolve_topology(int num_ranks, Topology topology) {
-  if (num_ranks < 1) throw InvalidArgument(fmt::format("num_ranks is {}, expected at least 1", num_ranks));
-  if (topology.num_scaleout < 1)
-    throw InvalidArgument(fmt::format("topology num_scaleout is {}, expected at least 1", topology.num_scaleout));
-  if (topology.num_scaleup == 0) {
-    if (num_ranks % topology.num_scaleout != 0)
-      throw InvalidArgument(fmt::format("topology num_scaleout {} does not divide the {} ranks",
-                                        topology.num_scaleout, num_ranks));
-    topology.num_scaleup = num_ranks / topology.num_scaleout;
-  }
-  if (topology.num_scaleup < 1 || topology.num_scaleout * topology.num_scaleup != num_ranks)
-    throw InvalidArgument(fmt::format("topology {} x {} does not match the {} ranks of the group",
-                                      topology.num_scaleout, topology.num_scaleup, num_ranks));
-  return topology;
-}
-
 }  // namespace comm
-
-Group::Group(std::shared_ptr<comm::Transport> transport) : transport_(std::move(transport)) {}
-Group::~Group() = default;
-int Group::rank() const { return transport_->rank(); }
-int Group::size() const { return transport_->size(); }
-int Group::num_scaleout() const { return transport_->topology().num_scaleout; }
-int Group::num_scaleup() const { return transport_->topology().num_scaleup; }
-
-void Group::barrier(double timeout_secs) {
-  timeout_secs = core::timeout_or_env(fmt::format("[rank {}] Group::barrier", rank()), timeout_secs);
-  transport_->barrier(comm::Scope::kWorld, {"Group::barrier", timeout_secs});
-}
 
 LocalWorld::LocalWorld(int num_ranks, Topology topology)
     : num_ranks_(num_ranks), topology_(comm::resolve_topology(num_ranks, topology)) {}

@@ -37,6 +37,12 @@
 // and abandon() returns only when no node peer has a section open, so after it no peer reads this
 // rank's published memory and it may be freed. Sections contain no waits on peers, so abandon()
 // waits only for bounded work.
+//
+// What the transports share lives beside this file, written once: the failure messages and the
+// ranks they name (peer_failure.hh), the peer-read sections and abandon()'s wait for them
+// (peer_reads.hh), the epoch all-gather of the shared-memory transports and the rule that voids a
+// collective (gather_protocol.hh), the arrival wait (wait.hh), and for the process transports the
+// control pages (control_page.hh) and share()'s arenas (shared_arena.hh).
 #pragma once
 
 #include <cstddef>
@@ -50,6 +56,7 @@
 #include <utility>
 #include <vector>
 
+#include "comm/peer_failure.hh"
 #include "moe_ep/group.hpp"
 
 namespace moe_ep::comm {
@@ -61,16 +68,13 @@ struct Wait {
   double timeout_secs;  // > 0; core::kNeverSecs and more never expire (core/timeout.hh)
 };
 
-// The ranks an error names (PeerError::ranks()), for abandon(); empty for other errors.
-std::vector<int> culprits_of(const std::exception_ptr& error);
-std::string message_of(const std::exception_ptr& error);
-
-// Why a rank is no longer taking part: it left the group (returned or threw out of its rank
-// function, its process is gone) or abandoned the channel. `culprits` are the ranks its own
-// failure named (the root cause, as far as it knew); empty when it failed on its own account.
-struct Departure {
-  std::string reason;
-  std::vector<int> culprits;
+// The ranks of one scope of a channel: ranks first .. first + count - 1, this rank among them.
+// `index` numbers the scope (0 the world, 1 the node) for per-scope counters.
+struct ScopeMembers {
+  int first;
+  int count;
+  int index;
+  int rank(int member) const { return first + member; }
 };
 
 // One block per rank of the scope, indexed by rank (world) or by local index (node).
@@ -78,6 +82,10 @@ class Gathered {
  public:
   Gathered() = default;
   explicit Gathered(std::vector<std::span<const std::byte>> blocks) : blocks_(std::move(blocks)) {}
+  // Views of blocks the transport copied out (they stay where they are while the views are used).
+  explicit Gathered(const std::vector<std::vector<std::byte>>& copies) {
+    for (const auto& copy : copies) blocks_.emplace_back(copy.data(), copy.size());
+  }
   std::span<const std::byte> operator[](int i) const { return blocks_[static_cast<size_t>(i)]; }
   int size() const { return static_cast<int>(blocks_.size()); }
   template <class T>
@@ -113,7 +121,12 @@ class Transport {
   bool same_node(int rank) const { return node_of(rank) == node_of(rank_); }
   int node_size() const { return topology_.num_scaleup; }
   int node_first_rank() const { return node_of(rank_) * topology_.num_scaleup; }
+  ScopeMembers members(Scope scope) const {
+    return scope == Scope::kWorld ? ScopeMembers{0, size_, 0} : ScopeMembers{node_first_rank(), node_size(), 1};
+  }
 
+  // Throws StateError unless `peer` is a rank of the group.
+  void check_rank(int peer) const;
   // Throws StateError unless `peer` is a rank of this rank's node.
   void check_same_node(int peer) const;
 
@@ -123,7 +136,8 @@ class Transport {
   // A new independent channel over the same ranks (own collective sequence). Collective.
   virtual std::unique_ptr<Transport> duplicate(const Wait& wait) = 0;
 
-  virtual void barrier(Scope scope, const Wait& wait) = 0;
+  // An all_gather of empty blocks.
+  virtual void barrier(Scope scope, const Wait& wait) { all_gather({}, scope, wait); }
   virtual Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) = 0;
   // prefault: the owner faults every page in now (else pages are faulted in by first use).
   virtual std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait,
@@ -180,9 +194,9 @@ class Transport {
   virtual void begin_peer_reads(const char* phase) = 0;
   virtual void end_peer_reads() noexcept = 0;
 
- protected:
   // Runs fn; if it throws, the ranks are out of step: this rank abandons the channel (naming what
-  // the error names), then rethrows. Every wait of both transports runs under it.
+  // the error names), then rethrows. Every wait of every transport (and of the protocols they
+  // share, gather_protocol.hh) runs under it.
   template <class Fn>
   auto leave_on_failure(Fn fn) -> decltype(fn()) {
     try {
@@ -193,10 +207,17 @@ class Transport {
       throw;
     }
   }
-  // The StateError of a collective called after this rank abandoned the channel for `reason`.
-  [[noreturn]] void fail_left_channel(const Wait& wait, const std::string& reason) const;
 
  protected:
+  // The StateError of a collective called after this rank abandoned the channel for `reason`.
+  [[noreturn]] void fail_left_channel(const Wait& wait, const std::string& reason) const;
+  // Throws StateError unless [offset, offset + bytes) lies in `memory`.
+  void check_put_range(const SymmetricMemory& memory, std::size_t offset, std::size_t bytes) const;
+  // The end of a symmetric allocation's size exchange: throws PeerError naming the ranks whose
+  // allocation failed (`failed`), else those that asked for another size than `bytes`.
+  void check_allocation_agreed(std::size_t bytes, const std::vector<int>& failed,
+                               const std::vector<int>& mismatched) const;
+
   Transport(int rank, int size, Topology topology) : rank_(rank), size_(size), topology_(topology) {}
 
  private:
@@ -204,9 +225,6 @@ class Transport {
   int size_;
   Topology topology_;
 };
-
-// The departure of a rank that abandoned the channel for `reason`, naming `culprits`.
-Departure gave_up(const std::string& reason, std::vector<int> culprits);
 
 // While open, this rank reads what node peers published; see the top of this file.
 class PeerReads {
@@ -219,18 +237,6 @@ class PeerReads {
  private:
   Transport& transport_;
 };
-
-// The error of a wait for `missing` (not empty) that did not complete: PeerError if some of them
-// departed (`departure(r)`, nullopt while r is still there), naming the root cause (the culprits
-// their own failures named, other than this rank; else the departed ranks), else TimeoutError
-// naming them all. Both transports raise their wait failures through it.
-[[noreturn]] void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
-                            const std::function<std::optional<Departure>(int)>& departure);
-
-// The PeerError of a collective void because some of its members gave up on it (`departed`, with
-// their departures), or of a peer-read section opened after node peers left.
-[[noreturn]] void fail_abandoned(int rank, const Wait& wait, const std::vector<std::pair<int, Departure>>& departed);
-
 
 // Keeps symmetric memory mapped until the process exits: for memory peers may still read after a
 // failure left the ranks out of step. Memory whose peers hold their own mappings

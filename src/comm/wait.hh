@@ -1,14 +1,19 @@
 // Polling with backoff and a deadline, for waits on peers.
 //
-// Spins briefly with a pause instruction, then yields the core, then sleeps in short steps so
-// that oversubscribed ranks (more ranks than cores) leave the CPU to the rank being waited for.
-// The clock is read only every few iterations.
+// Backoff spins briefly with a pause instruction, then yields the core, then sleeps in short steps
+// so that oversubscribed ranks (more ranks than cores) leave the CPU to the rank being waited for.
+// The clock is read only every few iterations. wait_for_arrivals is the wait of the transports
+// whose ranks share memory (a gather's epochs, the signal counters): it fails at once when a rank
+// it waits for left, else when the timeout expires, and the error names exactly the ranks that
+// did not arrive (peer_failure.hh).
 #pragma once
 
 #include <algorithm>
 #include <chrono>
 #include <thread>
+#include <vector>
 
+#include "comm/transport.hh"
 #include "core/timeout.hh"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -63,5 +68,29 @@ class Backoff {
   std::chrono::steady_clock::time_point deadline_;
   long iterations_ = 0;
 };
+
+// Waits until arrived(i) holds for every i < count, where i stands for rank rank_of(i). While it
+// waits for i it asks left(rank_of(i), poll) whether that rank left (poll counts the polls of this
+// wait, for checks too costly to make on every one); when one left, or the timeout expired, the
+// ranks that have still not arrived make the error (fail_wait: PeerError when some of them
+// departed, by transport.departure(), else TimeoutError). When all arrived after all, it returns.
+template <class RankOf, class Arrived, class Left>
+void wait_for_arrivals(const Transport& transport, int count, RankOf rank_of, Arrived arrived, Left left,
+                       const Wait& wait) {
+  Backoff backoff(wait.timeout_secs);
+  unsigned polls = 0;
+  for (int i = 0; i < count; ++i) {
+    while (!arrived(i)) {
+      if (left(rank_of(i), ++polls) || !backoff.pause()) {
+        std::vector<int> missing;
+        for (int j = 0; j < count; ++j)
+          if (!arrived(j)) missing.push_back(rank_of(j));
+        if (missing.empty()) break;  // everyone arrived after all
+        fail_wait(transport.rank(), wait, missing, backoff.elapsed_secs(),
+                  [&](int r) { return transport.departure(r); });
+      }
+    }
+  }
+}
 
 }  // namespace moe_ep::comm

@@ -15,13 +15,12 @@
 //  - its share arena (SharedSpans): the bytes share() copies for node peers.
 // Only the owner writes its region, except the signal counters, which each source increments.
 //
-// The protocol is the in-process transport's (local_transport.cc): collective e of a scope writes
-// the rank's block into slot e & 1, then stores epoch e (release); the rank waits until every
-// member's epoch reached e (acquire) and copies their blocks out into its own storage, so the
-// Gathered views stay valid until its next collective in the scope. A rank cannot finish e + 1
-// before everyone published e + 1, which each does only after copying out the blocks of e, so two
-// slots per rank suffice and no trailing barrier is needed. put() is a memcpy into the peer's
-// mapping of symmetric memory, signal() a release increment of the peer's counter.
+// The collectives are the epoch all-gather (comm/gather_protocol.hh) over this medium: the epochs
+// and the places of the parity slots are in the control regions, the slots' bytes in the data
+// arenas, and a rank copies its peers' blocks out into its own storage, so the Gathered views stay
+// valid until its next collective in the scope. Peer-read sections are comm/peer_reads.hh over
+// the control pages. put() is a memcpy into the peer's mapping of symmetric memory, signal() a
+// release increment of the peer's counter.
 //
 // Liveness: a peer whose process is gone (kill(pid, 0) fails with ESRCH, or it is a zombie) has
 // left the group; one whose control page says it abandoned the channel has left the channel.
@@ -45,6 +44,8 @@
 #include <nlohmann/json.hpp>
 
 #include "comm/control_page.hh"
+#include "comm/gather_protocol.hh"
+#include "comm/peer_reads.hh"
 #include "comm/shared_arena.hh"
 #include "comm/transport.hh"
 #include "comm/wait.hh"
@@ -142,12 +143,16 @@ class HostSymmetricMemory final : public SymmetricMemory {
   int rank_;
 };
 
-class HostTransport final : public Transport {
+class HostTransport final : public Transport, private EpochSlots {
  public:
   // Collective over the channel: maps every rank's part (`fds`, by rank), then a barrier on it.
   HostTransport(int rank, std::shared_ptr<HostInfo> info, std::unique_ptr<OwnChannel> own,
                 const std::vector<ChannelFds>& fds, const Wait& wait)
-      : Transport(rank, info->size, info->topology), info_(std::move(info)), own_(std::move(own)) {
+      : Transport(rank, info->size, info->topology),
+        info_(std::move(info)),
+        own_(std::move(own)),
+        gather_(*this, *this),
+        peer_reads_(*this, own_->control.page().reading) {
     peers_.resize(static_cast<size_t>(size()));
     try {
       for (int r = 0; r < size(); ++r) map_peer(r, fds[static_cast<size_t>(r)], wait);
@@ -179,50 +184,9 @@ class HostTransport final : public Transport {
     return std::make_unique<HostTransport>(rank(), info_, std::move(own), fds, wait);
   }
 
-  void barrier(Scope scope, const Wait& wait) override { all_gather({}, scope, wait); }
-
   Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) override {
     check_in_step(wait);
-    const int si = scope == Scope::kWorld ? 0 : 1;
-    const int members = scope == Scope::kWorld ? size() : node_size();
-    const int first = scope == Scope::kWorld ? 0 : node_first_rank();
-    const std::uint64_t epoch = ++epochs_[si];
-    const int parity = static_cast<int>(epoch & 1);
-    publish(si, parity, mine);
-    own_->page().epochs[si].value.store(epoch, std::memory_order_release);
-
-    auto& store = blocks_[si];
-    store.resize(static_cast<size_t>(members));
-    leave_on_failure([&] {
-      wait_until(
-          members, [&](int m) { return first + m; },
-          [&](int m) { return peer(first + m).page->epochs[si].value.load(std::memory_order_acquire) >= epoch; }, wait);
-      // A member that published and then gave up on the channel before completing this
-      // collective is gone: the collective is void (one that gave up later completed it; reads of
-      // what it published are guarded by PeerReads).
-      std::vector<std::pair<int, Departure>> departed;
-      for (int m = 0; m < members; ++m)
-        if (const int r = first + m; r != rank())
-          if (auto why = abandonment(r);
-              why && peer(r).control->completed[si].load(std::memory_order_acquire) < epoch)
-            departed.emplace_back(r, std::move(*why));
-      if (!departed.empty()) fail_abandoned(rank(), wait, departed);
-      for (int m = 0; m < members; ++m) {
-        const int r = first + m;
-        auto& block = store[static_cast<size_t>(m)];
-        if (r == rank()) {
-          block.assign(mine.begin(), mine.end());
-          continue;
-        }
-        const ChannelPage::Slot slot = peer(r).page->slots[si][parity];
-        block.resize(slot.bytes);
-        if (slot.bytes) std::memcpy(block.data(), peer(r).data->at(slot.offset, slot.bytes), slot.bytes);
-      }
-    });
-    own_->control.page().completed[si].store(epoch, std::memory_order_release);
-    std::vector<std::span<const std::byte>> blocks;
-    for (const auto& b : store) blocks.emplace_back(b.data(), b.size());
-    return Gathered(std::move(blocks));
+    return gather_.all_gather(mine, scope, wait);
   }
 
   std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait, bool prefault) override {
@@ -253,14 +217,7 @@ class HostTransport final : public Transport {
         if (!theirs.ok) failed.push_back(r);
         if (theirs.bytes != bytes) mismatched.push_back(r);
       }
-      if (!failed.empty())
-        throw PeerError(fmt::format("[rank {}] symmetric allocation of {} bytes failed on ranks [{}]", rank(), bytes,
-                                    fmt::join(failed, ", ")),
-                        failed);
-      if (!mismatched.empty())
-        throw PeerError(fmt::format("[rank {}] symmetric allocation: ranks [{}] asked for a size other than {} bytes",
-                                    rank(), fmt::join(mismatched, ", "), bytes),
-                        mismatched);
+      check_allocation_agreed(bytes, failed, mismatched);
       // Every rank maps every segment (put() reaches any rank), then says whether it could.
       std::string error;
       for (int r = 0; r < size() && error.empty(); ++r) {
@@ -302,9 +259,7 @@ class HostTransport final : public Transport {
   }
 
   void put(int peer_rank, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes) override {
-    if (offset > memory.bytes() || bytes > memory.bytes() - offset)
-      throw StateError(fmt::format("[rank {}] put of {} bytes at offset {} exceeds the {}-byte symmetric region",
-                                   rank(), bytes, offset, memory.bytes()));
+    check_put_range(memory, offset, bytes);
     check_rank(peer_rank);
     std::memcpy(static_cast<HostSymmetricMemory&>(memory).any_peer(peer_rank) + offset, src, bytes);
     info_->scaleout_bytes.fetch_add(bytes, std::memory_order_relaxed);
@@ -323,51 +278,40 @@ class HostTransport final : public Transport {
     check_in_step(wait);
     const PaddedCounter* mine = own_->signals();
     leave_on_failure([&] {
-      wait_until(
-          static_cast<int>(peers.size()), [&](int i) { return peers[static_cast<size_t>(i)]; },
+      wait_for_arrivals(
+          *this, static_cast<int>(peers.size()), [&](int i) { return peers[static_cast<size_t>(i)]; },
           [&](int i) {
             return mine[peers[static_cast<size_t>(i)]].value.load(std::memory_order_acquire) >=
                    targets[static_cast<size_t>(i)];
           },
-          wait);
+          [&](int r, unsigned poll) { return left(r, poll); }, wait);
     });
   }
 
   void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
     if (!own_ || !own_->control.page().abandon(reason, culprits)) return;
     // Sections are bounded work; a peer whose process is gone reads nothing any more.
-    Backoff backoff(std::max(info_->timeout_secs, 1.0));
-    for (int r = node_first_rank(); r < node_first_rank() + node_size(); ++r) {
-      if (r == rank() || peer(r).control == nullptr) continue;
-      while (peer(r).control->reading.load(std::memory_order_seq_cst) != 0)
-        if (!backoff.pause() || process_gone(pid(r))) break;
-    }
+    peer_reads_.wait_for_readers([&](int r) { return control_pages_.open_sections(r); },
+                                 std::max(info_->timeout_secs, 1.0), [&](int r) { return process_gone(pid(r)); },
+                                 [](int) {});
   }
 
   std::optional<Departure> departure(int peer_rank) const override {
-    if (auto why = abandonment(peer_rank)) return why;
+    if (auto why = control_pages_.abandonment(peer_rank)) return why;
     if (peer_rank != rank() && process_gone(pid(peer_rank))) return Departure{gone_reason(pid(peer_rank)), {}};
     return std::nullopt;
   }
 
   void begin_peer_reads(const char* phase) override {
-    auto& mine = own_->control.page().reading;
-    mine.fetch_add(1, std::memory_order_seq_cst);
-    std::vector<std::pair<int, Departure>> departed;
-    for (int r = node_first_rank(); r < node_first_rank() + node_size(); ++r)
-      if (r != rank())
-        if (auto why = abandonment(r)) departed.emplace_back(r, std::move(*why));
-    if (departed.empty()) return;
-    mine.fetch_sub(1, std::memory_order_release);
-    fail_abandoned(rank(), {phase, 0}, departed);
+    peer_reads_.open(phase, [&](int r) { return control_pages_.abandonment(r); });
   }
 
-  void end_peer_reads() noexcept override { own_->control.page().reading.fetch_sub(1, std::memory_order_release); }
+  void end_peer_reads() noexcept override { peer_reads_.close(); }
 
  private:
-  // Another rank's part of this channel, mapped here (this rank's own at its index).
+  // Another rank's part of this channel, mapped here (this rank's own at its index); its control
+  // page is in control_pages_.
   struct Peer {
-    ControlPage* control = nullptr;
     ChannelPage* page = nullptr;
     PaddedCounter* signals = nullptr;  // the counters it waits on, [source]
     std::unique_ptr<ArenaView> data;   // its published blocks
@@ -382,7 +326,7 @@ class HostTransport final : public Transport {
     const std::string owner = fmt::format("rank {}", r);
     if (same_node(r)) p.shared = std::make_unique<PeerSharedViews>(pid(r), fds.shared, owner);
     if (r == rank()) {
-      p.control = &own_->control.page();
+      control_pages_.add_own(own_->control.page());
       p.page = &own_->page();
       p.signals = own_->signals();
       return;
@@ -397,7 +341,7 @@ class HostTransport final : public Transport {
     std::string error;
     void* q = map_peer_region(pid(r), fds.control, own_->control.bytes(), true, &error);
     if (q == nullptr) fail(error);
-    p.control = static_cast<ControlPage*>(q);
+    control_pages_.add_mapped(static_cast<const ControlPage*>(q), own_->control.bytes());
     p.page = reinterpret_cast<ChannelPage*>(static_cast<std::byte*>(q) + ControlPage::kBytes);
     p.signals = reinterpret_cast<PaddedCounter*>(static_cast<std::byte*>(q) + ControlPage::kBytes + kSignalsAt);
     p.data = std::make_unique<ArenaView>(pid(r), fds.data, owner);
@@ -409,22 +353,14 @@ class HostTransport final : public Transport {
   }
 
   void unmap_peers() {
-    for (int r = 0; r < static_cast<int>(peers_.size()); ++r) {
-      Peer& p = peers_[static_cast<size_t>(r)];
-      if (r != rank() && p.control) munmap(p.control, ControlPage::kBytes + extra_bytes(size()));
-      p = Peer{};
-    }
+    control_pages_.clear();
+    for (Peer& p : peers_) p = Peer{};
   }
 
-  void check_rank(int r) const {
-    if (r < 0 || r >= size())
-      throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), r, size()));
-  }
-
-  // Writes this rank's block of a collective into its slot [scope][parity] of the data arena.
-  void publish(int si, int parity, std::span<const std::byte> mine) {
-    ChannelPage::Slot& slot = own_->page().slots[si][parity];
-    std::uint64_t& capacity = own_->capacity[si][parity];
+  // EpochSlots: this rank's block goes into its slot [scope][parity] of the data arena.
+  void publish(const ScopeMembers& scope, int parity, std::span<const std::byte> mine) override {
+    ChannelPage::Slot& slot = own_->page().slots[scope.index][parity];
+    std::uint64_t& capacity = own_->capacity[scope.index][parity];
     if (mine.size() > capacity) {  // a new place at the end; the old one is not reused
       capacity = (std::max<std::uint64_t>({mine.size(), 2 * capacity, 64}) + 63) / 64 * 64;
       slot.offset = own_->data_end;
@@ -435,32 +371,37 @@ class HostTransport final : public Transport {
     slot.bytes = mine.size();
   }
 
-  // Waits until arrived(i) for every i < count (i stands for rank rank_of(i)); fails at once when
-  // one that did not arrive left, else after the timeout, naming those that did not arrive.
-  template <class RankOf, class Arrived>
-  void wait_until(int count, RankOf rank_of, Arrived arrived, const Wait& wait) const {
-    Backoff backoff(wait.timeout_secs);
-    unsigned polls = 0;
-    for (int i = 0; i < count; ++i) {
-      while (!arrived(i)) {
-        const int r = rank_of(i);
-        // Its page is a memory read; whether its process is there costs system calls.
-        const bool left = peer(r).control->has_abandoned() || (++polls % 256 == 0 && r != rank() && process_gone(pid(r)));
-        if (left || !backoff.pause()) {
-          std::vector<int> missing;
-          for (int j = 0; j < count; ++j)
-            if (!arrived(j)) missing.push_back(rank_of(j));
-          if (missing.empty()) break;  // everyone arrived after all
-          fail_wait(rank(), wait, missing, backoff.elapsed_secs(), [&](int q) { return departure(q); });
-        }
-      }
-    }
+  void announce(const ScopeMembers& scope, std::uint64_t epoch) override {
+    own_->page().epochs[scope.index].value.store(epoch, std::memory_order_release);
   }
-
-  std::optional<Departure> abandonment(int r) const {
-    const ControlPage* page = peer(r).control;
-    if (page == nullptr || !page->has_abandoned()) return std::nullopt;
-    return page->read_departure();
+  std::uint64_t announced(const ScopeMembers& scope, int r) const override {
+    return peer(r).page->epochs[scope.index].value.load(std::memory_order_acquire);
+  }
+  // Its page is a memory read; whether its process is there costs system calls.
+  bool left(int r, unsigned poll) const override {
+    return control_pages_.has_abandoned(r) || (poll % 256 == 0 && r != rank() && process_gone(pid(r)));
+  }
+  std::optional<Departure> abandoned_before(const ScopeMembers& scope, int r, std::uint64_t epoch) const override {
+    return control_pages_.abandoned_before(r, scope.index, epoch);
+  }
+  Gathered read_blocks(const ScopeMembers& scope, int parity, std::span<const std::byte> mine) override {
+    auto& store = blocks_[scope.index];
+    store.resize(static_cast<size_t>(scope.count));
+    for (int m = 0; m < scope.count; ++m) {
+      const int r = scope.rank(m);
+      auto& block = store[static_cast<size_t>(m)];
+      if (r == rank()) {
+        block.assign(mine.begin(), mine.end());
+        continue;
+      }
+      const ChannelPage::Slot slot = peer(r).page->slots[scope.index][parity];
+      block.resize(slot.bytes);
+      if (slot.bytes) std::memcpy(block.data(), peer(r).data->at(slot.offset, slot.bytes), slot.bytes);
+    }
+    return Gathered(store);
+  }
+  void complete(const ScopeMembers& scope, std::uint64_t epoch) override {
+    own_->control.page().completed[scope.index].store(epoch, std::memory_order_release);
   }
 
   // Collectives after this rank abandoned the channel are refused: the ranks are out of step.
@@ -471,8 +412,10 @@ class HostTransport final : public Transport {
 
   std::shared_ptr<HostInfo> info_;
   std::unique_ptr<OwnChannel> own_;
+  EpochGather gather_;
+  PeerReadSections peer_reads_;
+  ControlPages control_pages_;  // every rank's, by rank
   std::vector<Peer> peers_;
-  std::uint64_t epochs_[2] = {0, 0};
   std::vector<std::vector<std::byte>> blocks_[2];  // [scope]: the blocks of its last collective
 };
 

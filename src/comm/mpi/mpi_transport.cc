@@ -5,7 +5,9 @@
 // copied into the rank's SharedArena, which node peers map. Scale-out: Messenger records and
 // counted signals. Collectives are Messenger gathers (a timeout names the missing ranks); MPI's
 // own blocking collectives (communicator split, window creation and release) run only after a
-// gather showed that every member arrived.
+// gather showed that every member arrived. The rule that voids a collective and the peer-read
+// sections are the shared ones (comm/gather_protocol.hh, comm/peer_reads.hh), over the node
+// peers' control pages.
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -23,7 +25,9 @@
 #include <thread>
 
 #include "comm/control_page.hh"
+#include "comm/gather_protocol.hh"
 #include "comm/mpi/messenger.hh"
+#include "comm/peer_reads.hh"
 #include "comm/shared_arena.hh"
 #include "comm/transport.hh"
 #include "comm/wait.hh"
@@ -113,7 +117,12 @@ class MpiTransport final : public Transport {
   // Collective over `comm` (already duplicated; owned from now on).
   MpiTransport(MPI_Comm comm, int rank, int size, Topology topology, std::shared_ptr<const HostInfo> hosts,
                const Wait& wait)
-      : Transport(rank, size, topology), messenger_(comm, rank, size), hosts_(std::move(hosts)), timeout_(wait.timeout_secs) {
+      : Transport(rank, size, topology),
+        peer_reads_(*this, control_.page().reading),
+        control_pages_(node_first_rank()),
+        messenger_(comm, rank, size),
+        hosts_(std::move(hosts)),
+        timeout_(wait.timeout_secs) {
     messenger_.set_host_info(hosts_);
     for (int m = 0; m < node_size(); ++m) node_members_.push_back(node_first_rank() + m);
     for (int r = 0; r < size; ++r) world_members_.push_back(r);
@@ -129,16 +138,16 @@ class MpiTransport final : public Transport {
       const int peer = node_first_rank() + m;
       shared_views_.push_back(std::make_unique<PeerSharedViews>(hosts_->pids[static_cast<size_t>(peer)], theirs[0],
                                                                 fmt::format("rank {}", peer)));
-      peer_control_.push_back(peer == rank ? &control_.page()
-                                           : map_peer_control(hosts_->pids[static_cast<size_t>(peer)], theirs[1],
-                                                              peer, rank));
+      if (peer == rank)
+        control_pages_.add_own(control_.page());
+      else
+        control_pages_.add_mapped(map_peer_control(hosts_->pids[static_cast<size_t>(peer)], theirs[1], peer, rank),
+                                  ControlPage::kBytes);
     }
   }
 
   ~MpiTransport() override {
-    for (int m = 0; m < static_cast<int>(peer_control_.size()); ++m)
-      if (node_first_rank() + m != rank() && peer_control_[static_cast<size_t>(m)])
-        munmap(const_cast<ControlPage*>(peer_control_[static_cast<size_t>(m)]), ControlPage::kBytes);
+    control_pages_.clear();
     shared_views_.clear();
     messenger_.drain(1.0);
     if (g_abandoned.load()) return;
@@ -159,29 +168,22 @@ class MpiTransport final : public Transport {
     return std::make_unique<MpiTransport>(dup, rank(), size(), topology(), hosts_, wait);
   }
 
-  void barrier(Scope scope, const Wait& wait) override { all_gather({}, scope, wait); }
-
+  // A Messenger gather; a node member that published and then gave up before completing it
+  // voids it (check_not_void, over the node's control pages; other nodes' members cannot read
+  // this rank's memory).
   Gathered all_gather(std::span<const std::byte> mine, Scope scope, const Wait& wait) override {
     check_in_step(wait);
+    const ScopeMembers members = this->members(scope);
     const bool world = scope == Scope::kWorld;
     auto& store = world ? world_blocks_ : node_blocks_;
-    const auto& members = world ? world_members_ : node_members_;
-    const int scope_index = world ? 0 : 1;
-    const std::uint64_t epoch = ++epochs_[scope_index];
+    const std::uint64_t epoch = ++epochs_[members.index];
     leave_on_failure([&] {
-      store = messenger_.gather(members, world ? kTagWorld : kTagNode, epoch, mine, wait);
-      // A node member that published and then gave up before completing this collective is gone:
-      // the collective is void (one that gave up later completed it; reads are guarded).
-      std::vector<std::pair<int, Departure>> departed;
-      for (int r : members)
-        if (r != rank())
-          if (auto why = abandonment(r, scope_index, epoch)) departed.emplace_back(r, std::move(*why));
-      if (!departed.empty()) fail_abandoned(rank(), wait, departed);
+      store = messenger_.gather(world ? world_members_ : node_members_, world ? kTagWorld : kTagNode, epoch, mine, wait);
+      check_not_void(*this, wait, members, epoch,
+                     [&](int r, std::uint64_t e) { return control_pages_.abandoned_before(r, members.index, e); });
     });
-    control_.page().completed[scope_index].store(epoch, std::memory_order_release);
-    std::vector<std::span<const std::byte>> blocks;
-    for (const auto& b : store) blocks.emplace_back(b.data(), b.size());
-    return Gathered(std::move(blocks));
+    control_.page().completed[members.index].store(epoch, std::memory_order_release);
+    return Gathered(store);
   }
 
   std::unique_ptr<SymmetricMemory> allocate_symmetric(std::size_t bytes, const Wait& wait, bool prefault) override {
@@ -191,10 +193,7 @@ class MpiTransport final : public Transport {
     std::vector<int> mismatched;
     for (int r = 0; r < size(); ++r)
       if (sizes.as<std::uint64_t>(r) != mine) mismatched.push_back(r);
-    if (!mismatched.empty())
-      throw PeerError(fmt::format("[rank {}] symmetric allocation: ranks [{}] asked for a size other than {} bytes",
-                                  rank(), fmt::join(mismatched, ", "), bytes),
-                      mismatched);
+    check_allocation_agreed(bytes, {}, mismatched);
     timeout_ = wait.timeout_secs;
     void* base = nullptr;
     MPI_Win window = MPI_WIN_NULL;
@@ -258,11 +257,8 @@ class MpiTransport final : public Transport {
   }
 
   void put_checked(int peer, SymmetricMemory& memory, std::size_t offset, const void* src, std::size_t bytes, bool retain) {
-    if (offset > memory.bytes() || bytes > memory.bytes() - offset)
-      throw StateError(fmt::format("[rank {}] put of {} bytes at offset {} exceeds the {}-byte symmetric region",
-                                   rank(), bytes, offset, memory.bytes()));
-    if (peer < 0 || peer >= size())
-      throw StateError(fmt::format("[rank {}] rank {} is outside the group of {} ranks", rank(), peer, size()));
+    check_put_range(memory, offset, bytes);
+    check_rank(peer);
     messenger_.put(peer, static_cast<WindowMemory&>(memory).id(), offset, src, bytes, retain);
     hosts_->scaleout_bytes.fetch_add(bytes, std::memory_order_relaxed);
   }
@@ -283,18 +279,12 @@ class MpiTransport final : public Transport {
     // Best effort: without memory for the notice, the peers time out instead.
     (void)core::capture([&] { messenger_.abandon({reason, culprits}, 1.0); });
     // Sections are bounded work; a peer whose process is gone reads nothing any more.
-    Backoff backoff(std::max(timeout_, 1.0));
-    for (int m = 0; m < static_cast<int>(peer_control_.size()); ++m) {
-      const ControlPage* peer = peer_control_[static_cast<size_t>(m)];
-      const int r = node_first_rank() + m;
-      if (r == rank() || peer == nullptr) continue;
-      while (peer->reading.load(std::memory_order_seq_cst) != 0) {
-        if (!backoff.pause() || process_gone(r)) {
+    peer_reads_.wait_for_readers(
+        [&](int r) { return control_pages_.open_sections(r); }, std::max(timeout_, 1.0),
+        [&](int r) { return process_gone(r); },
+        [](int r) {
           core::warn(core::Subsys::kP2P, "rank {} still reads this rank's memory while it leaves the channel", r);
-          break;
-        }
-      }
-    }
+        });
   }
 
   std::optional<Departure> departure(int peer) const override {
@@ -303,20 +293,10 @@ class MpiTransport final : public Transport {
   }
 
   void begin_peer_reads(const char* phase) override {
-    auto& mine = control_.page().reading;
-    mine.fetch_add(1, std::memory_order_seq_cst);
-    std::vector<std::pair<int, Departure>> departed;
-    for (int m = 0; m < static_cast<int>(peer_control_.size()); ++m) {
-      const ControlPage* peer = peer_control_[static_cast<size_t>(m)];
-      if (node_first_rank() + m == rank() || peer == nullptr) continue;
-      if (peer->abandoned.load(std::memory_order_seq_cst) != 0) departed.emplace_back(node_first_rank() + m, peer->read_departure());
-    }
-    if (departed.empty()) return;
-    mine.fetch_sub(1, std::memory_order_release);
-    fail_abandoned(rank(), {phase, 0}, departed);
+    peer_reads_.open(phase, [&](int r) { return control_pages_.abandonment(r); });
   }
 
-  void end_peer_reads() noexcept override { control_.page().reading.fetch_sub(1, std::memory_order_release); }
+  void end_peer_reads() noexcept override { peer_reads_.close(); }
 
   // Frees a window: collective over the node, so it runs only once every member arrived.
   void release(std::uint32_t id, MPI_Win window, const Wait& wait) noexcept {
@@ -332,27 +312,21 @@ class MpiTransport final : public Transport {
   }
 
  private:
-  // A node peer's abandonment as its control page shows it (other ranks' come as messages);
-  // with `scope`: only if it abandoned before completing collective `epoch` of that scope.
-  std::optional<Departure> abandonment(int peer, int scope = -1, std::uint64_t epoch = 0) const {
-    if (same_node(peer) && peer_control_.size() == static_cast<size_t>(node_size())) {  // mapped (not while set up)
-      const ControlPage* page = peer_control_[static_cast<size_t>(peer - node_first_rank())];
-      if (page != nullptr && peer != rank() && page->abandoned.load(std::memory_order_seq_cst) != 0 &&
-          (scope < 0 || page->completed[scope].load(std::memory_order_acquire) < epoch))
-        return page->read_departure();
-    }
-    return std::nullopt;
+  // A node peer's abandonment as its control page shows it (other ranks' come as messages).
+  std::optional<Departure> abandonment(int peer) const {
+    return peer == rank() ? std::nullopt : control_pages_.abandonment(peer);
   }
 
   bool process_gone(int peer) const { return messenger_.departure(peer, false).has_value(); }
 
   void check_in_step(const Wait& wait) const {
     const ControlPage& page = control_.page();
-    if (page.abandoned.load(std::memory_order_acquire) != 0) fail_left_channel(wait, page.read_reason());
+    if (page.has_abandoned()) fail_left_channel(wait, page.read_reason());
   }
 
   ControlRegion control_;
-  std::vector<const ControlPage*> peer_control_;  // by local index; this rank's own page at its index
+  PeerReadSections peer_reads_;
+  ControlPages control_pages_;  // the node's, by rank; this rank's own among them
   mutable Messenger messenger_;
   std::shared_ptr<const HostInfo> hosts_;
   std::vector<int> world_members_, node_members_;

@@ -1,0 +1,93 @@
+#include "comm/peer_failure.hh"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+
+#include "comm/transport.hh"
+#include "moe_ep/error.hpp"
+
+namespace moe_ep::comm {
+namespace {
+
+// The ranks to name for departures: the culprits their failures named (other than this rank), or
+// the departed ranks themselves when they failed on their own account (or blamed only this rank).
+std::vector<int> root_cause(int rank, const std::vector<std::pair<int, Departure>>& departed) {
+  std::vector<int> culprits, ranks;
+  for (const auto& [r, why] : departed) {
+    ranks.push_back(r);
+    for (int c : why.culprits)
+      if (c != rank && std::find(culprits.begin(), culprits.end(), c) == culprits.end()) culprits.push_back(c);
+  }
+  std::sort(culprits.begin(), culprits.end());
+  return culprits.empty() ? ranks : culprits;
+}
+
+std::string reasons_of(const std::vector<std::pair<int, Departure>>& departed) {
+  std::string reasons;
+  for (const auto& [r, why] : departed) reasons += fmt::format("; rank {} {}", r, why.reason);
+  return reasons;
+}
+
+}  // namespace
+
+Departure gave_up(const std::string& reason, std::vector<int> culprits) {
+  return {"gave up on this channel: " + reason, std::move(culprits)};
+}
+
+std::vector<int> culprits_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const PeerError& e) {
+    return e.ranks();
+  } catch (...) {
+    return {};
+  }
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "a non-standard exception";
+  }
+}
+
+void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
+               const std::function<std::optional<Departure>(int)>& departure) {
+  std::vector<std::pair<int, Departure>> departed;
+  std::vector<int> ranks;
+  for (int r : missing)
+    if (auto why = departure(r)) {
+      ranks.push_back(r);
+      departed.emplace_back(r, std::move(*why));
+    }
+  if (!departed.empty())
+    throw PeerError(fmt::format("[rank {}] {}: ranks [{}] left the group instead of arriving{}", rank, wait.phase,
+                                fmt::join(ranks, ", "), reasons_of(departed)),
+                    root_cause(rank, departed));
+  throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s (timeout {:g} s) waiting for ranks [{}]", rank,
+                                 wait.phase, elapsed_secs, wait.timeout_secs, fmt::join(missing, ", ")),
+                     missing);
+}
+
+void fail_abandoned(int rank, const Wait& wait, const std::vector<std::pair<int, Departure>>& departed) {
+  std::vector<int> ranks;
+  for (const auto& [r, why] : departed) ranks.push_back(r);
+  throw PeerError(fmt::format("[rank {}] {}: ranks [{}] took part and then left (what they published is gone){}",
+                              rank, wait.phase, fmt::join(ranks, ", "), reasons_of(departed)),
+                  root_cause(rank, departed));
+}
+
+void fail_departed(int rank, const char* phase, int peer, Departure why) {
+  std::vector<std::pair<int, Departure>> departed;
+  departed.emplace_back(peer, std::move(why));
+  throw PeerError(fmt::format("[rank {}] {}: rank {} left instead of arriving{}", rank, phase, peer,
+                              reasons_of(departed)),
+                  root_cause(rank, departed));
+}
+
+}  // namespace moe_ep::comm
