@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Installs the Debian packages moe-ep needs (only those missing) and, unless the build turns the
-# Python package off, the project's Python environment (scripts/python-env.sh: .venv with the
-# pinned torch), then configures and builds.
+# Installs the Debian packages moe-ep needs (scripts/packages.sh: only those missing) and, unless
+# the build turns the Python package off, the project's Python environment (scripts/python-env.sh:
+# .venv with the pinned torch), then configures and builds.
 # Usage: scripts/bootstrap.sh [build-dir]   (default: build). Env: BUILD_TYPE (default Release), JOBS,
 # CMAKE_ARGS (more configure arguments), TARGETS (build only these), CC/CXX (the compiler),
 # MOE_EP_VENV (where the Python environment lives; default .venv in the source tree).
@@ -9,22 +9,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$root/build}
 
-packages=(g++ cmake ninja-build pkg-config libgtest-dev libgmock-dev libbenchmark-dev libdlpack-dev
-          libcli11-dev nlohmann-json3-dev libfmt-dev libopenmpi-dev openmpi-bin python3 python3-numpy
-          clang-14 libclang-rt-14-dev python3-dev python3-venv libhwloc-dev)
-missing=()
-for p in "${packages[@]}"; do
-  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
-  [ "$status" = "install ok installed" ] || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  echo "bootstrap: installing ${missing[*]}"
-  sudo_cmd=""
-  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
-  export DEBIAN_FRONTEND=noninteractive
-  $sudo_cmd apt-get update -qq
-  $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+"$root/scripts/packages.sh"
 
 python_args=()
 case " ${CMAKE_ARGS:-} " in
@@ -35,7 +20,7 @@ case " ${CMAKE_ARGS:-} " in
            "builds everything but the Python package" >&2
       exit 1
     fi
-    python_args=(-DPython_EXECUTABLE="$python") ;;
+    python_args=(-DMOE_EP_WITH_PYTHON=ON -DPython_EXECUTABLE="$python") ;;
 esac
 
 jobs=${JOBS:-$(nproc)}

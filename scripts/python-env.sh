@@ -3,10 +3,14 @@
 # /usr/bin/python3 holding the pinned packages of python/requirements*.txt (torch, numpy, pytest,
 # pybind11, mpi4py, matplotlib; the engines whose DeepEP dispatchers the tests run). Idempotent:
 # when the environment already holds exactly these pins it returns at once.
-# Usage: scripts/python-env.sh [venv-dir]   (default: $MOE_EP_VENV, else .venv in the source tree)
-# Prints the environment's interpreter on its last line. docs/python.md describes the environment.
+# Usage: scripts/python-env.sh [--check] [venv-dir]   (default: $MOE_EP_VENV, else .venv in the
+# source tree). Prints the environment's interpreter on its last line. --check only tells, by its
+# exit status, whether the environment is ready (0) or would be set up (1). docs/python.md
+# describes the environment.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+check=0
+if [ "${1:-}" = --check ]; then check=1; shift; fi
 venv=${1:-${MOE_EP_VENV:-$root/.venv}}
 base=/usr/bin/python3
 req=$root/python/requirements.txt
@@ -22,6 +26,7 @@ if [ -x "$venv/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want"
   echo "$venv/bin/python"
   exit 0
 fi
+[ $check = 0 ] || exit 1
 
 echo "python-env: setting up $venv (pinned packages from PyPI; the first time takes a few minutes)" >&2
 [ -x "$venv/bin/python" ] || "$base" -m venv "$venv"
