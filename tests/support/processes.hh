@@ -52,9 +52,12 @@ class Failures {
 };
 
 inline std::string ranks_text(const std::vector<int>& ranks) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < ranks.size(); ++i) s += (i ? "," : "") + std::to_string(ranks[i]);
-  return s + "]";
+  std::string text = "[";
+  for (std::size_t i = 0; i < ranks.size(); ++i) {
+    if (i) text += ',';
+    text += std::to_string(ranks[i]);
+  }
+  return text + "]";
 }
 
 // Runs `fn`, expects it to throw E with ranks() == `ranks` (when given) and a message containing
