@@ -7,6 +7,7 @@
 #pragma once
 
 #include "cuda/elastic_device.hh"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::cuda {
 
@@ -14,7 +15,7 @@ template <class Exec>
 std::shared_ptr<const DeviceHandleState> ElasticDevice<Exec>::check_combine(const CombineArgs& a,
                                                                             const std::string& ctx) {
   const DLDevice dev = exec_->dl_device();
-  if (a.num_sms < 0 || a.num_sms > 1024) core::fail(ctx, "num_sms = {} is outside [0, 1024]", a.num_sms);
+  if (a.num_sms < 0 || a.num_sms > kMaxWorkers) core::fail(ctx, "num_sms = {} is outside [0, {}]", a.num_sms, kMaxWorkers);
   if (!a.handle) core::fail(ctx, "handle is missing (combine needs the handle of a dispatch)");
   auto state = std::static_pointer_cast<const DeviceHandleState>(a.handle->provider_state);
   if (!state || state->buffer_id != id_) core::fail(ctx, "the handle was not made by this buffer (cuda provider, rank {})", rank_);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include "cuda/elastic_device.hh"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::cuda {
 
@@ -51,7 +52,7 @@ template <class Exec>
 void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c, const std::string& ctx) {
   const DLDevice dev = exec_->dl_device();
   Geometry& g = c.g;
-  if (a.num_sms < 0 || a.num_sms > 1024) core::fail(ctx, "num_sms = {} is outside [0, 1024]", a.num_sms);
+  if (a.num_sms < 0 || a.num_sms > kMaxWorkers) core::fail(ctx, "num_sms = {} is outside [0, {}]", a.num_sms, kMaxWorkers);
   if (a.previous_event && !a.allocate_on_comm_stream)
     core::fail(ctx, "previous_event requires allocate_on_comm_stream = true (DeepEP's rule)");
   if (g.T != config_.num_max_tokens_per_rank)
@@ -66,10 +67,10 @@ void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c,
     core::fail(ctx, "x has dtype {} ({}); dispatch moves 1-, 2- or 4-byte payloads", dtype_name(c.x_dtype),
                a.x.describe());
   g.row_bytes = std::int64_t{H} * static_cast<std::int64_t>(element_size(c.x_dtype));
-  if (H < 1 || H > (1 << 24)) core::fail(ctx, "x has hidden size {}, outside [1, 2^24]", H);
-  if (g.row_bytes % 16 != 0)
-    core::fail(ctx, "x ({}) has rows of {} bytes: a row (hidden x element size) must be a multiple of 16 bytes",
-               a.x.describe(), g.row_bytes);
+  if (H < 1 || H > kMaxHidden) core::fail(ctx, "x has hidden size {}, outside [1, {}]", H, kMaxHidden);
+  if (g.row_bytes % kRowByteMultiple != 0)
+    core::fail(ctx, "x ({}) has rows of {} bytes: a row (hidden x element size) must be a multiple of {} bytes",
+               a.x.describe(), g.row_bytes, kRowByteMultiple);
   if (reinterpret_cast<std::uintptr_t>(a.x.data()) % 16 != 0 ||
       a.x.stride(0) * static_cast<std::int64_t>(element_size(c.x_dtype)) % 16 != 0)
     core::fail(ctx, "x ({}, at {}) must start at a 16-byte boundary with rows 16-byte aligned: the cuda provider "

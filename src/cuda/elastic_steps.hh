@@ -12,25 +12,26 @@
 #include <cstdint>
 
 #include "cuda/device_common.hh"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::cuda {
 
 // The base address of every rank's symmetric region, as this rank reaches it.
 struct Peers {
-  std::byte* base[kMaxRanks];
+  std::byte* base[kMaxCudaRanks];
 };
 
 // Every rank's tensors of one call, as this rank reaches them (device addresses).
 struct PeerTensors {
-  const std::byte* x[kMaxRanks];
-  const std::uint32_t* scales[kMaxRanks];
-  const float* weights[kMaxRanks];
-  const std::int64_t* topk[kMaxRanks];
-  const std::int32_t* lanes[kMaxRanks];  // combine: expanded row of each (row, lane) at that rank
-  std::int64_t x_row[kMaxRanks];         // bytes between rows
-  std::int64_t scale_stride0[kMaxRanks], scale_stride1[kMaxRanks];
-  std::int64_t weights_row[kMaxRanks];
-  std::int64_t topk_row[kMaxRanks];
+  const std::byte* x[kMaxCudaRanks];
+  const std::uint32_t* scales[kMaxCudaRanks];
+  const float* weights[kMaxCudaRanks];
+  const std::int64_t* topk[kMaxCudaRanks];
+  const std::int32_t* lanes[kMaxCudaRanks];  // combine: expanded row of each (row, lane) at that rank
+  std::int64_t x_row[kMaxCudaRanks];         // bytes between rows
+  std::int64_t scale_stride0[kMaxCudaRanks], scale_stride1[kMaxCudaRanks];
+  std::int64_t weights_row[kMaxCudaRanks];
+  std::int64_t topk_row[kMaxCudaRanks];
 };
 
 // The sizes of one dispatch or combine, as validated and agreed.

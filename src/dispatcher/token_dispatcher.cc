@@ -18,6 +18,7 @@
 #include "moe_ep/dispatcher.hpp"
 #include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 #include "routing/plan.hh"
 
 namespace moe_ep {
@@ -50,8 +51,6 @@ const char* format_name(OutputFormat f) {
 
 namespace dispatcher {
 namespace {
-
-constexpr int kMaxTopk = 32;
 
 enum class Stage { kIdle, kDispatching, kDispatched, kCombining };
 
@@ -150,9 +149,9 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
                    "DispatcherOptions.use_v2 off): ignored", name);
 
   const int R = group.size();
-  check_range("DispatcherOptions.hidden", o.hidden, 1, 1 << 24);
+  check_range("DispatcherOptions.hidden", o.hidden, 1, kMaxHidden);
   check_range("DispatcherOptions.num_topk", o.num_topk, 1, kMaxTopk);
-  check_range("DispatcherOptions.num_experts", o.num_experts, 1, 1 << 20);
+  check_range("DispatcherOptions.num_experts", o.num_experts, 1, kMaxDispatcherExperts);
   if (o.num_experts % R != 0)
     throw InvalidArgument(fmt::format("dispatcher: DispatcherOptions.num_experts = {} is not divisible by the {} ranks",
                                       o.num_experts, R));
@@ -161,7 +160,7 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
   check_variable_range(in.num_max_prefill_tokens_per_rank.has_value(), "num_max_prefill_tokens_per_rank",
                        env::kNumMaxPrefillTokensPerRank, *o.num_max_prefill_tokens_per_rank);
   check_variable_range(in.num_workers.has_value(), "num_workers", env::kNumWorkers, *o.num_workers);
-  check_range("DispatcherOptions.expert_alignment", o.expert_alignment, 1, 1 << 20);
+  check_range("DispatcherOptions.expert_alignment", o.expert_alignment, 1, kMaxDispatcherExpertAlignment);
   core::checked_timeout("dispatcher", "DispatcherOptions.timeout_secs", *o.timeout_secs);
   if (*o.dispatch_dtype == WireDType::kFP8 && o.hidden % kFp8BlockSize != 0)
     throw InvalidArgument(fmt::format("dispatcher: FP8 dispatch ({}) needs hidden to be a multiple of {}, got {}",

@@ -24,6 +24,7 @@
 #include "engine/counted_exchange.hh"
 #include "engine/engine.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 #include "routing/combine_order.hh"
 
 namespace moe_ep::engine {
