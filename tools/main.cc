@@ -12,6 +12,7 @@
 
 #include "cli.hh"
 #include "commands.hh"
+#include "moe_ep/dispatcher.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/limits.hpp"
 #include "moe_ep/version.hpp"
@@ -122,7 +123,8 @@ void add_run_command(CLI::App& app, RunCommand& run) {
   cmd->add_flag("--dispatcher", run.through_dispatcher,
                 "through the token dispatcher (generation from MOE_EP_USE_V2), over a sequence of batches");
   cmd->add_option("--mode", run.dispatcher.mode, "with --dispatcher: normal, low_latency or auto (default: MOE_EP_MODE)")
-      ->check(one_of({"normal", "low_latency", "auto"}));
+      ->check(one_of({moe_ep::mode_name(moe_ep::DispatchMode::kNormal), moe_ep::mode_name(moe_ep::DispatchMode::kLowLatency),
+                      moe_ep::mode_name(moe_ep::DispatchMode::kAuto)}));
   cmd->add_option("--sequence", run.dispatcher.sequence, "with --dispatcher: batch kinds, P = prefill, D = decode");
   cmd->add_option("--decode-tokens", run.dispatcher.decode_tokens, "with --dispatcher: tokens per rank of decode batches")
       ->check(integer_in(1));

@@ -23,32 +23,6 @@
 
 namespace moe_ep {
 
-const char* generation_name(Generation g) { return g == Generation::kV1 ? "V1" : "V2"; }
-
-const char* mode_name(DispatchMode m) {
-  switch (m) {
-    case DispatchMode::kNormal:
-      return "normal";
-    case DispatchMode::kLowLatency:
-      return "low_latency";
-    case DispatchMode::kAuto:
-      return "auto";
-  }
-  return "?";
-}
-
-const char* format_name(OutputFormat f) {
-  switch (f) {
-    case OutputFormat::kNormal:
-      return "normal";
-    case OutputFormat::kLowLatency:
-      return "low_latency";
-    case OutputFormat::kV2Expanded:
-      return "v2_expanded";
-  }
-  return "?";
-}
-
 namespace dispatcher {
 namespace {
 
@@ -121,20 +95,14 @@ void check_variable_range(bool from_field, const char* field, env::IntVar variab
 DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& group) {
   DispatcherOptions o = in;
   o.use_v2 = pick(in.use_v2, env::get(env::kUseV2));
-  if (!in.mode) {
-    const std::string m = env::get(env::kMode);
-    o.mode = m == "normal" ? DispatchMode::kNormal : m == "low_latency" ? DispatchMode::kLowLatency : DispatchMode::kAuto;
-  }
+  if (!in.mode) o.mode = parse_mode(env::get(env::kMode), env::kMode.name);
   // The variables' ranges are the limits of these options (checked below for option fields);
   // values read from the environment are in range.
   o.num_max_dispatch_tokens_per_rank = pick(
       in.num_max_dispatch_tokens_per_rank, static_cast<int>(env::get(env::kNumMaxDispatchTokensPerRank)));
   o.num_max_prefill_tokens_per_rank = pick(
       in.num_max_prefill_tokens_per_rank, static_cast<int>(env::get(env::kNumMaxPrefillTokensPerRank)));
-  if (!in.dispatch_dtype) {
-    const std::string d = env::get(env::kDispatchDtype);
-    o.dispatch_dtype = d == "fp8" ? WireDType::kFP8 : d == "nvfp4" ? WireDType::kNVFP4 : WireDType::kBF16;
-  }
+  if (!in.dispatch_dtype) o.dispatch_dtype = parse_wire_dtype(env::get(env::kDispatchDtype), env::kDispatchDtype.name);
   o.num_workers = pick(in.num_workers, static_cast<int>(env::get(env::kNumWorkers)));
   o.allow_hybrid_mode = pick(in.allow_hybrid_mode, env::get(env::kV2AllowHybridMode));
   o.allow_multiple_reduction = pick(in.allow_multiple_reduction, env::get(env::kV2AllowMultipleReduction));
