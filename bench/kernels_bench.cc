@@ -11,6 +11,7 @@
 
 #include "core/reduce.hh"
 #include "moe_ep/convert.hpp"
+#include "moe_ep/limits.hpp"
 #include "routing/handle_plan.hh"
 #include "routing/plan.hh"
 
@@ -74,7 +75,7 @@ struct Routing {
 // The destination ranks of every token (the per-token step of counting and planning).
 void BM_TokenRanks(benchmark::State& state) {
   const Routing r;
-  std::array<moe_ep::routing::Destination, moe_ep::routing::kMaxTopk> dests;
+  std::array<moe_ep::routing::Destination, moe_ep::kMaxTopk> dests;
   for (auto _ : state)
     for (int t = 0; t < Routing::kTokens; ++t)
       benchmark::DoNotOptimize(moe_ep::routing::token_ranks(r.rows().row(t), Routing::kTopk, r.geo, dests));

@@ -32,6 +32,7 @@ SOURCE_FOLDERS = {name: name for name in LAYERS}
 # include/moe_ep/<header> -> layer: the lowest layer whose code the header describes.
 PUBLIC_HEADERS = {
     "error.hpp": "core",
+    "limits.hpp": "core",
     "dtype.hpp": "core",
     "convert.hpp": "core",
     "tensor.hpp": "core",

@@ -80,10 +80,10 @@ std::pair<std::string, std::vector<int>> sweep_parameter(const BenchOptions& opt
       throw InvalidArgument(fmt::format("--sweep experts: {} experts must be a multiple of the {} ranks and at least "
                                         "--topk ({})",
                                         v, base.ranks, base.topk));
-    if (key == "ranks" && (base.experts % v != 0 || v % base.nodes != 0 || v > 1024))
+    if (key == "ranks" && (base.experts % v != 0 || v % base.nodes != 0 || v > kMaxToolRanks))
       throw InvalidArgument(fmt::format("--sweep ranks: {} ranks must divide --experts ({}), be a multiple of the {} "
-                                        "logical node(s) and be at most 1024",
-                                        v, base.experts, base.nodes));
+                                        "logical node(s) and be at most {}",
+                                        v, base.experts, base.nodes, kMaxToolRanks));
   }
   return {key, values};
 }

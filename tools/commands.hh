@@ -12,6 +12,10 @@
 
 namespace moe_ep::tools {
 
+// The most ranks (threads of this process) and logical nodes a run, a benchmark or a sweep point
+// may have: the tool's own limit (the library's limits are those of moe_ep/limits.hpp).
+inline constexpr int kMaxToolRanks = 1024;
+
 struct RunOptions {
   Api api = Api::kV2;
   LayerConfig layer;

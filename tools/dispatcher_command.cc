@@ -72,10 +72,6 @@ void dump_dispatch(const std::string& prefix, const LayerConfig& c, const RankBa
   if (out.format != OutputFormat::kNormal) core::write_npy(path("masked_m"), out.masked_m);
 }
 
-const char* wire_name(WireDType d) {
-  return d == WireDType::kFP8 ? "fp8" : d == WireDType::kNVFP4 ? "nvfp4" : "bf16";
-}
-
 // config.json of a dispatcher dump: the layer, the resolved options and one entry per batch.
 void write_manifest(const std::string& dir, const LayerConfig& c, const DispatcherOptions& o,
                     const std::vector<BatchKind>& kinds, const std::vector<LayerConfig>& configs,
@@ -87,7 +83,7 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const Dispatch
                       {"num_experts", c.experts},
                       {"num_topk", c.topk},
                       {"seed", c.seed},
-                      {"dispatch_dtype", wire_name(*o.dispatch_dtype)},
+                      {"dispatch_dtype", wire_dtype_name(*o.dispatch_dtype)},
                       {"allow_hybrid_mode", *o.allow_hybrid_mode},
                       {"allow_multiple_reduction", *o.allow_multiple_reduction},
                       {"expert_alignment", o.expert_alignment},
@@ -110,14 +106,14 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const Dispatch
     const WireDType wire = *o.dispatch_dtype == WireDType::kNVFP4 && info.mode != DispatchMode::kLowLatency
                                ? WireDType::kBF16
                                : *o.dispatch_dtype;
-    list.push_back({{"kind", kinds[b] == BatchKind::kPrefill ? "prefill" : "decode"},
+    list.push_back({{"kind", batch_kind_name(kinds[b])},
                     {"tokens", configs[b].tokens},
                     {"tokens_per_rank", tokens},
                     {"generation", info.generation == Generation::kV2 ? "v2" : "v1"},
                     {"provider", info.provider},
                     {"mode", mode_name(info.mode)},
                     {"format", format_name(info.format)},
-                    {"wire_dtype", wire_name(wire)},
+                    {"wire_dtype", wire_dtype_name(wire)},
                     {"seed", configs[b].seed},
                     {"expected_m", expected_m}});
   }
@@ -130,9 +126,9 @@ void write_manifest(const std::string& dir, const LayerConfig& c, const Dispatch
 LayerConfig layer_with_wire_format(const LayerConfig& layer) {
   LayerConfig c = layer;
   if (!c.fp8 && !c.nvfp4) {
-    const std::string wire = env::get(env::kDispatchDtype);
-    c.fp8 = wire == "fp8";
-    c.nvfp4 = wire == "nvfp4";
+    const WireDType wire = parse_wire_dtype(env::get(env::kDispatchDtype), env::kDispatchDtype.name);
+    c.fp8 = wire == WireDType::kFP8;
+    c.nvfp4 = wire == WireDType::kNVFP4;
     if (c.fp8 && c.hidden % 128 != 0)
       throw InvalidArgument(fmt::format("MOE_EP_DISPATCH_DTYPE=fp8 needs --hidden a multiple of 128 (per-128 scales); "
                                         "--hidden is {}", c.hidden));
@@ -172,9 +168,7 @@ RunPlan plan_run(const LayerConfig& c, const DispatcherRunOptions& run) {
   o.hidden = c.hidden;
   o.num_experts = c.experts;
   o.num_topk = c.topk;
-  if (!run.mode.empty())
-    o.mode = run.mode == "normal" ? DispatchMode::kNormal : run.mode == "low_latency" ? DispatchMode::kLowLatency
-                                                                                     : DispatchMode::kAuto;
+  if (!run.mode.empty()) o.mode = parse_mode(run.mode, "--mode");
   if (c.fp8) o.dispatch_dtype = WireDType::kFP8;
   if (c.nvfp4) {
     o.dispatch_dtype = WireDType::kNVFP4;
@@ -185,9 +179,7 @@ RunPlan plan_run(const LayerConfig& c, const DispatcherRunOptions& run) {
   if (c.alignment != 1) o.expert_alignment = c.alignment;
   if (!c.allow_hybrid) o.allow_hybrid_mode = false;
   if (!c.multi) o.allow_multiple_reduction = false;
-  plan.mode = o.mode.value_or(env::get(env::kMode) == "normal"        ? DispatchMode::kNormal
-                              : env::get(env::kMode) == "low_latency" ? DispatchMode::kLowLatency
-                                                                      : DispatchMode::kAuto);
+  plan.mode = o.mode ? *o.mode : parse_mode(env::get(env::kMode), env::kMode.name);
   // Unless the environment sets them, the caps are sized to fit the batches.
   int ll_tokens = 1, normal_tokens = 1;
   for (BatchKind k : plan.kinds) {
@@ -307,7 +299,7 @@ bool verify_batches(const LayerConfig& c, const RunPlan& plan, const Batches& ba
                            sizeof(std::uint16_t) * static_cast<size_t>(c.hidden)) != 0;
     }
     all_ok &= bad == 0;
-    table.row({std::to_string(b), plan.kinds[b] == BatchKind::kPrefill ? "prefill" : "decode",
+    table.row({std::to_string(b), batch_kind_name(plan.kinds[b]),
                std::to_string(batches.configs[b].tokens), generation_name(info.generation), info.provider,
                mode_name(info.mode), format_name(info.format), fmt::format("{:.3f}", dispatch_s * 1e3),
                fmt::format("{:.3f}", combine_s * 1e3),

@@ -12,23 +12,25 @@
 
 #include "cli.hh"
 #include "commands.hh"
+#include "moe_ep/dispatcher.hpp"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 #include "moe_ep/version.hpp"
 #include "progress.hh"
 
 namespace moe_ep::tools {
 
 void add_layer_options(CLI::App& app, LayerConfig& layer) {
-  app.add_option("--ranks", layer.ranks, "ranks (threads of this process)")->check(integer_in(1, 1024));
+  app.add_option("--ranks", layer.ranks, "ranks (threads of this process)")->check(integer_in(1, kMaxToolRanks));
   app.add_option("--nodes", layer.scaleout, "logical nodes the ranks are split into (scale-out x scale-up)")
-      ->check(integer_in(1, 1024));
+      ->check(integer_in(1, kMaxToolRanks));
   app.add_flag("!--no-hybrid", layer.allow_hybrid, "across nodes, send each token to each rank (direct mode; V2)");
   app.add_flag("!--no-multiple-reduction", layer.multi, "reduce only at the token's rank in combine (V2)");
   app.add_option("--tokens", layer.tokens, "max tokens per rank (ranks use between 7/8 of it and all of it)")
       ->check(integer_in(1));
   app.add_option("--hidden", layer.hidden, "hidden size")->check(integer_in(1));
   app.add_option("--experts", layer.experts, "number of experts (a multiple of --ranks)")->check(integer_in(1));
-  app.add_option("--topk", layer.topk, "experts per token (at most --experts)")->check(integer_in(1, 32));
+  app.add_option("--topk", layer.topk, "experts per token (at most --experts)")->check(integer_in(1, kMaxTopk));
   app.add_flag("--fp8", layer.fp8, "dispatch FP8 E4M3 with per-128 block scales (hidden must be a multiple of 128)");
   app.add_flag("--nvfp4", layer.nvfp4,
                "dispatch NVFP4: E2M1 values with per-16 E4M3 scales (low-latency mode or the dispatcher; hidden a "
@@ -121,7 +123,8 @@ void add_run_command(CLI::App& app, RunCommand& run) {
   cmd->add_flag("--dispatcher", run.through_dispatcher,
                 "through the token dispatcher (generation from MOE_EP_USE_V2), over a sequence of batches");
   cmd->add_option("--mode", run.dispatcher.mode, "with --dispatcher: normal, low_latency or auto (default: MOE_EP_MODE)")
-      ->check(one_of({"normal", "low_latency", "auto"}));
+      ->check(one_of({moe_ep::mode_name(moe_ep::DispatchMode::kNormal), moe_ep::mode_name(moe_ep::DispatchMode::kLowLatency),
+                      moe_ep::mode_name(moe_ep::DispatchMode::kAuto)}));
   cmd->add_option("--sequence", run.dispatcher.sequence, "with --dispatcher: batch kinds, P = prefill, D = decode");
   cmd->add_option("--decode-tokens", run.dispatcher.decode_tokens, "with --dispatcher: tokens per rank of decode batches")
       ->check(integer_in(1));
@@ -133,12 +136,12 @@ void add_bench_command(CLI::App& app, BenchCommand& bench) {
   BenchOptions& o = bench.options;
   CLI::App* cmd = app.add_subcommand("bench", "dispatch/combine bandwidth against the memcpy ceiling");
   bench.app = cmd;
-  cmd->add_option("--ranks", o.ranks, "ranks (threads of this process)")->check(integer_in(1, 1024));
-  cmd->add_option("--nodes", o.nodes, "logical nodes")->check(integer_in(1, 1024));
+  cmd->add_option("--ranks", o.ranks, "ranks (threads of this process)")->check(integer_in(1, kMaxToolRanks));
+  cmd->add_option("--nodes", o.nodes, "logical nodes")->check(integer_in(1, kMaxToolRanks));
   cmd->add_flag("!--no-hybrid", o.allow_hybrid, "direct mode across nodes (V2)");
   cmd->add_option("--hidden", o.hidden, "hidden size (a multiple of 128: FP8 dispatch)")->check(integer_in(1));
   cmd->add_option("--experts", o.experts, "experts (a multiple of --ranks)")->check(integer_in(1));
-  cmd->add_option("--topk", o.topk, "experts per token (at most --experts)")->check(integer_in(1, 32));
+  cmd->add_option("--topk", o.topk, "experts per token (at most --experts)")->check(integer_in(1, moe_ep::kMaxTopk));
   cmd->add_option("--workers", o.workers, "worker threads per rank (0 = model)")->check(integer_in(0));
   cmd->add_option("--prefill-tokens", o.prefill_tokens, "tokens per rank, prefill shape")->check(integer_in(1));
   cmd->add_option("--decode-tokens", o.decode_tokens, "tokens per rank, decode shape")->check(integer_in(1));
@@ -169,7 +172,7 @@ void add_launch_options(CLI::App& cmd, moe_ep::tools::LaunchOptions& launch) {
   cmd.add_option("--ranks-per-node", launch.ranks_per_node,
                  "ranks per logical node (instead of --nodes; 0 = from --nodes); with mpi, processes of one host in "
                  "different logical nodes talk through MPI")
-      ->check(integer_in(0, 1024));
+      ->check(integer_in(0, kMaxToolRanks));
 }
 
 // The logical nodes of a launch: threads of this process are checked against --ranks; processes
@@ -271,7 +274,8 @@ int bench_main(BenchCommand& bench, int& argc, char**& argv) {
       need(!bench.given(flag), fmt::format("{} is not an option of --provider cuda (it times the V2 buffer on device "
                                            "tensors, ranks as threads)", flag));
     need(o.api == "v2", "--provider cuda offers the V2 buffer only: drop --api v1");
-    need(o.ranks <= 64, fmt::format("--ranks {} is more than the 64 ranks the cuda provider serves", o.ranks));
+    need(o.ranks <= moe_ep::kMaxCudaRanks,
+         fmt::format("--ranks {} is more than the {} ranks the cuda provider serves", o.ranks, moe_ep::kMaxCudaRanks));
     check_shape(o.ranks, o.experts, o.topk, o.hidden, false, "");
     need(o.hidden % 8 == 0, fmt::format("--provider cuda moves BF16 rows of a multiple of 16 bytes: --hidden {} is not "
                                         "a multiple of 8", o.hidden));

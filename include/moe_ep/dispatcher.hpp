@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moe_ep/group.hpp"
@@ -38,6 +39,15 @@ enum class WireDType { kBF16, kFP8, kNVFP4 };
 const char* generation_name(Generation g);  // "V1", "V2"
 const char* mode_name(DispatchMode m);      // "normal", "low_latency", "auto"
 const char* format_name(OutputFormat f);    // "normal", "low_latency", "v2_expanded"
+const char* wire_dtype_name(WireDType d);   // "bf16", "fp8", "nvfp4"
+const char* batch_kind_name(BatchKind k);   // "prefill", "decode"
+
+// The values those names (and the spellings noted) name: what MOE_EP_MODE, MOE_EP_DISPATCH_DTYPE,
+// the Python module and the tool accept. Any other value is InvalidArgument naming the argument,
+// the value and the accepted ones: "mode = 'fast' is not one of normal | low_latency | auto".
+DispatchMode parse_mode(std::string_view value, std::string_view argument = "mode");
+WireDType parse_wire_dtype(std::string_view value, std::string_view argument = "dispatch_dtype");  // also "bfloat16"
+BatchKind parse_batch_kind(std::string_view value, std::string_view argument = "kind");  // also "extend" (prefill)
 
 // ---- Probe ----------------------------------------------------------------------------------
 

@@ -12,6 +12,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
+#include <string>
 #include <string_view>
 
 namespace moe_ep {
@@ -49,7 +51,15 @@ constexpr std::size_t element_size(DType t) {
   return 0;
 }
 
+// The one table of dtype names: torch's (and numpy's) name of each DType ("bfloat16",
+// "float8_e4m3fn", ...). all_dtypes() lists every DType in the order messages name them, which
+// dtype_names() spells out: "bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32,
+// int64, uint8 or bool". parse_dtype is dtype_name's inverse; any other name is InvalidArgument
+// "<context>: dtype '<name>' is not one of <dtype_names()>".
+std::span<const DType> all_dtypes();
 std::string_view dtype_name(DType t);
+std::string dtype_names();
+DType parse_dtype(std::string_view name, std::string_view context);
 
 inline std::uint32_t float_bits(float f) {
   std::uint32_t u;

@@ -27,12 +27,13 @@
 #include <dlpack/dlpack.h>
 
 #include "moe_ep/dtype.hpp"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep {
 
 class TensorView {
  public:
-  static constexpr int kMaxDims = 6;  // 0-d (scalars) to 6-d (the NVFP4 scale layout)
+  static constexpr int kMaxDims = kMaxTensorDims;  // 0-d (scalars) to 6-d (the NVFP4 scale layout)
 
   TensorView() = default;
   // Contiguous (row-major) view.

@@ -11,9 +11,8 @@ import torch
 
 from . import _C
 
-_NAMES = {torch.bool: "bool", torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
-          torch.int64: "int64", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
-          torch.float8_e4m3fn: "float8_e4m3fn"}
+# torch dtype -> its name, for every dtype moe-ep moves (the library's table: _C.dtype_names()).
+_NAMES = {getattr(torch, name): name for name in _C.dtype_names()}
 
 
 def empty(*size, dtype=torch.bfloat16):

@@ -25,26 +25,6 @@ struct PyDispatcher {
   }
 };
 
-DispatchMode parse_mode(const std::string& s) {
-  if (s == "normal") return DispatchMode::kNormal;
-  if (s == "low_latency") return DispatchMode::kLowLatency;
-  if (s == "auto") return DispatchMode::kAuto;
-  throw InvalidArgument(fmt::format("mode = '{}' is not one of normal | low_latency | auto", s));
-}
-
-BatchKind parse_kind(const std::string& s) {
-  if (s == "prefill" || s == "extend") return BatchKind::kPrefill;
-  if (s == "decode") return BatchKind::kDecode;
-  throw InvalidArgument(fmt::format("kind = '{}' is not one of prefill | extend | decode", s));
-}
-
-WireDType parse_dtype(const std::string& s) {
-  if (s == "bf16" || s == "bfloat16") return WireDType::kBF16;
-  if (s == "fp8") return WireDType::kFP8;
-  if (s == "nvfp4") return WireDType::kNVFP4;
-  throw InvalidArgument(fmt::format("dispatch_dtype = '{}' is not one of bf16 | fp8 | nvfp4", s));
-}
-
 // What dispatch and dispatch_a take.
 struct DispatchInputs {
   Tensor x, topk_idx, topk_weights;
@@ -122,7 +102,7 @@ void register_dispatcher(py::module_& m) {
              if (mode) o.mode = parse_mode(*mode);
              o.num_max_dispatch_tokens_per_rank = cap;
              o.num_max_prefill_tokens_per_rank = prefill_cap;
-             if (dtype) o.dispatch_dtype = parse_dtype(*dtype);
+             if (dtype) o.dispatch_dtype = parse_wire_dtype(*dtype);
              o.num_workers = workers;
              o.allow_hybrid_mode = hybrid;
              o.allow_multiple_reduction = multiple_reduction;
@@ -148,7 +128,7 @@ void register_dispatcher(py::module_& m) {
       .def("dispatch_a",
            [](PyDispatcher& d, py::handle x, py::handle topk_idx, py::handle topk_weights, const std::string& kind,
               int micro_batch) {
-             const BatchKind k = parse_kind(kind);
+             const BatchKind k = parse_batch_kind(kind);
              ArgumentImports in;
              const DispatchInputs i(in, x, topk_idx, topk_weights);
              in.call([&] { d.dispatcher->dispatch_a(i.x, i.topk_idx, i.topk_weights, k, micro_batch); });
@@ -156,7 +136,7 @@ void register_dispatcher(py::module_& m) {
       .def("dispatch",
            [](PyDispatcher& d, py::handle x, py::handle topk_idx, py::handle topk_weights, const std::string& kind,
               int micro_batch) {
-             const BatchKind k = parse_kind(kind);
+             const BatchKind k = parse_batch_kind(kind);
              ArgumentImports in;
              const DispatchInputs i(in, x, topk_idx, topk_weights);
              return output_dict(
@@ -215,7 +195,7 @@ void register_dispatcher(py::module_& m) {
       .def_property_readonly("generation", [](const PyDispatcher& d) { return generation_name(d.dispatcher->generation()); })
       .def_property_readonly("mode", [](const PyDispatcher& d) { return mode_name(d.dispatcher->mode()); })
       .def("resolve", [](const PyDispatcher& d, const std::string& kind) {
-        return mode_name(d.dispatcher->resolve(parse_kind(kind)));
+        return mode_name(d.dispatcher->resolve(parse_batch_kind(kind)));
       })
       .def("options", [](const PyDispatcher& d) {
         const DispatcherOptions& o = d.dispatcher->options();
@@ -227,10 +207,8 @@ void register_dispatcher(py::module_& m) {
         r["mode"] = o.mode ? py::object(py::str(mode_name(*o.mode))) : py::object(py::none());
         r["num_max_dispatch_tokens_per_rank"] = o.num_max_dispatch_tokens_per_rank;
         r["num_max_prefill_tokens_per_rank"] = o.num_max_prefill_tokens_per_rank;
-        r["dispatch_dtype"] = o.dispatch_dtype ? py::object(py::str(*o.dispatch_dtype == WireDType::kFP8     ? "fp8"
-                                                                    : *o.dispatch_dtype == WireDType::kNVFP4 ? "nvfp4"
-                                                                                                             : "bf16"))
-                                               : py::object(py::none());
+        r["dispatch_dtype"] =
+            o.dispatch_dtype ? py::object(py::str(wire_dtype_name(*o.dispatch_dtype))) : py::object(py::none());
         r["nvfp4_global_scale"] = o.nvfp4_global_scale;
         r["nvfp4_use_ue8m0"] = o.nvfp4_use_ue8m0;
         r["num_workers"] = o.num_workers;

@@ -8,7 +8,7 @@
 #include "common.hh"
 #include "core/host_allocator.hh"
 #include "core/timeout.hh"
-#include "moe_ep/error.hpp"
+#include "moe_ep/dtype.hpp"
 #include "moe_ep/host.hpp"
 #if MOE_EP_PYTHON_WITH_MPI
 #include "moe_ep/mpi.hpp"
@@ -146,18 +146,14 @@ void register_groups(py::module_& m) {
   m.def(
       "empty",
       [](std::vector<std::int64_t> shape, const std::string& dtype) {
-        static const std::pair<const char*, DType> kDTypes[] = {
-            {"bool", DType::kBool},       {"uint8", DType::kUInt8},     {"int32", DType::kInt32},
-            {"int64", DType::kInt64},     {"bfloat16", DType::kBF16},   {"float32", DType::kFP32},
-            {"float8_e4m3fn", DType::kFP8E4M3}, {"float16", DType::kFP16}, {"int8", DType::kInt8},
-            {"int16", DType::kInt16}};
-        for (const auto& [name, t] : kDTypes)
-          if (dtype == name) return export_tensor(Tensor::empty(shape, t));
-        throw InvalidArgument(fmt::format("empty: dtype '{}' is not one of bool, uint8, int8, int16, int32, int64, "
-                                          "bfloat16, float16, float32, float8_e4m3fn",
-                                          dtype));
+        return export_tensor(Tensor::empty(shape, parse_dtype(dtype, "empty")));
       },
       py::arg("shape"), py::arg("dtype"));
+  m.def("dtype_names", [] {
+    std::vector<std::string> names;
+    for (const DType dtype : all_dtypes()) names.emplace_back(dtype_name(dtype));
+    return names;
+  }, "The names of the dtypes moe-ep moves (torch's names), in the order its messages list them.");
   m.def("allocator_stats", [] {
     const core::HostAllocatorStats s = core::host_allocator_stats();
     py::dict d;

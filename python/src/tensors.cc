@@ -32,12 +32,9 @@ const Torch& torch_api() {
     t->uint8 = torch.attr("uint8");
     t->boolean = torch.attr("bool");
     t->float8 = torch.attr("float8_e4m3fn");  // every supported torch has it (moe_ep/__init__.py checks)
-    const std::pair<const char*, DType> movable[] = {
-        {"bfloat16", DType::kBF16},  {"float16", DType::kFP16}, {"float32", DType::kFP32},
-        {"float8_e4m3fn", DType::kFP8E4M3}, {"int8", DType::kInt8},   {"int16", DType::kInt16},
-        {"int32", DType::kInt32},    {"int64", DType::kInt64},  {"uint8", DType::kUInt8},
-        {"bool", DType::kBool}};
-    for (const auto& [name, dtype] : movable) t->movable[torch.attr(name)] = static_cast<int>(dtype);
+    // Every DType, under torch's name for it (which dtype_name gives).
+    for (const DType dtype : all_dtypes())
+      t->movable[torch.attr(std::string(dtype_name(dtype)).c_str())] = static_cast<int>(dtype);
     return t;
   }();
   return *api;
@@ -65,12 +62,9 @@ TensorView retagged(const TensorView& v, DType dtype) {
   throw py::type_error(fmt::format("{} must be a tensor (torch.Tensor or numpy.ndarray), not {}", name, type_name(obj)));
 }
 
-constexpr const char* kMovableDtypes =
-    "bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, uint8 or bool";
-
 [[noreturn]] void not_moved(const char* name, py::handle dtype) {
   throw py::type_error(fmt::format("{} has dtype {}, which moe-ep does not move (it moves {})", name,
-                                   py::str(dtype).cast<std::string>(), kMovableDtypes));
+                                   py::str(dtype).cast<std::string>(), dtype_names()));
 }
 
 // What moe-ep moves a torch tensor's dtype as; a dtype it does not move (float64, complex,

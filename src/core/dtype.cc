@@ -1,34 +1,68 @@
 #include "moe_ep/dtype.hpp"
 
+#include <fmt/format.h>
+
+#include <array>
 #include <cmath>
+#include <iterator>
 #include <limits>
+
+#include "moe_ep/error.hpp"
 
 namespace moe_ep {
 
-std::string_view dtype_name(DType t) {
-  switch (t) {
-    case DType::kBool:
-      return "bool";
-    case DType::kUInt8:
-      return "uint8";
-    case DType::kInt32:
-      return "int32";
-    case DType::kInt64:
-      return "int64";
-    case DType::kBF16:
-      return "bfloat16";
-    case DType::kFP32:
-      return "float32";
-    case DType::kFP8E4M3:
-      return "float8_e4m3fn";
-    case DType::kFP16:
-      return "float16";
-    case DType::kInt8:
-      return "int8";
-    case DType::kInt16:
-      return "int16";
+namespace {
+
+struct DTypeName {
+  DType dtype;
+  std::string_view name;
+};
+
+// In the order of docs/python.md's list of the dtypes moe-ep moves.
+constexpr DTypeName kNames[] = {
+    {DType::kBF16, "bfloat16"}, {DType::kFP16, "float16"}, {DType::kFP32, "float32"},
+    {DType::kFP8E4M3, "float8_e4m3fn"}, {DType::kInt8, "int8"}, {DType::kInt16, "int16"},
+    {DType::kInt32, "int32"}, {DType::kInt64, "int64"}, {DType::kUInt8, "uint8"},
+    {DType::kBool, "bool"}};
+
+constexpr std::array<DType, std::size(kNames)> kAll = [] {
+  std::array<DType, std::size(kNames)> all{};
+  for (std::size_t i = 0; i < all.size(); ++i) all[i] = kNames[i].dtype;
+  return all;
+}();
+
+// Every enumerator (kBool .. kInt16, the last one) has its name.
+constexpr bool names_every_dtype() {
+  for (int code = 0; code <= static_cast<int>(DType::kInt16); ++code) {
+    bool named = false;
+    for (const DTypeName& n : kNames) named = named || n.dtype == static_cast<DType>(code);
+    if (!named) return false;
   }
+  return true;
+}
+static_assert(names_every_dtype(), "a DType without a name in kNames");
+
+}  // namespace
+
+std::span<const DType> all_dtypes() { return kAll; }
+
+std::string_view dtype_name(DType t) {
+  for (const DTypeName& n : kNames)
+    if (n.dtype == t) return n.name;
   return "?";
+}
+
+std::string dtype_names() {
+  std::string list;
+  for (std::size_t i = 0; i < std::size(kNames); ++i)
+    list += fmt::format("{}{}", i == 0 ? "" : i + 1 == std::size(kNames) ? " or " : ", ", kNames[i].name);
+  return list;
+}
+
+DType parse_dtype(std::string_view name, std::string_view context) {
+  for (const DTypeName& n : kNames)
+    if (n.name == name) return n.dtype;
+  throw InvalidArgument(fmt::format("{}: dtype '{}' is not one of {}", context, name, dtype_names()));
 }
 
 float fp8_e4m3_to_float(std::uint8_t code) {

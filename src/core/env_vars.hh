@@ -14,6 +14,7 @@
 #include <string_view>
 
 #include "moe_ep/env.hpp"
+#include "moe_ep/limits.hpp"  // the ranges of env_table.inc
 
 namespace moe_ep::env {
 

@@ -6,6 +6,7 @@
 #include "core/log.hh"
 #include "core/placement.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::core {
 

@@ -17,11 +17,9 @@
 #include <thread>
 #include <vector>
 
-namespace moe_ep::core {
+#include "moe_ep/limits.hpp"  // kMaxWorkers: WorkerPool's limit
 
-// The most worker threads one rank uses for one call: the one limit of num_sms (ElasticBuffer
-// dispatch and combine, V1 Config), MOE_EP_NUM_WORKERS and DispatcherOptions::num_workers.
-inline constexpr int kMaxWorkers = 1024;
+namespace moe_ep::core {
 
 class SerialWorker {
  public:

@@ -13,6 +13,8 @@
 #include <cstring>
 #include <thread>
 
+#include "moe_ep/limits.hpp"  // kMaxTopk, kMaxCudaRanks: sizes of the step arrays
+
 #if defined(__CUDACC__)
 #include <cuda/atomic>
 #define MOE_EP_HD __host__ __device__
@@ -23,9 +25,6 @@
 #endif
 
 namespace moe_ep::cuda {
-
-inline constexpr int kMaxRanks = 64;  // ranks of one host the provider serves
-inline constexpr int kMaxTopk = 32;
 
 // A flag another rank (thread, process or device) writes: release stores, acquire loads, at
 // system scope (peers may be processes, other devices over NVLink, or host threads).
@@ -144,6 +143,8 @@ enum class ErrorCode : std::uint32_t {
 inline constexpr std::uint64_t kLeftSignal = ~std::uint64_t{0xffff};
 
 // code: 4 bits, a: 22 bits (tokens are below 2^22: the provider's limit), b: 6 bits, value: 32 bits.
+static_assert(kMaxCudaTokensPerRank <= (1 << 22) && kMaxCudaRanks <= (1 << 22), "a token or a rank fits in field a");
+static_assert(kMaxTopk <= (1 << 6), "a lane fits in field b");
 MOE_EP_HD inline std::uint64_t pack_error(ErrorCode code, std::uint32_t a, std::uint32_t b, std::int64_t value) {
   return (static_cast<std::uint64_t>(code) << 60) | (static_cast<std::uint64_t>(a & 0x3fffffu) << 38) |
          (static_cast<std::uint64_t>(b & 0x3fu) << 32) | static_cast<std::uint32_t>(value);

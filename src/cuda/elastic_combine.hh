@@ -7,6 +7,7 @@
 #pragma once
 
 #include "cuda/elastic_device.hh"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::cuda {
 
@@ -14,7 +15,7 @@ template <class Exec>
 std::shared_ptr<const DeviceHandleState> ElasticDevice<Exec>::check_combine(const CombineArgs& a,
                                                                             const std::string& ctx) {
   const DLDevice dev = exec_->dl_device();
-  if (a.num_sms < 0 || a.num_sms > 1024) core::fail(ctx, "num_sms = {} is outside [0, 1024]", a.num_sms);
+  if (a.num_sms < 0 || a.num_sms > kMaxWorkers) core::fail(ctx, "num_sms = {} is outside [0, {}]", a.num_sms, kMaxWorkers);
   if (!a.handle) core::fail(ctx, "handle is missing (combine needs the handle of a dispatch)");
   auto state = std::static_pointer_cast<const DeviceHandleState>(a.handle->provider_state);
   if (!state || state->buffer_id != id_) core::fail(ctx, "the handle was not made by this buffer (cuda provider, rank {})", rank_);
@@ -63,21 +64,21 @@ CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
   std::exception_ptr local = take_device_error(op);
   if (!local && !a.rejection.empty()) local = std::make_exception_ptr(InvalidArgument(a.rejection));
   Geometry g;
-  g.R = R_;
-  g.me = rank_;
-  g.T = config_.num_max_tokens_per_rank;
+  g.num_ranks = R_;
+  g.rank = rank_;
+  g.max_tokens_per_rank = config_.num_max_tokens_per_rank;
   std::int64_t rows = 0, off_w = 0, off_x = 0;
   if (!local) {
     try {
       state = check_combine(a, ctx);
-      g.N = state->num_tokens;
-      g.k = state->num_topk;
-      g.E = state->num_experts;
-      g.El = g.E / R_;
-      g.expand = state->do_expand;
-      rows = g.expand ? state->num_expanded_tokens : state->num_recv_tokens;
-      off_w = round_up(g.cap() * g.k * 4, 256);  // staging: lanes, weights, x
-      off_x = off_w + round_up((g.expand ? rows : rows * g.k) * 4, 256);
+      g.num_tokens = state->num_tokens;
+      g.num_topk = state->num_topk;
+      g.num_experts = state->num_experts;
+      g.experts_per_rank = g.num_experts / R_;
+      g.expanded_layout = state->do_expand;
+      rows = g.expanded_layout ? state->num_expanded_tokens : state->num_recv_tokens;
+      off_w = round_up(g.receive_capacity() * g.num_topk * 4, 256);  // staging: lanes, weights, x
+      off_x = off_w + round_up((g.expanded_layout ? rows : rows * g.num_topk) * 4, 256);
       staging_bytes(off_x + rows * state->hidden * 2, op);
     } catch (const Error&) {
       local = std::current_exception();
@@ -91,17 +92,17 @@ CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
     mine.x_row = direct_ ? a.x.stride(0) * 2 : std::int64_t{H} * 2;
     if (has_weights) {
       mine.weights = publish_address(direct_ ? a.topk_weights.data() : stage_at(off_w));
-      mine.weights_row = direct_ ? a.topk_weights.stride(0) : g.expand ? 1 : g.k;
+      mine.weights_row = direct_ ? a.topk_weights.stride(0) : g.expanded_layout ? 1 : g.num_topk;
     }
     mine.lanes = publish_address(direct_ ? static_cast<const void*>(state->arrays.lane_rows) : stage_at(0));
-    mine.num_tokens = g.N;
+    mine.num_tokens = g.num_tokens;
   }
   comm::Agreement agreement(ctx, "combine");
   agreement.field("operation number", static_cast<std::int64_t>(op_number_ + 1))
       .field("handle's dispatch number", state ? static_cast<std::int64_t>(state->dispatch_number) : 0)
       .field("hidden", H)
-      .field("num_topk", g.k)
-      .field("do_expand", g.expand)
+      .field("num_topk", g.num_topk)
+      .field("do_expand", g.expanded_layout)
       .field("topk_weights given", has_weights)
       .local_error(local);
   const auto payloads = agreement.exchange(*channel_, comm::Scope::kWorld, wait("combine: agreement"),
@@ -122,22 +123,24 @@ CombineResult ElasticDevice<Exec>::reduce_rows(const CombineArgs& a, const Devic
   const bool has_weights = a.topk_weights.defined();
   exec_->after_caller(a.stream);
   if (!direct_) {
-    if (g.expand) exec_->copy(stage_at(0), handle.arrays.lane_rows, static_cast<std::size_t>(g.cap()) * g.k * 4);
+    if (g.expanded_layout)
+      exec_->copy(stage_at(0), handle.arrays.lane_rows, static_cast<std::size_t>(g.receive_capacity()) * g.num_topk * 4);
     pack(*exec_, reinterpret_cast<std::uint16_t*>(stage_at(off_x)), a.x.data_as<const std::uint16_t>(), rows, H,
          a.x.stride(0), 1);
     if (has_weights)
       pack(*exec_, reinterpret_cast<float*>(stage_at(off_w)), a.topk_weights.data_as<const float>(), rows,
-           g.expand ? 1 : g.k, a.topk_weights.stride(0), 1);
+           g.expanded_layout ? 1 : g.num_topk, a.topk_weights.stride(0), 1);
   }
   barrier(0);
 
   CombineResult result;
-  result.combined_x = exec_->empty(DType::kBF16, a.stream, g.N, H);
-  if (has_weights) result.combined_topk_weights = exec_->empty(DType::kFP32, a.stream, g.N, g.k);
+  result.combined_x = exec_->empty(DType::kBF16, a.stream, g.num_tokens, H);
+  if (has_weights) result.combined_topk_weights = exec_->empty(DType::kFP32, a.stream, g.num_tokens, g.num_topk);
   if (a.previous_event_before_epilogue) a.previous_event_before_epilogue->wait();
-  auto* const inputs = static_cast<std::int64_t*>(exec_->temp(static_cast<std::size_t>(std::max(g.N, 1)) * g.k * 8));
+  auto* const inputs =
+      static_cast<std::int64_t*>(exec_->temp(static_cast<std::size_t>(std::max(g.num_tokens, 1)) * g.num_topk * 8));
   auto* const unit_end =
-      static_cast<std::int32_t*>(exec_->temp(static_cast<std::size_t>(std::max(g.N, 1)) * (g.k + 1) * 4));
+      static_cast<std::int32_t*>(exec_->temp(static_cast<std::size_t>(std::max(g.num_tokens, 1)) * (g.num_topk + 1) * 4));
   combine_units(*exec_, g, config_.allow_multiple_reduction, pt, handle.arrays, inputs, unit_end);
   const std::size_t nb = a.bias.size();
   combine_sums(*exec_, g, H, pt, inputs, unit_end, nb > 0 ? a.bias[0].data_as<const std::uint16_t>() : nullptr,

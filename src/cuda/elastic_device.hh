@@ -35,11 +35,10 @@
 #include "cuda/elastic_steps.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 #include "moe_ep/provider.hpp"
 
 namespace moe_ep::cuda {
-
-inline constexpr int kMaxTokens = 1 << 22;  // tokens per rank (the error word's token field)
 
 // What one rank publishes in a call's agreement: its tensors (addresses in its own address space,
 // or offsets into its staging area when ranks are processes).
@@ -52,7 +51,7 @@ struct Published {
 
 // Offsets of one rank's symmetric region (the same on every rank).
 struct SymLayout {
-  std::int64_t signals = 0;  // uint64 [kMaxRanks]: signals[p] = barriers rank p has passed
+  std::int64_t signals = 0;  // uint64 [kMaxCudaRanks]: signals[p] = barriers rank p has passed
   std::int64_t status = 0;   // uint64 [2]: [0] this rank's top-k error of the current dispatch, [1] its error word
   std::int64_t counts = 0;   // int32 [R]: this rank's tokens bound for each rank
   std::int64_t lists = 0;    // int32 [R * T]: group d at d * T, the tokens bound for d, ascending
@@ -65,7 +64,7 @@ inline std::int64_t round_up(std::int64_t x, std::int64_t a) { return (x + a - 1
 inline SymLayout sym_layout(int R, int T) {
   SymLayout l;
   l.signals = 0;
-  l.status = round_up(8 * kMaxRanks, 256);
+  l.status = round_up(8 * kMaxCudaRanks, 256);
   l.counts = l.status + 256;
   l.lists = l.counts + round_up(4 * std::int64_t{R}, 256);
   l.stage = l.lists + round_up(4 * std::int64_t{R} * T, 256);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "cuda/elastic_device.hh"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::cuda {
 
@@ -35,20 +36,21 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   std::exception_ptr local;
   try {
     timeout_ = core::checked_timeout(ctx, "num_cpu_timeout_secs", config.num_cpu_timeout_secs);
-    if (R_ > kMaxRanks)
-      core::fail(ctx, "the group has {} ranks; the cuda provider serves at most {} ranks on one host", R_, kMaxRanks);
+    if (R_ > kMaxCudaRanks)
+      core::fail(ctx, "the group has {} ranks; the cuda provider serves at most {} ranks on one host", R_, kMaxCudaRanks);
     if (group.num_scaleout() != 1)
       core::fail(ctx, "the group spans {} nodes; the cuda provider needs every rank on one node (use the built-in "
                  "provider across nodes)", group.num_scaleout());
     if (transport.ranks_on_host() != R_)
       core::fail(ctx, "{} of the group's {} ranks run on this host; the cuda provider needs all of them here",
                  transport.ranks_on_host(), R_);
-    if (config.num_max_tokens_per_rank < 1 || config.num_max_tokens_per_rank > kMaxTokens)
-      core::fail(ctx, "num_max_tokens_per_rank = {} is outside [1, {}]", config.num_max_tokens_per_rank, kMaxTokens);
-    if (config.hidden < 0 || config.hidden > (1 << 24)) core::fail(ctx, "hidden = {} is outside [0, 2^24]", config.hidden);
+    if (config.num_max_tokens_per_rank < 1 || config.num_max_tokens_per_rank > kMaxCudaTokensPerRank)
+      core::fail(ctx, "num_max_tokens_per_rank = {} is outside [1, {}]", config.num_max_tokens_per_rank, kMaxCudaTokensPerRank);
+    if (config.hidden < 0 || config.hidden > kMaxHidden)
+      core::fail(ctx, "hidden = {} is outside [0, {}]", config.hidden, kMaxHidden);
     if (config.num_topk < 0 || config.num_topk > kMaxTopk)
       core::fail(ctx, "num_topk = {} is outside [0, {}]", config.num_topk, kMaxTopk);
-    if (config.num_bytes < 0 || config.num_bytes % (std::int64_t{2} << 20) != 0)
+    if (config.num_bytes < 0 || config.num_bytes % kBufferAlignment != 0)
       core::fail(ctx, "num_bytes = {} must be a non-negative multiple of 2 MiB (0: derived from the shape)",
                  config.num_bytes);
     exec_ = std::make_unique<Exec>(device);  // a device that cannot be used fails here, before the agreement
@@ -79,7 +81,7 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   if (bytes_ < layout_.end)
     throw CapacityError(fmt::format("{}: num_bytes = {} is below the {} bytes of counts, lists and signals for {} ranks "
                                     "of {} tokens", ctx, bytes_, layout_.end, R_, config.num_max_tokens_per_rank),
-                        round_up(layout_.end, std::int64_t{2} << 20), bytes_);
+                        round_up(layout_.end, kBufferAlignment), bytes_);
   map_peers();
   id_ = detail::next_buffer_id.fetch_add(1);
   channel_->barrier(comm::Scope::kWorld, wait("ElasticBuffer: ready"));
@@ -90,12 +92,12 @@ std::int64_t ElasticDevice<Exec>::default_bytes() const {
   std::int64_t stage = 0;
   if (!direct_) {
     const std::int64_t T = config_.num_max_tokens_per_rank;
-    const std::int64_t H = config_.hidden > 0 ? config_.hidden : 7168, k = config_.num_topk > 0 ? config_.num_topk : 32;
+    const std::int64_t H = config_.hidden > 0 ? config_.hidden : 7168, k = config_.num_topk > 0 ? config_.num_topk : kMaxTopk;
     const std::int64_t dispatch = T * (k * 12 + H * 4 + (H / 128 + 1) * 4);
     const std::int64_t combine = T * R_ * (H * 2 + k * 8);
     stage = std::max(dispatch, combine) + 4096;
   }
-  return round_up(layout_.end + stage, std::int64_t{2} << 20);
+  return round_up(layout_.end + stage, kBufferAlignment);
 }
 
 template <class Exec>
@@ -197,7 +199,7 @@ std::int64_t ElasticDevice<Exec>::staging_bytes(std::int64_t need, const char* o
   if (direct_) return 0;
   const std::int64_t have = bytes_ - layout_.stage;
   if (need > have) {
-    const std::int64_t required = round_up(layout_.stage + need, std::int64_t{2} << 20);
+    const std::int64_t required = round_up(layout_.stage + need, kBufferAlignment);
     throw CapacityError(fmt::format("{}: the call stages {} bytes for its peers, the buffer has {} (num_bytes = {}); "
                                     "pass num_bytes = {}", context(op), need, have, bytes_, required),
                         required, bytes_);

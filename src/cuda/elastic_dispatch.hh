@@ -7,6 +7,7 @@
 #pragma once
 
 #include "cuda/elastic_device.hh"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::cuda {
 
@@ -36,14 +37,15 @@ void ElasticDevice<Exec>::check_handle(const DispatchArgs& a, DispatchCall& c, c
   if (a.num_experts != 0 && a.num_experts != h.num_experts)
     core::fail(ctx, "num_experts = {} differs from the handle's {}", a.num_experts, h.num_experts);
   if (a.do_expand && !h.do_expand) core::fail(ctx, "do_expand = true differs from the handle's false");
-  c.g.expand = h.do_expand;
+  c.g.expanded_layout = h.do_expand;
   if (a.expert_alignment != 0 && a.expert_alignment != h.expert_alignment)
     core::fail(ctx, "expert_alignment = {} differs from the handle's {}", a.expert_alignment, h.expert_alignment);
-  c.g.align = h.expert_alignment;
-  if (c.g.N != h.num_tokens) core::fail(ctx, "x has {} tokens, the handle's dispatch had {}", c.g.N, h.num_tokens);
+  c.g.expert_alignment = h.expert_alignment;
+  if (c.g.num_tokens != h.num_tokens)
+    core::fail(ctx, "x has {} tokens, the handle's dispatch had {}", c.g.num_tokens, h.num_tokens);
   if (a.x.size(1) != h.hidden) core::fail(ctx, "x has hidden size {}, the handle's dispatch had {}", a.x.size(1), h.hidden);
-  c.g.k = h.num_topk;
-  c.g.E = h.num_experts;
+  c.g.num_topk = h.num_topk;
+  c.g.num_experts = h.num_experts;
 }
 
 // Long: one rule per argument, in the order of docs/semantics.md's table.
@@ -51,33 +53,34 @@ template <class Exec>
 void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c, const std::string& ctx) {
   const DLDevice dev = exec_->dl_device();
   Geometry& g = c.g;
-  if (a.num_sms < 0 || a.num_sms > 1024) core::fail(ctx, "num_sms = {} is outside [0, 1024]", a.num_sms);
+  if (a.num_sms < 0 || a.num_sms > kMaxWorkers) core::fail(ctx, "num_sms = {} is outside [0, {}]", a.num_sms, kMaxWorkers);
   if (a.previous_event && !a.allocate_on_comm_stream)
     core::fail(ctx, "previous_event requires allocate_on_comm_stream = true (DeepEP's rule)");
-  if (g.T != config_.num_max_tokens_per_rank)
+  if (g.max_tokens_per_rank != config_.num_max_tokens_per_rank)
     core::fail(ctx, "num_max_tokens_per_rank = {} differs from the buffer's {} (the cuda provider sizes its lists "
-               "for the buffer's)", g.T, config_.num_max_tokens_per_rank);
+               "for the buffer's)", g.max_tokens_per_rank, config_.num_max_tokens_per_rank);
   core::expect_tensor(ctx, "x", a.x, a.x.dtype(), {-1, -1}, dev);
   core::expect_rows_contiguous(ctx, "x", a.x);
   c.x_dtype = a.x.dtype();
-  g.N = core::int_size(ctx, "x", a.x, 0);
+  g.num_tokens = core::int_size(ctx, "x", a.x, 0);
   const int H = core::int_size(ctx, "x", a.x, 1);
   if (!detail::payload_dtype(c.x_dtype))
     core::fail(ctx, "x has dtype {} ({}); dispatch moves 1-, 2- or 4-byte payloads", dtype_name(c.x_dtype),
                a.x.describe());
   g.row_bytes = std::int64_t{H} * static_cast<std::int64_t>(element_size(c.x_dtype));
-  if (H < 1 || H > (1 << 24)) core::fail(ctx, "x has hidden size {}, outside [1, 2^24]", H);
-  if (g.row_bytes % 16 != 0)
-    core::fail(ctx, "x ({}) has rows of {} bytes: a row (hidden x element size) must be a multiple of 16 bytes",
-               a.x.describe(), g.row_bytes);
+  if (H < 1 || H > kMaxHidden) core::fail(ctx, "x has hidden size {}, outside [1, {}]", H, kMaxHidden);
+  if (g.row_bytes % kRowByteMultiple != 0)
+    core::fail(ctx, "x ({}) has rows of {} bytes: a row (hidden x element size) must be a multiple of {} bytes",
+               a.x.describe(), g.row_bytes, kRowByteMultiple);
   if (reinterpret_cast<std::uintptr_t>(a.x.data()) % 16 != 0 ||
       a.x.stride(0) * static_cast<std::int64_t>(element_size(c.x_dtype)) % 16 != 0)
     core::fail(ctx, "x ({}, at {}) must start at a 16-byte boundary with rows 16-byte aligned: the cuda provider "
                "moves rows in 16-byte loads", a.x.describe(), a.x.data());
   if (config_.hidden > 0 && H != config_.hidden)
     core::fail(ctx, "x has hidden size {}, the buffer's hidden is {}", H, config_.hidden);
-  if (g.N > g.T) core::fail(ctx, "x has {} tokens, more than num_max_tokens_per_rank = {}", g.N, g.T);
-  const std::int64_t N64 = g.N;
+  if (g.num_tokens > g.max_tokens_per_rank)
+    core::fail(ctx, "x has {} tokens, more than num_max_tokens_per_rank = {}", g.num_tokens, g.max_tokens_per_rank);
+  const std::int64_t N64 = g.num_tokens;
   c.fp8 = c.x_dtype == DType::kFP8E4M3;
   if (c.fp8) {
     if (!a.x_scales.defined()) core::fail(ctx, "x is float8_e4m3fn but x_scales is missing");
@@ -86,28 +89,29 @@ void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c,
       core::fail(ctx, "x_scales has dtype {}, expected float32 or int32", dtype_name(c.scale_dtype));
     core::expect_tensor(ctx, "x_scales", a.x_scales, c.scale_dtype, {N64, -1}, dev);
     core::expect_non_overlapping(ctx, "x_scales", a.x_scales);
-    g.P = core::int_size(ctx, "x_scales", a.x_scales, 1);
-    if (g.P < 1) core::fail(ctx, "x_scales has {} columns, at least 1 needed", g.P);
+    g.scale_columns = core::int_size(ctx, "x_scales", a.x_scales, 1);
+    if (g.scale_columns < 1) core::fail(ctx, "x_scales has {} columns, at least 1 needed", g.scale_columns);
   } else if (a.x_scales.defined()) {
     core::fail(ctx, "x_scales is given but x has dtype {} (scales travel with float8_e4m3fn only)",
                dtype_name(c.x_dtype));
   }
   if (a.expert_alignment < 0) core::fail(ctx, "expert_alignment = {} must be at least 1", a.expert_alignment);
-  g.align = a.expert_alignment == 0 ? 1 : a.expert_alignment;
+  g.expert_alignment = a.expert_alignment == 0 ? 1 : a.expert_alignment;
   if (c.cached) {
     check_handle(a, c, ctx);
   } else {
     core::expect_tensor(ctx, "topk_idx", a.topk_idx, DType::kInt64, {N64, -1}, dev);
     core::expect_rows_contiguous(ctx, "topk_idx", a.topk_idx);
-    g.k = core::int_size(ctx, "topk_idx", a.topk_idx, 1);
-    if (g.k < 1 || g.k > kMaxTopk) core::fail(ctx, "topk_idx has {} columns, outside [1, {}]", g.k, kMaxTopk);
-    g.E = a.num_experts;
-    if (g.E <= 0 || g.E % R_ != 0)
-      core::fail(ctx, "num_experts = {} must be positive and a multiple of the {} ranks", g.E, R_);
+    g.num_topk = core::int_size(ctx, "topk_idx", a.topk_idx, 1);
+    if (g.num_topk < 1 || g.num_topk > kMaxTopk)
+      core::fail(ctx, "topk_idx has {} columns, outside [1, {}]", g.num_topk, kMaxTopk);
+    g.num_experts = a.num_experts;
+    if (g.num_experts <= 0 || g.num_experts % R_ != 0)
+      core::fail(ctx, "num_experts = {} must be positive and a multiple of the {} ranks", g.num_experts, R_);
   }
-  if (a.do_zero_padding && !g.expand) core::fail(ctx, "do_zero_padding = true requires do_expand = true");
-  g.El = g.E / R_;
-  const std::int64_t k64 = g.k, El64 = g.El;
+  if (a.do_zero_padding && !g.expanded_layout) core::fail(ctx, "do_zero_padding = true requires do_expand = true");
+  g.experts_per_rank = g.num_experts / R_;
+  const std::int64_t k64 = g.num_topk, El64 = g.experts_per_rank;
   if (a.topk_weights.defined()) {
     c.has_weights = true;
     core::expect_tensor(ctx, "topk_weights", a.topk_weights, DType::kFP32, {N64, k64}, dev);
@@ -119,10 +123,10 @@ void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c,
     core::expect_contiguous(ctx, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats);
   }
   // Staging (processes): topk, weights, x, scales, packed, at fixed offsets.
-  c.off_weights = round_up(std::int64_t{g.T} * g.k * 8, 256);
-  c.off_x = c.off_weights + round_up(std::int64_t{g.T} * g.k * 4, 256);
-  c.off_scales = c.off_x + round_up(std::int64_t{g.T} * g.row_bytes, 256);
-  c.stage_end = c.off_scales + std::int64_t{g.T} * g.P * 4;
+  c.off_weights = round_up(std::int64_t{g.max_tokens_per_rank} * g.num_topk * 8, 256);
+  c.off_x = c.off_weights + round_up(std::int64_t{g.max_tokens_per_rank} * g.num_topk * 4, 256);
+  c.off_scales = c.off_x + round_up(std::int64_t{g.max_tokens_per_rank} * g.row_bytes, 256);
+  c.stage_end = c.off_scales + std::int64_t{g.max_tokens_per_rank} * g.scale_columns * 4;
   staging_bytes(c.stage_end, "dispatch");
 }
 
@@ -133,14 +137,15 @@ void ElasticDevice<Exec>::new_routing_state(DispatchCall& c) {
   DeviceHandleState& h = *c.state;
   h.buffer_id = id_;
   h.dispatch_number = op_number_ + 1;
-  h.do_expand = g.expand;
-  h.num_experts = g.E;
-  h.expert_alignment = g.align;
-  h.num_max_tokens_per_rank = g.T;
-  h.num_tokens = g.N;
-  h.num_topk = g.k;
+  h.do_expand = g.expanded_layout;
+  h.num_experts = g.num_experts;
+  h.expert_alignment = g.expert_alignment;
+  h.num_max_tokens_per_rank = g.max_tokens_per_rank;
+  h.num_tokens = g.num_tokens;
+  h.num_topk = g.num_topk;
   h.hidden = static_cast<int>(g.row_bytes / static_cast<std::int64_t>(element_size(c.x_dtype)));
-  const std::int64_t cap = g.cap(), N = g.N, k = g.k, R = g.R, El = g.El;
+  const std::int64_t cap = g.receive_capacity(), N = g.num_tokens, k = g.num_topk, R = g.num_ranks;
+  const std::int64_t El = g.experts_per_rank;
   const std::int64_t words = N * k * 2 + N * R + R + 2 + cap * (2 + 2 * k) + 2 * El + 64;
   h.memory = exec_->alloc(static_cast<std::size_t>(words * 4 + 256));
   auto* p = static_cast<std::int32_t*>(h.memory.get());
@@ -186,16 +191,16 @@ Published ElasticDevice<Exec>::publish_dispatch(const DispatchArgs& a, const Dis
     mine.x_row = g.row_bytes;
     if (c.fp8) {
       mine.scales = publish_address(stage_at(c.off_scales));
-      mine.scale_stride0 = g.P;
+      mine.scale_stride0 = g.scale_columns;
       mine.scale_stride1 = 1;
     }
     if (c.has_weights) {
       mine.weights = publish_address(stage_at(c.off_weights));
-      mine.weights_row = g.k;
+      mine.weights_row = g.num_topk;
     }
   }
-  mine.topk_row = g.k;
-  mine.num_tokens = g.N;
+  mine.topk_row = g.num_topk;
+  mine.num_tokens = g.num_tokens;
   return mine;
 }
 
@@ -203,19 +208,21 @@ template <class Exec>
 void ElasticDevice<Exec>::stage_dispatch(const DispatchArgs& a, const DispatchCall& c) {
   const Geometry& g = c.g;
   if (!c.cached)
-    pack(*exec_, c.state->arrays.topk, a.topk_idx.data_as<const std::int64_t>(), g.N, g.k, a.topk_idx.stride(0), 1);
+    pack(*exec_, c.state->arrays.topk, a.topk_idx.data_as<const std::int64_t>(), g.num_tokens, g.num_topk,
+         a.topk_idx.stride(0), 1);
   if (direct_) return;
-  if (!c.cached) exec_->copy(stage_at(c.off_topk), c.plan->arrays.topk, static_cast<std::size_t>(g.N) * g.k * 8);
+  if (!c.cached)
+    exec_->copy(stage_at(c.off_topk), c.plan->arrays.topk, static_cast<std::size_t>(g.num_tokens) * g.num_topk * 8);
   if (c.has_weights)
-    pack(*exec_, reinterpret_cast<float*>(stage_at(c.off_weights)), a.topk_weights.data_as<const float>(), g.N, g.k,
-         a.topk_weights.stride(0), 1);
+    pack(*exec_, reinterpret_cast<float*>(stage_at(c.off_weights)), a.topk_weights.data_as<const float>(), g.num_tokens,
+         g.num_topk, a.topk_weights.stride(0), 1);
   const std::int64_t chunks = g.row_bytes / 16;
   const std::int64_t row = a.x.stride(0) * static_cast<std::int64_t>(element_size(c.x_dtype));
-  pack(*exec_, reinterpret_cast<Chunk*>(stage_at(c.off_x)), static_cast<const Chunk*>(a.x.data()), g.N, chunks, row / 16,
-       1);  // check_dispatch: 16-byte aligned
+  pack(*exec_, reinterpret_cast<Chunk*>(stage_at(c.off_x)), static_cast<const Chunk*>(a.x.data()), g.num_tokens, chunks,
+       row / 16, 1);  // check_dispatch: 16-byte aligned
   if (c.fp8)
     pack(*exec_, reinterpret_cast<std::uint32_t*>(stage_at(c.off_scales)), static_cast<const std::uint32_t*>(a.x_scales.data()),
-         g.N, g.P, a.x_scales.stride(0), a.x_scales.stride(1));
+         g.num_tokens, g.scale_columns, a.x_scales.stride(0), a.x_scales.stride(1));
 }
 
 // After the count barrier: the handle and its count tensors, every received row's plan.
@@ -224,10 +231,10 @@ std::shared_ptr<EPHandle> ElasticDevice<Exec>::plan_receive(const DispatchArgs& 
                                                             const PeerTensors& pt) {
   const Geometry& g = c.g;
   auto handle = std::make_shared<EPHandle>();
-  handle->psum_num_recv_tokens_per_scaleup_rank = exec_->empty(DType::kInt32, a.stream, g.R);
-  handle->psum_num_recv_tokens_per_expert = exec_->empty(DType::kInt32, a.stream, g.El);
-  handle->num_unaligned_recv_tokens_per_expert = exec_->empty(DType::kInt32, a.stream, g.El);
-  auto* const base = static_cast<std::int32_t*>(exec_->temp(static_cast<std::size_t>(g.R + 1) * 4));
+  handle->psum_num_recv_tokens_per_scaleup_rank = exec_->empty(DType::kInt32, a.stream, g.num_ranks);
+  handle->psum_num_recv_tokens_per_expert = exec_->empty(DType::kInt32, a.stream, g.experts_per_rank);
+  handle->num_unaligned_recv_tokens_per_expert = exec_->empty(DType::kInt32, a.stream, g.experts_per_rank);
+  auto* const base = static_cast<std::int32_t*>(exec_->temp(static_cast<std::size_t>(g.num_ranks + 1) * 4));
   const RoutingArrays& r = c.state->arrays;
   plan_counts(*exec_, g, peers_, layout_.counts, layout_.status, status(), base, r,
               handle->psum_num_recv_tokens_per_scaleup_rank.data_as<std::int32_t>());
@@ -254,7 +261,7 @@ void ElasticDevice<Exec>::make_outputs(const DispatchArgs& a, DispatchCall& c, E
   } else if (c.cpu_sync) {
     std::int32_t sizes[2];
     std::uint64_t words[2];
-    std::vector<std::int32_t> counts(static_cast<size_t>(g.El));
+    std::vector<std::int32_t> counts(static_cast<size_t>(g.experts_per_rank));
     exec_->copy_to_host(sizes, c.state->arrays.sizes, sizeof sizes);
     exec_->copy_to_host(counts.data(), c.state->arrays.expert_count, counts.size() * 4);
     exec_->copy_to_host(words, status(), sizeof words);
@@ -267,46 +274,49 @@ void ElasticDevice<Exec>::make_outputs(const DispatchArgs& a, DispatchCall& c, E
     }
     rows = sizes[0];
     expanded_rows = sizes[1];
-    for (const std::int32_t n : counts) aligned.push_back(static_cast<int>(align_up(n, g.align)));
+    for (const std::int32_t n : counts) aligned.push_back(static_cast<int>(align_up(n, g.expert_alignment)));
   } else {
-    rows = g.cap();
-    expanded_rows = align_up(g.cap() * std::min(g.k, g.El) + std::int64_t{g.align - 1} * g.El, g.align);
+    rows = g.receive_capacity();
+    expanded_rows = align_up(g.receive_capacity() * std::min(g.num_topk, g.experts_per_rank) +
+                                 std::int64_t{g.expert_alignment - 1} * g.experts_per_rank,
+                             g.expert_alignment);
   }
-  const std::int64_t out_rows = g.expand ? expanded_rows : rows, H = g.row_bytes / static_cast<std::int64_t>(element_size(c.x_dtype));
+  const std::int64_t out_rows = g.expanded_layout ? expanded_rows : rows;
+  const std::int64_t H = g.row_bytes / static_cast<std::int64_t>(element_size(c.x_dtype));
   result.recv_x = exec_->empty(c.x_dtype, a.stream, out_rows, H);
   if (c.fp8 && a.use_tma_aligned_col_major_sf) {
     const std::int64_t block = align_up(std::max<std::int64_t>(out_rows, 1), 4);
-    Tensor storage = exec_->empty(c.scale_dtype, a.stream, g.P, block);
-    const std::int64_t shape[] = {out_rows, g.P};
+    Tensor storage = exec_->empty(c.scale_dtype, a.stream, g.scale_columns, block);
+    const std::int64_t shape[] = {out_rows, g.scale_columns};
     const std::int64_t strides[] = {1, block};
     result.recv_x_scales = storage.with_view(TensorView(storage.data(), c.scale_dtype, shape, strides).on_device(dev));
   } else if (c.fp8) {
-    result.recv_x_scales = exec_->empty(c.scale_dtype, a.stream, out_rows, g.P);
+    result.recv_x_scales = exec_->empty(c.scale_dtype, a.stream, out_rows, g.scale_columns);
   }
-  if (!g.expand) result.recv_topk_idx = exec_->empty(DType::kInt64, a.stream, rows, g.k);
+  if (!g.expanded_layout) result.recv_topk_idx = exec_->empty(DType::kInt64, a.stream, rows, g.num_topk);
   if (c.has_weights)
-    result.recv_topk_weights = g.expand ? exec_->empty(DType::kFP32, a.stream, expanded_rows)
-                                        : exec_->empty(DType::kFP32, a.stream, rows, g.k);
+    result.recv_topk_weights = g.expanded_layout ? exec_->empty(DType::kFP32, a.stream, expanded_rows)
+                                                 : exec_->empty(DType::kFP32, a.stream, rows, g.num_topk);
   if (c.cached) {
     result.handle = std::const_pointer_cast<EPHandle>(a.handle);
     return;
   }
-  handle->recv_src_metadata = exec_->empty(DType::kInt32, a.stream, rows, g.k + 2);
-  handle->dst_buffer_slot_idx = exec_->empty(DType::kInt32, a.stream, g.N, g.k);
-  handle->do_expand = g.expand;
-  handle->num_experts = g.E;
-  handle->expert_alignment = g.align;
-  handle->num_max_tokens_per_rank = g.T;
+  handle->recv_src_metadata = exec_->empty(DType::kInt32, a.stream, rows, g.num_topk + 2);
+  handle->dst_buffer_slot_idx = exec_->empty(DType::kInt32, a.stream, g.num_tokens, g.num_topk);
+  handle->do_expand = g.expanded_layout;
+  handle->num_experts = g.num_experts;
+  handle->expert_alignment = g.expert_alignment;
+  handle->num_max_tokens_per_rank = g.max_tokens_per_rank;
   handle->num_sms = a.num_sms;
-  handle->num_tokens = g.N;
-  handle->num_topk = g.k;
+  handle->num_tokens = g.num_tokens;
+  handle->num_topk = g.num_topk;
   handle->hidden = static_cast<int>(H);
   handle->num_recv_tokens = c.state->num_recv_tokens = rows;
   handle->num_expanded_tokens = c.state->num_expanded_tokens = expanded_rows;
   handle->num_recv_tokens_per_expert_list = aligned;
   if (a.do_handle_copy) {
-    handle->topk_idx = exec_->empty(DType::kInt64, a.stream, g.N, g.k);
-    exec_->copy(handle->topk_idx.data(), c.state->arrays.topk, static_cast<std::size_t>(g.N) * g.k * 8);
+    handle->topk_idx = exec_->empty(DType::kInt64, a.stream, g.num_tokens, g.num_topk);
+    exec_->copy(handle->topk_idx.data(), c.state->arrays.topk, static_cast<std::size_t>(g.num_tokens) * g.num_topk * 8);
   } else {
     handle->topk_idx = Tensor().with_view(a.topk_idx);
   }
@@ -322,10 +332,10 @@ DispatchResult ElasticDevice<Exec>::dispatch(const DispatchArgs& a) {
   DispatchCall c;
   c.cached = a.handle != nullptr;
   c.cpu_sync = a.do_cpu_sync.value_or(!c.cached);
-  c.g.T = a.num_max_tokens_per_rank > 0 ? a.num_max_tokens_per_rank : config_.num_max_tokens_per_rank;
-  c.g.R = R_;
-  c.g.me = rank_;
-  c.g.expand = a.do_expand;
+  c.g.max_tokens_per_rank = a.num_max_tokens_per_rank > 0 ? a.num_max_tokens_per_rank : config_.num_max_tokens_per_rank;
+  c.g.num_ranks = R_;
+  c.g.rank = rank_;
+  c.g.expanded_layout = a.do_expand;
   std::exception_ptr local = take_device_error(op);
   if (!local && !a.rejection.empty()) local = std::make_exception_ptr(InvalidArgument(a.rejection));
   if (!local) {
@@ -342,16 +352,16 @@ DispatchResult ElasticDevice<Exec>::dispatch(const DispatchArgs& a) {
   agreement.field("operation number", static_cast<std::int64_t>(op_number_ + 1))
       .field("cached (handle given)", c.cached)
       .field("handle's dispatch number", c.cached_state ? static_cast<std::int64_t>(c.cached_state->dispatch_number) : 0)
-      .field("num_max_tokens_per_rank", c.g.T)
-      .field("num_experts", c.g.E)
-      .field("num_topk", c.g.k)
+      .field("num_max_tokens_per_rank", c.g.max_tokens_per_rank)
+      .field("num_experts", c.g.num_experts)
+      .field("num_topk", c.g.num_topk)
       .field("row bytes", c.g.row_bytes)
       .field("x dtype", local ? std::nullopt : std::optional(c.x_dtype))
-      .field("x_scales columns", c.g.P)
+      .field("x_scales columns", c.g.scale_columns)
       .field("x_scales dtype", c.fp8 ? std::optional(c.scale_dtype) : std::nullopt)
       .field("topk_weights given", c.has_weights)
-      .field("expert_alignment", c.g.align)
-      .field("do_expand", c.g.expand)
+      .field("expert_alignment", c.g.expert_alignment)
+      .field("do_expand", c.g.expanded_layout)
       .local_error(local);
   const auto payloads = agreement.exchange(*channel_, comm::Scope::kWorld, wait("dispatch: agreement"),
                                            {reinterpret_cast<const std::byte*>(&mine), sizeof mine});
@@ -380,13 +390,13 @@ DispatchResult ElasticDevice<Exec>::move_rows(const DispatchArgs& a, DispatchCal
   out.x = static_cast<std::byte*>(result.recv_x.data());
   out.scales = c.fp8 ? static_cast<std::uint32_t*>(result.recv_x_scales.data()) : nullptr;
   out.scale_block = c.fp8 && a.use_tma_aligned_col_major_sf ? result.recv_x_scales.stride(1) : 1;
-  out.ids = c.g.expand ? nullptr : result.recv_topk_idx.data_as<std::int64_t>();
+  out.ids = c.g.expanded_layout ? nullptr : result.recv_topk_idx.data_as<std::int64_t>();
   out.weights = c.has_weights ? result.recv_topk_weights.data_as<float>() : nullptr;
   out.metadata = c.cached ? nullptr : result.handle->recv_src_metadata.data_as<std::int32_t>();
   out.rows = c.plan->num_recv_tokens;
   out.expanded_rows = c.plan->num_expanded_tokens;
   pull_rows(*exec_, c.g, pt, c.plan->arrays, status(), out);
-  if (c.g.expand && a.do_zero_padding) zero_padding(*exec_, c.g, c.plan->arrays, status(), out);
+  if (c.g.expanded_layout && a.do_zero_padding) zero_padding(*exec_, c.g, c.plan->arrays, status(), out);
   finish(a.stream, a.async_with_compute_stream, result.event, op);
   return result;
 }

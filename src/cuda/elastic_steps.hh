@@ -12,41 +12,44 @@
 #include <cstdint>
 
 #include "cuda/device_common.hh"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::cuda {
 
 // The base address of every rank's symmetric region, as this rank reaches it.
 struct Peers {
-  std::byte* base[kMaxRanks];
+  std::byte* base[kMaxCudaRanks];
 };
 
 // Every rank's tensors of one call, as this rank reaches them (device addresses).
 struct PeerTensors {
-  const std::byte* x[kMaxRanks];
-  const std::uint32_t* scales[kMaxRanks];
-  const float* weights[kMaxRanks];
-  const std::int64_t* topk[kMaxRanks];
-  const std::int32_t* lanes[kMaxRanks];  // combine: expanded row of each (row, lane) at that rank
-  std::int64_t x_row[kMaxRanks];         // bytes between rows
-  std::int64_t scale_stride0[kMaxRanks], scale_stride1[kMaxRanks];
-  std::int64_t weights_row[kMaxRanks];
-  std::int64_t topk_row[kMaxRanks];
+  const std::byte* x[kMaxCudaRanks];
+  const std::uint32_t* scales[kMaxCudaRanks];
+  const float* weights[kMaxCudaRanks];
+  const std::int64_t* topk[kMaxCudaRanks];
+  const std::int32_t* lanes[kMaxCudaRanks];  // combine: expanded row of each (row, lane) at that rank
+  std::int64_t x_row[kMaxCudaRanks];         // bytes between rows
+  std::int64_t scale_stride0[kMaxCudaRanks], scale_stride1[kMaxCudaRanks];
+  std::int64_t weights_row[kMaxCudaRanks];
+  std::int64_t topk_row[kMaxCudaRanks];
 };
 
-// The sizes of one dispatch or combine, as validated and agreed.
+// The sizes of one dispatch or combine, as validated and agreed. The steps copy them into locals
+// named by the symbols of docs/semantics.md (N, k, T, R, E, El, P), given beside each member.
 struct Geometry {
-  int N = 0;       // this rank's tokens
-  int k = 1;       // top-k
-  int T = 1;       // tokens per rank the buffer is sized for
-  int R = 1;       // ranks
-  int E = 1;       // experts
-  int El = 1;      // experts per rank
-  int me = 0;      // this rank
-  int P = 0;       // scale columns (FP8)
-  int align = 1;   // expert alignment
-  bool expand = false;
-  std::int64_t row_bytes = 0;  // payload bytes per row
-  std::int64_t cap() const { return std::int64_t{T} * R; }  // rows a rank can receive
+  int num_tokens = 0;           // N: this rank's tokens
+  int num_topk = 1;             // k
+  int max_tokens_per_rank = 1;  // T: tokens per rank the buffer is sized for
+  int num_ranks = 1;            // R
+  int num_experts = 1;          // E
+  int experts_per_rank = 1;     // El
+  int rank = 0;                 // this rank
+  int scale_columns = 0;        // P: scale columns (FP8)
+  int expert_alignment = 1;
+  bool expanded_layout = false;  // do_expand: rows grouped by local expert
+  std::int64_t row_bytes = 0;    // payload bytes per row
+  // Rows a rank can receive.
+  std::int64_t receive_capacity() const { return std::int64_t{max_tokens_per_rank} * num_ranks; }
 };
 
 // A lane's destination rank, or -1.
@@ -126,7 +129,8 @@ void pack(Exec& exec, T* dst, const T* src, std::int64_t rows, std::int64_t cols
 template <class Exec>
 void route(Exec& exec, const Geometry& g, const std::int64_t* topk, std::uint64_t* status, std::int32_t* counts,
            std::int32_t* lists, std::int32_t* dst_slot) {
-  const int N = g.N, k = g.k, R = g.R, E = g.E, El = g.El, T = g.T;
+  const int N = g.num_tokens, k = g.num_topk, R = g.num_ranks, E = g.num_experts, El = g.experts_per_rank;
+  const int T = g.max_tokens_per_rank;
   const std::int64_t n = std::int64_t{R} * N + 1;
   auto* const flags = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(n) * 4));
   auto* const pos = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(n) * 4));
@@ -170,7 +174,7 @@ void route(Exec& exec, const Geometry& g, const std::int64_t* topk, std::uint64_
 template <class Exec>
 void plan_counts(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t counts_off, std::int64_t status_off,
                  std::uint64_t* status, std::int32_t* base, const RoutingArrays& a, std::int32_t* psum_su) {
-  const int R = g.R, me = g.me, SU = g.R;
+  const int R = g.num_ranks, me = g.rank, SU = g.num_ranks;
   const Peers p = peers;
   std::int32_t* const sizes = a.sizes;
   std::int32_t* const send_base = a.send_base;
@@ -211,9 +215,9 @@ template <class Exec>
 void plan_rows(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t lists_off, const PeerTensors& pt,
                const std::int32_t* base, const RoutingArrays& a, std::int32_t* psum_e, std::int32_t* unaligned,
                std::int32_t* stats) {
-  const int k = g.k, T = g.T, El = g.El, me = g.me, align = g.align;
-  const bool expand = g.expand;
-  const std::int64_t cap = g.cap(), nf = std::int64_t{El} * cap + 1;
+  const int k = g.num_topk, T = g.max_tokens_per_rank, El = g.experts_per_rank, me = g.rank, align = g.expert_alignment;
+  const bool expand = g.expanded_layout;
+  const std::int64_t cap = g.receive_capacity(), nf = std::int64_t{El} * cap + 1;
   auto* const eflag = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(nf) * 4));
   auto* const epos = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(nf) * 4));
   const Peers p = peers;
@@ -269,10 +273,10 @@ void plan_rows(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t l
 // dst_buffer_slot_idx [N, k]: this rank * T + the token's slot at each destination's master lane.
 template <class Exec>
 void write_slots(Exec& exec, const Geometry& g, const RoutingArrays& a, std::int32_t* slots) {
-  const int k = g.k, R = g.R, El = g.El, me = g.me, T = g.T;
+  const int k = g.num_topk, R = g.num_ranks, El = g.experts_per_rank, me = g.rank, T = g.max_tokens_per_rank;
   const std::int64_t* const topk = a.topk;
   const std::int32_t* const dst_slot = a.dst_slot;
-  exec.each(std::int64_t{g.N} * k, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
+  exec.each(std::int64_t{g.num_tokens} * k, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
     const std::int64_t t = i / k;
     const int j = static_cast<int>(i % k);
     const int d = rank_of(topk[i], El);
@@ -299,8 +303,8 @@ struct DispatchOutputs {
 template <class Exec>
 void pull_rows(Exec& exec, const Geometry& g, const PeerTensors& pt, const RoutingArrays& a, std::uint64_t* status,
                const DispatchOutputs& o) {
-  const int k = g.k, T = g.T, P = g.P;
-  const bool expand = g.expand;
+  const int k = g.num_topk, T = g.max_tokens_per_rank, P = g.scale_columns;
+  const bool expand = g.expanded_layout;
   const std::int64_t row_bytes = g.row_bytes, chunks = g.row_bytes / 16, scale_block = o.scale_block;
   const PeerTensors src_t = pt;
   const RoutingArrays r = a;
@@ -357,7 +361,7 @@ void pull_rows(Exec& exec, const Geometry& g, const PeerTensors& pt, const Routi
 // are zero (payload, scales, weight).
 template <class Exec>
 void zero_padding(Exec& exec, const Geometry& g, const RoutingArrays& a, std::uint64_t* status, const DispatchOutputs& o) {
-  const int El = g.El, align = g.align, P = g.P;
+  const int El = g.experts_per_rank, align = g.expert_alignment, P = g.scale_columns;
   const std::int64_t row_bytes = g.row_bytes, chunks = g.row_bytes / 16, scale_block = o.scale_block;
   const RoutingArrays r = a;
   const DispatchOutputs out = o;
@@ -383,13 +387,13 @@ void zero_padding(Exec& exec, const Geometry& g, const RoutingArrays& a, std::ui
 template <class Exec>
 void combine_units(Exec& exec, const Geometry& g, bool multi, const PeerTensors& pt, const RoutingArrays& a,
                    std::int64_t* inputs, std::int32_t* unit_end) {
-  const int k = g.k, R = g.R, El = g.El;
-  const bool expand = g.expand;
+  const int k = g.num_topk, R = g.num_ranks, El = g.experts_per_rank;
+  const bool expand = g.expanded_layout;
   const PeerTensors src_t = pt;
   const std::int64_t* const topk = a.topk;
   const std::int32_t* const dst_slot = a.dst_slot;
   const std::int32_t* const send_base = a.send_base;
-  exec.each(g.N, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t t) {
+  exec.each(g.num_tokens, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t t) {
     const std::int64_t* ids = topk + t * k;
     std::int64_t* in = inputs + t * k;
     std::int32_t* end = unit_end + t * (k + 1);
@@ -426,10 +430,10 @@ template <class Exec>
 void combine_sums(Exec& exec, const Geometry& g, int H, const PeerTensors& pt, const std::int64_t* inputs,
                   const std::int32_t* unit_end, const std::uint16_t* b0, std::int64_t s0, const std::uint16_t* b1,
                   std::int64_t s1, std::uint64_t* status, std::uint16_t* out) {
-  const int k = g.k;
+  const int k = g.num_topk;
   const std::int64_t groups = (std::int64_t{H} + 7) / 8;
   const PeerTensors src_t = pt;
-  exec.each(std::int64_t{g.N} * groups, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t idx) {
+  exec.each(std::int64_t{g.num_tokens} * groups, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t idx) {
     const std::int64_t t = idx / groups, h0 = (idx % groups) * 8;
     const int m = static_cast<int>(H - h0 < 8 ? H - h0 : 8);
     if (load_acquire(status + 1) != 0) return;
@@ -483,13 +487,13 @@ void combine_sums(Exec& exec, const Geometry& g, int H, const PeerTensors& pt, c
 template <class Exec>
 void combine_weights(Exec& exec, const Geometry& g, const PeerTensors& pt, const RoutingArrays& a, std::uint64_t* status,
                      float* out) {
-  const int k = g.k, R = g.R, El = g.El;
-  const bool expand = g.expand;
+  const int k = g.num_topk, R = g.num_ranks, El = g.experts_per_rank;
+  const bool expand = g.expanded_layout;
   const PeerTensors src_t = pt;
   const std::int64_t* const topk = a.topk;
   const std::int32_t* const dst_slot = a.dst_slot;
   const std::int32_t* const send_base = a.send_base;
-  exec.each(std::int64_t{g.N} * k, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
+  exec.each(std::int64_t{g.num_tokens} * k, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
     if (load_acquire(status + 1) != 0) return;
     const std::int64_t t = i / k;
     const int j = static_cast<int>(i % k), d = rank_of(topk[i], El);

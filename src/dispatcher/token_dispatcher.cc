@@ -18,40 +18,13 @@
 #include "moe_ep/dispatcher.hpp"
 #include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 #include "routing/plan.hh"
 
 namespace moe_ep {
 
-const char* generation_name(Generation g) { return g == Generation::kV1 ? "V1" : "V2"; }
-
-const char* mode_name(DispatchMode m) {
-  switch (m) {
-    case DispatchMode::kNormal:
-      return "normal";
-    case DispatchMode::kLowLatency:
-      return "low_latency";
-    case DispatchMode::kAuto:
-      return "auto";
-  }
-  return "?";
-}
-
-const char* format_name(OutputFormat f) {
-  switch (f) {
-    case OutputFormat::kNormal:
-      return "normal";
-    case OutputFormat::kLowLatency:
-      return "low_latency";
-    case OutputFormat::kV2Expanded:
-      return "v2_expanded";
-  }
-  return "?";
-}
-
 namespace dispatcher {
 namespace {
-
-constexpr int kMaxTopk = 32;
 
 enum class Stage { kIdle, kDispatching, kDispatched, kCombining };
 
@@ -122,20 +95,14 @@ void check_variable_range(bool from_field, const char* field, env::IntVar variab
 DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& group) {
   DispatcherOptions o = in;
   o.use_v2 = pick(in.use_v2, env::get(env::kUseV2));
-  if (!in.mode) {
-    const std::string m = env::get(env::kMode);
-    o.mode = m == "normal" ? DispatchMode::kNormal : m == "low_latency" ? DispatchMode::kLowLatency : DispatchMode::kAuto;
-  }
+  if (!in.mode) o.mode = parse_mode(env::get(env::kMode), env::kMode.name);
   // The variables' ranges are the limits of these options (checked below for option fields);
   // values read from the environment are in range.
   o.num_max_dispatch_tokens_per_rank = pick(
       in.num_max_dispatch_tokens_per_rank, static_cast<int>(env::get(env::kNumMaxDispatchTokensPerRank)));
   o.num_max_prefill_tokens_per_rank = pick(
       in.num_max_prefill_tokens_per_rank, static_cast<int>(env::get(env::kNumMaxPrefillTokensPerRank)));
-  if (!in.dispatch_dtype) {
-    const std::string d = env::get(env::kDispatchDtype);
-    o.dispatch_dtype = d == "fp8" ? WireDType::kFP8 : d == "nvfp4" ? WireDType::kNVFP4 : WireDType::kBF16;
-  }
+  if (!in.dispatch_dtype) o.dispatch_dtype = parse_wire_dtype(env::get(env::kDispatchDtype), env::kDispatchDtype.name);
   o.num_workers = pick(in.num_workers, static_cast<int>(env::get(env::kNumWorkers)));
   o.allow_hybrid_mode = pick(in.allow_hybrid_mode, env::get(env::kV2AllowHybridMode));
   o.allow_multiple_reduction = pick(in.allow_multiple_reduction, env::get(env::kV2AllowMultipleReduction));
@@ -150,9 +117,9 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
                    "DispatcherOptions.use_v2 off): ignored", name);
 
   const int R = group.size();
-  check_range("DispatcherOptions.hidden", o.hidden, 1, 1 << 24);
+  check_range("DispatcherOptions.hidden", o.hidden, 1, kMaxHidden);
   check_range("DispatcherOptions.num_topk", o.num_topk, 1, kMaxTopk);
-  check_range("DispatcherOptions.num_experts", o.num_experts, 1, 1 << 20);
+  check_range("DispatcherOptions.num_experts", o.num_experts, 1, kMaxDispatcherExperts);
   if (o.num_experts % R != 0)
     throw InvalidArgument(fmt::format("dispatcher: DispatcherOptions.num_experts = {} is not divisible by the {} ranks",
                                       o.num_experts, R));
@@ -161,7 +128,7 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
   check_variable_range(in.num_max_prefill_tokens_per_rank.has_value(), "num_max_prefill_tokens_per_rank",
                        env::kNumMaxPrefillTokensPerRank, *o.num_max_prefill_tokens_per_rank);
   check_variable_range(in.num_workers.has_value(), "num_workers", env::kNumWorkers, *o.num_workers);
-  check_range("DispatcherOptions.expert_alignment", o.expert_alignment, 1, 1 << 20);
+  check_range("DispatcherOptions.expert_alignment", o.expert_alignment, 1, kMaxDispatcherExpertAlignment);
   core::checked_timeout("dispatcher", "DispatcherOptions.timeout_secs", *o.timeout_secs);
   if (*o.dispatch_dtype == WireDType::kFP8 && o.hidden % kFp8BlockSize != 0)
     throw InvalidArgument(fmt::format("dispatcher: FP8 dispatch ({}) needs hidden to be a multiple of {}, got {}",

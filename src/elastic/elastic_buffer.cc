@@ -15,13 +15,10 @@
 #include "engine/engine.hh"
 #include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep {
 namespace {
-
-using engine::kBufferAlignment;
-using engine::kMaxTopk;
-using engine::kRowByteMultiple;
 
 engine::Paths paths_for(const Topology& physical, int num_ranks, bool allow_hybrid) {
   return engine::Paths{num_ranks, physical.num_scaleout, allow_hybrid ? physical.num_scaleout : 1};
@@ -78,15 +75,15 @@ engine::EngineConfig engine_config(const Group& group, const ElasticBufferConfig
 std::function<int(int, int)> worker_choice(engine::Engine& e, int num_sms) {
   return [&e, num_sms](int num_experts, int num_topk) {
     if (num_sms > 0) return num_sms;
-    const std::int64_t forced = env::get(env::kNumWorkers);  // in [0, core::kMaxWorkers]
+    const std::int64_t forced = env::get(env::kNumWorkers);  // in [0, kMaxWorkers]
     if (forced > 0) return static_cast<int>(forced);
     return engine::theoretical_num_workers(e, num_experts, num_topk, 0, 0, 0, 0, 0);
   };
 }
 
 void check_num_sms(const std::string& context, int num_sms) {
-  if (num_sms < 0 || num_sms > core::kMaxWorkers)
-    core::fail(context, "num_sms = {} is outside [0, {}]", num_sms, core::kMaxWorkers);
+  if (num_sms < 0 || num_sms > kMaxWorkers)
+    core::fail(context, "num_sms = {} is outside [0, {}]", num_sms, kMaxWorkers);
 }
 
 }  // namespace
@@ -185,8 +182,8 @@ engine::CombineRequest combine_request(engine::Engine& engine, const CombineArgs
   r.validate_more = [given = args.num_sms, num_sms, from_handle = args.num_sms <= 0 && args.handle != nullptr](
                         const std::string& context) {
     check_num_sms(context, given);
-    if (from_handle && (num_sms < 0 || num_sms > core::kMaxWorkers))
-      core::fail(context, "the handle's num_sms = {} is outside [0, {}]", num_sms, core::kMaxWorkers);
+    if (from_handle && (num_sms < 0 || num_sms > kMaxWorkers))
+      core::fail(context, "the handle's num_sms = {} is outside [0, {}]", num_sms, kMaxWorkers);
   };
   r.num_qps = args.num_qps;
   r.previous_event = args.previous_event;

@@ -12,6 +12,8 @@
 #include "core/reduce.hh"
 #include "engine/combine_op.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
+#include "routing/combine_order.hh"
 
 namespace moe_ep::engine {
 namespace combine_detail {

@@ -6,6 +6,7 @@
 #include "core/checks.hh"
 #include "engine/dispatch_op.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::engine::dispatch_detail {
 

@@ -11,6 +11,7 @@
 #include "core/failure.hh"
 #include "core/log.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::engine {
 namespace {

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "moe_ep/limits.hpp"
+
 namespace moe_ep::engine {
 
 RegionSizes region_sizes(const Paths& paths, int num_max_tokens_per_rank, int hidden, std::int64_t payload_bytes,

@@ -14,15 +14,9 @@
 
 #include <cstdint>
 
-namespace moe_ep::engine {
+#include "moe_ep/limits.hpp"  // kBufferAlignment, kMaxTopk, kMaxHidden, kRowByteMultiple
 
-inline constexpr std::int64_t kBufferAlignment = std::int64_t{2} << 20;
-inline constexpr int kMaxTopk = 32;
-// The largest hidden size any buffer accepts (elements per row; the dispatcher's limit too).
-inline constexpr int kMaxHidden = 1 << 24;
-// A dispatched row (hidden x element size bytes) must be a multiple of this many bytes, for every
-// payload dtype (DeepEP's host check; docs/semantics.md, "Payload dtypes").
-inline constexpr std::int64_t kRowByteMultiple = 16;
+namespace moe_ep::engine {
 
 inline std::int64_t align_to(std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; }
 

@@ -16,6 +16,7 @@
 #include "core/timeout.hh"
 #include "legacy/buffer_core.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 #include "routing/plan.hh"
 
 namespace moe_ep {
@@ -24,8 +25,8 @@ namespace {
 std::atomic<int> g_num_sms{20};
 
 void check_num_sms_value(const std::string& context, int num_sms) {
-  if (num_sms < 2 || num_sms > core::kMaxWorkers || num_sms % 2 != 0)
-    core::fail(context, "num_sms = {} must be an even number in [2, {}]", num_sms, core::kMaxWorkers);
+  if (num_sms < 2 || num_sms > kMaxWorkers || num_sms % 2 != 0)
+    core::fail(context, "num_sms = {} must be an even number in [2, {}]", num_sms, kMaxWorkers);
 }
 
 void check_pool(const std::string& context, const char* name, std::int64_t bytes) {
@@ -205,7 +206,7 @@ DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_e
   core::expect_tensor(ctx, "topk_idx", topk_idx, DType::kInt64, {-1, -1});
   core::expect_contiguous(ctx, "topk_idx", topk_idx);
   const int n = core::int_size(ctx, "topk_idx", topk_idx, 0), k = core::int_size(ctx, "topk_idx", topk_idx, 1);
-  if (k < 1 || k > engine::kMaxTopk) core::fail(ctx, "topk_idx has {} columns (k), expected 1 to {}", k, engine::kMaxTopk);
+  if (k < 1 || k > kMaxTopk) core::fail(ctx, "topk_idx has {} columns (k), expected 1 to {}", k, kMaxTopk);
   if (num_experts <= 0 || num_experts % e.facts.num_ranks != 0)
     core::fail(ctx, "num_experts = {} must be a positive multiple of the {} ranks", num_experts, e.facts.num_ranks);
   const routing::TopkRows rows{topk_idx.data_as<const std::int64_t>(), topk_idx.stride(0), n, k};

@@ -13,6 +13,7 @@
 #include "legacy/buffer_core.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
+#include "moe_ep/limits.hpp"
 #include "routing/plan.hh"
 
 namespace moe_ep {
@@ -86,7 +87,7 @@ void fill_legacy_handle(LegacyHandle& lh, const EPHandle& h, int rank, int num_n
 }
 
 // NVFP4 token triples (LegacyDispatchArgs::x_nvfp4) travel as one byte row per token: packed |
-// sf | sf_scale, zero-padded to a multiple of the payload row rule (engine::kRowByteMultiple).
+// sf | sf_scale, zero-padded to a multiple of the payload row rule (kRowByteMultiple).
 constexpr const char* kNvfp4Operation = "dispatch (NVFP4)";
 constexpr const char* kPackedName = "x[0] (packed)";
 constexpr const char* kSfName = "x[1] (sf)";
@@ -115,10 +116,10 @@ Nvfp4Layout check_nvfp4(const std::string& ctx, const LegacyDispatchArgs& args, 
   Nvfp4Layout l;
   const int n = core::int_size(ctx, kPackedName, x.packed, 0);
   l.packed_cols = core::int_size(ctx, kPackedName, x.packed, 1);
-  if (l.packed_cols <= 0 || l.packed_cols % 8 != 0 || l.packed_cols > engine::kMaxHidden / 8)
+  if (l.packed_cols <= 0 || l.packed_cols % 8 != 0 || l.packed_cols > kMaxHidden / 8)
     core::fail(ctx, "{} has {} columns (int32, eight E2M1 codes each: H/8), expected a positive multiple of 8 up to "
                "{} (H a multiple of 64, the elements of one sf int32, and at most {})", kPackedName, l.packed_cols,
-               engine::kMaxHidden / 8, engine::kMaxHidden);
+               kMaxHidden / 8, kMaxHidden);
   l.hidden = 8 * l.packed_cols;
   for (const auto& [name, t] : {std::pair{kSfName, x.sf}, {kSfScaleName, x.sf_scale}})
     if (t.size(0) != n)
@@ -133,10 +134,10 @@ Nvfp4Layout check_nvfp4(const std::string& ctx, const LegacyDispatchArgs& args, 
   core::expect_rows_contiguous(ctx, kPackedName, x.packed);
   core::expect_rows_contiguous(ctx, kSfName, x.sf);
   core::expect_rows_contiguous(ctx, kSfScaleName, x.sf_scale);
-  l.row_bytes = engine::align_to(l.used_bytes(), engine::kRowByteMultiple);
-  if (l.row_bytes > engine::kMaxHidden)
+  l.row_bytes = engine::align_to(l.used_bytes(), kRowByteMultiple);
+  if (l.row_bytes > kMaxHidden)
     core::fail(ctx, "an NVFP4 token (packed, sf and {} sf_scale columns) is {} bytes, more than the {} bytes a "
-               "dispatched row may have", l.scale_cols, l.row_bytes, engine::kMaxHidden);
+               "dispatched row may have", l.scale_cols, l.row_bytes, kMaxHidden);
   return l;
 }
 
@@ -320,8 +321,8 @@ struct V1Checks {
   // Without topk_idx: num_tokens_per_rank counts is_token_in_rank.
   void check_rank_mask(const std::string& ctx, int n) const {
     const auto* in_rank = args.is_token_in_rank.data_as<const std::uint8_t>();
-    if (R > engine::kMaxTopk)
-      core::fail(ctx, "dispatch without topk_idx supports at most {} ranks (the group has {})", engine::kMaxTopk, R);
+    if (R > kMaxTopk)
+      core::fail(ctx, "dispatch without topk_idx supports at most {} ranks (the group has {})", kMaxTopk, R);
     for (int d = 0; d < R; ++d) {
       std::int32_t count = 0;
       for (std::int64_t t = 0; t < n; ++t) count += in_rank[t * R + d] != 0;
@@ -336,7 +337,7 @@ struct V1Checks {
     core::expect_tensor(ctx, "topk_idx", args.topk_idx, DType::kInt64, {n, -1});
     core::expect_rows_contiguous(ctx, "topk_idx", args.topk_idx);
     const int k = core::int_size(ctx, "topk_idx", args.topk_idx, 1);
-    if (k < 1 || k > engine::kMaxTopk) core::fail(ctx, "topk_idx has {} columns (k), expected 1 to {}", k, engine::kMaxTopk);
+    if (k < 1 || k > kMaxTopk) core::fail(ctx, "topk_idx has {} columns (k), expected 1 to {}", k, kMaxTopk);
     const routing::TopkRows rows{args.topk_idx.data_as<const std::int64_t>(), args.topk_idx.stride(0), n, k};
     routing::validate_topk(ctx, rows, E);
     const routing::Geometry geo{R, E, nodes};

@@ -16,6 +16,7 @@
 #include "legacy/buffer_core.hh"
 #include "legacy/low_latency_steps.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::legacy {
 
@@ -114,7 +115,7 @@ SlotLayout::SlotLayout(int max_tokens, int hidden, int num_ranks, int num_expert
   // Fixed per shape: the widest row (BF16 with a weight) and the largest id and weight tables
   // (k <= min(32, E)).
   const std::int64_t widest_row = align(2 * H + 8, 16);
-  const std::int64_t table = N * std::min<std::int64_t>(engine::kMaxTopk, E) * 4;
+  const std::int64_t table = N * std::min<std::int64_t>(kMaxTopk, E) * 4;
   ids_offset = N * widest_row;
   weights_offset = ids_offset + table;
   const std::int64_t send = std::max(N * widest_row + 2 * table, E * N * combine_row_elements * 2);
@@ -125,7 +126,7 @@ SlotLayout::SlotLayout(int max_tokens, int hidden, int num_ranks, int num_expert
 }
 
 std::int64_t SlotLayout::pool_bytes(int max_tokens, int hidden, int num_ranks, int num_experts) {
-  return 2 * SlotLayout(max_tokens, hidden, num_ranks, num_experts, engine::kMaxTopk, RowFormat{}).slot_bytes;
+  return 2 * SlotLayout(max_tokens, hidden, num_ranks, num_experts, kMaxTopk, RowFormat{}).slot_bytes;
 }
 
 std::int64_t BufferCore::slot_offset(int slot) const {

@@ -21,6 +21,7 @@
 #include "legacy/buffer_core.hh"
 #include "legacy/low_latency_steps.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::legacy {
 namespace {
@@ -316,9 +317,9 @@ void LowLatencyCombine::combine_token(int64_t t) {
   const auto* weights = args_.topk_weights.data_as<const float>();
   auto* out = result.combined_x.data_as<std::uint16_t>();
   const bool logfmt = args_.use_logfmt;
-  std::array<const std::uint16_t*, engine::kMaxTopk> rows;
-  std::array<float, engine::kMaxTopk> w;
-  std::array<bool, engine::kMaxTopk> encoded{};  // LogFMT rows that arrived encoded
+  std::array<const std::uint16_t*, kMaxTopk> rows;
+  std::array<float, kMaxTopk> w;
+  std::array<bool, kMaxTopk> encoded{};  // LogFMT rows that arrived encoded
   int n = 0;
   for (int j = 0; j < k; ++j) {
     const int64_t id = ids[t * k + j];
@@ -348,7 +349,7 @@ void LowLatencyCombine::combine_token(int64_t t) {
   thread_local std::vector<std::byte> scratch;
   decoded.resize(static_cast<size_t>(n) * H);
   scratch.resize(static_cast<size_t>(core::logfmt_max_row_bytes(H)));
-  std::array<const float*, engine::kMaxTopk> values;
+  std::array<const float*, kMaxTopk> values;
   for (int r = 0; r < n; ++r) {
     float* dst = decoded.data() + static_cast<size_t>(r) * H;
     const std::byte* bytes = reinterpret_cast<const std::byte*>(rows[static_cast<size_t>(r)]);

@@ -25,6 +25,7 @@
 #include "legacy/low_latency_steps.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 #include "routing/plan.hh"
 
 namespace moe_ep::legacy {
@@ -125,8 +126,8 @@ void LowLatencyDispatch::check_arguments() {
   core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {s.tokens, -1});
   core::expect_rows_contiguous(ctx_, "topk_idx", a.topk_idx);
   s.topk = core::int_size(ctx_, "topk_idx", a.topk_idx, 1);
-  if (s.topk < 1 || s.topk > engine::kMaxTopk)
-    core::fail(ctx_, "topk_idx has {} columns (k), expected 1 to {}", s.topk, engine::kMaxTopk);
+  if (s.topk < 1 || s.topk > kMaxTopk)
+    core::fail(ctx_, "topk_idx has {} columns (k), expected 1 to {}", s.topk, kMaxTopk);
   if (a.topk_weights.defined()) {
     core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {s.tokens, s.topk});
     core::expect_rows_contiguous(ctx_, "topk_weights", a.topk_weights);

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "moe_ep/limits.hpp"
+
 namespace moe_ep::routing {
 
 int node_unit_refs(const std::int64_t* ids, int k, const Geometry& geometry, const ReductionScheme& scheme, int node,

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "routing/handle_plan.hh"
+#include "moe_ep/limits.hpp"
 #include "routing/plan.hh"
 
 namespace moe_ep::routing {

@@ -5,6 +5,7 @@
 #include <array>
 
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::routing {
 namespace {

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/checks.hh"
+#include "moe_ep/limits.hpp"
 
 namespace moe_ep::routing {
 namespace {

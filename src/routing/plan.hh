@@ -22,9 +22,9 @@
 #include <string_view>
 #include <vector>
 
-namespace moe_ep::routing {
+#include "moe_ep/limits.hpp"
 
-inline constexpr int kMaxTopk = 32;
+namespace moe_ep::routing {
 
 struct Geometry {
   int num_ranks = 1;

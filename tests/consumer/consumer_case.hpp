@@ -11,11 +11,13 @@
 #include <moe_ep/dtype.hpp>
 #include <moe_ep/elastic_buffer.hpp>
 #include <moe_ep/group.hpp>
+#include <moe_ep/limits.hpp>
 #include <moe_ep/tensor.hpp>
 
 namespace consumer {
 
 constexpr int kTokens = 4, kHidden = 128, kTopk = 2, kExpertsPerRank = 2;
+static_assert(kTopk <= moe_ep::kMaxTopk && kHidden <= moe_ep::kMaxHidden, "the case is within the library's limits");
 
 inline float value(int rank, int token, int h) { return static_cast<float>((5 * rank + token + 2 * h) % 9 - 4); }
 inline std::int64_t expert(int rank, int token, int lane, int num_experts) {

@@ -1,5 +1,6 @@
 // The payload dtypes float16, int8 and int16: sizes and names, their DLPack codes in both
-// directions, and .npy files written and read back with NumPy's descriptors for them.
+// directions, and .npy files written and read back with NumPy's descriptors for them. The one
+// table of dtype names: every dtype's name parses back to it, other names are refused.
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -48,6 +49,18 @@ TEST(PayloadDtype, SizesNamesAndDlpackCodes) {
     std::uint32_t storage[2] = {};
     const DLTensor plain{storage, {kDLCPU, 0}, 1, e.dl, shape, nullptr, 0};
     EXPECT_EQ(view_from_dlpack(plain).dtype(), e.dtype) << e.name;
+  }
+}
+
+TEST(DtypeNames, EveryNameParsesBackAndOthersAreRefused) {
+  EXPECT_EQ(all_dtypes().size(), 10u);
+  for (const DType dtype : all_dtypes()) EXPECT_EQ(parse_dtype(dtype_name(dtype), "test"), dtype) << dtype_name(dtype);
+  EXPECT_EQ(dtype_names(), "bfloat16, float16, float32, float8_e4m3fn, int8, int16, int32, int64, uint8 or bool");
+  try {
+    parse_dtype("float64", "empty");
+    FAIL() << "float64 parsed";
+  } catch (const InvalidArgument& e) {
+    EXPECT_EQ(std::string(e.what()), "empty: dtype 'float64' is not one of " + dtype_names());
   }
 }
 

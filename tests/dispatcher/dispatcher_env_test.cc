@@ -1,6 +1,6 @@
 // The dispatcher's typed configuration: unset options take their environment variables; bad
 // values name the variable and the accepted values; options override the environment; scoped
-// overrides restore the previous state.
+// overrides restore the previous state. Mode, wire dtype and batch kind names parse both ways.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -133,6 +133,29 @@ TEST(DispatcherEnv, OutOfRangeValuesAreReportedAsGiven) {
       EXPECT_FALSE(contains(e.message, "1048576 is")) << e.message;
     }
   });
+}
+
+TEST(DispatcherNames, ParseIsTheInverseOfTheNames) {
+  for (DispatchMode m : {DispatchMode::kNormal, DispatchMode::kLowLatency, DispatchMode::kAuto})
+    EXPECT_EQ(parse_mode(mode_name(m)), m);
+  for (WireDType d : {WireDType::kBF16, WireDType::kFP8, WireDType::kNVFP4}) EXPECT_EQ(parse_wire_dtype(wire_dtype_name(d)), d);
+  for (BatchKind k : {BatchKind::kPrefill, BatchKind::kDecode}) EXPECT_EQ(parse_batch_kind(batch_kind_name(k)), k);
+  EXPECT_EQ(parse_wire_dtype("bfloat16"), WireDType::kBF16);
+  EXPECT_EQ(parse_batch_kind("extend"), BatchKind::kPrefill);
+}
+
+TEST(DispatcherNames, AnUnknownNameIsRefusedNamingTheArgumentAndTheAcceptedValues) {
+  const auto message = [](auto parse) {
+    try {
+      parse();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_EQ(message([] { parse_mode("fast", "--mode"); }), "--mode = 'fast' is not one of normal | low_latency | auto");
+  EXPECT_EQ(message([] { parse_wire_dtype("fp4"); }), "dispatch_dtype = 'fp4' is not one of bf16 | bfloat16 | fp8 | nvfp4");
+  EXPECT_EQ(message([] { parse_batch_kind("train"); }), "kind = 'train' is not one of prefill | extend | decode");
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "moe_ep/limits.hpp"
 #include "routing/combine_order.hh"
 
 namespace moe_ep::routing {

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "moe_ep/error.hpp"
+#include "moe_ep/limits.hpp"
 #include "routing/plan.hh"
 
 namespace moe_ep::routing {
