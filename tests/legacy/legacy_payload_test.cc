@@ -25,12 +25,9 @@ using reference::RankInputs;
 using testing::catch_error;
 using testing::Caught;
 using testing::collect_on_ranks;
+using testing::expect_legacy_case;
 using testing::LegacyRunOptions;
 using testing::report_problems;
-
-void run(const CaseSpec& spec, const LegacyRunOptions& opt) {
-  report_problems(testing::run_legacy_case_in_process(spec, opt), {.context = testing::describe(spec, opt)});
-}
 
 CaseSpec spec_for(int ranks, int scaleout, int hidden, int element_bytes, std::uint64_t seed) {
   CaseSpec s;
@@ -68,7 +65,7 @@ TEST(LegacyPayload, DtypesBitIdenticalOnOneNodeAndAcrossNodes) {
         o.async = variant == 1;
         if (variant == 2 && topo.scaleout == 1) o.num_worst_tokens = 10 * topo.ranks;  // intranode only
         SCOPED_TRACE(testing::describe(s, o));
-        run(s, o);
+        expect_legacy_case(s, o);
       }
 }
 
