@@ -18,7 +18,7 @@
 #include "support/text.hh"
 
 namespace moe_ep {
-namespace {
+namespace elastic_limits_test {
 
 constexpr int kRanks = 2, kExperts = 8, kTopk = 2, kTokens = 4, kHidden = 128;
 
@@ -134,5 +134,5 @@ TEST(ElasticLimits, SizesBeyondInt32AreNamedNotTruncated) {
   EXPECT_TRUE(contains(outcomes[1].message, "4294967300")) << outcomes[1].message;
 }
 
-}  // namespace
+}  // namespace elastic_limits_test
 }  // namespace moe_ep
