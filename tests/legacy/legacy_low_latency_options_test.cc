@@ -20,7 +20,7 @@
 #include "support/rank_runner.hh"
 
 namespace moe_ep {
-namespace {
+namespace legacy_low_latency_options_test {
 
 using reference::CaseSpec;
 using reference::RankInputs;
@@ -302,5 +302,5 @@ TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
   }
 }
 
-}  // namespace
+}  // namespace legacy_low_latency_options_test
 }  // namespace moe_ep

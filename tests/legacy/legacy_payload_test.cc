@@ -18,7 +18,7 @@
 #include "support/legacy_harness.hh"
 
 namespace moe_ep {
-namespace {
+namespace legacy_payload_test {
 
 using reference::CaseSpec;
 using reference::RankInputs;
@@ -336,5 +336,5 @@ TEST(LegacyNvfp4, MixedWithAPlainDispatchIsADisagreement) {
   }
 }
 
-}  // namespace
+}  // namespace legacy_payload_test
 }  // namespace moe_ep
