@@ -12,7 +12,7 @@
 #include "support/text.hh"
 
 namespace moe_ep::testing {
-namespace {
+namespace dispatcher_lifecycle_test {
 
 constexpr int kRanks = 4, kHidden = 256, kExperts = 8, kTopk = 2, kCap = 6;
 
@@ -273,5 +273,5 @@ TEST(Validation, BadBatchesAreRejectedBeforeTheBufferAndNamedOnEveryRank) {
   });
 }
 
-}  // namespace
+}  // namespace dispatcher_lifecycle_test
 }  // namespace moe_ep::testing
