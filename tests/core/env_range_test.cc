@@ -11,11 +11,12 @@
 #include "moe_ep/error.hpp"
 #include "moe_ep/tensor.hpp"
 #include "support/env_scope.hh"
+#include "support/text.hh"
 
 namespace moe_ep {
 namespace {
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 std::string int_error(const char* name) {
   try {

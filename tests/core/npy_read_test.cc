@@ -16,6 +16,7 @@
 #include "core/npy.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/tensor.hpp"
+#include "support/text.hh"
 
 namespace moe_ep {
 namespace {
@@ -64,7 +65,7 @@ std::string read_error(const std::string& path, DType as) {
   return "";
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 TEST(NpyRead, MalformedFilesAreErrorsNamingTheFile) {
   NpyFile file("malformed");

@@ -17,7 +17,7 @@ namespace {
 
 namespace ref = reference;
 
-std::vector<std::uint16_t> make_row(std::mt19937& gen, int hidden, int kind) {
+std::vector<std::uint16_t> make_nvfp4_row(std::mt19937& gen, int hidden, int kind) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_int_distribution<int> exponent(-30, 30);
   std::vector<std::uint16_t> row(static_cast<size_t>(hidden));
@@ -41,7 +41,7 @@ TEST(Nvfp4Rows, MatchTheReferenceBitForBit) {
   int rows = 0;
   for (int kind = 0; kind < 5; ++kind)
     for (int rep = 0; rep < 40; ++rep) {
-      const auto row = make_row(gen, hidden, kind);
+      const auto row = make_nvfp4_row(gen, hidden, kind);
       for (float gs : {1.0f, 0.37f, 1e-3f, 1e4f, 448.0f * 6.0f / 3.5f})
         for (bool ue8m0 : {false, true})
           for (bool sm90 : {false, true}) {

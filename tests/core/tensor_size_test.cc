@@ -16,6 +16,7 @@
 #include "moe_ep/convert.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/tensor.hpp"
+#include "support/text.hh"
 
 namespace moe_ep {
 namespace {
@@ -34,7 +35,7 @@ std::string error_of(const std::function<void()>& fn) {
   return "";
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 TEST(TensorSize, ContiguousShapesThatOverflowAreRefused) {
   alignas(64) static std::byte memory[256];

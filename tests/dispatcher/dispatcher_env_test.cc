@@ -8,11 +8,10 @@
 #include "support/dispatcher_fixture.hh"
 #include "moe_ep/env.hpp"
 #include "support/env_scope.hh"
+#include "support/text.hh"
 
 namespace moe_ep::testing {
 namespace {
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 DispatcherOptions shape() {
   DispatcherOptions o;

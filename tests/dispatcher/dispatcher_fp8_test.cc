@@ -10,7 +10,7 @@
 #include "support/dispatcher_fixture.hh"
 
 namespace moe_ep::testing {
-namespace {
+namespace dispatcher_fp8_test {
 
 constexpr int kHidden = 640, kExperts = 16, kTopk = 4, kCap = 6;  // 640: a partly used UE8M0 word
 
@@ -57,5 +57,5 @@ TEST(DispatcherFp8, EveryPathCastsAsTheReference) {
     }
 }
 
-}  // namespace
+}  // namespace dispatcher_fp8_test
 }  // namespace moe_ep::testing

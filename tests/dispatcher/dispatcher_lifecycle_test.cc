@@ -9,9 +9,10 @@
 #include <cstring>
 
 #include "support/dispatcher_fixture.hh"
+#include "support/text.hh"
 
 namespace moe_ep::testing {
-namespace {
+namespace dispatcher_lifecycle_test {
 
 constexpr int kRanks = 4, kHidden = 256, kExperts = 8, kTopk = 2, kCap = 6;
 
@@ -28,8 +29,6 @@ DispatcherOptions options(bool v2, DispatchMode mode = DispatchMode::kAuto) {
   o.provider_path = "cpu";
   return o;
 }
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 // A batch of `s` through `d`, verified (fixture's run_batch); problems go to `bad`.
 void round_trip(Group& g, TokenDispatcher& d, const CaseSpec& s, BatchKind kind, std::vector<std::string>& bad,
@@ -274,5 +273,5 @@ TEST(Validation, BadBatchesAreRejectedBeforeTheBufferAndNamedOnEveryRank) {
   });
 }
 
-}  // namespace
+}  // namespace dispatcher_lifecycle_test
 }  // namespace moe_ep::testing

@@ -17,7 +17,7 @@
 #include "reference/numeric_reference.hh"
 
 namespace moe_ep::testing {
-namespace {
+namespace dispatcher_modes_test {
 
 constexpr int kHidden = 256, kExperts = 16, kTopk = 4, kCap = 8, kPrefillCap = 24;
 
@@ -265,5 +265,5 @@ TEST(DispatcherAuto, MixedSequenceWithCleanCallsCounted) {
   }
 }
 
-}  // namespace
+}  // namespace dispatcher_modes_test
 }  // namespace moe_ep::testing

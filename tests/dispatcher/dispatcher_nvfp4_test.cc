@@ -15,7 +15,7 @@
 #include "reference/numeric_reference.hh"
 
 namespace moe_ep::testing {
-namespace {
+namespace dispatcher_nvfp4_test {
 
 constexpr int kHidden = 512, kExperts = 16, kTopk = 4, kCap = 6;
 
@@ -151,5 +151,5 @@ TEST(DispatcherNvfp4, OptionRulesAreTypedErrors) {
   });
 }
 
-}  // namespace
+}  // namespace dispatcher_nvfp4_test
 }  // namespace moe_ep::testing

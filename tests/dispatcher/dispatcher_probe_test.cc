@@ -12,6 +12,7 @@
 #include "dispatcher/provider_registry.hh"
 #include "support/dispatcher_fixture.hh"
 #include "moe_ep/provider.hpp"
+#include "support/text.hh"
 
 namespace moe_ep::testing {
 namespace {
@@ -23,8 +24,6 @@ const std::string kInitFailure = MOE_EP_TEST_provider_init_failure;
 const std::string kAbiMismatch = MOE_EP_TEST_provider_abi_mismatch;
 const std::string kOldAbi = MOE_EP_TEST_provider_old_abi;
 const std::string kNoSymbol = MOE_EP_TEST_provider_no_symbol;
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 TEST(Probe, BuiltinOffersBothGenerations) {
   const ProbeReport& p = probe_providers("");

@@ -11,7 +11,7 @@
 #include "reference/numeric_reference.hh"
 
 namespace moe_ep::testing {
-namespace {
+namespace dispatcher_remote_weights_test {
 
 constexpr int kRanks = 4, kExperts = 8, kTopk = 3, kTokens = 5, kHidden = 256;
 
@@ -119,5 +119,5 @@ TEST(DispatcherV2RemoteWeights, EveryFormatCarriesTheRemoteWeights) {
       }
 }
 
-}  // namespace
+}  // namespace dispatcher_remote_weights_test
 }  // namespace moe_ep::testing

@@ -13,7 +13,7 @@
 #include "support/dispatcher_fixture.hh"
 
 namespace moe_ep::testing {
-namespace {
+namespace dispatcher_v2_low_latency_test {
 
 constexpr int kHidden = 256, kExperts = 16, kTopk = 4, kCap = 8;
 
@@ -84,5 +84,5 @@ TEST(V2LowLatency, ExpertOutputWithAnotherExpertStride) {
   });
 }
 
-}  // namespace
+}  // namespace dispatcher_v2_low_latency_test
 }  // namespace moe_ep::testing

@@ -30,21 +30,23 @@ void count_release(const volatile void*) {}
 const int g_hooks_installed = __sanitizer_install_malloc_and_free_hooks(count_allocation, count_release);
 }  // namespace
 #else
-void* operator new(std::size_t n) {
+// Not inlined into the other tests compiled in the same batch (tests/CMakeLists.txt), where GCC
+// would see the std::free of the replaced delete as a mismatch (-Wmismatched-new-delete).
+[[gnu::noinline]] void* operator new(std::size_t n) {
   g_new_bytes += static_cast<long long>(n);
   if (void* p = std::malloc(n ? n : 1)) return p;
   throw std::bad_alloc();
 }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void* operator new(std::size_t n, std::align_val_t a) {
+[[gnu::noinline]] void operator delete(void* p) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+[[gnu::noinline]] void* operator new(std::size_t n, std::align_val_t a) {
   g_new_bytes += static_cast<long long>(n);
   const auto align = static_cast<std::size_t>(a);
   if (void* p = std::aligned_alloc(align, (n + align - 1) / align * align)) return p;
   throw std::bad_alloc();
 }
-void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+[[gnu::noinline]] void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 #endif
 
 namespace moe_ep {

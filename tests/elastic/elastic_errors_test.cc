@@ -17,7 +17,7 @@
 #include "support/rank_runner.hh"
 
 namespace moe_ep {
-namespace {
+namespace elastic_errors_test {
 
 constexpr int kRanks = 4, kExperts = 16, kTopk = 4, kTokens = 8, kHidden = 128;
 
@@ -455,5 +455,5 @@ TEST(ElasticErrors, AsyncRejectionIsReportedAtOnceAndPeersAreNotLeftWaiting) {
   expect_rejected_by(outcomes, 1, "InvalidArgument", {"topk_idx[0, 0] = 99"});
 }
 
-}  // namespace
+}  // namespace elastic_errors_test
 }  // namespace moe_ep

@@ -15,7 +15,7 @@
 #include "support/errors.hh"
 
 namespace moe_ep {
-namespace {
+namespace elastic_failure_test {
 
 using Outcome = testing::Caught;
 constexpr auto capture = testing::catch_error;
@@ -168,5 +168,5 @@ TEST(ElasticFailures, ARankThatCannotAllocateItsOutputsIsNamedAndNothingOfItsIsR
   }
 }
 
-}  // namespace
+}  // namespace elastic_failure_test
 }  // namespace moe_ep

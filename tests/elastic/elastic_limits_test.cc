@@ -15,9 +15,10 @@
 #include "support/env_scope.hh"
 #include "support/errors.hh"
 #include "support/rank_runner.hh"
+#include "support/text.hh"
 
 namespace moe_ep {
-namespace {
+namespace elastic_limits_test {
 
 constexpr int kRanks = 2, kExperts = 8, kTopk = 2, kTokens = 4, kHidden = 128;
 
@@ -38,7 +39,7 @@ ElasticBufferConfig config() {
   return {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk, .num_cpu_timeout_secs = 30};
 }
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 // Every rank calls `call` on a fresh buffer; afterwards each dispatches and combines valid input
 // with one explicit worker (so the environment is not read), which must succeed.
@@ -133,5 +134,5 @@ TEST(ElasticLimits, SizesBeyondInt32AreNamedNotTruncated) {
   EXPECT_TRUE(contains(outcomes[1].message, "4294967300")) << outcomes[1].message;
 }
 
-}  // namespace
+}  // namespace elastic_limits_test
 }  // namespace moe_ep

@@ -12,7 +12,7 @@
 #include "support/rank_runner.hh"
 
 namespace moe_ep {
-namespace {
+namespace elastic_options_test {
 
 using reference::CaseSpec;
 using reference::RankInputs;
@@ -274,5 +274,5 @@ TEST(ElasticOptions, CachedAndWorstCaseCallsWaitForThePreviousEventBeforeEpilogu
   report(failures, "2 nodes");
 }
 
-}  // namespace
+}  // namespace elastic_options_test
 }  // namespace moe_ep

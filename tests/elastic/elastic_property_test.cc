@@ -11,10 +11,6 @@
 namespace moe_ep::testing {
 namespace {
 
-void run(const reference::CaseSpec& spec, const RunOptions& options) {
-  report_problems(run_elastic_case_in_process(spec, options), {.context = describe(spec, options)});
-}
-
 class RandomCases : public ::testing::TestWithParam<int> {};
 
 TEST_P(RandomCases, MatchReference) {
@@ -22,7 +18,7 @@ TEST_P(RandomCases, MatchReference) {
     RunOptions options;
     const auto spec = random_case(static_cast<std::uint64_t>(GetParam() * 10 + i), &options);
     SCOPED_TRACE(describe(spec, options));
-    run(spec, options);
+    expect_elastic_case(spec, options);
   }
 }
 
@@ -62,7 +58,7 @@ TEST(ElasticCorners, EveryPathAndLayout) {
       o.zero_padding = s.expand;
       o.async = variant & 1;
       SCOPED_TRACE(describe(s, o));
-      run(s, o);
+      expect_elastic_case(s, o);
     }
   }
 }
@@ -74,27 +70,27 @@ TEST(ElasticCorners, TopkLargerThanExpertsPerRankAndAllTokensEverywhere) {
   s.expand = true;
   s.alignment = 3;
   s.tokens = {16, 16, 16, 16};  // N = T everywhere
-  run(s, {});
+  expect_elastic_case(s, {});
   s.expand = false;
-  run(s, {.async = true});
+  expect_elastic_case(s, {.async = true});
 }
 
 TEST(ElasticCorners, SingleRank) {
   auto s = base(1, 1, true);
   s.num_experts = 32;
   s.k = 8;
-  run(s, {});
+  expect_elastic_case(s, {});
   s.expand = true;
-  run(s, {.cpu_sync = false});
+  expect_elastic_case(s, {.cpu_sync = false});
 }
 
 TEST(ElasticCorners, AllMaskedAndEmpty) {
   auto s = base(4, 2, true);
   s.mask_ratio = 1.0;
-  run(s, {});
+  expect_elastic_case(s, {});
   s.tokens = {0, 0, 0, 0};
   s.mask_ratio = 0.0;
-  run(s, {.async = true});
+  expect_elastic_case(s, {.async = true});
 }
 
 }  // namespace

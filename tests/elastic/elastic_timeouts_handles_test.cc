@@ -13,7 +13,7 @@
 #include "support/errors.hh"
 
 namespace moe_ep {
-namespace {
+namespace elastic_timeouts_handles_test {
 
 using Outcome = testing::Caught;
 constexpr auto capture = testing::catch_error;
@@ -177,5 +177,5 @@ TEST(ElasticLimits, TheMachineIsMeasuredWhenABufferIsBuiltNotInADispatch) {
   });
 }
 
-}  // namespace
+}  // namespace elastic_timeouts_handles_test
 }  // namespace moe_ep

@@ -14,7 +14,7 @@
 #include "reference/numeric_reference.hh"
 
 namespace moe_ep {
-namespace {
+namespace cross_check_test {
 
 constexpr int kRanks = 4, kExperts = 16, kTopk = 4, kTokens = 8, kHidden = 128;
 constexpr int kEl = kExperts / kRanks;
@@ -173,5 +173,5 @@ TEST(CrossCheck, V1NormalV1LowLatencyAndV2AgreeOnRoutingAndOutputs) {
   }
 }
 
-}  // namespace
+}  // namespace cross_check_test
 }  // namespace moe_ep

@@ -8,13 +8,14 @@
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "support/errors.hh"
+#include "support/text.hh"
 
 namespace moe_ep {
 namespace {
 
 constexpr std::int64_t kTwo31 = std::int64_t{1} << 31, kTwo32 = std::int64_t{1} << 32;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+using testing::contains;
 
 TEST(LegacyLimits, LowLatencyTokensBeyondInt32AreNotTruncated) {
   constexpr int kTokens = 8, kHidden = 128, kExperts = 4, kTopk = 2;

@@ -16,25 +16,23 @@
 #include "reference/dense_reference.hh"
 #include "reference/low_latency_reference.hh"
 #include "support/errors.hh"
+#include "support/legacy_harness.hh"
 #include "support/rank_runner.hh"
 
 namespace moe_ep {
-namespace {
+namespace legacy_low_latency_options_test {
 
 using reference::CaseSpec;
 using reference::RankInputs;
 using testing::catch_error;
 using testing::Caught;
 using testing::collect_on_ranks;
+using testing::low_latency_rdma_bytes;
 using testing::RankProblems;
 using testing::report_problems;
 
 CaseSpec ll_spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed) {
   return reference::low_latency_spec(ranks, scaleout, experts, k, N, hidden, seed, 0.5);
-}
-
-std::int64_t ll_pool(const CaseSpec& s) {
-  return Buffer::get_low_latency_rdma_size_hint(s.max_tokens, s.hidden, s.ranks, s.num_experts);
 }
 
 // Every rank's problems (at most 10 of each) as test failures, each under `what` and naming its rank.
@@ -50,7 +48,7 @@ struct CastCase {
 
 void run_cast(const CaseSpec& s, const CastCase& c) {
   const auto failures = collect_on_ranks(s.ranks, {.num_scaleout = s.scaleout}, [&](Group& g, std::vector<std::string>& bad) {
-    Buffer b(g, {.num_rdma_bytes = ll_pool(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
+    Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
     std::vector<RankInputs> all = reference::make_all_inputs(s);
     RankInputs& in = all[static_cast<size_t>(g.rank())];
     const std::int64_t n = in.num_tokens;
@@ -266,7 +264,7 @@ TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
     const CaseSpec s = ll_spec(4, scaleout, 8, 3, 4, 256, 70 + scaleout);
     const auto failures = collect_on_ranks(4, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
       const int me = g.rank(), N = s.max_tokens;
-      Buffer b(g, {.num_rdma_bytes = ll_pool(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
+      Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
       std::vector<RankInputs> all = reference::make_all_inputs(s);
       RankInputs& in = all[static_cast<size_t>(me)];
       const std::int64_t n = in.num_tokens;
@@ -304,5 +302,5 @@ TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
   }
 }
 
-}  // namespace
+}  // namespace legacy_low_latency_options_test
 }  // namespace moe_ep

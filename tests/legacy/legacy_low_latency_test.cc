@@ -13,6 +13,7 @@
 #include "reference/dense_reference.hh"
 #include "reference/low_latency_reference.hh"
 #include "support/errors.hh"
+#include "support/legacy_harness.hh"
 #include "support/rank_runner.hh"
 
 namespace moe_ep {
@@ -22,6 +23,7 @@ using reference::CaseSpec;
 using reference::RankInputs;
 using reference::expert_rows;
 using testing::collect_on_ranks;
+using testing::low_latency_rdma_bytes;
 using testing::report_problems;
 
 struct LLOptions {
@@ -34,10 +36,6 @@ struct LLOptions {
 
 CaseSpec ll_spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed) {
   return reference::low_latency_spec(ranks, scaleout, experts, k, N, hidden, seed, 1.0);
-}
-
-std::int64_t ll_pool(const CaseSpec& s) {
-  return Buffer::get_low_latency_rdma_size_hint(s.max_tokens, s.hidden, s.ranks, s.num_experts);
 }
 
 // Source info and layout ranges of each local expert's rows (V1 only).
@@ -74,7 +72,7 @@ void fill_expert_outputs(const CaseSpec& s, const std::vector<RankInputs>& all, 
 std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o, int rounds) {
   std::vector<std::string> bad;
   const int me = g.rank(), H = s.hidden, k = s.k, El = s.experts_per_rank(), N = s.max_tokens;
-  Buffer b(g, {.num_rdma_bytes = ll_pool(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
+  Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
   std::vector<RankInputs> all = reference::make_all_inputs(s);
   RankInputs& in = all[static_cast<size_t>(me)];
   const std::int64_t n = in.num_tokens;

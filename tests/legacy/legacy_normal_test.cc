@@ -12,11 +12,8 @@ namespace moe_ep {
 namespace {
 
 using reference::CaseSpec;
+using testing::expect_legacy_case;
 using testing::LegacyRunOptions;
-
-void run(const CaseSpec& spec, const LegacyRunOptions& opt) {
-  testing::report_problems(testing::run_legacy_case_in_process(spec, opt), {.context = testing::describe(spec, opt)});
-}
 
 CaseSpec random_spec(std::uint64_t seed) {
   std::mt19937_64 rng(seed * 7919 + 3);
@@ -47,7 +44,7 @@ TEST_P(LegacyRandom, NormalModeMatchesReference) {
     const auto spec = random_spec(static_cast<std::uint64_t>(GetParam() * 8 + i));
     LegacyRunOptions opt;
     opt.async = i % 3 == 1;
-    run(spec, opt);
+    expect_legacy_case(spec, opt);
   }
 }
 
@@ -61,9 +58,9 @@ TEST(LegacyNormal, WorstTokensAndRoutingWithoutTopk) {
     s.num_experts = 16;
     s.k = 4;
     s.tokens = {s.max_tokens, 0, 3, s.max_tokens};
-    run(s, {.num_worst_tokens = 4 * s.max_tokens});
+    expect_legacy_case(s, {.num_worst_tokens = 4 * s.max_tokens});
     s.weights = false;
-    run(s, {.with_topk = false});
+    expect_legacy_case(s, {.with_topk = false});
   }
 }
 

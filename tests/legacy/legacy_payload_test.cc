@@ -18,19 +18,16 @@
 #include "support/legacy_harness.hh"
 
 namespace moe_ep {
-namespace {
+namespace legacy_payload_test {
 
 using reference::CaseSpec;
 using reference::RankInputs;
 using testing::catch_error;
 using testing::Caught;
 using testing::collect_on_ranks;
+using testing::expect_legacy_case;
 using testing::LegacyRunOptions;
 using testing::report_problems;
-
-void run(const CaseSpec& spec, const LegacyRunOptions& opt) {
-  report_problems(testing::run_legacy_case_in_process(spec, opt), {.context = testing::describe(spec, opt)});
-}
 
 CaseSpec spec_for(int ranks, int scaleout, int hidden, int element_bytes, std::uint64_t seed) {
   CaseSpec s;
@@ -68,7 +65,7 @@ TEST(LegacyPayload, DtypesBitIdenticalOnOneNodeAndAcrossNodes) {
         o.async = variant == 1;
         if (variant == 2 && topo.scaleout == 1) o.num_worst_tokens = 10 * topo.ranks;  // intranode only
         SCOPED_TRACE(testing::describe(s, o));
-        run(s, o);
+        expect_legacy_case(s, o);
       }
 }
 
@@ -339,5 +336,5 @@ TEST(LegacyNvfp4, MixedWithAPlainDispatchIsADisagreement) {
   }
 }
 
-}  // namespace
+}  // namespace legacy_payload_test
 }  // namespace moe_ep

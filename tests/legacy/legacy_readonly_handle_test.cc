@@ -12,7 +12,7 @@
 #include "support/errors.hh"
 
 namespace moe_ep {
-namespace {
+namespace legacy_readonly_handle_test {
 
 constexpr int kRanks = 2, kExperts = 4, kTopk = 2, kTokens = 8, kHidden = 128;
 
@@ -95,5 +95,5 @@ TEST(LegacyHandles, ANormalHandleWithAChangedRoutingIsRefused) {
   });
 }
 
-}  // namespace
+}  // namespace legacy_readonly_handle_test
 }  // namespace moe_ep

@@ -15,14 +15,14 @@ namespace {
 //   source 1: t0 = {1, 2}, t1 = {0, 3}
 // Per expert, (source, token) order: e0: (0,t0) (1,t1); e1: (0,t0) (0,t1) (1,t0);
 // e2: (0,t2) (1,t0); e3: (0,t1) (1,t1).
-const std::vector<std::vector<std::int64_t>> kTopk = {{0, 1, 1, 3, 2, -1}, {1, 2, 0, 3}};
+const std::vector<std::vector<std::int64_t>> kTopkIds = {{0, 1, 1, 3, 2, -1}, {1, 2, 0, 3}};
 
 GlobalLayout layout_with_stride(int alignment, int stride) {
   const Geometry geo{2, 4, 1};
   GlobalLayout layout;
   layout.reset(geo, alignment, stride);
   for (int s = 0; s < 2; ++s) {
-    const auto& ids = kTopk[static_cast<size_t>(s)];
+    const auto& ids = kTopkIds[static_cast<size_t>(s)];
     LocalCounts counts;
     count_local({ids.data(), 2, static_cast<int>(ids.size() / 2), 2}, geo, counts);
     std::copy(counts.per_rank.begin(), counts.per_rank.end(), layout.per_rank_counts(s));
@@ -35,7 +35,7 @@ GlobalLayout layout_with_stride(int alignment, int stride) {
 
 // Expanded rows of every (token, lane) of source s, in order (-1 for id -1).
 std::vector<std::int32_t> expanded_rows(const GlobalLayout& layout, int s) {
-  const auto& ids = kTopk[static_cast<size_t>(s)];
+  const auto& ids = kTopkIds[static_cast<size_t>(s)];
   RowAssigner assigner;
   assigner.start(layout, s);
   std::vector<std::int32_t> out;

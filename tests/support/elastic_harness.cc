@@ -442,6 +442,10 @@ RankProblems run_elastic_case_in_process(const CaseSpec& spec, const RunOptions&
                           [&](Group& g, std::vector<std::string>& problems) { problems = run_elastic_case(g, spec, options); });
 }
 
+void expect_elastic_case(const CaseSpec& spec, const RunOptions& options) {
+  report_problems(run_elastic_case_in_process(spec, options), {.context = describe(spec, options)});
+}
+
 std::vector<std::uint64_t> in_process_digests(const CaseSpec& spec, RunOptions options) {
   std::vector<std::uint64_t> digests(static_cast<size_t>(spec.ranks), 0);
   LocalWorld world(spec.ranks, {.num_scaleout = spec.scaleout});

@@ -45,6 +45,9 @@ std::vector<std::string> run_elastic_case(Group& group, const reference::CaseSpe
 // The case on LocalWorld(spec.ranks, spec.scaleout nodes): every rank's mismatches.
 RankProblems run_elastic_case_in_process(const reference::CaseSpec& spec, const RunOptions& options);
 
+// The same, every rank's mismatches reported as test failures under describe(spec, options).
+void expect_elastic_case(const reference::CaseSpec& spec, const RunOptions& options);
+
 // The digests (RunOptions::digest) of the case's outputs on in-process ranks, one per rank.
 std::vector<std::uint64_t> in_process_digests(const reference::CaseSpec& spec, RunOptions options);
 

@@ -428,6 +428,14 @@ RankProblems run_legacy_case_in_process(const CaseSpec& spec, const LegacyRunOpt
                           [&](Group& g, std::vector<std::string>& problems) { problems = run_legacy_case(g, spec, options); });
 }
 
+void expect_legacy_case(const CaseSpec& spec, const LegacyRunOptions& options) {
+  report_problems(run_legacy_case_in_process(spec, options), {.context = describe(spec, options)});
+}
+
+std::int64_t low_latency_rdma_bytes(const CaseSpec& s) {
+  return Buffer::get_low_latency_rdma_size_hint(s.max_tokens, s.hidden, s.ranks, s.num_experts);
+}
+
 std::string describe(const CaseSpec& s, const LegacyRunOptions& o) {
   return fmt::format(
       "V1 seed {} ranks {} topology {}x{} E {} k {} H {} fp8 {} P {} align {} weights {} bias {} mask {} skew {} "

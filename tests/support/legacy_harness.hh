@@ -10,6 +10,7 @@
 // means every output matched.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,6 +44,13 @@ std::vector<std::string> run_legacy_case(Group& group, const reference::CaseSpec
 
 // The case on LocalWorld(spec.ranks, spec.scaleout nodes): every rank's mismatches.
 RankProblems run_legacy_case_in_process(const reference::CaseSpec& spec, const LegacyRunOptions& options);
+
+// The same, every rank's mismatches reported as test failures under describe(spec, options).
+void expect_legacy_case(const reference::CaseSpec& spec, const LegacyRunOptions& options);
+
+// num_rdma_bytes of a low-latency Buffer for case `s`: the size hint for its tokens per rank,
+// hidden size, ranks and experts.
+std::int64_t low_latency_rdma_bytes(const reference::CaseSpec& s);
 
 std::string describe(const reference::CaseSpec& spec, const LegacyRunOptions& options);
 
