@@ -7,11 +7,15 @@
 #     synchronise: the in-process transport, the buffers (V2, V1), the dispatcher and the CUDA
 #     provider's algorithm on host threads; of the randomized cases, the first seeds (below).
 # Any sanitizer finding stops its program and fails its test. Exits non-zero if anything failed.
-# Env: JOBS (parallel builds and tests); MOE_EP_SANITIZERS=0 runs only the Release suite.
+# Env: JOBS (parallel builds and tests); MOE_EP_SANITIZERS=0 runs only the Release suite;
+# MOE_EP_QUICK=1 runs the quick form instead: the C++ suites, the tool and the examples of a
+# Release build without Python, MPI, CUDA or benchmarks (build-quick/), in-process and host
+# transport, without the full DeepSeek-V3-shaped runs (minutes, against half an hour).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 jobs=${JOBS:-$(nproc)}
 failed=()
+big='^tool\.run_(default|v1|v1_low_latency|fp8_expand_align128|dispatcher_v2_low_latency)$'
 
 # suite NAME BUILD_DIR [ctest arguments...]: runs CTest there with the variables in suite_env.
 suite_env=()
@@ -26,6 +30,15 @@ suite() {
     failed+=("$name")
   fi
 }
+
+if [ "${MOE_EP_QUICK:-0}" = 1 ]; then
+  CMAKE_ARGS="-DMOE_EP_WITH_PYTHON=OFF -DMOE_EP_WITH_MPI=OFF -DMOE_EP_WITH_CUDA=OFF -DMOE_EP_BUILD_BENCH=OFF" \
+    "$root/scripts/bootstrap.sh" "$root/build-quick"
+  suite quick "$root/build-quick" -E "$big"
+  if ((${#failed[@]})); then echo "FAILED: ${failed[*]}"; exit 1; fi
+  echo "the quick suite passed"
+  exit 0
+fi
 
 "$root/scripts/packages.sh"
 if ! "$root/scripts/python-env.sh" --check >/dev/null; then
@@ -54,10 +67,9 @@ if [ "${MOE_EP_SANITIZERS:-1}" != 0 ]; then
     CMAKE_ARGS="-DMOE_EP_SANITIZE=address,undefined -DMOE_EP_FUZZ=ON -DMOE_EP_BUILD_BENCH=OFF -DMOE_EP_WITH_PYTHON=OFF" \
     "$root/scripts/bootstrap.sh" "$root/build-asan"
   asan=ASAN_OPTIONS=detect_leaks=1:check_initialization_order=1:strict_string_checks=1
-  # The five runs of the full DeepSeek-V3 shape (4096 tokens x 7168 per rank) take minutes each
-  # under the sanitizers; the same paths run there at smaller shapes, and at full size in the
-  # Release suite above.
-  big='^tool\.run_(default|v1|v1_low_latency|fp8_expand_align128|dispatcher_v2_low_latency)$'
+  # The five runs of the full DeepSeek-V3 shape (4096 tokens x 7168 per rank, $big) take minutes
+  # each under the sanitizers; the same paths run there at smaller shapes, and at full size in
+  # the Release suite above.
   suite_env=("${common[@]}" "$asan")
   suite asan+ubsan "$root/build-asan" -LE '^mpi$' -E "$big"
   # MPI's plugins are unloaded at exit: their leaks are recognized only from full stacks.
