@@ -9,6 +9,7 @@
 #include <exception>
 #include <memory>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cli.hh"
 #include "commands.hh"
@@ -325,6 +326,10 @@ int main(int argc, char** argv) {
     if (app.got_subcommand("env")) return env_command(env_markdown);
   } catch (const UsageError& e) {
     return usage_error(e.what());
+  } catch (const moe_ep::PeerError& e) {
+    // Other ranks failed: the message tells the story, the last words name the ranks at fault.
+    std::fprintf(stderr, "moe-ep: %s (ranks at fault: [%s])\n", e.what(), fmt::format("{}", fmt::join(e.ranks(), ", ")).c_str());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "moe-ep: %s\n", e.what());
     return 2;

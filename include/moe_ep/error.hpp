@@ -62,7 +62,9 @@ class PeerError : public Error {
   std::vector<int> ranks_;
 };
 
-// A wait expired: ranks() did not arrive in time at the phase named in the message.
+// A wait expired: ranks() did not arrive in time at the phase named in the message, or, where those
+// ranks were themselves waiting for others, the ranks at the ends of those chains (the message
+// shows the chain).
 class TimeoutError : public PeerError {
  public:
   using PeerError::PeerError;

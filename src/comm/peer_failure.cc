@@ -74,6 +74,48 @@ void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, doub
                      missing);
 }
 
+void fail_channel_left(int rank, const Wait& wait, const std::vector<int>& missing,
+                       const std::vector<std::pair<int, Departure>>& departed) {
+  std::vector<int> ranks;
+  for (const auto& [r, why] : departed) ranks.push_back(r);
+  throw PeerError(fmt::format("[rank {}] {}: ranks [{}] gave up on this channel while this rank waited for ranks [{}]{}",
+                              rank, wait.phase, fmt::join(ranks, ", "), fmt::join(missing, ", "),
+                              reasons_of(departed)),
+                  root_cause(rank, departed));
+}
+
+void fail_wait_chain(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
+                     const std::function<const std::vector<int>*(int)>& waits_for) {
+  // Follow each chain r -> the ranks r waits for, to the ranks that wait for nobody. A chain that
+  // comes back to this rank or to a rank already passed ends at the rank before it.
+  std::vector<int> ends, seen{rank};
+  std::vector<std::string> links;
+  std::vector<int> frontier = missing;
+  while (!frontier.empty()) {
+    const int r = frontier.back();
+    frontier.pop_back();
+    if (std::find(seen.begin(), seen.end(), r) != seen.end()) continue;
+    seen.push_back(r);
+    const std::vector<int>* next = waits_for(r);
+    std::vector<int> onward;
+    if (next)
+      for (int n : *next)
+        if (std::find(seen.begin(), seen.end(), n) == seen.end()) onward.push_back(n);
+    if (onward.empty()) {
+      if (std::find(ends.begin(), ends.end(), r) == ends.end()) ends.push_back(r);
+      continue;
+    }
+    links.push_back(fmt::format("rank {} waits for ranks [{}]", r, fmt::join(onward, ", ")));
+    frontier.insert(frontier.end(), onward.begin(), onward.end());
+  }
+  std::sort(ends.begin(), ends.end());
+  std::string chain;
+  for (const std::string& link : links) chain += "; " + link;
+  throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s (timeout {:g} s) waiting for ranks [{}]{}",
+                                 rank, wait.phase, elapsed_secs, wait.timeout_secs, fmt::join(missing, ", "), chain),
+                     links.empty() ? missing : ends);
+}
+
 void fail_abandoned(int rank, const Wait& wait, const std::vector<std::pair<int, Departure>>& departed) {
   std::vector<int> ranks;
   for (const auto& [r, why] : departed) ranks.push_back(r);

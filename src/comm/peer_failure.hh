@@ -52,6 +52,19 @@ std::vector<std::pair<int, Departure>> departed_among(int first, int count, int 
 [[noreturn]] void fail_wait(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
                             const std::function<std::optional<Departure>(int)>& departure);
 
+// The PeerError of a wait for `missing` ended because other members gave up on the channel
+// (`departed`, none of them among `missing`): once one member left a channel, none of its
+// collectives can complete, so every wait on it ends at once, naming the root cause.
+[[noreturn]] void fail_channel_left(int rank, const Wait& wait, const std::vector<int>& missing,
+                                    const std::vector<std::pair<int, Departure>>& departed);
+
+// The TimeoutError of a wait for `missing` that expired while those ranks themselves waited for
+// others (`waits_for`: r -> the ranks r said it waits for; ranks not in it are not waiting). It
+// names the ends of those chains (the ranks that wait for nobody), not the ranks in the middle,
+// which are alive and stuck behind them; without chains it is fail_wait's TimeoutError.
+[[noreturn]] void fail_wait_chain(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
+                                  const std::function<const std::vector<int>*(int)>& waits_for);
+
 // The PeerError of a collective void because some of its members gave up on it (`departed`, with
 // their departures), or of a peer-read section opened after node peers left.
 [[noreturn]] void fail_abandoned(int rank, const Wait& wait, const std::vector<std::pair<int, Departure>>& departed);

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "comm/control_page.hh"
 #include "core/host_allocator.hh"
 #include "core/log.hh"
 #include "moe_ep/error.hpp"
@@ -17,19 +18,29 @@
 namespace moe_ep::comm {
 namespace {
 
-// Opens the owner's descriptor through /proc, read-only.
-int open_peer_fd(pid_t pid, int fd, const std::string& owner) {
-  if (pid <= 0)
-    throw StateError(fmt::format("memory of {} cannot be mapped: its process is not visible from this one (another pid "
+// "[rank R] memory of rank P": how errors start.
+std::string memory_of(const PeerProcess& owner) { return fmt::format("[rank {}] memory of rank {}", owner.reader, owner.rank); }
+
+// Opens the owner's descriptor through /proc, read-only. A process that is gone has left the
+// group (PeerError naming it); one that is there but cannot be opened breaks the rule that the
+// processes of one node can open each other's descriptors.
+int open_peer_fd(const PeerProcess& owner, int fd) {
+  if (owner.pid <= 0)
+    throw StateError(fmt::format("{} cannot be mapped: its process is not visible from this one (another pid "
                                  "namespace); the ranks of one node must run in one pid namespace",
-                                 owner));
-  const std::string path = fmt::format("/proc/{}/fd/{}", pid, fd);
+                                 memory_of(owner)));
+  const std::string path = fmt::format("/proc/{}/fd/{}", owner.pid, fd);
   const int mine = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (mine < 0)
-    throw StateError(fmt::format("memory of {}: cannot open {}: {} (processes of one node must be able to open each "
-                                 "other's /proc/<pid>/fd entries)",
-                                 owner, path, std::strerror(errno)));
-  return mine;
+  if (mine >= 0) return mine;
+  const int error = errno;
+  if (process_gone(owner.pid))
+    throw PeerError(fmt::format("[rank {}] rank {} left the group: its process {} on this host is gone (found mapping "
+                                "the memory it shared)",
+                                owner.reader, owner.rank, owner.pid),
+                    {owner.rank});
+  throw StateError(fmt::format("{}: cannot open {}: {} (processes of one node must be able to open each other's "
+                               "/proc/<pid>/fd entries)",
+                               memory_of(owner), path, std::strerror(error)));
 }
 
 constexpr std::size_t kGrain = std::size_t{2} << 20;
@@ -62,7 +73,7 @@ std::byte* SharedArena::reserve(std::size_t bytes) {
   return base_;
 }
 
-ArenaView::ArenaView(pid_t pid, int fd, std::string owner) : pid_(pid), owner_fd_(fd), owner_(std::move(owner)) {}
+ArenaView::ArenaView(PeerProcess owner, int fd) : owner_(owner), owner_fd_(fd) {}
 
 ArenaView::~ArenaView() {
   if (base_) munmap(const_cast<std::byte*>(base_), mapped_);
@@ -71,22 +82,22 @@ ArenaView::~ArenaView() {
 
 const std::byte* ArenaView::at(std::size_t offset, std::size_t bytes) {
   std::lock_guard lock(mutex_);
-  if (fd_ < 0) fd_ = open_peer_fd(pid_, owner_fd_, owner_);
+  if (fd_ < 0) fd_ = open_peer_fd(owner_, owner_fd_);
   bytes = std::max<std::size_t>(bytes, 1);
-  if (offset > SIZE_MAX - bytes) throw StateError(fmt::format("shared arena of {}: bad range", owner_));
+  if (offset > SIZE_MAX - bytes) throw StateError(fmt::format("{}: shared arena: bad range", memory_of(owner_)));
   // The owner grows the file before it publishes offsets into the new part: map all of it.
   struct stat st {};
-  if (fstat(fd_, &st) != 0) throw StateError(fmt::format("shared arena of {}: fstat failed: {}", owner_, errno_text()));
+  if (fstat(fd_, &st) != 0) throw StateError(fmt::format("{}: shared arena: fstat failed: {}", memory_of(owner_), errno_text()));
   const auto size = static_cast<std::size_t>(st.st_size);
   if (offset + bytes > size)
-    throw StateError(fmt::format("shared arena of {}: bytes [{}, {}) published beyond its {} bytes", owner_, offset,
+    throw StateError(fmt::format("{}: shared arena: bytes [{}, {}) published beyond its {} bytes", memory_of(owner_), offset,
                                  offset + bytes, size));
   if (base_ == nullptr || size > mapped_) {
     if (base_) munmap(const_cast<std::byte*>(base_), mapped_);
     base_ = nullptr;
     mapped_ = 0;
     void* p = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd_, 0);
-    if (p == MAP_FAILED) throw StateError(fmt::format("shared arena of {}: mapping failed: {}", owner_, errno_text()));
+    if (p == MAP_FAILED) throw StateError(fmt::format("{}: shared arena: mapping failed: {}", memory_of(owner_), errno_text()));
     base_ = static_cast<const std::byte*>(p);
     mapped_ = size;
   }
@@ -98,11 +109,11 @@ BlockViews::~BlockViews() {
 }
 
 const std::byte* BlockViews::at(int fd, std::size_t offset) {
-  const int mine = open_peer_fd(pid_, fd, owner_);
+  const int mine = open_peer_fd(owner_, fd);
   struct stat st {};
   if (fstat(mine, &st) != 0) {
     close(mine);
-    throw StateError(fmt::format("shared tensor of {}: fstat failed: {}", owner_, errno_text()));
+    throw StateError(fmt::format("{}: shared tensor: fstat failed: {}", memory_of(owner_), errno_text()));
   }
   std::lock_guard lock(mutex_);
   auto it = views_.find(fd);
@@ -116,13 +127,13 @@ const std::byte* BlockViews::at(int fd, std::size_t offset) {
     void* p = bytes ? mmap(nullptr, bytes, PROT_READ, MAP_SHARED, mine, 0) : MAP_FAILED;
     if (p == MAP_FAILED) {
       close(mine);
-      throw StateError(fmt::format("shared tensor of {}: mapping {} bytes failed: {}", owner_, bytes, errno_text()));
+      throw StateError(fmt::format("{}: shared tensor: mapping {} bytes failed: {}", memory_of(owner_), bytes, errno_text()));
     }
     it = views_.emplace(fd, View{st.st_dev, st.st_ino, static_cast<const std::byte*>(p), bytes}).first;
   }
   close(mine);
   if (offset >= it->second.bytes)
-    throw StateError(fmt::format("shared tensor of {}: offset {} beyond its {}-byte block", owner_, offset, it->second.bytes));
+    throw StateError(fmt::format("{}: shared tensor: offset {} beyond its {}-byte block", memory_of(owner_), offset, it->second.bytes));
   return it->second.base + offset;
 }
 
@@ -172,10 +183,10 @@ const void* PeerSharedViews::at(const void* published) {
   const auto value = static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(published));
   std::lock_guard lock(mutex_);
   if (value & kBlock) {
-    if (!blocks_) blocks_ = std::make_unique<BlockViews>(pid_, owner_);
+    if (!blocks_) blocks_ = std::make_unique<BlockViews>(owner_);
     return blocks_->at(static_cast<int>((value & ~kBlock) >> kFdShift), static_cast<std::size_t>(value & kOffsetMask));
   }
-  if (!arena_) arena_ = std::make_unique<ArenaView>(pid_, arena_fd_, owner_);
+  if (!arena_) arena_ = std::make_unique<ArenaView>(owner_, arena_fd_);
   return arena_->at(static_cast<std::size_t>(value - 1), 0);
 }
 

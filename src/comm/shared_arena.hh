@@ -41,10 +41,20 @@ class SharedArena {
   std::size_t capacity_ = 0;
 };
 
+// The process whose memory a view maps, as errors name it: this rank (the reader), the owner's
+// rank and its process id (0: not visible from here). Opening the owner's memory fails with
+// PeerError naming the owner when its process is gone, and with StateError (this rank and the
+// rule) when it is there but cannot be opened.
+struct PeerProcess {
+  int reader;
+  int rank;
+  pid_t pid;
+};
+
 // Another process's arena, mapped here.
 class ArenaView {
  public:
-  ArenaView(pid_t pid, int fd, std::string owner);  // owner: names the peer in errors
+  ArenaView(PeerProcess owner, int fd);
   ~ArenaView();
   ArenaView(const ArenaView&) = delete;
   ArenaView& operator=(const ArenaView&) = delete;
@@ -53,9 +63,8 @@ class ArenaView {
   const std::byte* at(std::size_t offset, std::size_t bytes);
 
  private:
-  pid_t pid_;
+  PeerProcess owner_;
   int owner_fd_;
-  std::string owner_;
   std::mutex mutex_;
   int fd_ = -1;
   const std::byte* base_ = nullptr;
@@ -68,7 +77,7 @@ class ArenaView {
 // changed. At most one mapping per descriptor number is kept. Thread-safe.
 class BlockViews {
  public:
-  BlockViews(pid_t pid, std::string owner) : pid_(pid), owner_(std::move(owner)) {}
+  explicit BlockViews(PeerProcess owner) : owner_(owner) {}
   ~BlockViews();
   BlockViews(const BlockViews&) = delete;
   BlockViews& operator=(const BlockViews&) = delete;
@@ -82,8 +91,7 @@ class BlockViews {
     const std::byte* base;
     std::size_t bytes;
   };
-  pid_t pid_;
-  std::string owner_;
+  PeerProcess owner_;
   std::mutex mutex_;
   std::map<int, View> views_;
 };
@@ -104,14 +112,12 @@ class SharedSpans {
 // What one node peer shared (SharedSpans), mapped here on demand. Thread-safe.
 class PeerSharedViews {
  public:
-  PeerSharedViews(pid_t pid, int arena_fd, std::string owner)
-      : pid_(pid), arena_fd_(arena_fd), owner_(std::move(owner)) {}
+  PeerSharedViews(PeerProcess owner, int arena_fd) : owner_(owner), arena_fd_(arena_fd) {}
   const void* at(const void* published);
 
  private:
-  pid_t pid_;
+  PeerProcess owner_;
   int arena_fd_;
-  std::string owner_;
   std::mutex mutex_;
   std::unique_ptr<ArenaView> arena_;
   std::unique_ptr<BlockViews> blocks_;

@@ -323,8 +323,7 @@ class HostTransport final : public Transport, private EpochSlots {
 
   void map_peer(int r, const ChannelFds& fds, const Wait& wait) {
     Peer& p = peers_[static_cast<size_t>(r)];
-    const std::string owner = fmt::format("rank {}", r);
-    if (same_node(r)) p.shared = std::make_unique<PeerSharedViews>(pid(r), fds.shared, owner);
+    if (same_node(r)) p.shared = std::make_unique<PeerSharedViews>(PeerProcess{rank(), r, pid(r)}, fds.shared);
     if (r == rank()) {
       control_pages_.add_own(own_->control.page());
       p.page = &own_->page();
@@ -344,7 +343,7 @@ class HostTransport final : public Transport, private EpochSlots {
     control_pages_.add_mapped(static_cast<const ControlPage*>(q), own_->control.bytes());
     p.page = reinterpret_cast<ChannelPage*>(static_cast<std::byte*>(q) + ControlPage::kBytes);
     p.signals = reinterpret_cast<PaddedCounter*>(static_cast<std::byte*>(q) + ControlPage::kBytes + kSignalsAt);
-    p.data = std::make_unique<ArenaView>(pid(r), fds.data, owner);
+    p.data = std::make_unique<ArenaView>(PeerProcess{rank(), r, pid(r)}, fds.data);
     try {
       p.data->at(0, 1);  // opened now, while its process is surely there
     } catch (const StateError& e) {

@@ -119,7 +119,33 @@ void Messenger::fail(const Wait& wait, const std::vector<int>& missing, double e
     progress();
   } catch (const std::exception&) {
   }
-  fail_wait(rank_, wait, missing, elapsed, [&](int r) { return departure_locked(r); });
+  auto departure = [&](int r) { return departure_locked(r); };
+  // Ranks waited for that left: named by fail_wait (their root cause).
+  for (int r : missing)
+    if (departure_locked(r)) fail_wait(rank_, wait, missing, elapsed, departure);
+  // Others that gave up on the channel: this wait cannot complete either.
+  if (!abandoned_.empty()) {
+    std::vector<std::pair<int, Departure>> departed(abandoned_.begin(), abandoned_.end());
+    fail_channel_left(rank_, wait, missing, departed);
+  }
+  fail_wait_chain(rank_, wait, missing, elapsed, [&](int r) -> const std::vector<int>* {
+    const auto it = waiting_for_.find(r);
+    return it == waiting_for_.end() ? nullptr : &it->second;
+  });
+}
+
+void Messenger::announce_waiting(const std::vector<int>& ranks) {
+  const auto count = static_cast<std::uint32_t>(ranks.size());
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_ || gone(r) || out_of_channel(r)) continue;
+    Bytes message(sizeof count + count * sizeof(std::int32_t));
+    std::memcpy(message.data(), &count, sizeof count);
+    for (std::uint32_t i = 0; i < count; ++i) {
+      const auto w = static_cast<std::int32_t>(ranks[i]);
+      std::memcpy(message.data() + sizeof count + i * sizeof w, &w, sizeof w);
+    }
+    send(r, kTagWaiting, std::move(message), false);
+  }
 }
 
 void Messenger::abandon(const Departure& why, double secs) noexcept {
@@ -129,6 +155,7 @@ void Messenger::abandon(const Departure& why, double secs) noexcept {
     MPI_Finalized(&finalized);
     if (told_ || finalized) return;
     told_ = true;
+    blamed_.insert(why.culprits.begin(), why.culprits.end());
     const auto count = static_cast<std::uint32_t>(why.culprits.size());
     Bytes message(sizeof count + count * sizeof(std::int32_t) + why.reason.size());
     std::memcpy(message.data(), &count, sizeof count);
@@ -137,13 +164,15 @@ void Messenger::abandon(const Departure& why, double secs) noexcept {
       std::memcpy(message.data() + sizeof count + i * sizeof c, &c, sizeof c);
     }
     std::memcpy(message.data() + sizeof count + count * sizeof(std::int32_t), why.reason.data(), why.reason.size());
-    std::vector<MPI_Request> requests;
+    // The notices to the ranks the failure named are sent (a stopped rank reads its notice when it
+    // runs again) but not waited for: a rank that is gone or stuck never receives them.
+    std::vector<MPI_Request> requests, unawaited;
     for (int r = 0; r < size_; ++r) {
       if (r == rank_ || gone(r)) continue;
       MPI_Request request = MPI_REQUEST_NULL;
       if (MPI_Isend(message.data(), static_cast<int>(message.size()), MPI_BYTE, r, kTagAbandon, comm_, &request) ==
           MPI_SUCCESS)
-        requests.push_back(request);
+        (blamed_.count(r) ? unawaited : requests).push_back(request);
     }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(secs);
     for (;;) {
@@ -153,6 +182,7 @@ void Messenger::abandon(const Departure& why, double secs) noexcept {
         break;
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
+    requests.insert(requests.end(), unawaited.begin(), unawaited.end());
     bool pending = false;
     for (MPI_Request& request : requests)
       if (request != MPI_REQUEST_NULL) {
@@ -166,32 +196,46 @@ void Messenger::abandon(const Departure& why, double secs) noexcept {
 }
 
 void Messenger::wait_until(const Wait& wait, const std::function<bool()>& done,
-                           const std::function<std::vector<int>()>& missing) {
+                           const std::function<std::vector<int>()>& missing, bool channel_wide) {
   Backoff backoff(wait.timeout_secs);
   auto last_check = std::chrono::steady_clock::now();
+  // Half the timeout on, the channel learns whom this rank waits for (see the top of messenger.hh).
+  const bool may_announce = wait.timeout_secs < core::kNeverSecs;
+  bool announced = false;
+  auto finished = [&] {
+    if (!done()) return false;
+    if (announced) announce_waiting({});
+    return true;
+  };
   for (;;) {
     {
       std::lock_guard lock(mpi_mutex());
       progress();
-      if (done()) return;
+      if (finished()) return;
     }
     bool expired = !backoff.pause();
     const auto now = std::chrono::steady_clock::now();
+    const bool periodic = now - last_check > std::chrono::milliseconds(50);
     std::vector<int> waiting;
-    bool any_gone = false;
+    bool any_gone = false, channel_left = false;
     {
       std::lock_guard lock(mpi_mutex());
-      if (done()) return;
-      if (!abandoned_.empty() || expired || now - last_check > std::chrono::milliseconds(50)) {
+      if (finished()) return;
+      channel_left = channel_wide && !abandoned_.empty();
+      if (!abandoned_.empty() || expired || periodic) {
         waiting = missing();
         for (int r : waiting) any_gone = any_gone || abandoned_.count(r) != 0;
       }
+      if (may_announce && !announced && !waiting.empty() && backoff.elapsed_secs() >= wait.timeout_secs / 2) {
+        announce_waiting(waiting);
+        announced = true;
+      }
     }
-    if (!any_gone && (expired || now - last_check > std::chrono::milliseconds(50))) {
+    if (!any_gone && (expired || periodic)) {
       last_check = now;
       for (int r : waiting) any_gone = any_gone || gone(r);
     }
-    if (expired || any_gone) {
+    if (expired || any_gone || (channel_left && !waiting.empty())) {
       if (waiting.empty()) return;  // everything arrived after all
       fail(wait, waiting, backoff.elapsed_secs());
     }
@@ -436,6 +480,24 @@ void Messenger::progress() {
     abandoned_.emplace(source, gave_up(std::string(reinterpret_cast<const char*>(receive_.data()) + list,
                                                    receive_.size() - list),
                                        std::move(culprits)));
+  }
+  for (int source; (source = receive(MPI_ANY_SOURCE, kTagWaiting, receive_)) >= 0;) {
+    std::uint32_t count = 0;
+    if (receive_.size() >= sizeof count) std::memcpy(&count, receive_.data(), sizeof count);
+    if (receive_.size() != sizeof count + std::size_t{count} * sizeof(std::int32_t) ||
+        count > static_cast<std::uint32_t>(size_))
+      continue;  // malformed: the chain is not followed through this rank
+    std::vector<int> ranks;
+    for (std::uint32_t i = 0; i < count; ++i) {
+      std::int32_t w = 0;
+      std::memcpy(&w, receive_.data() + sizeof count + i * sizeof w, sizeof w);
+      if (w >= 0 && w < size_) ranks.push_back(w);
+    }
+    if (ranks.empty()) {
+      waiting_for_.erase(source);
+    } else {
+      waiting_for_[source] = std::move(ranks);
+    }
   }
   for (Source& s : sources_)
     while (!s.thresholds.empty() && s.thresholds.front() <= s.applied) {

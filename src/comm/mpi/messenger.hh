@@ -20,8 +20,14 @@
 // - Progress is explicit: every wait (gather, signals, a full in-flight window) tests sends and
 //   receives and applies arriving records; nothing relies on MPI's asynchronous progress.
 // - Departures: abandon() tells every other member that this rank gave up on the channel (why,
-//   and which ranks its failure named); a wait on a member that did so, or whose process on this
-//   host is gone, fails at once naming the root cause.
+//   and which ranks its failure named). Once any member did so, every wait on the channel fails at
+//   once naming the root cause (no collective of the channel can complete without that member); a
+//   wait on a member whose process on this host is gone fails at once too.
+// - Chains: a wait still unfinished after half its timeout tells the channel which ranks it waits
+//   for (and that it no longer does, if it then completes). A wait that expires follows those
+//   notices from the ranks it waited for to the ranks at the ends of the chains, and names them:
+//   with equal timeouts, a rank waiting behind a live rank that waits for a stopped one names the
+//   stopped one, whichever timeout expires first.
 // All MPI calls of the process go through one mutex (MPI_THREAD_SERIALIZED suffices).
 #pragma once
 
@@ -110,7 +116,9 @@ class Messenger {
   void set_inflight_limit(int per_peer, const Wait& wait);
   void put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes,
            bool retain = false);
-  // Sends every message holding retained bytes, and waits until all of them were sent.
+  // Sends every message holding retained bytes, and waits until all of them were sent, except
+  // those to ranks that left the channel or that this rank's own failure named (abandon()): MPI
+  // drops a send to a rank that is gone with the channel, and one that is stuck never reads it.
   void finish_retained(const Wait& wait);
   void signal(int peer);
   void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait);
@@ -186,8 +194,16 @@ class Messenger {
   void flush(int peer);  // with mpi_mutex held
   // Waits (with progress) until done() holds; on timeout or a departed member, throws naming
   // the ranks missing() returns.
-  void wait_until(const Wait& wait, const std::function<bool()>& done, const std::function<std::vector<int>()>& missing);
+  // `channel_wide`: also end when any member gave up on the channel (every wait but
+  // finish_retained's, which only waits for sends to the ranks still taking part).
+  void wait_until(const Wait& wait, const std::function<bool()>& done, const std::function<std::vector<int>()>& missing,
+                  bool channel_wide = true);
   [[noreturn]] void fail(const Wait& wait, const std::vector<int>& missing, double elapsed);
+  // Tells every other member which ranks this rank waits for (none: it no longer waits). With
+  // mpi_mutex held.
+  void announce_waiting(const std::vector<int>& ranks);
+  // A rank this rank's failure named, or one that left the channel: sends to it are not waited for.
+  bool out_of_channel(int rank) const { return blamed_.count(rank) != 0 || abandoned_.count(rank) != 0; }
   bool gone(int rank) const;  // its process on this host is gone
   // With mpi_mutex held.
   std::optional<Departure> departure_locked(int rank);
@@ -219,6 +235,8 @@ class Messenger {
   std::vector<Piece> pieces_in_;
   std::vector<Bytes> spare_;
   std::map<int, Departure> abandoned_;  // members that said they gave up on the channel
+  std::map<int, std::vector<int>> waiting_for_;  // members that said they wait for others: for whom
+  std::set<int> blamed_;                // the ranks this rank's own abandon() named
   bool told_ = false;                   // this rank's abandon() sent its messages
 };
 

@@ -131,16 +131,18 @@ void Messenger::finish_retained(const Wait& wait) {
   {
     std::lock_guard lock(mpi_mutex());
     for (int peer = 0; peer < size_; ++peer)
-      if (!chunks_[static_cast<size_t>(peer)].segments.empty()) flush(peer);
+      if (!chunks_[static_cast<size_t>(peer)].segments.empty() && !out_of_channel(peer)) flush(peer);
   }
+  auto awaited = [&](const Pending& p) { return p.retained && !out_of_channel(p.peer); };
   wait_until(
-      wait, [&] { return std::none_of(pending_.begin(), pending_.end(), [](const Pending& p) { return p.retained; }); },
+      wait, [&] { return std::none_of(pending_.begin(), pending_.end(), awaited); },
       [&] {
         std::set<int> peers;
         for (const Pending& p : pending_)
-          if (p.retained) peers.insert(p.peer);
+          if (awaited(p)) peers.insert(p.peer);
         return std::vector<int>(peers.begin(), peers.end());
-      });
+      },
+      false);
 }
 
 void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes,

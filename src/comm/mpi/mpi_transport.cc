@@ -136,8 +136,8 @@ class MpiTransport final : public Transport {
       int theirs[2];
       std::memcpy(theirs, fds[m].data(), sizeof theirs);
       const int peer = node_first_rank() + m;
-      shared_views_.push_back(std::make_unique<PeerSharedViews>(hosts_->pids[static_cast<size_t>(peer)], theirs[0],
-                                                                fmt::format("rank {}", peer)));
+      shared_views_.push_back(std::make_unique<PeerSharedViews>(
+          PeerProcess{rank, peer, hosts_->pids[static_cast<size_t>(peer)]}, theirs[0]));
       if (peer == rank)
         control_pages_.add_own(control_.page());
       else

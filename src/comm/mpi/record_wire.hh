@@ -11,6 +11,7 @@ constexpr int kTagSignal = 14;   // [number of record messages sent before it]
 constexpr int kTagHeader = 15;   // [number][count][pieces]: the data follows
 constexpr int kTagPayload = 16;  // the pieces' bytes back to back, received in place
 constexpr int kTagAbandon = 17;  // [culprit count][culprits][reason]: the sender gave up on the channel
+constexpr int kTagWaiting = 18;  // [rank count][ranks]: the sender waits for these ranks (none: no longer)
 constexpr std::size_t kPrefix = 16;                          // the message number and the piece count
 constexpr std::size_t kDirectBytes = std::size_t{16} << 10;  // messages with this much data go in place
 constexpr std::size_t kMaxPieces = 1024;                     // per message
