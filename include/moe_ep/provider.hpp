@@ -17,11 +17,13 @@
 
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/legacy_buffer.hpp"
+#include "moe_ep/version.hpp"
 
 namespace moe_ep::provider {
 
-inline constexpr std::uint32_t kAbiVersion = 4;
+inline constexpr std::uint32_t kAbiVersion = MOE_EP_PROVIDER_ABI_VERSION;
 inline constexpr const char* kEntrySymbol = "moe_ep_provider_abi_4";
+static_assert(kAbiVersion == 4, "kEntrySymbol names the ABI version: change both");
 
 // A V1 buffer (every call collective, as moe_ep::Buffer).
 class LegacyBackend {

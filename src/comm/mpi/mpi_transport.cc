@@ -25,6 +25,7 @@
 #include <thread>
 
 #include "comm/control_page.hh"
+#include "comm/mpi/census.hh"
 #include "comm/gather_protocol.hh"
 #include "comm/mpi/messenger.hh"
 #include "comm/peer_reads.hh"
@@ -346,27 +347,6 @@ std::byte* WindowMemory::node_peer(int rank) {
   return node_bases_[static_cast<size_t>(rank - owner_.node_first_rank())];
 }
 
-// One rank's fixed-size block of a gather, checked.
-template <class T>
-T decode(const std::vector<std::byte>& block, int from, int rank) {
-  if (block.size() != sizeof(T))
-    throw StateError(fmt::format("[rank {}] mpi::make_group: rank {} sent {} bytes, expected {}", rank, from,
-                                 block.size(), sizeof(T)));
-  T value;
-  std::memcpy(&value, block.data(), sizeof value);
-  return value;
-}
-
-struct Arrival {
-  std::int32_t ranks_per_node;  // requested; 0 = per host
-  std::int32_t pid;
-};
-
-struct HostFacts {
-  std::int32_t host;
-  std::int32_t host_size;
-};
-
 // MPI is initialized, not finalized, and runs at MPI_THREAD_SERIALIZED or above.
 void check_mpi_ready() {
   int initialized = 0, finalized = 0;
@@ -404,110 +384,6 @@ int requested_ranks_per_node(const moe_ep::mpi::GroupOptions& options, int rank)
   return requested;
 }
 
-// The lowest rank of dup on this rank's host, and how many ranks the host runs.
-HostFacts local_host_facts(MPI_Comm dup, int rank) {
-  HostFacts facts{};
-  std::lock_guard lock(mpi_mutex());
-  MPI_Comm host_comm = MPI_COMM_NULL;
-  check_mpi(MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &host_comm), "MPI_Comm_split_type", rank);
-  MPI_Comm_size(host_comm, &facts.host_size);
-  MPI_Group host_group, dup_group;
-  MPI_Comm_group(host_comm, &host_group);
-  MPI_Comm_group(dup, &dup_group);
-  const int zero = 0;
-  MPI_Group_translate_ranks(host_group, 1, &zero, dup_group, &facts.host);
-  MPI_Group_free(&host_group);
-  MPI_Group_free(&dup_group);
-  MPI_Comm_free(&host_comm);
-  return facts;
-}
-
-// What the ranks told each other: pids and hosts, the ranks by requested ranks per node, the
-// ranks of each host.
-struct Census {
-  std::shared_ptr<HostInfo> hosts = std::make_shared<HostInfo>();
-  std::map<int, std::vector<int>> by_request;
-  std::map<int, std::vector<int>> host_members;
-};
-
-// Liveness checks need the peers' pids in this pid namespace (processes of one host in
-// different containers may not see each other): a peer whose pid is not visible is watched by
-// the timeout alone.
-void forget_invisible_pids(HostInfo& hosts, int rank, int size) {
-  for (int r = 0; r < size; ++r)
-    if (r != rank && hosts.same_host(r, rank) && kill(hosts.pids[static_cast<size_t>(r)], 0) != 0 && errno == ESRCH) {
-      core::warn(core::Subsys::kInit, "mpi::make_group: the process of rank {} (pid {}) on this host is not visible "
-                 "from here (another pid namespace): its liveness is watched by the timeout alone", r,
-                 hosts.pids[static_cast<size_t>(r)]);
-      hosts.pids[static_cast<size_t>(r)] = 0;
-    }
-}
-
-// Who is here, what each asks for, and which host each runs on (two gathers over dup).
-Census take_census(Messenger& messenger, MPI_Comm dup, int rank, int size, int requested, const Wait& wait) {
-  Census census;
-  const Arrival mine{requested, static_cast<std::int32_t>(getpid())};
-  std::vector<int> members(static_cast<size_t>(size));
-  for (int r = 0; r < size; ++r) members[static_cast<size_t>(r)] = r;
-  const auto arrivals = messenger.gather(members, kTagWorld, 1, std::as_bytes(std::span(&mine, 1)), wait);
-  for (int r = 0; r < size; ++r) {
-    const auto a = decode<Arrival>(arrivals[static_cast<size_t>(r)], r, rank);
-    census.hosts->pids.push_back(a.pid);
-    census.by_request[a.ranks_per_node].push_back(r);
-  }
-  const HostFacts facts = local_host_facts(dup, rank);
-  const auto host_facts = messenger.gather(members, kTagWorld, 2, std::as_bytes(std::span(&facts, 1)), wait);
-  for (int r = 0; r < size; ++r) {
-    const auto f = decode<HostFacts>(host_facts[static_cast<size_t>(r)], r, rank);
-    census.hosts->host.push_back(f.host);
-    census.host_members[f.host].push_back(r);
-  }
-  forget_invisible_pids(*census.hosts, rank, size);
-  census.hosts->host_size = facts.host_size;
-  return census;
-}
-
-// All ranks ask for the same ranks per node.
-void check_requests_agree(const Census& census, int rank) {
-  if (census.by_request.size() <= 1) return;
-  std::string held;
-  std::vector<int> ranks;
-  for (const auto& [value, rs] : census.by_request) {
-    held += fmt::format("{}ranks [{}] ask for {}", held.empty() ? "" : "; ", fmt::join(rs, ", "), value);
-    ranks.insert(ranks.end(), rs.begin(), rs.end());
-  }
-  throw PeerError(fmt::format("[rank {}] mpi::make_group: the ranks disagree on ranks_per_node: {}", rank, held), ranks);
-}
-
-// The ranks per node: the request, or (0) the ranks of each host, which all hosts must share;
-// it divides the ranks, and each node's ranks are consecutive ranks of one host.
-int agreed_ranks_per_node(const Census& census, int rank, int size, int requested) {
-  check_requests_agree(census, rank);
-  const auto& host_members = census.host_members;
-  int per_node = requested;
-  if (per_node == 0) {
-    per_node = static_cast<int>(host_members.begin()->second.size());
-    for (const auto& [host, rs] : host_members)
-      if (static_cast<int>(rs.size()) != per_node)
-        throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: hosts run different numbers of ranks ({} on the "
-                                          "host of rank {}, {} on the host of rank {}); set ranks_per_node",
-                                          rank, per_node, host_members.begin()->first, rs.size(), host));
-  }
-  if (size % per_node != 0)
-    throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: the communicator has {} ranks, not a multiple of "
-                                      "ranks_per_node = {}",
-                                      rank, size, per_node));
-  const std::vector<int>& host = census.hosts->host;
-  for (int r = 0; r < size; ++r)
-    if (host[static_cast<size_t>(r)] != host[static_cast<size_t>(r / per_node * per_node)])
-      throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: node {} (ranks {}..{}) spans more than one host "
-                                        "(rank {} runs on another host than rank {}): nodes share memory, so a node's "
-                                        "ranks must be consecutive ranks of one host",
-                                        rank, r / per_node, r / per_node * per_node, r / per_node * per_node + per_node - 1,
-                                        r, r / per_node * per_node));
-  return per_node;
-}
-
 }  // namespace
 }  // namespace comm::mpi
 
@@ -528,12 +404,16 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
   // Tensors this process allocates from now on can be mapped by node peers instead of copied.
   core::share_new_blocks();
   Messenger messenger(dup, rank, size);
-  const Census census = take_census(messenger, dup, rank, size, requested, wait);
+  const Census census = take_census(messenger, kTagWorld, local_facts(dup, rank, requested), rank, size, wait);
   messenger.drain(timeout);
   int per_node = 0;
+  std::shared_ptr<HostInfo> hosts;
   try {
-    per_node = agreed_ranks_per_node(census, rank, size, requested);
-    core::place_rank_thread(census.hosts->host_size, census.hosts->host_index(rank));
+    check_same_build(census, rank);
+    per_node = agreed_ranks_per_node(census, rank, requested);
+    check_nodes_share_memory(census, rank, per_node);
+    hosts = host_info(census, rank);
+    core::place_rank_thread(hosts->host_size, hosts->host_index(rank));
   } catch (...) {
     MPI_Comm_free(&dup);
     throw;
@@ -544,8 +424,8 @@ std::unique_ptr<Group> make_group(MPI_Comm comm, const GroupOptions& options) {
              "(shared memory in a node, MPI messages across nodes, {} bytes per scale-out message)",
              rank, size, topology.num_scaleout, topology.num_scaleup,
              requested == 0 ? "the ranks of each host" : "MOE_EP_RANKS_PER_NODE / ranks_per_node",
-             census.host_members.size(), std::max<std::int64_t>(env::get(env::kMpiChunkBytes), 4096));
-  return std::make_unique<Group>(std::make_shared<MpiTransport>(dup, rank, size, topology, census.hosts, wait));
+             census.host_members().size(), std::max<std::int64_t>(env::get(env::kMpiChunkBytes), 4096));
+  return std::make_unique<Group>(std::make_shared<MpiTransport>(dup, rank, size, topology, hosts, wait));
 }
 
 Session::Session(int* argc, char*** argv) {
