@@ -177,12 +177,6 @@ int agreed_ranks_per_node(const Census& census, int rank, int requested) {
                                         rank, r / per_node, first, first + per_node - 1, first,
                                         census.describe_host(first), r, census.describe_host(r)));
   }
-  for (const auto& [host, rs] : hosts)
-    if (rs.size() % static_cast<size_t>(per_node) != 0)
-      throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: ranks_per_node = {} does not divide the {} ranks of "
-                                        "{}: a logical node's ranks share memory, so they run on one host and every "
-                                        "host runs whole nodes",
-                                        rank, per_node, rs.size(), census.describe_host(host)));
   return per_node;
 }
 

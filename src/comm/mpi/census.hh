@@ -9,8 +9,8 @@
 //    records whose layout is the build's);
 //  - every rank asks for the same ranks per node (0: the ranks of each host, which then must be
 //    the same number on every host);
-//  - ranks per node divides the ranks of every host (a logical node never spans hosts: nodes
-//    share memory), and every node's ranks are consecutive ranks of one host;
+//  - every node's ranks are consecutive ranks of one host (a logical node never spans hosts:
+//    nodes share memory; so ranks per node divides the ranks of every host);
 //  - the ranks of one node share a pid namespace: they map each other's memory through
 //    /proc/<pid>/fd, by pid (MPI may see processes of one host that cannot: containers).
 // Refusals are InvalidArgument (PeerError for disagreeing requests, naming the ranks).
