@@ -196,6 +196,13 @@ class LocalTransport final : public Transport, private EpochSlots {
     world_->scaleout_bytes[rank()].value.fetch_add(bytes, std::memory_order_relaxed);
   }
 
+  void put_formed(int peer, SymmetricMemory& memory, std::size_t offset, std::size_t bytes,
+                  const std::function<void(std::byte*)>& form) override {
+    check_put_range(memory, offset, bytes);
+    form(static_cast<LocalSymmetricMemory&>(memory).any_peer(peer) + offset);
+    world_->scaleout_bytes[rank()].value.fetch_add(bytes, std::memory_order_relaxed);
+  }
+
   std::uint64_t scaleout_bytes_sent() const override {
     return world_->scaleout_bytes[rank()].value.load(std::memory_order_relaxed);
   }

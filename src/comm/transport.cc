@@ -78,6 +78,13 @@ Topology resolve_topology(int num_ranks, Topology topology) {
   return topology;
 }
 
+void Transport::put_formed(int peer, SymmetricMemory& memory, std::size_t offset, std::size_t bytes,
+                           const std::function<void(std::byte*)>& form) {
+  std::vector<std::byte> formed(bytes);
+  form(formed.data());
+  put(peer, memory, offset, formed.data(), bytes);
+}
+
 }  // namespace comm
 
 Group::Group(std::shared_ptr<comm::Transport> transport) : transport_(std::move(transport)) {}

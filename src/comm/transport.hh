@@ -176,6 +176,12 @@ class Transport {
     put(peer, memory, offset, src, bytes);
   }
   virtual void finish_retained(const Wait& wait) {}
+  // Like put(), but the caller forms the bytes where they go: form(dst) writes exactly `bytes`
+  // bytes at dst, which is the peer's memory (transports that write it directly) or the message
+  // being filled (MPI), so a row computed for a peer (a sum) is written once, not formed in
+  // scratch and copied. form must not call the transport.
+  virtual void put_formed(int peer, SymmetricMemory& memory, std::size_t offset, std::size_t bytes,
+                          const std::function<void(std::byte*)>& form);
   virtual void signal(int peer) = 0;
   // Waits until, for each i, the counter of source peers[i] reached targets[i].
   virtual void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets,

@@ -67,6 +67,22 @@ inline __attribute__((always_inline)) void weighted_impl(std::span<const std::ui
   }
 }
 
+// One term's value at element h: its row, or the BF16 rounding of its rows' FP32 sum.
+inline __attribute__((always_inline)) float term_value(const Bf16Term& term, std::int64_t h) {
+  float acc = widen(term.rows[0][h]);
+  if (term.rows.size() == 1) return acc;
+  for (std::size_t r = 1; r < term.rows.size(); ++r) acc += widen(term.rows[r][h]);
+  return widen(narrow(acc));
+}
+
+void terms_generic(std::span<const Bf16Term> terms, std::uint16_t* out, std::int64_t hidden, std::int64_t from = 0) {
+  for (std::int64_t h = from; h < hidden; ++h) {
+    float acc = term_value(terms[0], h);
+    for (std::size_t t = 1; t < terms.size(); ++t) acc += term_value(terms[t], h);
+    out[h] = narrow(acc);
+  }
+}
+
 void sum_generic(std::span<const std::uint16_t* const> inputs, std::uint16_t* out, std::int64_t hidden) {
   sum_impl(inputs, out, hidden);
 }
@@ -136,6 +152,48 @@ __attribute__((target("avx2"))) void sum_avx2(std::span<const std::uint16_t* con
     }
   }
 }
+// The BF16 rounding of v, as an FP32 value (narrow8 then widen).
+__attribute__((target("avx2"))) inline __m256 round8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const __m256i rounded = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), high);
+  const __m256i nan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)), high);
+  const __m256i is_nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(rounded, nan, is_nan));
+}
+
+// 32 elements of one term at h, in four registers.
+__attribute__((target("avx2"))) inline void term32(const Bf16Term& term, std::int64_t h, __m256 v[4]) {
+  const std::uint16_t* p = term.rows[0] + h;
+  v[0] = widen8(p), v[1] = widen8(p + 8), v[2] = widen8(p + 16), v[3] = widen8(p + 24);
+  if (term.rows.size() == 1) return;
+  for (std::size_t r = 1; r < term.rows.size(); ++r) {
+    const std::uint16_t* q = term.rows[r] + h;
+    v[0] = _mm256_add_ps(v[0], widen8(q));
+    v[1] = _mm256_add_ps(v[1], widen8(q + 8));
+    v[2] = _mm256_add_ps(v[2], widen8(q + 16));
+    v[3] = _mm256_add_ps(v[3], widen8(q + 24));
+  }
+  for (int i = 0; i < 4; ++i) v[i] = round8(v[i]);
+}
+
+template <bool kStream>
+__attribute__((target("avx2"))) void terms_avx2(std::span<const Bf16Term> terms, std::uint16_t* out, std::int64_t hidden) {
+  std::int64_t h = 0;
+  for (; h + 32 <= hidden; h += 32) {
+    __m256 acc[4], v[4];
+    term32(terms[0], h, acc);
+    for (std::size_t t = 1; t < terms.size(); ++t) {
+      term32(terms[t], h, v);
+      for (int i = 0; i < 4; ++i) acc[i] = _mm256_add_ps(acc[i], v[i]);
+    }
+    store16<kStream>(out + h, acc[0], acc[1]);
+    store16<kStream>(out + h + 16, acc[2], acc[3]);
+  }
+  if (h < hidden) terms_generic(terms, out, hidden, h);
+}
+
 __attribute__((target("avx2"))) void weighted_avx2(std::span<const std::uint16_t* const> inputs,
                                                    std::span<const float> weights, std::uint16_t* out,
                                                    std::int64_t hidden) {
@@ -157,6 +215,20 @@ void sum_bf16_rows_streaming(std::span<const std::uint16_t* const> inputs, std::
   if (has_avx2() && (reinterpret_cast<std::uintptr_t>(out) & 31u) == 0) return sum_avx2<true>(inputs, out, hidden);
 #endif
   sum_bf16_rows(inputs, out, hidden);
+}
+
+void sum_bf16_terms_streaming(std::span<const Bf16Term> terms, std::uint16_t* out, std::int64_t hidden) {
+  if (terms.empty()) {
+    std::memset(out, 0, static_cast<std::size_t>(hidden) * sizeof(std::uint16_t));
+    return;
+  }
+#ifdef MOE_EP_X86_DISPATCH
+  if (has_avx2()) {
+    if ((reinterpret_cast<std::uintptr_t>(out) & 31u) == 0) return terms_avx2<true>(terms, out, hidden);
+    return terms_avx2<false>(terms, out, hidden);
+  }
+#endif
+  terms_generic(terms, out, hidden);
 }
 
 void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::span<const float> weights,

@@ -18,6 +18,15 @@ void sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::uint16_t* 
 // The same result written with non-temporal stores where possible (see copy_bytes_streaming;
 // streaming_fence() before the row is published).
 void sum_bf16_rows_streaming(std::span<const std::uint16_t* const> inputs, std::uint16_t* out, std::int64_t hidden);
+// A term of a two-level sum: `rows` summed in FP32 in order and rounded to BF16 once (one row: the
+// row as it is). sum_bf16_terms_streaming computes
+//   out[h] = bf16_rne( (term[0][h] + term[1][h]) + ... )
+// over the terms' BF16 values, the same bits as writing each term of several rows with
+// sum_bf16_rows into a row of its own and summing those rows, without the intermediate rows.
+struct Bf16Term {
+  std::span<const std::uint16_t* const> rows;  // not empty
+};
+void sum_bf16_terms_streaming(std::span<const Bf16Term> terms, std::uint16_t* out, std::int64_t hidden);
 // out[h] = bf16_rne(w[0]*in[0][h] + w[1]*in[1][h] + ...): FP32 products, summed in input order,
 // no fused multiply-add; no input gives +0.
 void weighted_sum_bf16_rows(std::span<const std::uint16_t* const> inputs, std::span<const float> weights,

@@ -281,6 +281,17 @@ void Combine::put_record(CountedExchange& contributions, int peer, int key, std:
                     sizeof(float) * static_cast<std::size_t>(shape_.topk));
 }
 
+void Combine::put_sum_record(CountedExchange& contributions, int peer, int key, std::int32_t token,
+                             std::span<const std::uint16_t* const> parts, const float* weights) {
+  const std::int64_t offset = (static_cast<std::int64_t>(key) * shape_.max_tokens + token) * record_.bytes;
+  const std::size_t row_bytes = static_cast<std::size_t>(shape_.hidden) * 2;
+  contributions.put_formed(peer, static_cast<std::size_t>(offset), row_bytes, [&](std::byte* row) {
+    core::sum_bf16_rows(parts, reinterpret_cast<std::uint16_t*>(row), shape_.hidden);
+  });
+  contributions.put(peer, static_cast<std::size_t>(offset + record_.weights_offset), weights,
+                    sizeof(float) * static_cast<std::size_t>(shape_.topk));
+}
+
 template <class Keep>
 const float* Combine::record_weights(const Unit& unit, const std::int64_t* ids, const std::int32_t* rows,
                                      const std::int32_t* expanded, Keep keep) {
@@ -297,12 +308,33 @@ void Combine::send_token(CountedExchange& contributions, int peer, std::int32_t 
   const int me = engine_.facts.rank, my_node = engine_.facts.node_of(me);
   int scratch = 0;
   if (node_unit_key) {
-    // Hybrid with multiple reduction: one level-2 unit for this node, keyed by node.
-    const Unit unit = node_sum(ids, rows, expanded, my_node, scratch);
-    if (unit.row == nullptr) return;
+    // Hybrid with multiple reduction: one level-2 unit for this node, keyed by node (node_sum's
+    // rows and weights). A sum of several rank units is formed straight into the record.
+    std::array<Unit, kMaxTopk> units;
+    const int n = node_units(ids, rows, expanded, my_node, units, scratch);
+    if (n == 0) return;
+    Unit unit = units[0];
+    std::array<const std::uint16_t*, kMaxTopk> parts;
+    if (n > 1) {
+      std::array<const float*, kMaxTopk> part_weights;
+      for (int i = 0; i < n; ++i) {
+        parts[static_cast<size_t>(i)] = units[static_cast<size_t>(i)].row;
+        part_weights[static_cast<size_t>(i)] = units[static_cast<size_t>(i)].weights;
+      }
+      if (unit.weights) {
+        float* summed = scratch_weights.data() + static_cast<std::size_t>(scratch++) * kMaxTopk;
+        sum_weight_rows({part_weights.data(), static_cast<size_t>(n)}, shape_.topk, summed);
+        unit.weights = summed;
+      }
+    }
     const float* w = record_weights(unit, ids, rows, expanded,
                                     [&](int j) { return engine_.facts.node_of(geo_.rank_of_expert(ids[j])) == my_node; });
-    put_record(contributions, peer, engine_.facts.routing_node_of(me), token, unit.row, w);
+    const int key = engine_.facts.routing_node_of(me);
+    if (n == 1) {
+      put_record(contributions, peer, key, token, unit.row, w);
+    } else {
+      put_sum_record(contributions, peer, key, token, {parts.data(), static_cast<size_t>(n)}, w);
+    }
     return;
   }
   std::array<Unit, kMaxTopk> units;
@@ -389,13 +421,33 @@ void Combine::reduce_token(int t) {
   };
   std::array<routing::UnitRef, kMaxTopk> refs;
   std::array<Unit, kMaxTopk> units;
+  // A unit of this node (level 2) is the BF16 sum of its rank units: its rows are summed in the
+  // final kernel (sum_bf16_terms_streaming) rather than into a scratch row first.
+  std::array<std::array<const std::uint16_t*, kMaxTopk>, kMaxTopk> node_rows;
+  std::array<int, kMaxTopk> node_row_count{};
   const int n = routing::reduction_units(ids, k, geo_, scheme(), engine_.facts.rank, refs);
   int scratch = 0;
   for (int u = 0; u < n; ++u) {
     const routing::UnitRef& ref = refs[static_cast<size_t>(u)];
     Unit& unit = units[static_cast<size_t>(u)];
-    if (ref.kind == routing::UnitKind::kLane || ref.kind == routing::UnitKind::kRank ||
-        ref.kind == routing::UnitKind::kNode) {
+    if (ref.kind == routing::UnitKind::kNode) {
+      std::array<Unit, kMaxTopk> parts;
+      const int m = node_units(ids, rows, expanded, ref.target, parts, scratch);
+      unit = {ref.key, m > 0 ? parts[0].row : nullptr, m > 0 ? parts[0].weights : nullptr};
+      node_row_count[static_cast<size_t>(u)] = m;
+      std::array<const float*, kMaxTopk> part_weights;
+      for (int i = 0; i < m; ++i) {
+        node_rows[static_cast<size_t>(u)][static_cast<size_t>(i)] = parts[static_cast<size_t>(i)].row;
+        part_weights[static_cast<size_t>(i)] = parts[static_cast<size_t>(i)].weights;
+      }
+      if (m > 1 && parts[0].weights) {  // node_sum's weights: the sum of its units'
+        float* summed = scratch_weights.data() + static_cast<std::size_t>(scratch++) * kMaxTopk;
+        sum_weight_rows({part_weights.data(), static_cast<size_t>(m)}, k, summed);
+        unit.weights = summed;
+      }
+      continue;
+    }
+    if (ref.kind == routing::UnitKind::kLane || ref.kind == routing::UnitKind::kRank) {
       unit = local_unit(ref, ids, rows, expanded, scratch);
       continue;
     }
@@ -420,12 +472,23 @@ void Combine::reduce_token(int t) {
       if (ids[j] >= 0 && engine_.facts.node_of(geo_.rank_of_expert(ids[j])) == my_node) w[j] = lane_weight(ids, rows, expanded, j);
   }
   std::array<const std::uint16_t*, kMaxTopk + 2> inputs;
+  std::array<core::Bf16Term, kMaxTopk + 2> terms;
   int count = 0;
-  for (const TensorView& b : req_.bias) inputs[static_cast<size_t>(count++)] = b.data_as<const std::uint16_t>() + t * b.stride(0);
-  for (int u = 0; u < n; ++u) inputs[static_cast<size_t>(count++)] = units[static_cast<size_t>(u)].row;
-  core::sum_bf16_rows_streaming({inputs.data(), static_cast<size_t>(count)}, result.combined_x.data_as<std::uint16_t>() +
-                                                                       static_cast<std::int64_t>(t) * shape_.hidden,
-                      shape_.hidden);
+  for (const TensorView& b : req_.bias) {
+    inputs[static_cast<size_t>(count)] = b.data_as<const std::uint16_t>() + t * b.stride(0);
+    terms[static_cast<size_t>(count)] = {{&inputs[static_cast<size_t>(count)], 1}};
+    ++count;
+  }
+  for (int u = 0; u < n; ++u) {
+    const int m = node_row_count[static_cast<size_t>(u)];
+    inputs[static_cast<size_t>(count)] = units[static_cast<size_t>(u)].row;
+    terms[static_cast<size_t>(count)] = m > 1 ? core::Bf16Term{{node_rows[static_cast<size_t>(u)].data(), static_cast<size_t>(m)}}
+                                              : core::Bf16Term{{&inputs[static_cast<size_t>(count)], 1}};
+    ++count;
+  }
+  core::sum_bf16_terms_streaming({terms.data(), static_cast<size_t>(count)},
+                                 result.combined_x.data_as<std::uint16_t>() + static_cast<std::int64_t>(t) * shape_.hidden,
+                                 shape_.hidden);
 }
 
 }  // namespace combine_detail

@@ -69,6 +69,9 @@ class Combine final : public CombineOperation {
                               const std::int32_t* expanded, Keep keep);
   void put_record(CountedExchange& contributions, int peer, int key, std::int32_t token, const std::uint16_t* payload,
                   const float* weights);
+  // A record whose row is the sum of `parts` (in order, one BF16 rounding), formed in place.
+  void put_sum_record(CountedExchange& contributions, int peer, int key, std::int32_t token,
+                      std::span<const std::uint16_t* const> parts, const float* weights);
   void wait_contributions(CountedExchange& contributions);
 
   // The reduction of this rank's tokens.

@@ -33,6 +33,12 @@ void CountedExchange::put(int peer, std::size_t offset, const void* src, std::si
   written_[static_cast<std::size_t>(peer)] = true;
 }
 
+void CountedExchange::put_formed(int peer, std::size_t offset, std::size_t bytes,
+                                 const std::function<void(std::byte*)>& form) {
+  engine_.transport().put_formed(peer, engine_.memory(), offset, bytes, form);
+  written_[static_cast<std::size_t>(peer)] = true;
+}
+
 void CountedExchange::put_retained(int peer, std::size_t offset, const void* src, std::size_t bytes) {
   retained_ = true;
   engine_.transport().put_retained(peer, engine_.memory(), offset, src, bytes);

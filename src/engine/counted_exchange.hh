@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -40,6 +41,9 @@ class CountedExchange {
   // Like put(), but the transport may send the bytes from `src` without copying them first
   // (comm::Transport::put_retained): `src` stays valid and unchanged until wait() returns.
   void put_retained(int peer, std::size_t offset, const void* src, std::size_t bytes);
+  // Like put(), but form(dst) writes the `bytes` bytes where they go (comm::Transport::put_formed):
+  // a row computed for the peer is written once.
+  void put_formed(int peer, std::size_t offset, std::size_t bytes, const std::function<void(std::byte*)>& form);
   // Signals every peer put() wrote to since the last call, once each, in rank order.
   void signal_written();
   // Waits until every expected signal arrived; returns the nanoseconds it waited. At most once;

@@ -265,6 +265,14 @@ class HostTransport final : public Transport, private EpochSlots {
     info_->scaleout_bytes.fetch_add(bytes, std::memory_order_relaxed);
   }
 
+  void put_formed(int peer_rank, SymmetricMemory& memory, std::size_t offset, std::size_t bytes,
+                  const std::function<void(std::byte*)>& form) override {
+    check_put_range(memory, offset, bytes);
+    check_rank(peer_rank);
+    form(static_cast<HostSymmetricMemory&>(memory).any_peer(peer_rank) + offset);
+    info_->scaleout_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  }
+
   std::uint64_t scaleout_bytes_sent() const override {
     return info_->scaleout_bytes.load(std::memory_order_relaxed);
   }

@@ -421,24 +421,53 @@ int Messenger::receive(int source, int tag, Bytes& buffer) {
 
 template <class Transfers, class Finish>
 void Messenger::finish_completed(Transfers& transfers, const char* test, Finish finish) {
-  for (auto it = transfers.begin(); it != transfers.end();) {
-    int done = 0;
-    check_mpi(MPI_Test(&it->request, &done, MPI_STATUS_IGNORE), test, rank_);
-    if (!done) {
+  if (transfers.empty()) return;
+  // One MPI_Testsome for all of them: every test call drives MPI's progress engine (on a network,
+  // a poll of its sockets), so testing requests one by one multiplies the cost of every poll.
+  requests_.clear();
+  for (const auto& t : transfers) requests_.push_back(t.request);
+  int done = 0;
+  completed_.resize(requests_.size());
+  check_mpi(MPI_Testsome(static_cast<int>(requests_.size()), requests_.data(), &done, completed_.data(),
+                         MPI_STATUSES_IGNORE),
+            test, rank_);
+  if (done == MPI_UNDEFINED || done == 0) return;
+  std::sort(completed_.begin(), completed_.begin() + done);
+  int index = 0, next = 0;
+  for (auto it = transfers.begin(); it != transfers.end(); ++index) {
+    if (next < done && completed_[static_cast<size_t>(next)] == index) {
+      ++next;
+      it->request = MPI_REQUEST_NULL;
+      finish(*it);
+      it = transfers.erase(it);
+    } else {
       ++it;
-      continue;
     }
-    finish(*it);
-    it = transfers.erase(it);
   }
 }
 
+void Messenger::count_signals() {
+  for (Source& s : sources_)
+    while (!s.thresholds.empty() && s.thresholds.front() <= s.applied) {
+      ++s.signals;
+      s.thresholds.pop_front();
+    }
+}
+
 void Messenger::progress() {
-  finish_completed(pending_, "MPI_Test (send)", [&](Pending& sent) {
+  finish_completed(pending_, "MPI_Testsome (send)", [&](Pending& sent) {
     if (!sent.record) return;
     --inflight_[static_cast<size_t>(sent.peer)];
     recycle(std::move(sent.buffer));
   });
+  finish_completed(incoming_, "MPI_Testsome (receive)", [&](const Incoming& received) {
+    complete(received.source, received.number);
+    ++received_in_place_;
+  });
+  // Whether anything arrived at all: one probe, instead of one per kind of message.
+  int arrived = 0;
+  check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, comm_, &arrived, MPI_STATUS_IGNORE), "MPI_Iprobe", rank_);
+  if (!arrived) return count_signals();
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagData, receive_)) >= 0;) {
     const std::uint64_t number = read_pieces(source, receive_);
     apply(source, std::span<const std::byte>(receive_).subspan(kPrefix + pieces_in_.size() * sizeof(Piece)));
@@ -452,10 +481,6 @@ void Messenger::progress() {
     // The data is the next message with its tag from this source (MPI keeps their order).
     receive_in_place(source, number);
   }
-  finish_completed(incoming_, "MPI_Test (receive)", [&](const Incoming& received) {
-    complete(received.source, received.number);
-    ++received_in_place_;
-  });
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagSignal, receive_)) >= 0;) {
     std::uint64_t threshold = 0;
     if (receive_.size() != sizeof threshold)
@@ -499,11 +524,7 @@ void Messenger::progress() {
       waiting_for_[source] = std::move(ranks);
     }
   }
-  for (Source& s : sources_)
-    while (!s.thresholds.empty() && s.thresholds.front() <= s.applied) {
-      ++s.signals;
-      s.thresholds.pop_front();
-    }
+  count_signals();
 }
 
 void Messenger::wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait) {

@@ -116,6 +116,10 @@ class Messenger {
   void set_inflight_limit(int per_peer, const Wait& wait);
   void put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes,
            bool retain = false);
+  // Like put(), but form(dst) writes the bytes straight into the message (no copy); a piece that
+  // does not fit in one message is formed aside and put.
+  void put_formed(int peer, std::uint32_t memory, std::size_t offset, std::size_t bytes,
+                  const std::function<void(std::byte*)>& form);
   // Sends every message holding retained bytes, and waits until all of them were sent, except
   // those to ranks that left the channel or that this rank's own failure named (abandon()): MPI
   // drops a send to a rank that is gone with the channel, and one that is stuck never reads it.
@@ -134,6 +138,7 @@ class Messenger {
   std::optional<Departure> departure(int rank, bool probe = true);
 
  private:
+  struct Chunk;
   struct Pending {
     MPI_Request request = MPI_REQUEST_NULL;
     Bytes buffer;
@@ -155,6 +160,8 @@ class Messenger {
   };
 
   void progress();  // with mpi_mutex held
+  // Counts the signals whose messages are all in memory. With mpi_mutex held.
+  void count_signals();
   // Tests each transfer's request; calls finish() on those done and drops them.
   template <class Transfers, class Finish>
   void finish_completed(Transfers& transfers, const char* test, Finish finish);
@@ -192,6 +199,11 @@ class Messenger {
   Bytes take_buffer();
   void recycle(Bytes buffer);
   void flush(int peer);  // with mpi_mutex held
+  // Adds a piece of `n` bytes to peer's chunk (the caller made room), extending the last piece when
+  // it continues it. With mpi_mutex held.
+  void add_piece(Chunk& chunk, std::uint32_t memory, std::size_t offset, std::size_t n);
+  // Appends `n` copied bytes to the chunk's data (and to its segments); returns where they go.
+  std::byte* append_copied(Chunk& chunk, std::size_t n);
   // Waits (with progress) until done() holds; on timeout or a departed member, throws naming
   // the ranks missing() returns.
   // `channel_wide`: also end when any member gave up on the channel (every wait but
@@ -234,6 +246,8 @@ class Messenger {
   Bytes receive_;
   std::vector<Piece> pieces_in_;
   std::vector<Bytes> spare_;
+  std::vector<MPI_Request> requests_;  // finish_completed's scratch
+  std::vector<int> completed_;
   std::map<int, Departure> abandoned_;  // members that said they gave up on the channel
   std::map<int, std::vector<int>> waiting_for_;  // members that said they wait for others: for whom
   std::set<int> blamed_;                // the ranks this rank's own abandon() named

@@ -95,6 +95,9 @@ void Messenger::flush(int peer) {
   } else {
     send_gathered(peer, std::move(data), segments);
   }
+  // The caller goes on forming records: let MPI move what is in flight meanwhile (a transfer over a
+  // network needs its sender's progress calls, and the peers' messages to this rank need its own).
+  progress();
 }
 
 void Messenger::send_gathered(int peer, Bytes data, std::span<const Segment> segments) {
@@ -145,12 +148,39 @@ void Messenger::finish_retained(const Wait& wait) {
       false);
 }
 
+namespace {
+constexpr std::size_t kMaxPiece = std::size_t{UINT32_MAX} / 2;
+}  // namespace
+
+void Messenger::add_piece(Chunk& chunk, std::uint32_t memory, std::size_t offset, std::size_t n) {
+  Piece* last = chunk.pieces.empty() ? nullptr : &chunk.pieces.back();
+  if (last != nullptr && last->memory == memory && last->offset + last->bytes == offset && last->bytes + n <= kMaxPiece) {
+    last->bytes += static_cast<std::uint32_t>(n);  // continues the last piece
+  } else {
+    chunk.pieces.push_back({memory, static_cast<std::uint32_t>(n), offset});
+  }
+}
+
+std::byte* Messenger::append_copied(Chunk& chunk, std::size_t n) {
+  const std::size_t at = chunk.data.size();
+  chunk.data.resize(at + n);
+  if (!chunk.segments.empty()) {
+    Segment& back = chunk.segments.back();
+    if (back.source == nullptr && back.at + back.bytes == at) {
+      back.bytes += n;
+    } else {
+      chunk.segments.push_back({nullptr, at, n});
+    }
+  }
+  chunk.bytes += n;
+  return chunk.data.data() + at;
+}
+
 void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const void* src, std::size_t bytes,
                     bool retain) {
   std::lock_guard lock(mpi_mutex());
   const auto* from = static_cast<const std::byte*>(src);
   Chunk& chunk = chunks_[static_cast<size_t>(peer)];
-  constexpr std::size_t kMaxPiece = std::size_t{UINT32_MAX} / 2;
   retain = retain && send_from_source_;
   while (bytes > 0) {
     if (chunk.bytes >= chunk_bytes_ || chunk.pieces.size() >= kMaxPieces) {
@@ -159,35 +189,41 @@ void Messenger::put(int peer, std::uint32_t memory, std::size_t offset, const vo
     }
     if (chunk.bytes == 0 && chunk.data.capacity() < chunk_bytes_) chunk.data = take_buffer();
     std::size_t n = std::min({bytes, chunk_bytes_ - chunk.bytes, kMaxPiece});
-    Piece* last = chunk.pieces.empty() ? nullptr : &chunk.pieces.back();
-    if (last != nullptr && last->memory == memory && last->offset + last->bytes == offset && last->bytes < kMaxPiece) {
-      n = std::min<std::size_t>(n, kMaxPiece - last->bytes);  // continues the last piece
-      last->bytes += static_cast<std::uint32_t>(n);
-    } else {
-      chunk.pieces.push_back({memory, static_cast<std::uint32_t>(n), offset});
+    const Piece* last = chunk.pieces.empty() ? nullptr : &chunk.pieces.back();
+    if (last != nullptr && last->memory == memory && last->offset + last->bytes == offset)
+      n = std::min<std::size_t>(n, kMaxPiece - last->bytes);  // the last piece may grow to kMaxPiece
+    if (n == 0) {  // the last piece is full: a new one
+      chunk.pieces.push_back({memory, 0, offset});
+      continue;
     }
-    if (retain && chunk.segments.empty() && chunk.bytes > 0)
-      chunk.segments.push_back({nullptr, 0, chunk.bytes});  // what earlier puts copied
+    add_piece(chunk, memory, offset, n);
     if (retain) {
+      if (chunk.segments.empty() && chunk.bytes > 0) chunk.segments.push_back({nullptr, 0, chunk.bytes});  // earlier copies
       chunk.segments.push_back({from, 0, n});
+      chunk.bytes += n;
     } else {
-      const std::size_t at = chunk.data.size();
-      chunk.data.resize(at + n);
-      std::memcpy(chunk.data.data() + at, from, n);
-      if (!chunk.segments.empty()) {
-        Segment& back = chunk.segments.back();
-        if (back.source == nullptr && back.at + back.bytes == at) {
-          back.bytes += n;
-        } else {
-          chunk.segments.push_back({nullptr, at, n});
-        }
-      }
+      std::memcpy(append_copied(chunk, n), from, n);
     }
-    chunk.bytes += n;
     from += n;
     offset += n;
     bytes -= n;
   }
+}
+
+void Messenger::put_formed(int peer, std::uint32_t memory, std::size_t offset, std::size_t bytes,
+                           const std::function<void(std::byte*)>& form) {
+  if (bytes > chunk_bytes_) {  // does not fit in one message: formed aside
+    std::vector<std::byte> formed(bytes);
+    form(formed.data());
+    put(peer, memory, offset, formed.data(), bytes);
+    return;
+  }
+  std::lock_guard lock(mpi_mutex());
+  Chunk& chunk = chunks_[static_cast<size_t>(peer)];
+  if (chunk.bytes + bytes > chunk_bytes_ || chunk.pieces.size() >= kMaxPieces) flush(peer);
+  if (chunk.bytes == 0 && chunk.data.capacity() < chunk_bytes_) chunk.data = take_buffer();
+  add_piece(chunk, memory, offset, bytes);
+  form(append_copied(chunk, bytes));
 }
 
 }  // namespace moe_ep::comm::mpi

@@ -252,6 +252,14 @@ class MpiTransport final : public Transport {
     put_checked(peer, memory, offset, src, bytes, true);
   }
 
+  void put_formed(int peer, SymmetricMemory& memory, std::size_t offset, std::size_t bytes,
+                  const std::function<void(std::byte*)>& form) override {
+    check_put_range(memory, offset, bytes);
+    check_rank(peer);
+    messenger_.put_formed(peer, static_cast<WindowMemory&>(memory).id(), offset, bytes, form);
+    hosts_->scaleout_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  }
+
   void finish_retained(const Wait& wait) override {
     // Also after this rank left the channel: the sources must not be read once the caller returns.
     leave_on_failure([&] { messenger_.finish_retained(wait); });
