@@ -123,8 +123,8 @@ void Messenger::fail(const Wait& wait, const std::vector<int>& missing, double e
   // Ranks waited for that left: named by fail_wait (their root cause).
   for (int r : missing)
     if (departure_locked(r)) fail_wait(rank_, wait, missing, elapsed, departure);
-  // Others that gave up on the channel: this wait cannot complete either.
-  if (!abandoned_.empty()) {
+  // Notices that name the ranks waited for (or ranks they wait for): this wait cannot complete.
+  if (!abandoned_.empty() && blocked_by_notice(missing)) {
     std::vector<std::pair<int, Departure>> departed(abandoned_.begin(), abandoned_.end());
     fail_channel_left(rank_, wait, missing, departed);
   }
@@ -134,7 +134,30 @@ void Messenger::fail(const Wait& wait, const std::vector<int>& missing, double e
   });
 }
 
+bool Messenger::blocked_by_notice(const std::vector<int>& waiting) const {
+  // The ranks the notices name: those that gave up and the culprits they named.
+  std::set<int> failed;
+  for (const auto& [r, why] : abandoned_) {
+    failed.insert(r);
+    failed.insert(why.culprits.begin(), why.culprits.end());
+  }
+  failed.erase(rank_);
+  // A rank waited for is blocked if it failed, or waits (as it said) for one that is blocked.
+  std::set<int> seen;
+  std::vector<int> frontier = waiting;
+  while (!frontier.empty()) {
+    const int r = frontier.back();
+    frontier.pop_back();
+    if (!seen.insert(r).second) continue;
+    if (failed.count(r)) return true;
+    if (const auto it = waiting_for_.find(r); it != waiting_for_.end())
+      frontier.insert(frontier.end(), it->second.begin(), it->second.end());
+  }
+  return false;
+}
+
 void Messenger::announce_waiting(const std::vector<int>& ranks) {
+  quiet_ = false;
   const auto count = static_cast<std::uint32_t>(ranks.size());
   for (int r = 0; r < size_; ++r) {
     if (r == rank_ || gone(r) || out_of_channel(r)) continue;
@@ -155,6 +178,7 @@ void Messenger::abandon(const Departure& why, double secs) noexcept {
     MPI_Finalized(&finalized);
     if (told_ || finalized) return;
     told_ = true;
+    quiet_ = false;
     blamed_.insert(why.culprits.begin(), why.culprits.end());
     const auto count = static_cast<std::uint32_t>(why.culprits.size());
     Bytes message(sizeof count + count * sizeof(std::int32_t) + why.reason.size());
@@ -221,10 +245,10 @@ void Messenger::wait_until(const Wait& wait, const std::function<bool()>& done,
     {
       std::lock_guard lock(mpi_mutex());
       if (finished()) return;
-      channel_left = channel_wide && !abandoned_.empty();
       if (!abandoned_.empty() || expired || periodic) {
         waiting = missing();
         for (int r : waiting) any_gone = any_gone || abandoned_.count(r) != 0;
+        channel_left = channel_wide && !abandoned_.empty() && blocked_by_notice(waiting);
       }
       if (may_announce && !announced && !waiting.empty() && backoff.elapsed_secs() >= wait.timeout_secs / 2) {
         announce_waiting(waiting);
@@ -489,6 +513,7 @@ void Messenger::progress() {
     sources_[static_cast<size_t>(source)].thresholds.push_back(threshold);
   }
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagAbandon, receive_)) >= 0;) {
+    quiet_ = false;
     std::uint32_t count = 0;
     if (receive_.size() >= sizeof count) std::memcpy(&count, receive_.data(), sizeof count);
     const std::size_t list = sizeof count + std::size_t{count} * sizeof(std::int32_t);
@@ -507,6 +532,7 @@ void Messenger::progress() {
                                        std::move(culprits)));
   }
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagWaiting, receive_)) >= 0;) {
+    quiet_ = false;
     std::uint32_t count = 0;
     if (receive_.size() >= sizeof count) std::memcpy(&count, receive_.data(), sizeof count);
     if (receive_.size() != sizeof count + std::size_t{count} * sizeof(std::int32_t) ||

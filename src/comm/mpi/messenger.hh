@@ -20,9 +20,10 @@
 // - Progress is explicit: every wait (gather, signals, a full in-flight window) tests sends and
 //   receives and applies arriving records; nothing relies on MPI's asynchronous progress.
 // - Departures: abandon() tells every other member that this rank gave up on the channel (why,
-//   and which ranks its failure named). Once any member did so, every wait on the channel fails at
-//   once naming the root cause (no collective of the channel can complete without that member); a
-//   wait on a member whose process on this host is gone fails at once too.
+//   and which ranks its failure named). A wait fails at once, naming the root cause, when a rank it
+//   waits for gave up or was named by such a notice ("rank N is gone"), or said it waits for one
+//   that was (the chains below); a wait on a member whose process on this host is gone fails at
+//   once too. Waits that do not depend on the failed ranks (a gather among other ranks) go on.
 // - Chains: a wait still unfinished after half its timeout tells the channel which ranks it waits
 //   for (and that it no longer does, if it then completes). A wait that expires follows those
 //   notices from the ranks it waited for to the ranks at the ends of the chains, and names them:
@@ -127,6 +128,10 @@ class Messenger {
   void signal(int peer);
   void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait);
 
+  // No notice (abandon(), waiting announcements) was sent or received on this channel: once its
+  // members are done with it, no message of it can still be in flight.
+  bool quiet() const { return quiet_; }
+
   // Waits up to `secs` for sends in flight, then abandons the rest.
   void drain(double secs);
 
@@ -206,8 +211,8 @@ class Messenger {
   std::byte* append_copied(Chunk& chunk, std::size_t n);
   // Waits (with progress) until done() holds; on timeout or a departed member, throws naming
   // the ranks missing() returns.
-  // `channel_wide`: also end when any member gave up on the channel (every wait but
-  // finish_retained's, which only waits for sends to the ranks still taking part).
+  // `channel_wide`: also end when the notices show that the ranks waited for cannot arrive (every
+  // wait but finish_retained's, which only waits for sends to the ranks still taking part).
   void wait_until(const Wait& wait, const std::function<bool()>& done, const std::function<std::vector<int>()>& missing,
                   bool channel_wide = true);
   [[noreturn]] void fail(const Wait& wait, const std::vector<int>& missing, double elapsed);
@@ -215,6 +220,8 @@ class Messenger {
   // mpi_mutex held.
   void announce_waiting(const std::vector<int>& ranks);
   // A rank this rank's failure named, or one that left the channel: sends to it are not waited for.
+  // Whether one of `waiting` gave up, was named by a notice, or waits for one that did.
+  bool blocked_by_notice(const std::vector<int>& waiting) const;
   bool out_of_channel(int rank) const { return blamed_.count(rank) != 0 || abandoned_.count(rank) != 0; }
   bool gone(int rank) const;  // its process on this host is gone
   // With mpi_mutex held.
@@ -252,6 +259,7 @@ class Messenger {
   std::map<int, std::vector<int>> waiting_for_;  // members that said they wait for others: for whom
   std::set<int> blamed_;                // the ranks this rank's own abandon() named
   bool told_ = false;                   // this rank's abandon() sent its messages
+  bool quiet_ = true;                   // see quiet()
 };
 
 }  // namespace moe_ep::comm::mpi

@@ -158,7 +158,10 @@ class MpiTransport final : public Transport {
     if (finalized) return;
     MPI_Comm comm = messenger_.comm();
     if (node_comm_ != MPI_COMM_NULL) MPI_Comm_free(&node_comm_);
-    MPI_Comm_free(&comm);
+    // A channel whose members exchanged notices (a failure, a slow wait) may still have one in
+    // flight to this rank: Open MPI would keep it for the next communicator that gets this one's
+    // context id and deliver it there. Such a channel keeps its communicator (and its id).
+    if (messenger_.quiet()) MPI_Comm_free(&comm);
   }
 
   int ranks_on_host() const override { return hosts_->host_size; }
