@@ -86,9 +86,10 @@ void fail_channel_left(int rank, const Wait& wait, const std::vector<int>& missi
 
 void fail_wait_chain(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
                      const std::function<const std::vector<int>*(int)>& waits_for) {
-  // Follow each chain r -> the ranks r waits for, to the ranks that wait for nobody. A chain that
-  // comes back to this rank or to a rank already passed ends at the rank before it.
-  std::vector<int> ends, seen{rank};
+  // Follow each chain r -> the ranks r waits for. The ends are the ranks that wait for nobody
+  // (other than this rank); ranks that wait for others are alive and stuck behind them. Chains
+  // that only go round (live ranks waiting for each other) have no end: then all their ranks.
+  std::vector<int> ends, seen{rank}, passed;
   std::vector<std::string> links;
   std::vector<int> frontier = missing;
   while (!frontier.empty()) {
@@ -96,19 +97,21 @@ void fail_wait_chain(int rank, const Wait& wait, const std::vector<int>& missing
     frontier.pop_back();
     if (std::find(seen.begin(), seen.end(), r) != seen.end()) continue;
     seen.push_back(r);
-    const std::vector<int>* next = waits_for(r);
+    passed.push_back(r);
     std::vector<int> onward;
-    if (next)
+    if (const std::vector<int>* next = waits_for(r))
       for (int n : *next)
-        if (std::find(seen.begin(), seen.end(), n) == seen.end()) onward.push_back(n);
+        if (n != rank) onward.push_back(n);
     if (onward.empty()) {
-      if (std::find(ends.begin(), ends.end(), r) == ends.end()) ends.push_back(r);
+      ends.push_back(r);
       continue;
     }
     links.push_back(fmt::format("rank {} waits for ranks [{}]", r, fmt::join(onward, ", ")));
     frontier.insert(frontier.end(), onward.begin(), onward.end());
   }
+  if (ends.empty()) ends = passed;
   std::sort(ends.begin(), ends.end());
+  std::sort(links.begin(), links.end());
   std::string chain;
   for (const std::string& link : links) chain += "; " + link;
   throw TimeoutError(fmt::format("[rank {}] {}: timed out after {:.1f} s (timeout {:g} s) waiting for ranks [{}]{}",

@@ -60,8 +60,9 @@ std::vector<std::pair<int, Departure>> departed_among(int first, int count, int 
 
 // The TimeoutError of a wait for `missing` that expired while those ranks themselves waited for
 // others (`waits_for`: r -> the ranks r said it waits for; ranks not in it are not waiting). It
-// names the ends of those chains (the ranks that wait for nobody), not the ranks in the middle,
-// which are alive and stuck behind them; without chains it is fail_wait's TimeoutError.
+// names the ends of those chains (the ranks that wait for nobody but this rank), not the ranks in
+// the middle, which are alive and stuck behind them; chains that only go round name their ranks;
+// without chains it is fail_wait's TimeoutError.
 [[noreturn]] void fail_wait_chain(int rank, const Wait& wait, const std::vector<int>& missing, double elapsed_secs,
                                   const std::function<const std::vector<int>*(int)>& waits_for);
 

@@ -393,6 +393,25 @@ void Combine::wait_contributions(CountedExchange& contributions) {
   contributions.wait();
 }
 
+int Combine::node_term(const routing::UnitRef& ref, const std::int64_t* ids, const std::int32_t* rows,
+                       const std::int32_t* expanded, int& scratch, std::array<const std::uint16_t*, kMaxTopk>& term,
+                       Unit& unit) const {
+  std::array<Unit, kMaxTopk> parts;
+  const int m = node_units(ids, rows, expanded, ref.target, parts, scratch);
+  unit = {ref.key, m > 0 ? parts[0].row : nullptr, m > 0 ? parts[0].weights : nullptr};
+  std::array<const float*, kMaxTopk> part_weights;
+  for (int i = 0; i < m; ++i) {
+    term[static_cast<size_t>(i)] = parts[static_cast<size_t>(i)].row;
+    part_weights[static_cast<size_t>(i)] = parts[static_cast<size_t>(i)].weights;
+  }
+  if (m > 1 && parts[0].weights) {  // node_sum's weights: the sum of its units'
+    float* summed = scratch_weights.data() + static_cast<std::size_t>(scratch++) * kMaxTopk;
+    sum_weight_rows({part_weights.data(), static_cast<size_t>(m)}, shape_.topk, summed);
+    unit.weights = summed;
+  }
+  return m;
+}
+
 void Combine::reduce_tokens() {
   const int N = shape_.tokens;
   engine_.pool().parallel_for((N + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
@@ -431,20 +450,8 @@ void Combine::reduce_token(int t) {
     const routing::UnitRef& ref = refs[static_cast<size_t>(u)];
     Unit& unit = units[static_cast<size_t>(u)];
     if (ref.kind == routing::UnitKind::kNode) {
-      std::array<Unit, kMaxTopk> parts;
-      const int m = node_units(ids, rows, expanded, ref.target, parts, scratch);
-      unit = {ref.key, m > 0 ? parts[0].row : nullptr, m > 0 ? parts[0].weights : nullptr};
-      node_row_count[static_cast<size_t>(u)] = m;
-      std::array<const float*, kMaxTopk> part_weights;
-      for (int i = 0; i < m; ++i) {
-        node_rows[static_cast<size_t>(u)][static_cast<size_t>(i)] = parts[static_cast<size_t>(i)].row;
-        part_weights[static_cast<size_t>(i)] = parts[static_cast<size_t>(i)].weights;
-      }
-      if (m > 1 && parts[0].weights) {  // node_sum's weights: the sum of its units'
-        float* summed = scratch_weights.data() + static_cast<std::size_t>(scratch++) * kMaxTopk;
-        sum_weight_rows({part_weights.data(), static_cast<size_t>(m)}, k, summed);
-        unit.weights = summed;
-      }
+      node_row_count[static_cast<size_t>(u)] =
+          node_term(ref, ids, rows, expanded, scratch, node_rows[static_cast<size_t>(u)], unit);
       continue;
     }
     if (ref.kind == routing::UnitKind::kLane || ref.kind == routing::UnitKind::kRank) {

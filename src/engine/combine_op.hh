@@ -106,6 +106,12 @@ class Combine final : public CombineOperation {
   // its weights are the sum of theirs (compact layout).
   Unit node_sum(const std::int64_t* ids, const std::int32_t* rows, const std::int32_t* expanded, int node,
                 int& scratch) const;
+  // A unit of this node (level 2) for the final kernel: its rank units' rows into `term` (their
+  // count returned: more than one are summed and rounded inside the kernel, as node_sum would),
+  // its key and weights into `unit`.
+  int node_term(const routing::UnitRef& ref, const std::int64_t* ids, const std::int32_t* rows,
+                const std::int32_t* expanded, int& scratch, std::array<const std::uint16_t*, kMaxTopk>& term,
+                Unit& unit) const;
   // The unit a reference of this node names (kLane, kRank or kNode).
   Unit local_unit(const routing::UnitRef& ref, const std::int64_t* ids, const std::int32_t* rows,
                   const std::int32_t* expanded, int& scratch) const;

@@ -48,11 +48,18 @@ TEST(PeerFailure, AChainIsFollowedToTheRankThatWaitsForNobody) {
       << e.what();
 }
 
-TEST(PeerFailure, ChainsThatComeBackEndAtTheRankBefore) {
-  // 2 waits for this rank (0) and for 3; 3 waits for 2 (a cycle): 3 is the end of the chain, and
-  // this rank is never named.
-  const TimeoutError e = chain_error({2}, {{2, {0, 3}}, {3, {2}}});
-  EXPECT_EQ(e.ranks(), std::vector<int>{3});
+TEST(PeerFailure, ChainsThatMeetOrGoRoundNameOnlyTheirEnds) {
+  // 3 waits for 1 (stopped) and for 2, which waits for 1 too: 1 alone is at fault, whichever
+  // chain reaches it first.
+  const TimeoutError met = chain_error({1, 3}, {{3, {1, 2}}, {2, {1}}});
+  EXPECT_EQ(met.ranks(), std::vector<int>{1}) << met.what();
+  const TimeoutError met_other_order = chain_error({3, 1}, {{3, {2, 1}}, {2, {1}}});
+  EXPECT_EQ(met_other_order.ranks(), std::vector<int>{1}) << met_other_order.what();
+  // 2 waits for this rank (0) alone: it waits for nobody else, so it is the end.
+  EXPECT_EQ(chain_error({2}, {{2, {0}}}).ranks(), std::vector<int>{2});
+  // 2 and 3 wait for each other (and 2 for this rank): no end, both are named.
+  const TimeoutError round = chain_error({2}, {{2, {0, 3}}, {3, {2}}});
+  EXPECT_EQ(round.ranks(), (std::vector<int>{2, 3})) << round.what();
   // Two chains with two ends, and a rank that waits for nobody beside them.
   const TimeoutError two = chain_error({1, 2, 5}, {{1, {4}}, {2, {6}}});
   EXPECT_EQ(two.ranks(), (std::vector<int>{4, 5, 6}));

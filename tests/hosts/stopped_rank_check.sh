@@ -18,12 +18,12 @@ out=$(mktemp)
 logs=$(mktemp -d)
 marker="hosts-stopped-rank-$$"
 trap 'rm -rf "$out" "$logs"' EXIT
-MOE_EP_TIMEOUT_SECS=$timeout MOE_EP_CHECK_MARKER=$marker MOE_EP_DEBUG=TRACE MOE_EP_DEBUG_SUBSYS=COLL \
+MOE_EP_TIMEOUT_SECS=$timeout MOE_EP_CHECK_MARKER=$marker MOE_EP_DEBUG=TRACE MOE_EP_DEBUG_SUBSYS=${MOE_EP_CHECK_SUBSYS:-COLL} \
   MOE_EP_DEBUG_FILE="$logs/log.%p" "$pretend_hosts" mpirun "$set_name" --enable-recovery -np "$ranks" \
   --host "$(host_list "$set_name" "$hosts" "$per_host")" --map-by slot \
   "$tool" run --transport mpi --iters 1000000 "$@" >"$out" 2>&1 &
 job=$!
-trap 'end_job $job; rm -rf "$out" "$logs"' EXIT
+trap 'end_job $job; [ -n "${MOE_EP_CHECK_KEEP:-}" ] && cp -r "$logs" "$MOE_EP_CHECK_KEEP"; rm -rf "$out" "$logs"' EXIT
 pid=""
 for _ in $(seq 600); do
   for p in $(pgrep -x moe-ep); do

@@ -21,8 +21,6 @@
 
 namespace moe_ep::comm::mpi {
 using namespace wire;
-namespace {
-
 // Keeps a message buffer that MPI may still read (a send to a peer that is gone) alive, and
 // reachable, until the process exits.
 void keep_until_exit(Bytes buffer) {
@@ -32,7 +30,10 @@ void keep_until_exit(Bytes buffer) {
   kept->push_back(std::move(buffer));
 }
 
-}  // namespace
+std::set<Messenger*>& messengers() {
+  static auto* all = new std::set<Messenger*>();
+  return *all;
+}
 
 std::mutex& mpi_mutex() {
   static std::mutex m;
@@ -57,6 +58,10 @@ Messenger::Messenger(MPI_Comm comm, int rank, int size)
       chunks_(static_cast<size_t>(size)),
       sent_records_(static_cast<size_t>(size), 0),
       sources_(static_cast<size_t>(size)) {
+  {
+    std::lock_guard lock(mpi_mutex());
+    messengers().insert(this);
+  }
   const std::int64_t requested = env::get(env::kMpiChunkBytes);
   if (requested < 4096)
     core::warn(core::Subsys::kNet, "MOE_EP_MPI_CHUNK_BYTES = {} is below 4096: 4096 bytes per scale-out message",
@@ -64,6 +69,10 @@ Messenger::Messenger(MPI_Comm comm, int rank, int size)
 }
 
 Messenger::~Messenger() {
+  {
+    std::lock_guard lock(mpi_mutex());
+    messengers().erase(this);
+  }
   if (received_in_place_ + received_copied_ > 0)
     core::info(core::Subsys::kNet, "scale-out record messages received: {} in place, {} copied into place",
                received_in_place_, received_copied_);
@@ -88,154 +97,25 @@ void Messenger::drain(double secs) {
   pending_.clear();
 }
 
-bool Messenger::gone(int rank) const {
-  if (!hosts_ || rank == rank_ || !hosts_->same_host(rank, rank_)) return false;
-  return process_gone(hosts_->pids[static_cast<size_t>(rank)]);
-}
-
-std::optional<Departure> Messenger::departure_locked(int rank) {
-  if (const auto it = abandoned_.find(rank); it != abandoned_.end()) return it->second;
-  if (!gone(rank)) return std::nullopt;
-  return Departure{fmt::format("was process {} on this host, which is gone", hosts_->pids[static_cast<size_t>(rank)]),
-                   {}};
-}
-
-std::optional<Departure> Messenger::departure(int rank, bool probe) {
-  std::lock_guard lock(mpi_mutex());
-  if (probe) {
-    try {
-      progress();
-    } catch (const std::exception&) {
-      // A broken channel: what arrived so far has to do.
-    }
-  }
-  return departure_locked(rank);
-}
-
-void Messenger::fail(const Wait& wait, const std::vector<int>& missing, double elapsed) {
-  std::lock_guard lock(mpi_mutex());
-  // A process that gave up usually said why before it went: take what arrived.
-  try {
-    progress();
-  } catch (const std::exception&) {
-  }
-  auto departure = [&](int r) { return departure_locked(r); };
-  // Ranks waited for that left: named by fail_wait (their root cause).
-  for (int r : missing)
-    if (departure_locked(r)) fail_wait(rank_, wait, missing, elapsed, departure);
-  // Notices that name the ranks waited for (or ranks they wait for): this wait cannot complete.
-  if (!abandoned_.empty() && blocked_by_notice(missing)) {
-    std::vector<std::pair<int, Departure>> departed(abandoned_.begin(), abandoned_.end());
-    fail_channel_left(rank_, wait, missing, departed);
-  }
-  fail_wait_chain(rank_, wait, missing, elapsed, [&](int r) -> const std::vector<int>* {
-    const auto it = waiting_for_.find(r);
-    return it == waiting_for_.end() ? nullptr : &it->second;
-  });
-}
-
-bool Messenger::blocked_by_notice(const std::vector<int>& waiting) const {
-  // The ranks the notices name: those that gave up and the culprits they named.
-  std::set<int> failed;
-  for (const auto& [r, why] : abandoned_) {
-    failed.insert(r);
-    failed.insert(why.culprits.begin(), why.culprits.end());
-  }
-  failed.erase(rank_);
-  // A rank waited for is blocked if it failed, or waits (as it said) for one that is blocked.
-  std::set<int> seen;
-  std::vector<int> frontier = waiting;
-  while (!frontier.empty()) {
-    const int r = frontier.back();
-    frontier.pop_back();
-    if (!seen.insert(r).second) continue;
-    if (failed.count(r)) return true;
-    if (const auto it = waiting_for_.find(r); it != waiting_for_.end())
-      frontier.insert(frontier.end(), it->second.begin(), it->second.end());
-  }
-  return false;
-}
-
-void Messenger::announce_waiting(const std::vector<int>& ranks) {
-  quiet_ = false;
-  const auto count = static_cast<std::uint32_t>(ranks.size());
-  for (int r = 0; r < size_; ++r) {
-    if (r == rank_ || gone(r) || out_of_channel(r)) continue;
-    Bytes message(sizeof count + count * sizeof(std::int32_t));
-    std::memcpy(message.data(), &count, sizeof count);
-    for (std::uint32_t i = 0; i < count; ++i) {
-      const auto w = static_cast<std::int32_t>(ranks[i]);
-      std::memcpy(message.data() + sizeof count + i * sizeof w, &w, sizeof w);
-    }
-    send(r, kTagWaiting, std::move(message), false);
-  }
-}
-
-void Messenger::abandon(const Departure& why, double secs) noexcept {
-  try {
-    std::lock_guard lock(mpi_mutex());
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (told_ || finalized) return;
-    told_ = true;
-    quiet_ = false;
-    blamed_.insert(why.culprits.begin(), why.culprits.end());
-    const auto count = static_cast<std::uint32_t>(why.culprits.size());
-    Bytes message(sizeof count + count * sizeof(std::int32_t) + why.reason.size());
-    std::memcpy(message.data(), &count, sizeof count);
-    for (std::uint32_t i = 0; i < count; ++i) {
-      const auto c = static_cast<std::int32_t>(why.culprits[i]);
-      std::memcpy(message.data() + sizeof count + i * sizeof c, &c, sizeof c);
-    }
-    std::memcpy(message.data() + sizeof count + count * sizeof(std::int32_t), why.reason.data(), why.reason.size());
-    // The notices to the ranks the failure named are sent (a stopped rank reads its notice when it
-    // runs again) but not waited for: a rank that is gone or stuck never receives them.
-    std::vector<MPI_Request> requests, unawaited;
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_ || gone(r)) continue;
-      MPI_Request request = MPI_REQUEST_NULL;
-      if (MPI_Isend(message.data(), static_cast<int>(message.size()), MPI_BYTE, r, kTagAbandon, comm_, &request) ==
-          MPI_SUCCESS)
-        (blamed_.count(r) ? unawaited : requests).push_back(request);
-    }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(secs);
-    for (;;) {
-      int done = 0;
-      if (MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE) != MPI_SUCCESS ||
-          done || std::chrono::steady_clock::now() >= deadline)
-        break;
-      std::this_thread::sleep_for(std::chrono::microseconds(100));
-    }
-    requests.insert(requests.end(), unawaited.begin(), unawaited.end());
-    bool pending = false;
-    for (MPI_Request& request : requests)
-      if (request != MPI_REQUEST_NULL) {
-        MPI_Request_free(&request);
-        pending = true;
-      }
-    if (pending) keep_until_exit(std::move(message));
-  } catch (...) {
-    // No memory for the message: the peers will time out instead.
-  }
-}
 
 void Messenger::wait_until(const Wait& wait, const std::function<bool()>& done,
                            const std::function<std::vector<int>()>& missing, bool channel_wide) {
   Backoff backoff(wait.timeout_secs);
   auto last_check = std::chrono::steady_clock::now();
-  // Half the timeout on, the channel learns whom this rank waits for (see the top of messenger.hh).
-  const bool may_announce = wait.timeout_secs < core::kNeverSecs;
-  bool announced = false;
-  auto finished = [&] {
-    if (!done()) return false;
-    if (announced) announce_waiting({});
-    return true;
-  };
+  // What this wait waits for, for ranks that ask (see the top of messenger.hh).
+  struct Waiting {
+    std::vector<int>& now;
+    ~Waiting() { now.clear(); }
+  } waiting_now{waiting_now_};
+  {
+    std::lock_guard lock(mpi_mutex());
+    waiting_now_ = missing();  // from the start: a query answered now must not read "nobody"
+  }
   for (;;) {
     {
       std::lock_guard lock(mpi_mutex());
       progress();
-      if (finished()) return;
+      if (done()) return;
     }
     bool expired = !backoff.pause();
     const auto now = std::chrono::steady_clock::now();
@@ -244,15 +124,17 @@ void Messenger::wait_until(const Wait& wait, const std::function<bool()>& done,
     bool any_gone = false, channel_left = false;
     {
       std::lock_guard lock(mpi_mutex());
-      if (finished()) return;
+      if (done()) return;
+      if (periodic) {
+        // A rank waiting here may be asked on another channel whom it waits for.
+        for (Messenger* m : messengers())
+          if (m != this) m->answer_queries();
+      }
       if (!abandoned_.empty() || expired || periodic) {
         waiting = missing();
+        waiting_now_ = waiting;
         for (int r : waiting) any_gone = any_gone || abandoned_.count(r) != 0;
         channel_left = channel_wide && !abandoned_.empty() && blocked_by_notice(waiting);
-      }
-      if (may_announce && !announced && !waiting.empty() && backoff.elapsed_secs() >= wait.timeout_secs / 2) {
-        announce_waiting(waiting);
-        announced = true;
       }
     }
     if (!any_gone && (expired || periodic)) {
@@ -261,6 +143,9 @@ void Messenger::wait_until(const Wait& wait, const std::function<bool()>& done,
     }
     if (expired || any_gone || (channel_left && !waiting.empty())) {
       if (waiting.empty()) return;  // everything arrived after all
+      // Before naming them, ask the ranks it waited for whom they wait for (at most kChainSecs):
+      // the ones that answer are alive and stuck behind others.
+      if (expired && !any_gone) ask_whom_they_wait_for(waiting, kChainSecs);
       fail(wait, waiting, backoff.elapsed_secs());
     }
   }
@@ -531,8 +416,10 @@ void Messenger::progress() {
                                                    receive_.size() - list),
                                        std::move(culprits)));
   }
+  answer_queries();
   for (int source; (source = receive(MPI_ANY_SOURCE, kTagWaiting, receive_)) >= 0;) {
     quiet_ = false;
+    answered_.insert(source);
     std::uint32_t count = 0;
     if (receive_.size() >= sizeof count) std::memcpy(&count, receive_.data(), sizeof count);
     if (receive_.size() != sizeof count + std::size_t{count} * sizeof(std::int32_t) ||

@@ -24,11 +24,13 @@
 //   waits for gave up or was named by such a notice ("rank N is gone"), or said it waits for one
 //   that was (the chains below); a wait on a member whose process on this host is gone fails at
 //   once too. Waits that do not depend on the failed ranks (a gather among other ranks) go on.
-// - Chains: a wait still unfinished after half its timeout tells the channel which ranks it waits
-//   for (and that it no longer does, if it then completes). A wait that expires follows those
-//   notices from the ranks it waited for to the ranks at the ends of the chains, and names them:
-//   with equal timeouts, a rank waiting behind a live rank that waits for a stopped one names the
-//   stopped one, whichever timeout expires first.
+// - Chains: a wait that expires first asks the ranks it waited for whom they wait for (a rank
+//   answers from its progress calls on any of its channels: the ranks its waits in progress are
+//   missing, on all its channels, or none), follows the
+//   answers to the ranks they name and asks those in turn, for at most half a second, and then
+//   names the ends of the chains: the ranks that did not answer (stopped, dead, or busy without
+//   a progress call) or wait for nobody. With equal timeouts a rank waiting behind a live rank that
+//   waits for a stopped one names the stopped one, whichever timeout expires first.
 // All MPI calls of the process go through one mutex (MPI_THREAD_SERIALIZED suffices).
 #pragma once
 
@@ -75,8 +77,15 @@ struct UninitializedAllocator : std::allocator<T> {
   }
 };
 using Bytes = std::vector<std::byte, UninitializedAllocator<std::byte>>;
+// Keeps a message buffer that MPI may still read (a send to a peer that is gone) alive, and
+// reachable, until the process exits.
+void keep_until_exit(Bytes buffer);
 
 std::mutex& mpi_mutex();
+class Messenger;
+// Every messenger of this process (with mpi_mutex held): a query on any channel is answered with
+// what this process waits for on all of them (its channels share one rank numbering).
+std::set<Messenger*>& messengers();
 // Throws StateError naming the call and MPI's error text unless rc is MPI_SUCCESS.
 void check_mpi(int rc, const char* call, int rank);
 
@@ -128,7 +137,7 @@ class Messenger {
   void signal(int peer);
   void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait);
 
-  // No notice (abandon(), waiting announcements) was sent or received on this channel: once its
+  // No notice (abandon(), queries and answers) was sent or received on this channel: once its
   // members are done with it, no message of it can still be in flight.
   bool quiet() const { return quiet_; }
 
@@ -216,9 +225,17 @@ class Messenger {
   void wait_until(const Wait& wait, const std::function<bool()>& done, const std::function<std::vector<int>()>& missing,
                   bool channel_wide = true);
   [[noreturn]] void fail(const Wait& wait, const std::vector<int>& missing, double elapsed);
-  // Tells every other member which ranks this rank waits for (none: it no longer waits). With
-  // mpi_mutex held.
-  void announce_waiting(const std::vector<int>& ranks);
+  // Answers a rank's query: the ranks this process's waits in progress are missing, on any of its
+  // channels (none if it is not waiting). With mpi_mutex held.
+  void answer_query(int asker);
+ public:
+  // Answers the queries that arrived on this channel (a rank waiting on another channel calls it
+  // every 50 ms). With mpi_mutex held.
+  void answer_queries();
+ private:
+  // Asks the ranks of the chains from `missing` whom they wait for, for at most `secs` (until every
+  // rank asked answered); the answers are in waiting_for_.
+  void ask_whom_they_wait_for(const std::vector<int>& missing, double secs);
   // A rank this rank's failure named, or one that left the channel: sends to it are not waited for.
   // Whether one of `waiting` gave up, was named by a notice, or waits for one that did.
   bool blocked_by_notice(const std::vector<int>& waiting) const;
@@ -256,7 +273,9 @@ class Messenger {
   std::vector<MPI_Request> requests_;  // finish_completed's scratch
   std::vector<int> completed_;
   std::map<int, Departure> abandoned_;  // members that said they gave up on the channel
-  std::map<int, std::vector<int>> waiting_for_;  // members that said they wait for others: for whom
+  std::map<int, std::vector<int>> waiting_for_;  // answers to this rank's queries: whom they wait for
+  std::set<int> answered_;                       // the ranks that answered
+  std::vector<int> waiting_now_;                 // the ranks the wait in progress is missing
   std::set<int> blamed_;                // the ranks this rank's own abandon() named
   bool told_ = false;                   // this rank's abandon() sent its messages
   bool quiet_ = true;                   // see quiet()
