@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <string_view>
@@ -76,21 +77,23 @@ void route_tokens(const std::int64_t* ids, std::int64_t N, std::int64_t k, int E
   }
 }
 
-// Unpacks recv_rows records (row, P scales, k ids, k weights) into separate tensors of `d`.
-void unpack(const std::byte* received, std::int64_t recv_rows, std::int64_t H, std::int64_t P, std::int64_t k, DType dtype,
-            BaselineDispatch& d) {
-  const std::int64_t row_bytes = H * static_cast<std::int64_t>(element_size(dtype));
-  const std::int64_t record = row_bytes + 4 * P + 12 * k;
-  d.recv_x = Tensor::empty({recv_rows, H}, dtype);
-  if (P) d.recv_x_scales = Tensor::empty({recv_rows, P}, DType::kFP32);
-  d.recv_topk_idx = Tensor::empty({recv_rows, k}, DType::kInt64);
-  d.recv_topk_weights = Tensor::empty({recv_rows, k}, DType::kFP32);
+// A tensor of `rows` rows of `cols` elements viewing the start of `*kept`, which grows (to 1.25x
+// the rows asked for) only when too small: the outputs stay mapped and faulted in between calls,
+// as a caching allocator keeps them.
+Tensor rows_of(Tensor* kept, std::int64_t rows, std::int64_t cols, DType dtype) {
+  if (!kept->defined() || kept->size(0) < rows || kept->size(1) != cols || kept->dtype() != dtype)
+    *kept = Tensor::empty({std::max<std::int64_t>(1, rows + rows / 4), cols}, dtype);
+  return kept->with_view(TensorView(kept->data(), dtype, {rows, cols}));
+}
+
+// Unpacks recv_rows metadata records (P scales, k ids, k weights) into separate tensors of `d`.
+void unpack_meta(const std::byte* received, std::int64_t recv_rows, std::int64_t P, std::int64_t k, BaselineDispatch& d) {
+  const std::int64_t record = 4 * P + 12 * k;
   for (std::int64_t i = 0; i < recv_rows; ++i) {
     const std::byte* in = received + i * record;
-    std::memcpy(static_cast<std::byte*>(d.recv_x.data()) + i * row_bytes, in, static_cast<size_t>(row_bytes));
-    if (P) std::memcpy(d.recv_x_scales.data_as<float>() + i * P, in + row_bytes, static_cast<size_t>(4 * P));
-    std::memcpy(d.recv_topk_idx.data_as<std::int64_t>() + i * k, in + row_bytes + 4 * P, static_cast<size_t>(8 * k));
-    std::memcpy(d.recv_topk_weights.data_as<float>() + i * k, in + row_bytes + 4 * P + 8 * k, static_cast<size_t>(4 * k));
+    if (P) std::memcpy(d.recv_x_scales.data_as<float>() + i * P, in, static_cast<size_t>(4 * P));
+    std::memcpy(d.recv_topk_idx.data_as<std::int64_t>() + i * k, in + 4 * P, static_cast<size_t>(8 * k));
+    std::memcpy(d.recv_topk_weights.data_as<float>() + i * k, in + 4 * P + 8 * k, static_cast<size_t>(4 * k));
   }
 }
 
@@ -147,29 +150,45 @@ BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorVi
         d.return_rows[static_cast<size_t>(t * k + j)] = static_cast<std::int32_t>(
             dest_base[static_cast<size_t>(ids[t * k + j] / El)] + position[static_cast<size_t>(t * k + j)]);
 
-  // Pack, grouped by destination.
-  const std::int64_t send_rows = base;
-  send_.resize(static_cast<size_t>(send_rows * record));
-  const ByteLayout sends = byte_layout(d.send_counts, record, "send");
+  // Pack, grouped by destination: the rows into one buffer, their metadata into another. The rows
+  // then travel straight into recv_x (two copies of each row: the pack, and MPI's transfer).
+  const std::int64_t send_rows = base, meta = 4 * P + 12 * k;
+  send_.resize(static_cast<size_t>(send_rows * row_bytes));
+  send_meta_.resize(static_cast<size_t>(send_rows * meta));
   std::int64_t at = 0;
   for (int r = 0; r < size_; ++r) {
     for (std::int32_t t : tokens_to[static_cast<size_t>(r)]) {
-      std::byte* out = send_.data() + at * record;
-      std::memcpy(out, static_cast<const std::byte*>(x.data()) + t * x.stride(0) * element_size(x.dtype()), static_cast<size_t>(row_bytes));
-      if (P) std::memcpy(out + row_bytes, scales.data_as<const float>() + t * scales.stride(0), static_cast<size_t>(4 * P));
-      std::memcpy(out + row_bytes + 4 * P, ids + t * k, static_cast<size_t>(8 * k));
-      std::memcpy(out + row_bytes + 4 * P + 8 * k, topk_weights.data_as<const float>() + t * k, static_cast<size_t>(4 * k));
+      std::memcpy(send_.data() + at * row_bytes,
+                  static_cast<const std::byte*>(x.data()) + t * x.stride(0) * element_size(x.dtype()),
+                  static_cast<size_t>(row_bytes));
+      std::byte* out = send_meta_.data() + at * meta;
+      if (P) std::memcpy(out, scales.data_as<const float>() + t * scales.stride(0), static_cast<size_t>(4 * P));
+      std::memcpy(out + 4 * P, ids + t * k, static_cast<size_t>(8 * k));
+      std::memcpy(out + 4 * P + 8 * k, topk_weights.data_as<const float>() + t * k, static_cast<size_t>(4 * k));
       ++at;
     }
   }
-  const ByteLayout receives = byte_layout(d.recv_counts, record, "receive");
-  const std::int64_t recv_rows = receives.rows;
-  recv_.resize(static_cast<size_t>(recv_rows * record));
-  complete(MPI_Ialltoallv(send_.data(), sends.bytes.data(), sends.displs.data(), MPI_BYTE, recv_.data(),
-                          receives.bytes.data(), receives.displs.data(), MPI_BYTE, comm_, &request),
-           request, "MPI_Ialltoallv", rank_);
-
-  unpack(recv_.data(), recv_rows, H, P, k, x.dtype(), d);
+  const ByteLayout send_row_layout = byte_layout(d.send_counts, row_bytes, "send");
+  const ByteLayout send_meta_layout = byte_layout(d.send_counts, meta, "send");
+  const ByteLayout recv_row_layout = byte_layout(d.recv_counts, row_bytes, "receive");
+  const ByteLayout recv_meta_layout = byte_layout(d.recv_counts, meta, "receive");
+  const std::int64_t recv_rows = recv_row_layout.rows;
+  d.recv_x = rows_of(&kept_x_, recv_rows, H, x.dtype());
+  if (P) d.recv_x_scales = rows_of(&kept_scales_, recv_rows, P, DType::kFP32);
+  d.recv_topk_idx = rows_of(&kept_ids_, recv_rows, k, DType::kInt64);
+  d.recv_topk_weights = rows_of(&kept_weights_, recv_rows, k, DType::kFP32);
+  recv_meta_.resize(static_cast<size_t>(recv_rows * meta));
+  MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  check(MPI_Ialltoallv(send_.data(), send_row_layout.bytes.data(), send_row_layout.displs.data(), MPI_BYTE,
+                       d.recv_x.data(), recv_row_layout.bytes.data(), recv_row_layout.displs.data(), MPI_BYTE, comm_,
+                       &requests[0]),
+        "MPI_Ialltoallv");
+  complete(MPI_Ialltoallv(send_meta_.data(), send_meta_layout.bytes.data(), send_meta_layout.displs.data(), MPI_BYTE,
+                          recv_meta_.data(), recv_meta_layout.bytes.data(), recv_meta_layout.displs.data(), MPI_BYTE,
+                          comm_, &requests[1]),
+           requests[1], "MPI_Ialltoallv", rank_);
+  complete(MPI_SUCCESS, requests[0], "MPI_Ialltoallv", rank_);
+  unpack_meta(recv_meta_.data(), recv_rows, P, k, d);
   return d;
 }
 
@@ -184,7 +203,7 @@ Tensor AlltoallvBaseline::combine(const BaselineDispatch& d, const TensorView& y
                           receives.bytes.data(), receives.displs.data(), MPI_BYTE, comm_, &request),
            request, "MPI_Ialltoallv", rank_);
   // Reduce: per token, the rows of its ranks in first-lane order.
-  Tensor out = Tensor::empty({N, H}, DType::kBF16);
+  Tensor out = rows_of(&kept_out_, N, H, DType::kBF16);
   const auto* rows = reinterpret_cast<const std::uint16_t*>(recv_.data());
   std::vector<const std::uint16_t*> inputs;
   for (std::int64_t t = 0; t < N; ++t) {

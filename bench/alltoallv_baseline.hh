@@ -2,14 +2,17 @@
 // write them with plain MPI and no expert-parallel library.
 //
 // Dispatch: each token goes once to every distinct rank among its top-k experts (in lane order).
-// The ranks exchange per-destination counts with MPI_Alltoall, pack each (token, rank) record
-// (row, scales, top-k ids, weights) into a send buffer grouped by destination, exchange with
-// MPI_Alltoallv, and unpack into separate receive tensors, source-major then token order (the
-// same rows, in the same order, as ElasticBuffer's compact layout).
+// The ranks exchange per-destination counts with MPI_Alltoall, pack the rows of each (token, rank)
+// pair into a send buffer grouped by destination and their metadata (scales, top-k ids, weights)
+// into another, and exchange both with MPI_Alltoallv: the rows straight into recv_x (two copies of
+// a row: the pack and MPI's transfer, as a careful MPI code does it), the metadata into a buffer
+// unpacked into its tensors; source-major then token order (the same rows, in the same order, as
+// ElasticBuffer's compact layout).
 // Combine: the expert outputs, in receive order, go back with MPI_Alltoallv; each token's rows
 // are summed in FP32 in the order of the lanes that first name each rank, then rounded to BF16
 // once (the one-node result of ElasticBuffer::combine).
-// Buffers are kept between calls (as a caching allocator would). Counts beyond INT_MAX bytes per
+// Buffers and outputs are kept between calls (as a caching allocator would): the returned tensors
+// view them and stay valid until the next call of the same kind. Counts beyond INT_MAX bytes per
 // peer are rejected (MPI's int counts). The collectives are MPI's nonblocking ones completed by
 // polling, so that a rank that never takes part is a TimeoutError after MOE_EP_TIMEOUT_SECS.
 #pragma once
@@ -52,7 +55,8 @@ class AlltoallvBaseline {
  private:
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
-  std::vector<std::byte> send_, recv_;
+  std::vector<std::byte> send_, recv_, send_meta_, recv_meta_;
+  Tensor kept_x_, kept_scales_, kept_ids_, kept_weights_, kept_out_;
 };
 
 }  // namespace moe_ep::bench

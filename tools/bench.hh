@@ -15,6 +15,7 @@
 
 #include "commands.hh"
 #include "launch.hh"
+#include "core/bandwidth.hh"
 #include "moe_ep/group.hpp"
 
 namespace moe_ep::tools::bench {
@@ -26,6 +27,8 @@ struct Measured {
   double seconds = 0;
   std::vector<double> samples;  // [iteration] seconds of the slowest rank
   double bytes = 0;  // logical bytes, all ranks
+  // The least bytes any implementation must read and write for this call, all ranks (Traffic).
+  double read_bytes = 0, write_bytes = 0;
   std::vector<std::uint64_t> scaleout_bytes;  // [rank] bytes put to other nodes in one call
 };
 
@@ -35,7 +38,33 @@ struct ShapeResult {
   int workers = 1;
   std::vector<Measured> operations;
   std::vector<std::int64_t> node_pairs, rank_pairs;  // [rank] (token, remote node / remote rank) pairs
+  // One barrier round between the same ranks on the same transport (the latency floor): the
+  // slowest rank's time per barrier over back-to-back barriers, median of three runs.
+  double barrier_seconds = 0;
+  // The memory bandwidth of the ranks' threads at this shape's working set (measure_memory): each
+  // thread copies (streaming stores), then reads, a buffer of its share of the shape's traffic
+  // (1 to 64 MiB), so that a shape whose data stays in the caches is priced at the caches' speed.
+  core::MemoryBandwidth memory;
+  std::size_t memory_bytes_per_thread = 0;
 };
+
+// The least bytes an operation must move: what it reads and what it writes (this rank's share).
+//  - dispatch: every routed token read once at its source (a token that goes to several ranks need
+//    not be read again for each), every received row written once (payload, scales, top-k ids and
+//    weights);
+//  - combine: every returned row read once, every combined token written once;
+//  - low-latency dispatch: every token's BF16 row read once (its FP8 cast formed on the way),
+//    every (token, expert) row written once (FP8 payload and scales);
+//  - low-latency combine: every (token, expert) row read once, every token written once.
+struct Traffic {
+  double read = 0, write = 0;
+};
+Traffic dispatch_traffic(std::int64_t rows, std::int64_t routed_tokens, std::int64_t row_bytes);
+// Tokens of `topk` (int64 [N, k]) with at least one expert.
+std::int64_t routed_tokens(const Tensor& topk);
+Traffic combine_traffic(std::int64_t rows, std::int64_t tokens, std::int64_t row_bytes);
+Traffic low_latency_dispatch_traffic(std::int64_t pairs, std::int64_t tokens, std::int64_t hidden);
+Traffic low_latency_combine_traffic(std::int64_t pairs, std::int64_t tokens, std::int64_t hidden);
 
 // Per rank: set up, then return the operations to time and their logical bytes (after one run).
 struct Operation {
@@ -44,6 +73,7 @@ struct Operation {
   std::int64_t rows = 0;  // received rows on this rank
   std::int64_t row_bytes = 0;
   std::string baseline_of;
+  Traffic traffic;  // this rank's share of the operation's least traffic
 };
 // pairs: this rank's (token, remote node) and (token, remote rank) pairs (remote_pairs).
 using Setup = std::function<std::vector<Operation>(Group&, int& workers, std::pair<std::int64_t, std::int64_t>& pairs)>;
@@ -54,6 +84,12 @@ struct Ceiling {
   int threads = 0;
   void measure(Launch& launch, int workers);
 };
+// Measures r.memory: the ranks' worker threads, at r's working set (the largest traffic of its
+// operations), copying with streaming stores and then reading; best of five of each.
+void measure_memory(Launch& launch, ShapeResult& r);
+// The floor of `op` (seconds; nullopt when the bandwidths do not make a cost): its least traffic
+// priced at r.memory.
+std::optional<double> floor_seconds(const Measured& op, const ShapeResult& r);
 
 ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& shape, int tokens, int iterations,
                     const Setup& setup);

@@ -32,6 +32,7 @@
 #include "report.hh"
 #ifdef MOE_EP_WITH_MPI
 #include "alltoallv_baseline.hh"
+#include "shared_window_baseline.hh"
 #endif
 
 namespace moe_ep::tools {
@@ -44,6 +45,15 @@ using Clock = std::chrono::steady_clock;
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// One barrier round on this group: after a synchronising barrier, `rounds` back to back; the time
+// per round of this rank.
+double barrier_round_seconds(Group& g, int rounds) {
+  g.barrier();
+  const auto t0 = Clock::now();
+  for (int i = 0; i < rounds; ++i) g.barrier();
+  return std::chrono::duration<double>(Clock::now() - t0).count() / rounds;
 }
 
 
@@ -75,6 +85,9 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
     int workers = 1;
     std::pair<std::int64_t, std::int64_t> pairs{0, 0};
     std::vector<Operation> ops = setup(g, workers, pairs);
+    for (Operation& op : ops)  // a baseline does the same work as the operation it stands beside
+      for (const Operation& ours : ops)
+        if (!op.baseline_of.empty() && ours.name == op.baseline_of) op.traffic = ours.traffic;
     std::vector<double> times(ops.size() * static_cast<size_t>(iterations));
     std::vector<std::uint64_t> scaleout(ops.size());
     for (int it = -2; it < iterations; ++it) {  // two warm-up rounds
@@ -91,11 +104,17 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
     }
     // Every rank's numbers to rank 0: workers, then per operation its bytes and scale-out bytes,
     // then the times.
+    // The latency floor: three runs of back-to-back barriers between the same ranks.
+    std::vector<double> rounds;
+    for (int run = 0; run < 3; ++run) rounds.push_back(barrier_round_seconds(g, 20));
     std::vector<double> block = {static_cast<double>(workers), static_cast<double>(pairs.first),
                                  static_cast<double>(pairs.second)};
+    block.insert(block.end(), rounds.begin(), rounds.end());
     for (std::size_t i = 0; i < ops.size(); ++i) {
       block.push_back(static_cast<double>(ops[i].rows * ops[i].row_bytes));
       block.push_back(static_cast<double>(scaleout[i]));
+      block.push_back(ops[i].traffic.read);
+      block.push_back(ops[i].traffic.write);
     }
     block.insert(block.end(), times.begin(), times.end());
     const auto all = gather_blocks(g, std::as_bytes(std::span(block)));
@@ -108,16 +127,23 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
       result.operations[i].baseline_of = ops[i].baseline_of;
       result.operations[i].scaleout_bytes.resize(static_cast<size_t>(R));
     }
+    constexpr std::size_t kHead = 6, kPerOp = 4;  // workers, pairs (2), barrier runs (3); per op
+    std::vector<double> slowest_rounds(3, 0.0);
     for (int r = 0; r < R; ++r) {
       std::vector<double> theirs(all[static_cast<size_t>(r)].size() / sizeof(double));
       if (theirs.size() != block.size()) throw StateError(fmt::format("bench: rank {} reported {} values", r, theirs.size()));
       std::memcpy(theirs.data(), all[static_cast<size_t>(r)].data(), all[static_cast<size_t>(r)].size());
+      for (std::size_t run = 0; run < 3; ++run) slowest_rounds[run] = std::max(slowest_rounds[run], theirs[3 + run]);
       for (std::size_t i = 0; i < ops.size(); ++i) {
-        result.operations[i].bytes += theirs[3 + 2 * i];
-        result.operations[i].scaleout_bytes[static_cast<size_t>(r)] = static_cast<std::uint64_t>(theirs[4 + 2 * i]);
+        const double* mine = &theirs[kHead + kPerOp * i];
+        result.operations[i].bytes += mine[0];
+        result.operations[i].scaleout_bytes[static_cast<size_t>(r)] = static_cast<std::uint64_t>(mine[1]);
+        result.operations[i].read_bytes += mine[2];
+        result.operations[i].write_bytes += mine[3];
         for (int it = 0; it < iterations; ++it)
-          slowest[i][static_cast<size_t>(it)] = std::max(
-              slowest[i][static_cast<size_t>(it)], theirs[3 + 2 * ops.size() + i * static_cast<size_t>(iterations) + static_cast<size_t>(it)]);
+          slowest[i][static_cast<size_t>(it)] =
+              std::max(slowest[i][static_cast<size_t>(it)],
+                       theirs[kHead + kPerOp * ops.size() + i * static_cast<size_t>(iterations) + static_cast<size_t>(it)]);
       }
       result.node_pairs.push_back(static_cast<std::int64_t>(theirs[1]));
       result.rank_pairs.push_back(static_cast<std::int64_t>(theirs[2]));
@@ -126,6 +152,7 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
       result.operations[i].samples = slowest[i];
       result.operations[i].seconds = median(slowest[i]);
     }
+    result.barrier_seconds = median(slowest_rounds);
   });
   return result;
 }
@@ -161,7 +188,8 @@ struct BenchInputs {
 std::int64_t compact_dispatch_row(const BenchOptions& o) { return o.hidden + 4 * (o.hidden / 128) + 12 * std::int64_t{o.topk}; }
 std::int64_t compact_combine_row(const BenchOptions& o) { return 2 * std::int64_t{o.hidden} + 4 * std::int64_t{o.topk}; }
 
-// Under MPI: the same dispatch and combine written with MPI_Alltoall + MPI_Alltoallv (bench/).
+// Under MPI: the same dispatch and combine written with MPI_Alltoall + MPI_Alltoallv (bench/), and
+// when every rank shares one node, with an MPI_Win_allocate_shared window.
 void add_baseline(const BenchOptions& o, Group& g, const std::shared_ptr<BenchInputs>& in, std::vector<Operation>& ops,
                   const std::string& dispatch_name, const std::string& combine_name) {
 #ifdef MOE_EP_WITH_MPI
@@ -174,6 +202,17 @@ void add_baseline(const BenchOptions& o, Group& g, const std::shared_ptr<BenchIn
   ops.push_back({"alltoallv dispatch", [=, &o] { baseline->dispatch(in->x, in->scales, in->topk, in->weights, o.experts); },
                  rows, compact_dispatch_row(o), dispatch_name});
   ops.push_back({"alltoallv combine", [=] { baseline->combine(*first, *y); }, rows, 2 * std::int64_t{o.hidden}, combine_name});
+  if (g.num_scaleout() > 1 || g.transport().ranks_on_host() < g.size()) return;
+  auto shared = std::make_shared<::moe_ep::bench::SharedWindowBaseline>(MPI_COMM_WORLD);
+  auto routed = std::make_shared<::moe_ep::bench::BaselineDispatch>(
+      shared->dispatch(in->x, in->scales, in->topk, in->weights, o.experts));
+  const TensorView outputs = shared->output_rows(routed->recv_x.size(0), o.hidden);
+  std::memset(outputs.data(), 0, static_cast<std::size_t>(outputs.nbytes()));  // the experts' outputs
+  ops.push_back({"shared-window dispatch",
+                 [=, &o] { shared->dispatch(in->x, in->scales, in->topk, in->weights, o.experts); }, rows,
+                 compact_dispatch_row(o), dispatch_name});
+  ops.push_back({"shared-window combine", [=] { shared->combine(*routed, outputs); }, rows, 2 * std::int64_t{o.hidden},
+                 combine_name});
 #else
   (void)o, (void)g, (void)in, (void)ops, (void)dispatch_name, (void)combine_name;
 #endif
@@ -202,6 +241,8 @@ Setup v2_setup(const BenchOptions& o, int tokens) {
         {"cached dispatch", [=] { (void)in; buffer->dispatch(replay); }, rows, compact_dispatch_row(o)},
         {"combine", [=, &o] { buffer->combine({.x = *y, .handle = first->handle, .num_sms = o.workers}); }, rows,
          compact_combine_row(o)}};
+    ops[0].traffic = ops[1].traffic = dispatch_traffic(rows, routed_tokens(in->topk), compact_dispatch_row(o));
+    ops[2].traffic = combine_traffic(rows, tokens, 2 * std::int64_t{o.hidden});  // no weights to combine
     add_baseline(o, g, in, ops, "dispatch", "combine");
     return ops;
   };
@@ -236,6 +277,8 @@ Setup v1_setup(const BenchOptions& o, int tokens) {
          rows, compact_dispatch_row(o)},
         {"combine", [=] { buffer->combine({.x = *y, .handle = first->handle, .config = combine_config}); }, rows,
          compact_combine_row(o)}};
+    ops[0].traffic = ops[1].traffic = dispatch_traffic(rows, routed_tokens(in->topk), compact_dispatch_row(o));
+    ops[2].traffic = combine_traffic(rows, tokens, 2 * std::int64_t{o.hidden});
     add_baseline(o, g, in, ops, "layout + dispatch", "combine");
     return ops;
   };
@@ -266,6 +309,8 @@ Setup low_latency_setup(const BenchOptions& o, int tokens) {
         {"low-latency combine",
          [=] { buffer->low_latency_combine({.x = *y, .topk_idx = in->topk, .topk_weights = in->weights, .handle = *handle}); },
          expert_pairs, 2 * std::int64_t{o.hidden}}};
+    ops[0].traffic = low_latency_dispatch_traffic(expert_pairs, tokens, o.hidden);
+    ops[1].traffic = low_latency_combine_traffic(expert_pairs, tokens, o.hidden);
     add_baseline(o, g, in, ops, "low-latency dispatch", "low-latency combine");
     return ops;
   };
@@ -331,14 +376,18 @@ void Ceiling::measure(Launch& launch, int workers) {
 // Our operation beside the baseline that does the same exchange: baseline time / our time; none
 // for the baselines themselves and where no baseline ran.
 std::optional<double> speedup(const ShapeResult& r, const Measured& op) {
+  std::optional<double> best;  // the fastest baseline of the operation
   for (const auto& base : r.operations)
-    if (base.baseline_of == op.operation) return base.seconds / op.seconds;
-  return std::nullopt;
+    if (base.baseline_of == op.operation) best = std::min(best.value_or(base.seconds), base.seconds);
+  if (!best) return std::nullopt;
+  return *best / op.seconds;
 }
 
 nlohmann::json result_json(const ShapeResult& r, const Measured& op, double ceiling) {
   const double gbs = op.bytes / op.seconds / 1e9;
   const auto up = speedup(r, op);
+  const auto floor = floor_seconds(op, r);
+  auto or_null = [](std::optional<double> v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
   return {{"shape", r.shape},
           {"tokens_per_rank", r.tokens},
           {"operation", op.operation},
@@ -348,8 +397,16 @@ nlohmann::json result_json(const ShapeResult& r, const Measured& op, double ceil
           {"bytes", op.bytes},
           {"gbs", gbs},
           {"ratio", gbs / ceiling},
-          {"floor_seconds", op.bytes / (ceiling * 1e9)},
-          {"speedup_vs_alltoallv", up ? nlohmann::json(*up) : nlohmann::json(nullptr)},
+          {"read_bytes", op.read_bytes},
+          {"write_bytes", op.write_bytes},
+          {"floor_seconds", or_null(floor)},
+          {"efficiency", or_null(floor ? std::optional<double>(*floor / op.seconds) : std::nullopt)},
+          {"streaming_copy_gbs", r.memory.copy_gbs},
+          {"read_gbs", r.memory.read_gbs},
+          {"bandwidth_bytes_per_thread", r.memory_bytes_per_thread},
+          {"barrier_seconds", r.barrier_seconds},
+          {"x_barrier", r.barrier_seconds > 0 ? nlohmann::json(op.seconds / r.barrier_seconds) : nlohmann::json(nullptr)},
+          {"speedup_vs_alltoallv", or_null(up)},
           {"scaleout_bytes_per_rank", op.scaleout_bytes}};
 }
 
@@ -411,13 +468,26 @@ void print_formulas(const BenchOptions& o, bool v1, bool mpi, int threads, bool 
     fmt::print("  low-latency: (token, expert) pairs x {} B dispatch (hidden x 1 B + scales + 16 B header), x {} B "
                "combine (hidden x 2 B)\n",
                o.hidden + 4 * (o.hidden / 128) + 16, 2 * o.hidden);
-  fmt::print("memcpy: {} threads each copying its own 64 MiB buffer, best of 5, {}{}.\n", threads,
+  fmt::print("memory: {} threads each copying (memcpy; then with non-temporal stores), then reading, its own 64 MiB buffer, "
+             "best of 5, {}{}.\n", threads,
              sweep ? "measured after each point at its thread count" : "measured after each shape of this run (the higher kept)",
              mpi ? " (by one process per host, with the threads of that host's ranks)" : "");
-  fmt::print("ratio = GB/s / memcpy GB/s; floor = logical bytes / memcpy GB/s (one copy at the ceiling).\n");
+  fmt::print("bound = the least bytes any implementation must read + write, all ranks: dispatch reads every routed\n"
+             "  token once at its source and writes every received row once (payload, scales, ids, weights); combine reads\n"
+             "  every returned row once and writes every combined token once (hidden x 2 B each; no weights passed)");
+  if (v1)
+    fmt::print(";\n  low-latency dispatch reads every token's BF16 row once and writes every (token, expert) row once\n"
+               "  (hidden x 1 B + scales); low-latency combine reads every (token, expert) row once and writes every token "
+               "once");
+  fmt::print(".\nfloor = bound read / read bandwidth + bound written x (1 / streaming copy bandwidth - 1 / read bandwidth),\n"
+             "  with the streaming copy and the read-only pass of the same threads measured in this run; efficiency = floor / time.\n"
+             "x barrier = time / one barrier round of the same ranks on the same transport (the latency floor, measured\n"
+             "  in this run: back-to-back barriers, the slowest rank, median of three runs).\n");
   if (mpi)
-    fmt::print("speed-up = time of the MPI_Alltoall + pack + MPI_Alltoallv + unpack baseline (bench/alltoallv_baseline) / "
-               "our time, same inputs, same run.\n");
+    fmt::print("speed-up = time of the best baseline / our time, same inputs, same run: MPI_Alltoall of the counts, the\n"
+               "  rows packed and sent straight into the receive tensor with MPI_Alltoallv (bench/alltoallv_baseline); on one\n"
+               "  node also an MPI_Win_allocate_shared window, rows copied in once and read out by their receivers, expert\n"
+               "  outputs read in place (bench/shared_window_baseline).\n");
 }
 
 }  // namespace bench
@@ -438,9 +508,11 @@ int bench_command(const BenchOptions& options, Launch& launch) {
   results.push_back(measure(launch, o, "prefill", o.prefill_tokens, o.prefill_iterations,
                             v1 ? v1_setup(o, o.prefill_tokens) : v2_setup(o, o.prefill_tokens)));
   ceiling.measure(launch, results.front().workers);
+  measure_memory(launch, results.back());
   results.push_back(measure(launch, o, "decode", o.decode_tokens, o.decode_iterations,
                             v1 ? low_latency_setup(o, o.decode_tokens) : v2_setup(o, o.decode_tokens)));
   ceiling.measure(launch, results.front().workers);
+  measure_memory(launch, results.back());
   if (!launch.reports()) return 0;
   progress::clear();
 
@@ -448,8 +520,22 @@ int bench_command(const BenchOptions& options, Launch& launch) {
              "top-{}; FP8 dispatch (per-128 scales), BF16 combine\n\n",
              v1 ? "V1 Buffer: normal mode for prefill, low-latency mode for decode" : "V2 ElasticBuffer",
              launch.describe(), o.nodes, o.ranks / o.nodes, results.front().workers, o.hidden, o.experts, o.topk);
-  std::vector<std::string> columns = {"shape", "tokens/rank", "operation", "time (us)", "GB/s", "memcpy GB/s", "ratio",
-                                      "floor (us)"};
+  for (const auto& r : results) {
+    if (r.memory.usable()) {
+      fmt::print("{}: {} threads, {} MiB each: streaming copy {:.2f} GB/s, read {:.2f} GB/s (a byte read {:.3f} ns, a byte "
+                 "written {:.3f} ns); one barrier round {:.1f} us\n",
+                 r.shape, ceiling.threads, r.memory_bytes_per_thread >> 20, r.memory.copy_gbs, r.memory.read_gbs,
+                 r.memory.seconds_per_read_byte() * 1e9, r.memory.seconds_per_written_byte() * 1e9,
+                 r.barrier_seconds * 1e6);
+    } else {
+      fmt::print("{}: streaming copy {:.2f} GB/s, read {:.2f} GB/s: the bandwidth measurement failed (a copy no slower "
+                 "than reading the same bytes), so no floor or efficiency is printed; one barrier round {:.1f} us\n",
+                 r.shape, r.memory.copy_gbs, r.memory.read_gbs, r.barrier_seconds * 1e6);
+    }
+  }
+  fmt::print("\n");
+  std::vector<std::string> columns = {"shape", "tokens/rank", "operation", "time (us)", "GB/s", "bound (MB)",
+                                      "floor (us)", "efficiency", "x barrier"};
   if (mpi) columns.push_back("speed-up vs alltoallv");
   Table table(columns);
   nlohmann::json json = record_header(o, launch);
@@ -459,10 +545,13 @@ int bench_command(const BenchOptions& options, Launch& launch) {
   for (const auto& r : results) {
     for (const auto& op : r.operations) {
       const double gbs = op.bytes / op.seconds / 1e9;
+      const auto floor = floor_seconds(op, r);
       std::vector<std::string> row = {r.shape, std::to_string(r.tokens), op.operation,
                                       fmt::format("{:.1f}", op.seconds * 1e6), fmt::format("{:.2f}", gbs),
-                                      fmt::format("{:.2f}", ceiling.gbs), fmt::format("{:.2f}", gbs / ceiling.gbs),
-                                      fmt::format("{:.1f}", op.bytes / (ceiling.gbs * 1e9) * 1e6)};
+                                      fmt::format("{:.1f}", (op.read_bytes + op.write_bytes) / 1e6),
+                                      floor ? fmt::format("{:.1f}", *floor * 1e6) : "-",
+                                      floor ? fmt::format("{:.2f}", *floor / op.seconds) : "-",
+                                      r.barrier_seconds > 0 ? fmt::format("{:.1f}", op.seconds / r.barrier_seconds) : "-"};
       const auto up = speedup(r, op);
       if (mpi) row.push_back(up ? fmt::format("{:.2f}x", *up) : op.baseline_of.empty() ? "-" : "1 (baseline)");
       table.row(row);

@@ -88,6 +88,27 @@ std::pair<std::string, std::vector<int>> sweep_parameter(const BenchOptions& opt
   return {key, values};
 }
 
+// One point's operations: into the JSON point, the CSV and the table.
+void record_point(const std::string& key, int v, const BenchOptions& o, const ShapeResult& r, const Ceiling& ceiling,
+                  nlohmann::json& point, std::string& csv, Table& table) {
+  for (const auto& op : r.operations) {
+    nlohmann::json one = result_json(r, op, ceiling.gbs);
+    point["results"].push_back(one);
+    const auto up = speedup(r, op);
+    const auto floor = floor_seconds(op, r);
+    csv += fmt::format("{},{},{},{},{},{},{},{:.9g},{:.17g},{:.6g},{:.6g},{:.6g},{},{:.6g},{},{}\n", key, v, o.ranks,
+                       o.prefill_tokens, o.hidden, op.operation, op.baseline_of.empty() ? 0 : 1, op.seconds, op.bytes,
+                       one["gbs"].get<double>(), ceiling.gbs, one["ratio"].get<double>(),
+                       up ? fmt::format("{:.6g}", *up) : "", r.memory.read_gbs,
+                       floor ? fmt::format("{:.9g}", *floor) : "", floor ? fmt::format("{:.6g}", *floor / op.seconds) : "");
+    table.row({std::to_string(v), op.operation, fmt::format("{:.1f}", op.seconds * 1e6),
+               fmt::format("{:.2f}", one["gbs"].get<double>()), fmt::format("{:.2f}", ceiling.gbs),
+               fmt::format("{:.2f}", one["ratio"].get<double>()), floor ? fmt::format("{:.1f}", *floor * 1e6) : "-",
+               floor ? fmt::format("{:.2f}", *floor / op.seconds) : "-",
+               up ? fmt::format("{:.2f}x", *up) : op.baseline_of.empty() ? "-" : "1 (baseline)"});
+  }
+}
+
 int sweep_command(const BenchOptions& options, Launch& launch) {
   progress::Scope progress_line;  // the progress line (stderr, a terminal only) ends with the command
   const bool v1 = options.api == "v1";
@@ -103,8 +124,9 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
   json["sweep"] = {{"parameter", key}, {"values", values}};
   json["points"] = nlohmann::json::array();
   std::string csv = "parameter,value,ranks,tokens_per_rank,hidden,operation,baseline,seconds,bytes,gbs,memcpy_gbs,ratio,"
-                    "speedup_vs_alltoallv\n";
-  Table table({key, "operation", "time (us)", "GB/s", "memcpy GB/s", "ratio", "speed-up vs alltoallv"});
+                    "speedup_vs_alltoallv,read_gbs,floor_seconds,efficiency\n";
+  Table table({key, "operation", "time (us)", "GB/s", "memcpy GB/s", "ratio", "floor (us)", "efficiency",
+               "speed-up vs alltoallv"});
   int threads = 0;
   for (int v : values) {
     BenchOptions o = base;
@@ -127,23 +149,14 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
                             v1 ? v1_setup(o, o.prefill_tokens) : v2_setup(o, o.prefill_tokens));
     Ceiling ceiling;
     ceiling.measure(*at, r.workers);
+    measure_memory(*at, r);
     threads = ceiling.threads;
     if (!at->reports()) continue;
     nlohmann::json point = {{"value", v}, {"ranks", o.ranks}, {"tokens_per_rank", o.prefill_tokens}, {"hidden", o.hidden},
-                            {"experts", o.experts}, {"workers", r.workers}, {"memcpy_threads", ceiling.threads}, {"memcpy_gbs", ceiling.gbs}};
-    for (const auto& op : r.operations) {
-      nlohmann::json one = result_json(r, op, ceiling.gbs);
-      point["results"].push_back(one);
-      const auto up = speedup(r, op);
-      csv += fmt::format("{},{},{},{},{},{},{},{:.9g},{:.17g},{:.6g},{:.6g},{:.6g},{}\n", key, v, o.ranks, o.prefill_tokens,
-                         o.hidden, op.operation, op.baseline_of.empty() ? 0 : 1, op.seconds, op.bytes,
-                         one["gbs"].get<double>(), ceiling.gbs, one["ratio"].get<double>(),
-                         up ? fmt::format("{:.6g}", *up) : "");
-      table.row({std::to_string(v), op.operation, fmt::format("{:.1f}", op.seconds * 1e6),
-                 fmt::format("{:.2f}", one["gbs"].get<double>()), fmt::format("{:.2f}", ceiling.gbs),
-                 fmt::format("{:.2f}", one["ratio"].get<double>()),
-                 up ? fmt::format("{:.2f}x", *up) : op.baseline_of.empty() ? "-" : "1 (baseline)"});
-    }
+                            {"experts", o.experts}, {"workers", r.workers}, {"memcpy_threads", ceiling.threads},
+                            {"memcpy_gbs", ceiling.gbs}, {"streaming_copy_gbs", r.memory.copy_gbs},
+                            {"read_gbs", r.memory.read_gbs}};
+    record_point(key, v, o, r, ceiling, point, csv, table);
     json["points"].push_back(point);
   }
   if (!launch.reports()) return 0;

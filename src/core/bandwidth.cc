@@ -6,11 +6,14 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <thread>
 #include <vector>
 
+#include "core/cpu_features.hh"
 #include "core/log.hh"
+#include "core/reduce.hh"
 
 namespace moe_ep::core {
 namespace {
@@ -27,12 +30,51 @@ struct Mapping {
   std::size_t bytes;
 };
 
-}  // namespace
+#ifdef MOE_EP_X86_DISPATCH
+// Reads every byte with 32-byte loads, folding them with xor (four independent chains).
+__attribute__((target("avx2"))) std::uint64_t read_all_avx2(const char* p, std::size_t bytes) {
+  __m256i a = _mm256_setzero_si256(), b = a, c = a, d = a;
+  std::size_t i = 0;
+  for (; i + 128 <= bytes; i += 128) {
+    a = _mm256_xor_si256(a, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i)));
+    b = _mm256_xor_si256(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    c = _mm256_xor_si256(c, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    d = _mm256_xor_si256(d, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  const __m256i all = _mm256_xor_si256(_mm256_xor_si256(a, b), _mm256_xor_si256(c, d));
+  alignas(32) std::uint64_t lanes[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), all);
+  std::uint64_t folded = lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+  for (; i < bytes; ++i) folded ^= static_cast<unsigned char>(p[i]);
+  return folded;
+}
+#endif
 
-double measure_copy_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions) {
+std::uint64_t read_all(const char* p, std::size_t bytes) {
+#ifdef MOE_EP_X86_DISPATCH
+  if (has_avx2()) return read_all_avx2(p, bytes);
+#endif
+  std::uint64_t a = 0, b = 0, c = 0, d = 0;
+  std::size_t i = 0;
+  for (; i + 32 <= bytes; i += 32) {
+    std::uint64_t w[4];
+    std::memcpy(w, p + i, sizeof w);
+    a ^= w[0], b ^= w[1], c ^= w[2], d ^= w[3];
+  }
+  std::uint64_t folded = a ^ b ^ c ^ d;
+  for (; i < bytes; ++i) folded ^= static_cast<unsigned char>(p[i]);
+  return folded;
+}
+
+enum class Pass { kCopy, kStream, kRead };
+
+// `threads` threads each run the pass over their own pre-faulted buffers, all starting together,
+// `repetitions` times after a warm-up; returns the bytes per second of the best repetition.
+double measure_pass(Pass pass, int threads, std::size_t bytes_per_thread, int repetitions) {
   threads = std::max(threads, 1);
   repetitions = std::max(repetitions, 1);
   std::atomic<bool> failed{false};
+  std::atomic<std::uint64_t> sink{0};
   std::atomic<int> arrived{0};
   std::atomic<int> round{-1};
   std::vector<std::atomic<int>> finished_count(static_cast<size_t>(repetitions + 1));
@@ -40,17 +82,25 @@ double measure_copy_bandwidth(int threads, std::size_t bytes_per_thread, int rep
   std::vector<std::chrono::steady_clock::time_point> thread_end(static_cast<size_t>(threads) * (repetitions + 1));
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
-      Mapping src(bytes_per_thread), dst(bytes_per_thread);  // first touch by the copying thread
+      // First touch by the thread that uses them; the read pass needs no destination.
+      Mapping src(bytes_per_thread), dst(pass == Pass::kRead ? 4096 : bytes_per_thread);
       const bool mapped = src.data && dst.data;
       if (!mapped) failed = true;
       if (mapped) std::memset(src.data, t + 1, bytes_per_thread);
+      std::uint64_t folded = 0;
       for (int r = 0; r <= repetitions; ++r) {
         ++arrived;
         while (round.load() < r) std::this_thread::yield();
-        if (mapped) std::memcpy(dst.data, src.data, bytes_per_thread);
+        if (mapped && pass == Pass::kCopy) std::memcpy(dst.data, src.data, bytes_per_thread);
+        if (mapped && pass == Pass::kStream) {
+          copy_bytes_streaming(dst.data, src.data, bytes_per_thread);
+          streaming_fence();
+        }
+        if (mapped && pass == Pass::kRead) folded ^= read_all(src.data, bytes_per_thread);
         thread_end[static_cast<size_t>(t) * (repetitions + 1) + r] = std::chrono::steady_clock::now();
         ++finished_count[static_cast<size_t>(r)];
       }
+      sink.fetch_xor(folded, std::memory_order_relaxed);  // the reads are used
     });
   }
   double best_seconds = 1e30;
@@ -66,6 +116,20 @@ double measure_copy_bandwidth(int threads, std::size_t bytes_per_thread, int rep
   for (auto& th : pool) th.join();
   if (failed) return 0.0;
   return static_cast<double>(bytes_per_thread) * threads / best_seconds / 1e9;
+}
+
+}  // namespace
+
+double measure_copy_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions) {
+  return measure_pass(Pass::kCopy, threads, bytes_per_thread, repetitions);
+}
+
+double measure_streaming_copy_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions) {
+  return measure_pass(Pass::kStream, threads, bytes_per_thread, repetitions);
+}
+
+double measure_read_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions) {
+  return measure_pass(Pass::kRead, threads, bytes_per_thread, repetitions);
 }
 
 namespace {

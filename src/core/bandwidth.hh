@@ -13,6 +13,30 @@
 namespace moe_ep::core {
 
 double measure_copy_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions = 3);
+// The same with non-temporal stores (core::copy_bytes_streaming): the destination is written
+// without being read into the cache first, as the data paths write their outputs.
+double measure_streaming_copy_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions = 3);
+// The same with every thread only reading its buffer (a vector load of every byte, the loaded
+// values folded so that the loads cannot be dropped): bytes read per second.
+double measure_read_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions = 3);
+
+// What moving bytes costs on this machine, measured with the same threads: a streaming copy
+// (measure_streaming_copy_bandwidth: bytes copied per second, each byte read once and written
+// once) and a read-only pass. A byte
+// read costs 1 / read; a byte written costs 1 / copy - 1 / read (the copy's time less its reads).
+struct MemoryBandwidth {
+  double copy_gbs = 0;
+  double read_gbs = 0;
+  // False when the two do not make a cost (a measurement failed, or a copy came out faster than
+  // reading the same bytes): no floor can be priced with them.
+  bool usable() const { return copy_gbs > 0 && read_gbs > copy_gbs; }
+  double seconds_per_read_byte() const { return 1.0 / (read_gbs * 1e9); }
+  double seconds_per_written_byte() const { return 1.0 / (copy_gbs * 1e9) - 1.0 / (read_gbs * 1e9); }
+  // The least time to read `read_bytes` and write `write_bytes` at these bandwidths.
+  double floor_seconds(double read_bytes, double write_bytes) const {
+    return read_bytes * seconds_per_read_byte() + write_bytes * seconds_per_written_byte();
+  }
+};
 
 // Measured once per process (single-thread and all-core copy bandwidth, 64 MiB per thread, about
 // a second), on first use. Every buffer's construction makes that first use, so the measurement

@@ -18,6 +18,7 @@
 
 #include "comm/transport.hh"
 #include "alltoallv_baseline.hh"
+#include "shared_window_baseline.hh"
 #include "support/dispatcher_fixture.hh"
 #include "support/elastic_harness.hh"
 #include "moe_ep/elastic_buffer.hpp"
@@ -310,6 +311,26 @@ TEST(MpiTransport, AlltoallvBaselineMatchesElasticBuffer) {
   ASSERT_EQ(theirs_combined.nbytes(), ours_combined.combined_x.nbytes());
   if (g.num_scaleout() == 1) {  // across nodes ours sums each node's rows first (one more BF16 rounding)
     EXPECT_EQ(std::memcmp(theirs_combined.data(), ours_combined.combined_x.data(), theirs_combined.nbytes()), 0);
+  }
+  // The one-node baseline (every rank on this host): the same rows, and the same combined tokens.
+  if (g.transport().ranks_on_host() < g.size()) return;
+  bench::SharedWindowBaseline shared(MPI_COMM_WORLD);
+  for (int call = 0; call < 2; ++call) {  // the second call reuses the window and the outputs
+    bench::BaselineDispatch routed = shared.dispatch(x, scales, topk, weights, E);
+    ASSERT_EQ(routed.recv_x.size(0), rows);
+    EXPECT_EQ(std::memcmp(routed.recv_x.data(), ours.recv_x.data(), ours.recv_x.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(routed.recv_x_scales.data(), ours.recv_x_scales.data(), ours.recv_x_scales.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(routed.recv_topk_idx.data(), theirs.recv_topk_idx.data(), theirs.recv_topk_idx.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(routed.recv_topk_weights.data(), ours.recv_topk_weights.data(), ours.recv_topk_weights.nbytes()),
+              0);
+    const TensorView outputs = shared.output_rows(rows, H);
+    std::memcpy(outputs.data(), y.data(), y.nbytes());
+    const Tensor combined = shared.combine(routed, outputs);
+    if (g.num_scaleout() == 1) {
+      EXPECT_EQ(std::memcmp(combined.data(), ours_combined.combined_x.data(), combined.nbytes()), 0);
+    } else {
+      EXPECT_EQ(std::memcmp(combined.data(), theirs_combined.data(), combined.nbytes()), 0);
+    }
   }
 }
 
