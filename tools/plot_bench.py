@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Plots of a `moe-ep bench --sweep` record: bandwidth and time against the swept parameter.
+"""Plots of `moe-ep bench --sweep` records: bandwidth, time and efficiency against the swept parameter.
 
-Usage: .venv/bin/python tools/plot_bench.py SWEEP.json [--out DIR] [--title TEXT]
+Usage: .venv/bin/python tools/plot_bench.py SWEEP.json [MORE.json ...] [--out DIR] [--title TEXT]
 
-Writes DIR/sweep-<parameter>-bandwidth.png (logical GB/s of each operation, the MPI_Alltoallv
-baseline's when the sweep ran under mpirun, and the memcpy ceiling measured beside each point)
-and DIR/sweep-<parameter>-time.png (median time of the slowest rank per call, with the one-copy
-floor of dispatch: its logical bytes at the memcpy ceiling). Needs matplotlib (Debian:
-python3-matplotlib). Prints the paths it wrote.
+For the first record: DIR/sweep-<parameter>-bandwidth.png (logical GB/s of each operation, the
+baselines' when the sweep ran under mpirun, and the memcpy ceiling measured beside each point) and
+DIR/sweep-<parameter>-time.png (median time of the slowest rank per call, with the floor of
+dispatch: its least traffic at the memory bandwidth measured beside each point). For all records
+together (one per transport, the same sweep): DIR/sweep-<parameter>-efficiency.png, the
+efficiency (floor / time) of every operation of every record on one picture, labelled by the
+record's transport. Needs matplotlib. Prints the paths it wrote.
 """
 
 import argparse
@@ -35,6 +37,27 @@ def series(points):
     return out
 
 
+def efficiency_series(points):
+    """{operation: ([x], [efficiency], baseline)}, points without a floor left out."""
+    out = {}
+    for p in points:
+        for r in p["results"]:
+            if r.get("efficiency") is None:
+                continue
+            xs, eff, _ = out.setdefault(r["operation"], ([], [], r.get("baseline", False)))
+            xs.append(p["value"])
+            eff.append(r["efficiency"])
+    return out
+
+
+def load(path):
+    with open(path) as f:
+        rec = json.load(f)
+    if "sweep" not in rec or not rec.get("points"):
+        sys.exit(f"plot_bench: {path} is not a sweep record (run moe-ep bench --sweep KEY=LIST --json FILE)")
+    return rec
+
+
 def log_x(ax, xs):
     """A base-2 x axis with the swept values as plain tick labels."""
     ax.set_xscale("log", base=2)
@@ -46,13 +69,14 @@ def log_x(ax, xs):
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("record", help="the JSON written by moe-ep bench --sweep")
+    ap.add_argument("more", nargs="*", help="more records of the same sweep (other transports), for the efficiency plot")
     ap.add_argument("--out", default=".", help="folder for the PNG files (default: .)")
     ap.add_argument("--title", default=None, help="title prefix (default: from the record)")
     a = ap.parse_args(argv)
-    with open(a.record) as f:
-        rec = json.load(f)
-    if "sweep" not in rec or not rec.get("points"):
-        sys.exit(f"plot_bench: {a.record} is not a sweep record (run moe-ep bench --sweep KEY=LIST --json FILE)")
+    records = [load(path) for path in [a.record, *a.more]]
+    rec = records[0]
+    if any(r["sweep"]["parameter"] != rec["sweep"]["parameter"] for r in records):
+        sys.exit("plot_bench: the records sweep different parameters")
     key = rec["sweep"]["parameter"]
     points = rec["points"]
     xs = [p["value"] for p in points]
@@ -85,15 +109,26 @@ def main(argv):
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, (x, _, secs, baseline) in ops.items():
         ax.plot(x, [s * 1e3 for s in secs], marker="o", linestyle="--" if baseline else "-", label=name)
-    # One copy of dispatch's logical bytes at the ceiling: the least time any dispatch can take.
+    # The least time any dispatch can take: its least traffic at the bandwidth of the same threads.
     first = next(iter(ops))
     floor = []
     for p in points:
         r = next(r for r in p["results"] if r["operation"] == first)
-        floor.append(r["bytes"] / (p["memcpy_gbs"] * 1e9) * 1e3)
-    ax.plot(xs, floor, color="black", linestyle=":", marker="x", label=f"{first}: one copy at the memcpy ceiling")
+        floor.append(r["floor_seconds"] * 1e3 if r.get("floor_seconds") is not None else float("nan"))
+    ax.plot(xs, floor, color="black", linestyle=":", marker="x", label=f"{first}: its floor (least traffic, measured bandwidth)")
     ax.set_yscale("log")
     save(fig, ax, "time per call (ms, slowest rank, median)", "time")
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r_ in records:
+        for name, (x, eff, baseline) in efficiency_series(r_["points"]).items():
+            if not baseline:  # moe-ep's operations; the baselines' are in each record
+                ax.plot(x, eff, marker="o", label=f"{r_['transport']}: {name}")
+    ax.axhline(1.0, color="black", linestyle=":", label="floor: least traffic at the measured bandwidth")
+    if len(records) > 1:
+        title = (f"moe-ep {rec['version']} {rec['api']}: {', '.join(r_['transport'] for r_ in records)}, "
+                 f"hidden {rec['hidden']}, {rec['experts']} experts, top-{rec['topk']} ({rec['host']}, {rec['cores']} cores)")
+    save(fig, ax, "efficiency = floor / time", "efficiency")
     for p in written:
         print(p)
 

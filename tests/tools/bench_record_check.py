@@ -72,11 +72,12 @@ def check_floor(r, tokens):
     """The least traffic of the operation (from the shape given, not from moe-ep's formulas) and its
     floor priced at the bandwidths recorded beside it."""
     op = r["operation"]
-    if op.endswith("dispatch"):
+    if "dispatch" in op:
         # Every received row written once: the logical bytes; every routed token read once (at most
         # one per received row, at most the tokens given).
         check(r["write_bytes"] == r["bytes"], f"{op}: write_bytes {r['write_bytes']} != logical bytes {r['bytes']}")
-        row = H + 4 * (H // 128) + 12 * K  # FP8 payload, scales, int64 ids, float32 weights
+        # FP8 payload and scales, or BF16 payload; int64 ids, float32 weights
+        row = 2 * H + 12 * K if "BF16" in op else H + 4 * (H // 128) + 12 * K
         check(0 < r["read_bytes"] <= min(r["write_bytes"], tokens * RANKS * row), f"{op}: read_bytes {r['read_bytes']}")
         check(r["read_bytes"] % row == 0, f"{op}: read_bytes {r['read_bytes']} is not whole tokens of {row} B")
     else:
@@ -118,8 +119,8 @@ def single(moe_ep, version):
     for r in rec["results"]:
         shapes.setdefault(r["shape"], []).append(r["operation"])
         check_result(r, 3 if r["shape"] == "prefill" else 2, rec["memcpy_gbs"], 32 if r["shape"] == "prefill" else 8)
-    check(shapes == {"prefill": ["dispatch", "cached dispatch", "combine"],
-                     "decode": ["dispatch", "cached dispatch", "combine"]}, f"operations {shapes}")
+    ops = ["dispatch", "cached dispatch", "combine", "dispatch (BF16)"]
+    check(shapes == {"prefill": ops, "decode": ops}, f"operations {shapes}")
     print("bench record: PASS")
 
 
@@ -144,7 +145,7 @@ def check_tokens_sweep(moe_ep, d):
     values = [8, 16, 32, 64]  # 8, 16, ... continues by 16 / 8 = 2 up to 64
     check(rec["sweep"] == {"parameter": "tokens", "values": values}, f"sweep {rec['sweep']}")
     check([p["value"] for p in rec["points"]] == values, "points are not the swept values")
-    ops = ["dispatch", "cached dispatch", "combine"]
+    ops = ["dispatch", "cached dispatch", "combine", "dispatch (BF16)"]
     check(len(rows) == len(values) * len(ops), f"{len(rows)} CSV rows, expected {len(values) * len(ops)}")
     i = 0
     for p in rec["points"]:
@@ -190,7 +191,7 @@ def check_plots(plot, d):
     out = os.path.join(d, "plots")
     p = subprocess.run([sys.executable, plot, os.path.join(d, "s.json"), "--out", out], capture_output=True, text=True)
     check(p.returncode == 0, f"plot_bench.py exited {p.returncode}: {p.stderr.strip()}")
-    for name in ("sweep-tokens-bandwidth.png", "sweep-tokens-time.png"):
+    for name in ("sweep-tokens-bandwidth.png", "sweep-tokens-time.png", "sweep-tokens-efficiency.png"):
         path = os.path.join(out, name)
         check(os.path.exists(path), f"{name} not written")
         with open(path, "rb") as f:
