@@ -243,6 +243,8 @@ Setup v2_setup(const BenchOptions& o, int tokens) {
          compact_combine_row(o)}};
     ops[0].traffic = ops[1].traffic = dispatch_traffic(rows, routed_tokens(in->topk), compact_dispatch_row(o));
     ops[2].traffic = combine_traffic(rows, tokens, 2 * std::int64_t{o.hidden});  // no weights to combine
+    add_baseline(o, g, in, ops, "dispatch", "combine");
+    if (!o.payloads) return ops;
     // The same routing with BF16 rows (a buffer sized for them): per received row FP8 must not be slower.
     auto bf16_buffer = std::make_shared<ElasticBuffer>(
         g, ElasticBufferConfig{.num_max_tokens_per_rank = tokens, .hidden = o.hidden, .num_topk = o.topk,
@@ -252,7 +254,6 @@ Setup v2_setup(const BenchOptions& o, int tokens) {
     const std::int64_t bf16_row = 2 * std::int64_t{o.hidden} + 12 * std::int64_t{o.topk};
     ops.push_back({"dispatch (BF16)", [=] { (void)in; bf16_buffer->dispatch(bf16_args); }, rows, bf16_row});
     ops.back().traffic = dispatch_traffic(rows, routed_tokens(in->topk), bf16_row);
-    add_baseline(o, g, in, ops, "dispatch", "combine");
     return ops;
   };
 }

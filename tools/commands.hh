@@ -53,6 +53,7 @@ struct BenchOptions {
   std::string sweep;     // KEY=LIST (tokens, ranks, hidden or experts); empty = the two shapes
   std::string csv_path;  // with sweep
   bool quiet = false;  // no progress line on a terminal's stderr
+  bool payloads = false;  // --payloads: also the dispatch of other payloads (BF16 beside FP8) on the same routing
   std::string provider = "cpu";  // cuda: the CUDA provider's bench on device tensors (docs/cuda.md)
   LaunchOptions launch;
 };

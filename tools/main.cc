@@ -157,6 +157,9 @@ void add_bench_command(CLI::App& app, BenchCommand& bench) {
                 "time dispatch and combine through the token dispatcher beside the same calls on its buffer "
                 "(generation from --api, else MOE_EP_USE_V2; decode in the mode the dispatcher resolves)");
   cmd->add_flag("--quiet", o.quiet, "no progress line on stderr (shown only when stderr is a terminal)");
+  cmd->add_flag("--payloads", o.payloads,
+                "also time the dispatch of other payloads on the same routing, per received row: BF16 beside FP8 (V2; "
+                "a second buffer sized for BF16 rows); V1 low-latency: BF16 and NVFP4 beside FP8");
   cmd->add_option("--provider", o.provider,
                   "cpu: this library on host memory; cuda: the CUDA provider on device tensors (from MOE_EP_PROVIDER_PATH, "
                   "else the one built with this tool; docs/cuda.md)")
