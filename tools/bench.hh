@@ -41,9 +41,10 @@ struct ShapeResult {
   // One barrier round between the same ranks on the same transport (the latency floor): the
   // slowest rank's time per barrier over back-to-back barriers, median of three runs.
   double barrier_seconds = 0;
-  // The memory bandwidth of the ranks' threads at this shape's working set (measure_memory): each
-  // thread copies (streaming stores), then reads, a buffer of its share of the shape's traffic
-  // (1 to 64 MiB), so that a shape whose data stays in the caches is priced at the caches' speed.
+  // The memory bandwidth of the ranks' threads at this shape's working set: each thread copies
+  // (streaming stores), then reads, a buffer of its share of the shape's traffic (1 to 64 MiB), so
+  // that a shape whose data stays in the caches is priced at the caches' speed; sampled after every
+  // timed round and five times after the shape, the best copy and read kept.
   core::MemoryBandwidth memory;
   std::size_t memory_bytes_per_thread = 0;
 };
@@ -84,8 +85,12 @@ struct Ceiling {
   int threads = 0;
   void measure(Launch& launch, int workers);
 };
-// Measures r.memory: the ranks' worker threads, at r's working set (the largest traffic of its
-// operations), copying with streaming stores and then reading; best of five of each.
+// Each thread's buffer for a bandwidth sample: its share of `traffic` bytes (all ranks), 1 to 64 MiB.
+std::size_t bandwidth_working_set(double traffic, int threads);
+// One sample of the memory bandwidth (rank 0 measures with the threads of its host's ranks while
+// the others wait; collective): r.memory keeps the best copy and read seen.
+void sample_memory(Group& g, int workers, std::size_t bytes, ShapeResult& r);
+// Five more samples after r's rounds, at r's working set (the largest traffic of its operations).
 void measure_memory(Launch& launch, ShapeResult& r);
 // The floor of `op` (seconds; nullopt when the bandwidths do not make a cost): its least traffic
 // priced at r.memory.

@@ -48,23 +48,31 @@ std::optional<double> floor_seconds(const Measured& op, const ShapeResult& r) {
   return r.memory.floor_seconds(op.read_bytes, op.write_bytes);
 }
 
+std::size_t bandwidth_working_set(double traffic, int threads) {
+  // A copy of B bytes moves 2B: each thread's share of the traffic, halved.
+  const double share = traffic / (2.0 * std::max(threads, 1));
+  return std::clamp<std::size_t>(static_cast<std::size_t>(share), std::size_t{1} << 20, std::size_t{64} << 20) / 64 * 64;
+}
+
+void sample_memory(Group& g, int workers, std::size_t bytes, ShapeResult& r) {
+  if (g.rank() == 0) {
+    const int on_host = std::min(g.transport().ranks_on_host(), g.size());
+    const int hosts = g.size() / on_host;
+    r.memory_bytes_per_thread = bytes;
+    r.memory.copy_gbs =
+        std::max(r.memory.copy_gbs, core::measure_streaming_copy_bandwidth(on_host * workers, bytes, 1) * hosts);
+    r.memory.read_gbs = std::max(r.memory.read_gbs, core::measure_read_bandwidth(on_host * workers, bytes, 1) * hosts);
+  }
+  g.barrier();
+}
+
 void measure_memory(Launch& launch, ShapeResult& r) {
   double traffic = 0;
   for (const auto& op : r.operations) traffic = std::max(traffic, op.read_bytes + op.write_bytes);
   launch.run([&](Group& g) {
-    const int on_host = std::min(g.transport().ranks_on_host(), g.size());
-    const int threads = g.size() * r.workers, hosts = g.size() / on_host;
-    // A copy of B bytes moves 2B: each thread's share of the traffic, halved.
-    const double share = traffic / (2.0 * threads);
-    const std::size_t bytes = std::clamp<std::size_t>(static_cast<std::size_t>(share), std::size_t{1} << 20,
-                                                      std::size_t{64} << 20) / 64 * 64;
     if (g.rank() == 0) progress::show(r.shape + " memory bandwidth");
-    if (g.rank() == 0) {
-      r.memory_bytes_per_thread = bytes;
-      r.memory.copy_gbs = core::measure_streaming_copy_bandwidth(on_host * r.workers, bytes, 5) * hosts;
-      r.memory.read_gbs = core::measure_read_bandwidth(on_host * r.workers, bytes, 5) * hosts;
-    }
-    g.barrier();
+    const std::size_t bytes = bandwidth_working_set(traffic, g.size() * r.workers);
+    for (int i = 0; i < 5; ++i) sample_memory(g, r.workers, bytes, r);
   });
 }
 
