@@ -423,6 +423,8 @@ nlohmann::json result_json(const ShapeResult& r, const Measured& op, double ceil
           {"bandwidth_bytes_per_thread", r.memory_bytes_per_thread},
           {"barrier_seconds", r.barrier_seconds},
           {"x_barrier", r.barrier_seconds > 0 ? nlohmann::json(op.seconds / r.barrier_seconds) : nlohmann::json(nullptr)},
+          {"x_floor_and_barrier", or_null(floor ? std::optional<double>(op.seconds / (*floor + r.barrier_seconds))
+                                                : std::nullopt)},
           {"speedup_vs_alltoallv", or_null(up)},
           {"scaleout_bytes_per_rank", op.scaleout_bytes}};
 }
@@ -499,7 +501,8 @@ void print_formulas(const BenchOptions& o, bool v1, bool mpi, int threads, bool 
   fmt::print(".\nfloor = bound read / read bandwidth + bound written x (1 / streaming copy bandwidth - 1 / read bandwidth),\n"
              "  with the streaming copy and the read-only pass of the same threads measured in this run; efficiency = floor / time.\n"
              "x barrier = time / one barrier round of the same ranks on the same transport (the latency floor, measured\n"
-             "  in this run: back-to-back barriers, the slowest rank, median of three runs).\n");
+             "  in this run: back-to-back barriers, the slowest rank, median of three runs); a call that moves data\n"
+             "  cannot beat floor + one round: x (floor + barrier) = time / (floor + one round).\n");
   if (mpi)
     fmt::print("speed-up = time of the best baseline / our time, same inputs, same run: MPI_Alltoall of the counts, the\n"
                "  rows packed and sent straight into the receive tensor with MPI_Alltoallv (bench/alltoallv_baseline); on one\n"
@@ -552,7 +555,7 @@ int bench_command(const BenchOptions& options, Launch& launch) {
   }
   fmt::print("\n");
   std::vector<std::string> columns = {"shape", "tokens/rank", "operation", "time (us)", "GB/s", "bound (MB)",
-                                      "floor (us)", "efficiency", "x barrier"};
+                                      "floor (us)", "efficiency", "x barrier", "x (floor + barrier)"};
   if (mpi) columns.push_back("speed-up vs alltoallv");
   Table table(columns);
   nlohmann::json json = record_header(o, launch);
@@ -568,7 +571,8 @@ int bench_command(const BenchOptions& options, Launch& launch) {
                                       fmt::format("{:.1f}", (op.read_bytes + op.write_bytes) / 1e6),
                                       floor ? fmt::format("{:.1f}", *floor * 1e6) : "-",
                                       floor ? fmt::format("{:.2f}", *floor / op.seconds) : "-",
-                                      r.barrier_seconds > 0 ? fmt::format("{:.1f}", op.seconds / r.barrier_seconds) : "-"};
+                                      r.barrier_seconds > 0 ? fmt::format("{:.1f}", op.seconds / r.barrier_seconds) : "-",
+                                      floor ? fmt::format("{:.2f}", op.seconds / (*floor + r.barrier_seconds)) : "-"};
       const auto up = speedup(r, op);
       if (mpi) row.push_back(up ? fmt::format("{:.2f}x", *up) : op.baseline_of.empty() ? "-" : "1 (baseline)");
       table.row(row);
