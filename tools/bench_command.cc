@@ -14,6 +14,7 @@
 #include <thread>
 #include <charconv>
 #include <ctime>
+#include <random>
 #include <nlohmann/json.hpp>
 
 #include "moe_ep/version.hpp"
@@ -24,6 +25,7 @@
 #include "core/timeout.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/group.hpp"
+#include "moe_ep/dtype.hpp"
 #include "moe_ep/legacy_buffer.hpp"
 #include "launch.hh"
 #include "moe_ep/error.hpp"
@@ -241,6 +243,21 @@ Setup v1_setup(const BenchOptions& o, int tokens) {
   };
 }
 
+// The experts' outputs of a low-latency combine: the received rows of each local expert hold
+// values of N(0, 0.1) (below 1 in magnitude, so that LogFMT codes them), the rest zeros.
+Tensor expert_outputs(const LowLatencyDispatchResult& d, int local_experts, std::int64_t rows, int hidden,
+                      std::uint64_t seed, int rank) {
+  Tensor y = Tensor::zeros({local_experts, rows, hidden}, DType::kBF16);
+  std::mt19937 gen(static_cast<std::uint32_t>(seed * 1000 + static_cast<std::uint64_t>(rank)));
+  std::normal_distribution<float> normal(0.0f, 0.1f);
+  for (int i = 0; i < local_experts; ++i) {
+    auto* p = y.data_as<std::uint16_t>() + static_cast<std::int64_t>(i) * rows * hidden;
+    const std::int64_t count = d.packed_recv_count.data_as<const std::int32_t>()[i];
+    for (std::int64_t e = 0; e < count * hidden; ++e) p[e] = float_to_bf16(normal(gen));
+  }
+  return y;
+}
+
 Setup low_latency_setup(const BenchOptions& o, int tokens) {
   return [&o, tokens](Group& g, int& workers, std::pair<std::int64_t, std::int64_t>& pairs) {
     const LayerConfig c = layer(o, tokens);
@@ -254,18 +271,21 @@ Setup low_latency_setup(const BenchOptions& o, int tokens) {
                                 .num_experts = o.experts, .use_fp8 = true};
     auto first = std::make_shared<LowLatencyDispatchResult>(buffer->low_latency_dispatch(args));
     const int El = o.experts / o.ranks;
-    auto y = std::make_shared<Tensor>(Tensor::zeros({El, std::int64_t{o.ranks} * tokens, o.hidden}, DType::kBF16));
+    auto y = std::make_shared<Tensor>(expert_outputs(*first, El, std::int64_t{o.ranks} * tokens, o.hidden, o.seed, g.rank()));
     std::int64_t expert_pairs = 0;
     for (int i = 0; i < El; ++i) expert_pairs += first->packed_recv_count.data_as<std::int32_t>()[i];
     workers = 1;
     // Each timed combine needs a live handle: dispatch again right before it (not timed).
     auto handle = std::make_shared<std::shared_ptr<LowLatencyHandle>>(first->handle);
+    auto combine = [=](bool logfmt) {
+      buffer->low_latency_combine(
+          {.x = *y, .topk_idx = in->topk, .topk_weights = in->weights, .handle = *handle, .use_logfmt = logfmt});
+    };
     std::vector<Operation> ops{
         {"low-latency dispatch", [=] { (void)in; *handle = buffer->low_latency_dispatch(args).handle; }, expert_pairs,
          o.hidden + 4 * (o.hidden / 128) + 16},
-        {"low-latency combine",
-         [=] { buffer->low_latency_combine({.x = *y, .topk_idx = in->topk, .topk_weights = in->weights, .handle = *handle}); },
-         expert_pairs, 2 * std::int64_t{o.hidden}}};
+        {"low-latency combine", [=] { combine(false); }, expert_pairs, 2 * std::int64_t{o.hidden}},
+        {"low-latency combine (LogFMT)", [=] { combine(true); }, expert_pairs, 2 * std::int64_t{o.hidden}}};
     add_baseline(o, g, in, ops, "low-latency dispatch", "low-latency combine");
     return ops;
   };
@@ -409,7 +429,8 @@ void print_formulas(const BenchOptions& o, bool v1, bool mpi, int threads, bool 
   fmt::print("  combine:  received rows x {} B = hidden x 2 B + top-{} x 4 B weights\n", compact_combine_row(o), o.topk);
   if (v1)
     fmt::print("  low-latency: (token, expert) pairs x {} B dispatch (hidden x 1 B + scales + 16 B header), x {} B "
-               "combine (hidden x 2 B)\n",
+               "combine (hidden x 2 B); the LogFMT combine (use_logfmt) counts the same bytes, on the same expert "
+               "outputs (N(0, 0.1) values)\n",
                o.hidden + 4 * (o.hidden / 128) + 16, 2 * o.hidden);
   fmt::print("memcpy: {} threads each copying its own 64 MiB buffer, best of 5, {}{}.\n", threads,
              sweep ? "measured after each point at its thread count" : "measured after each shape of this run (the higher kept)",
