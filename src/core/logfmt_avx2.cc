@@ -28,11 +28,14 @@ struct Avx2 {
   MOE_EP_LOGFMT_INLINE static I add_int(I a, I b) { return _mm256_add_epi32(a, b); }
   MOE_EP_LOGFMT_INLINE static I sub_int(I a, I b) { return _mm256_sub_epi32(a, b); }
   MOE_EP_LOGFMT_INLINE static I and_int(I a, I b) { return _mm256_and_si256(a, b); }
+  MOE_EP_LOGFMT_INLINE static I min_int(I a, I b) { return _mm256_min_epi32(a, b); }
   MOE_EP_LOGFMT_INLINE static I or_int(I a, I b) { return _mm256_or_si256(a, b); }
   template <int k>
   MOE_EP_LOGFMT_INLINE static I shl(I a) { return _mm256_slli_epi32(a, k); }
   template <int k>
   MOE_EP_LOGFMT_INLINE static I sra(I a) { return _mm256_srai_epi32(a, k); }
+  template <int k>
+  MOE_EP_LOGFMT_INLINE static I shr(I a) { return _mm256_srli_epi32(a, k); }
   MOE_EP_LOGFMT_INLINE static I sllv(I a, I n) { return _mm256_sllv_epi32(a, n); }
   MOE_EP_LOGFMT_INLINE static I srlv(I a, I n) { return _mm256_srlv_epi32(a, n); }
   MOE_EP_LOGFMT_INLINE static F as_float(I a) { return _mm256_castsi256_ps(a); }
@@ -53,6 +56,11 @@ struct Avx2 {
   MOE_EP_LOGFMT_INLINE static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   MOE_EP_LOGFMT_INLINE static I load_int(const std::int32_t* p) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  // `count` (at most 8) pairs of BF16 bit patterns as 32-bit lanes, zeros above.
+  MOE_EP_LOGFMT_INLINE static I load_pairs(const std::uint16_t* p, int count) {
+    const I lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_epi32(reinterpret_cast<const int*>(p), _mm256_cmpgt_epi32(set_int(count), lane));
   }
   // 8 BF16 bit patterns, zero-extended.
   MOE_EP_LOGFMT_INLINE static I load_u16(const std::uint16_t* p) {

@@ -35,11 +35,14 @@ struct Avx512 {
   MOE_EP_LOGFMT_INLINE static I add_int(I a, I b) { return _mm512_add_epi32(a, b); }
   MOE_EP_LOGFMT_INLINE static I sub_int(I a, I b) { return _mm512_sub_epi32(a, b); }
   MOE_EP_LOGFMT_INLINE static I and_int(I a, I b) { return _mm512_and_si512(a, b); }
+  MOE_EP_LOGFMT_INLINE static I min_int(I a, I b) { return _mm512_min_epi32(a, b); }
   MOE_EP_LOGFMT_INLINE static I or_int(I a, I b) { return _mm512_or_si512(a, b); }
   template <int k>
   MOE_EP_LOGFMT_INLINE static I shl(I a) { return _mm512_slli_epi32(a, k); }
   template <int k>
   MOE_EP_LOGFMT_INLINE static I sra(I a) { return _mm512_srai_epi32(a, k); }
+  template <int k>
+  MOE_EP_LOGFMT_INLINE static I shr(I a) { return _mm512_srli_epi32(a, k); }
   MOE_EP_LOGFMT_INLINE static I sllv(I a, I n) { return _mm512_sllv_epi32(a, n); }
   MOE_EP_LOGFMT_INLINE static I srlv(I a, I n) { return _mm512_srlv_epi32(a, n); }
   MOE_EP_LOGFMT_INLINE static F as_float(I a) { return _mm512_castsi512_ps(a); }
@@ -59,6 +62,10 @@ struct Avx512 {
   MOE_EP_LOGFMT_INLINE static F load(const float* p) { return _mm512_loadu_ps(p); }
   MOE_EP_LOGFMT_INLINE static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   MOE_EP_LOGFMT_INLINE static I load_int(const std::int32_t* p) { return _mm512_loadu_si512(p); }
+  // `count` (at most 16) pairs of BF16 bit patterns as 32-bit lanes, zeros above.
+  MOE_EP_LOGFMT_INLINE static I load_pairs(const std::uint16_t* p, int count) {
+    return _mm512_maskz_loadu_epi32(static_cast<M>((1u << count) - 1u), p);
+  }
   // 16 BF16 bit patterns, zero-extended.
   MOE_EP_LOGFMT_INLINE static I load_u16(const std::uint16_t* p) {
     return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

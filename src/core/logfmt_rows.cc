@@ -107,8 +107,31 @@ std::int64_t logfmt_decode_row(const std::byte* in, std::int64_t hidden, float* 
   return body - in;
 }
 
-// Every row's meta and parameters first (the parameters of all blocks in one pass), then chunk by
-// chunk: every row's values of the chunk accumulated into `acc` in row order, then rounded.
+namespace {
+
+// One chunk of every row: the meta pairs of its blocks (row r's at r * blocks; read from the head of
+// an encoded row, found in a BF16 row), then their parameters in one pass. The next chunk of the
+// BF16 rows is prefetched meanwhile: it arrives while this chunk is computed.
+void chunk_params(const Kernels& k, std::span<const LogfmtRow> rows, std::int64_t start, std::int64_t n,
+                  std::int64_t hidden, RowBlocks& rb) {
+  const std::int64_t blocks = n / kBlock;
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    std::uint16_t* meta = rb.meta.data() + 2 * static_cast<std::int64_t>(r) * blocks;
+    if (rows[r].encoded) {
+      std::memcpy(meta, rows[r].encoded + 4 * (start / kBlock), static_cast<std::size_t>(4 * blocks));
+      continue;
+    }
+    k.meta(rows[r].bf16 + start, blocks, meta);
+    const std::int64_t next = std::min(start + n, hidden), end = std::min(next + n, hidden);
+    for (std::int64_t h = next; h < end; h += 32) __builtin_prefetch(rows[r].bf16 + h);
+  }
+  k.params(rb.meta.data(), static_cast<std::int64_t>(rows.size()) * blocks, rb.params.data(), rb.castable.data());
+}
+
+}  // namespace
+
+// Chunk by chunk: the parameters of every row's blocks of the chunk (chunk_params), then every
+// row's values of the chunk accumulated into `acc` in row order, then rounded.
 void logfmt_weighted_sum(std::span<const LogfmtRow> rows, std::span<const float> weights, std::uint16_t* out,
                          std::int64_t hidden) {
   if (rows.empty()) {
@@ -116,44 +139,34 @@ void logfmt_weighted_sum(std::span<const LogfmtRow> rows, std::span<const float>
     return;
   }
   const Kernels& k = kernels();
-  const std::int64_t blocks = hidden / kBlock, chunk = chunk_elements(hidden);
-  const auto count = static_cast<std::int64_t>(rows.size());
-  thread_local RowBlocks rb;  // row r's blocks at r * blocks
+  const std::int64_t chunk = chunk_elements(hidden);
+  thread_local RowBlocks rb;
   thread_local std::vector<const std::byte*> body;  // where each encoded row's next chunk starts
-  rb.resize(static_cast<std::size_t>(count * blocks));
+  rb.resize(rows.size() * logfmt::kMaxChunkBlocks);
   body.resize(rows.size());
-  for (std::int64_t r = 0; r < count; ++r) {
-    const LogfmtRow& row = rows[static_cast<std::size_t>(r)];
-    std::uint16_t* meta = rb.meta.data() + 2 * r * blocks;
-    if (row.encoded) {
-      std::memcpy(meta, row.encoded, static_cast<std::size_t>(4 * blocks));
-      body[static_cast<std::size_t>(r)] = row.encoded + 4 * blocks;
-    } else {
-      k.meta(row.bf16, blocks, meta);
-    }
-  }
-  fill_params(k, rb, count * blocks);
+  for (std::size_t r = 0; r < rows.size(); ++r)
+    if (rows[r].encoded) body[r] = rows[r].encoded + 4 * (hidden / kBlock);
   alignas(64) float acc[logfmt::kMaxChunk];
   for (std::int64_t start = 0; start < hidden; start += chunk) {
     const std::int64_t n = std::min(chunk, hidden - start);
-    const int chunk_blocks = static_cast<int>(n / kBlock);
-    for (std::int64_t r = 0; r < count; ++r) {
-      const auto i = static_cast<std::size_t>(r);
+    const int blocks = static_cast<int>(n / kBlock);
+    chunk_params(k, rows, start, n, hidden, rb);
+    for (std::size_t r = 0; r < rows.size(); ++r) {
       const Mode mode = r == 0 ? Mode::kFirst : Mode::kAdd;
-      const std::int64_t first = r * blocks + start / kBlock;
-      const bool castable = rb.chunk_castable(first, chunk_blocks);
+      const std::int64_t first = static_cast<std::int64_t>(r) * blocks;
+      const bool castable = rb.chunk_castable(first, blocks);
       const logfmt::Params* p = rb.params.data() + first;
-      if (rows[i].encoded) {
-        const std::byte* in = body[i];
-        body[i] += castable ? castable_bytes(n) : 2 * n;
+      if (rows[r].encoded) {
+        const std::byte* in = body[r];
+        body[r] += castable ? castable_bytes(n) : 2 * n;
         if (castable)
-          k.decode(in, p, chunk_blocks, weights[i], mode, acc);
+          k.decode(in, p, blocks, weights[r], mode, acc);
         else
-          k.plain(reinterpret_cast<const std::uint16_t*>(in), n, weights[i], mode, acc);
+          k.plain(reinterpret_cast<const std::uint16_t*>(in), n, weights[r], mode, acc);
       } else if (castable) {
-        k.round_trip(rows[i].bf16 + start, p, chunk_blocks, weights[i], mode, acc);
+        k.round_trip(rows[r].bf16 + start, p, blocks, weights[r], mode, acc);
       } else {
-        k.plain(rows[i].bf16 + start, n, weights[i], mode, acc);
+        k.plain(rows[r].bf16 + start, n, weights[r], mode, acc);
       }
     }
     k.narrow(acc, n, out + start);

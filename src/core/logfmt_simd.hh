@@ -92,14 +92,10 @@ template <class V>
 MOE_EP_LOGFMT_INLINE void params_of(const std::uint16_t* meta, Params* out, std::uint8_t* castable, int count,
                                     const float* log2_table) {
   using F = typename V::F;
-  alignas(64) std::int32_t amax[V::W] = {}, amin[V::W] = {};
   alignas(64) float ln[V::W], step[V::W], inv[V::W], fused[V::W];
-  for (int b = 0; b < count; ++b) {
-    amax[b] = meta[2 * b];
-    amin[b] = meta[2 * b + 1];
-  }
-  const typename V::I min_bits = V::load_int(amin);
-  const F la = V::gather(log2_table, V::load_int(amax)), floor_ln = V::sub(la, V::set(32.0f));
+  const typename V::I pairs = V::load_pairs(meta, count);  // amax | amin << 16, zeros past count
+  const typename V::I min_bits = V::template shr<16>(pairs);
+  const F la = V::gather(log2_table, V::and_int(pairs, V::set_int(0xffff))), floor_ln = V::sub(la, V::set(32.0f));
   const F lmin = V::gather(log2_table, min_bits);
   const F l = V::select(V::eq(V::as_float(min_bits), V::set(0.0f)), floor_ln,
                         V::select(V::lt(lmin, floor_ln), floor_ln, lmin));
@@ -181,6 +177,9 @@ MOE_EP_LOGFMT_INLINE void put(float* out, typename V::F v, typename V::F w) {
   }
 }
 
+// Values per step of the loops below: 64 (four groups), as independent vectors in flight.
+inline constexpr int kStep = 64;
+
 // Codes of one group, packed: 16 codes of 9 bits, LSB first, then the 16 sign bits.
 MOE_EP_LOGFMT_INLINE void pack_group(const std::uint64_t* p, std::uint32_t signs, std::byte* out) {
   // p[j] = code 2j | code 2j+1 << 9, at bit 18 j of the group
@@ -194,40 +193,47 @@ MOE_EP_LOGFMT_INLINE void pack_group(const std::uint64_t* p, std::uint32_t signs
 
 template <class V>
 MOE_EP_LOGFMT_KERNEL void encode_kernel(const std::uint16_t* x, const Params* params, int blocks, std::byte* out) {
+  constexpr int kU = kStep / V::W;
   const float* table = log2_of_bf16();
   for (int b = 0; b < blocks; ++b) {
     const Lanes<V> p(params[b]);
-    for (int g = b * kBlock; g < (b + 1) * kBlock; g += 16, out += kGroupBytes) {
-      alignas(64) std::uint64_t pairs[8];
-      std::uint32_t signs = 0;
-      for (int h = 0; h < 16; h += V::W) {
-        const auto raw = V::load_u16(x + g + h);
-        V::store_pairs(V::truncate(codes_of<V>(code_argument<V>(raw, p, table))), pairs + h / 2);
-        signs |= V::sign_bits(V::template shl<16>(raw)) << h;
+    for (int i = b * kBlock; i < (b + 1) * kBlock; i += kStep, out += kStep / 16 * kGroupBytes) {
+      alignas(64) std::uint64_t pairs[kStep / 2];
+      std::uint64_t signs = 0;
+      for (int u = 0; u < kU; ++u) {
+        const auto raw = V::load_u16(x + i + u * V::W);
+        V::store_pairs(V::truncate(codes_of<V>(code_argument<V>(raw, p, table))), pairs + u * V::W / 2);
+        signs |= static_cast<std::uint64_t>(V::sign_bits(V::template shl<16>(raw))) << (u * V::W);
       }
-      pack_group(pairs, signs, out);
+      for (int g = 0; g < kStep / 16; ++g)
+        pack_group(pairs + 8 * g, static_cast<std::uint32_t>(signs >> (16 * g)) & 0xffffu, out + g * kGroupBytes);
     }
   }
 }
 
+// The codes (FP32 integers) and sign bits (bit 31) of the W values from value h of a group.
+template <class V>
+MOE_EP_LOGFMT_INLINE void unpack(const std::byte* group, int h, typename V::F& code, typename V::I& sign) {
+  using I = typename V::I;
+  const I words = V::load_words(group);
+  const I first = V::permute(words, V::load_int(kLayout.word + h));
+  const I next = V::permute(words, V::load_int(kLayout.next + h));
+  const I bits = V::or_int(V::srlv(first, V::load_int(kLayout.shift + h)), V::sllv(next, V::load_int(kLayout.back + h)));
+  code = V::to_float(V::and_int(bits, V::set_int(0x1ff)));
+  sign = V::sllv(V::permute(words, V::set_int(4)), V::load_int(kLayout.sign_shift + h));
+}
+
 template <class V, Mode kMode>
 MOE_EP_LOGFMT_INLINE void decode_impl(const std::byte* in, const Params* params, int blocks, float w, float* out) {
-  using I = typename V::I;
-  const I low9 = V::set_int(0x1ff);
+  constexpr int kU = kStep / V::W;
   const typename V::F weight = V::set(w);
   for (int b = 0; b < blocks; ++b) {
     const Lanes<V> p(params[b]);
-    for (int g = b * kBlock; g < (b + 1) * kBlock; g += 16, in += kGroupBytes) {
-      const I words = V::load_words(in);
-      const I last = V::permute(words, V::set_int(4));
-      for (int h = 0; h < 16; h += V::W) {
-        const I first = V::permute(words, V::load_int(kLayout.word + h));
-        const I next = V::permute(words, V::load_int(kLayout.next + h));
-        const I code = V::and_int(
-            V::or_int(V::srlv(first, V::load_int(kLayout.shift + h)), V::sllv(next, V::load_int(kLayout.back + h))), low9);
-        const I sign = V::sllv(last, V::load_int(kLayout.sign_shift + h));
-        put_signed<V, kMode>(out + g + h, levels_of<V>(V::to_float(code), p), sign, weight);
-      }
+    for (int i = b * kBlock; i < (b + 1) * kBlock; i += kStep, in += kStep / 16 * kGroupBytes) {
+      typename V::F code[kU];
+      typename V::I sign[kU];
+      for (int u = 0; u < kU; ++u) unpack<V>(in + u * V::W / 16 * kGroupBytes, u * V::W % 16, code[u], sign[u]);
+      for (int u = 0; u < kU; ++u) put_signed<V, kMode>(out + i + u * V::W, levels_of<V>(code[u], p), sign[u], weight);
     }
   }
 }
@@ -239,13 +245,14 @@ MOE_EP_LOGFMT_INLINE void round_trip_impl(const std::uint16_t* x, const Params* 
   const typename V::F weight = V::set(w);
   for (int b = 0; b < blocks; ++b) {
     const Lanes<V> p(params[b]);
-    constexpr int kU = 4;  // independent vectors in flight
-    for (int i = b * kBlock; i < (b + 1) * kBlock; i += kU * V::W) {
+    constexpr int kU = kStep / V::W;
+    for (int i = b * kBlock; i < (b + 1) * kBlock; i += kStep) {
       typename V::I raw[kU];
       typename V::F code[kU];
       for (int u = 0; u < kU; ++u) raw[u] = V::load_u16(x + i + u * V::W);
       // Codes below 0 need no clamp here: they decode to 0 as code 0 does.
-      for (int u = 0; u < kU; ++u) code[u] = V::floor(V::min(code_argument<V>(raw[u], p, table), V::set(511.0f)));
+      for (int u = 0; u < kU; ++u)
+        code[u] = V::to_float(V::min_int(V::truncate(code_argument<V>(raw[u], p, table)), V::set_int(511)));
       for (int u = 0; u < kU; ++u)
         put_signed<V, kMode>(out + i + u * V::W, levels_of<V>(code[u], p), V::template shl<16>(raw[u]), weight);
     }
