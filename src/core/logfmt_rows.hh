@@ -6,12 +6,13 @@
 //    shorter), each either LogFMT (10 bits per element: 9-bit codes, then 16 sign bits per 16
 //    elements, 20 B per 16) when every block of the chunk is castable, or the BF16 values]
 // A block is castable iff la = log2(amax) < 0 and ln = max(log2(amin), la - 32) < la (amin = 0
-// gives la - 32). Codes: code = floor(max(log2(v) / step + r - ln / step, 0)), at most 511, with
-// step = (la - ln) / 510 and r = 2 - log2((1 + 2^step) / 2) / step; v = 0 gives 0. Decoding gives
-// 0 for code 0, else 2^((code - 1) * step + ln), with the sign. All arithmetic is IEEE FP32 in that
-// order, log2 and exp2 are the codec's own (logfmt_math.hh: fixed polynomials, each step one FP32
-// operation), so the bits are the same on every machine and instruction set; a GPU's approximate
-// lg2/ex2 may put a value one code away at a level boundary.
+// gives la - 32). Codes, in DeepEP's order of operations: step = (la - ln) / 510, step_inv = 1 /
+// step, r = 2 - log2((1 + exp2(step)) * 0.5) * step_inv, fused = r - ln * step_inv; code =
+// floor(max(log2(v) * step_inv + fused, 0)), at most 511; v = 0 gives 0. Decoding gives 0 for
+// code 0, else exp2((code - 1) * step + ln), with the sign. Every step is one IEEE FP32 operation
+// (no fused multiply-add) and log2 and exp2 are the codec's own (logfmt_math.hh: fixed FP32
+// polynomials), so the bits are the same on every machine and instruction set; a GPU's approximate
+// lg2/ex2 and its fused multiply-adds may put a value one code away at a level boundary.
 #pragma once
 
 #include <cstddef>
