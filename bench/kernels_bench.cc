@@ -9,8 +9,10 @@
 #include <random>
 #include <vector>
 
+#include "core/logfmt_rows.hh"
 #include "core/reduce.hh"
 #include "moe_ep/convert.hpp"
+#include "moe_ep/dtype.hpp"
 #include "moe_ep/limits.hpp"
 #include "routing/handle_plan.hh"
 #include "routing/plan.hh"
@@ -54,6 +56,90 @@ void BM_QuantizeFp8(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * 256 * kHidden * 3);
 }
 BENCHMARK(BM_QuantizeFp8);
+
+// LogFMT rows: expert outputs of N(0, 0.1) values (every chunk castable), one token's top-8.
+struct LogfmtRows {
+  static constexpr int kRows = 8;
+  std::vector<std::uint16_t> bf16;
+  std::vector<std::byte> encoded;
+  std::vector<float> weights;
+  LogfmtRows() : bf16(static_cast<size_t>(kRows) * kHidden), encoded(static_cast<size_t>(kRows) * moe_ep::core::logfmt_max_row_bytes(kHidden)) {
+    std::mt19937 rng(2);
+    std::normal_distribution<float> normal(0.0f, 0.1f);
+    for (auto& x : bf16) x = moe_ep::float_to_bf16(normal(rng));
+    for (int r = 0; r < kRows; ++r) {
+      moe_ep::core::logfmt_encode_row(row(r), kHidden, encoded_row(r));
+      weights.push_back(0.125f + 0.01f * static_cast<float>(r));
+    }
+  }
+  const std::uint16_t* row(int r) const { return bf16.data() + static_cast<size_t>(r) * kHidden; }
+  std::byte* encoded_row(int r) { return encoded.data() + static_cast<size_t>(r) * moe_ep::core::logfmt_max_row_bytes(kHidden); }
+};
+
+// Arg: the instruction set (0 scalar, 1 AVX2, 2 AVX-512); skipped where this CPU lacks it.
+bool select_logfmt_isa(benchmark::State& state) {
+  const moe_ep::core::LogfmtIsa isa[] = {moe_ep::core::LogfmtIsa::kScalar, moe_ep::core::LogfmtIsa::kAvx2,
+                                         moe_ep::core::LogfmtIsa::kAvx512};
+  if (moe_ep::core::logfmt_select_isa(isa[state.range(0)])) return true;
+  state.SkipWithError("this CPU lacks the instruction set");
+  return false;
+}
+
+// One row encoded (meta, codes, packing), per row.
+void BM_LogfmtEncodeRow(benchmark::State& state) {
+  if (!select_logfmt_isa(state)) return;
+  LogfmtRows rows;
+  for (auto _ : state) benchmark::DoNotOptimize(moe_ep::core::logfmt_encode_row(rows.row(0), kHidden, rows.encoded_row(1)));
+  state.SetItemsProcessed(state.iterations() * kHidden);
+  moe_ep::core::logfmt_select_isa(moe_ep::core::LogfmtIsa::kAuto);
+}
+BENCHMARK(BM_LogfmtEncodeRow)->Arg(0)->Arg(1)->Arg(2);
+
+// One encoded row decoded to FP32, per row.
+void BM_LogfmtDecodeRow(benchmark::State& state) {
+  if (!select_logfmt_isa(state)) return;
+  LogfmtRows rows;
+  std::vector<float> out(kHidden);
+  for (auto _ : state) {
+    moe_ep::core::logfmt_decode_row(rows.encoded_row(0), kHidden, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * kHidden);
+  moe_ep::core::logfmt_select_isa(moe_ep::core::LogfmtIsa::kAuto);
+}
+BENCHMARK(BM_LogfmtDecodeRow)->Arg(0)->Arg(1)->Arg(2);
+
+// One token of the LogFMT combine: 8 rows weighted and summed, read in place (encoded and decoded
+// by the reader: range(1) = 0) or encoded (range(1) = 1); items = row elements.
+void BM_LogfmtWeightedSum(benchmark::State& state) {
+  if (!select_logfmt_isa(state)) return;
+  LogfmtRows rows;
+  std::vector<moe_ep::core::LogfmtRow> in;
+  for (int r = 0; r < LogfmtRows::kRows; ++r)
+    in.push_back(state.range(1) ? moe_ep::core::LogfmtRow{.encoded = rows.encoded_row(r)} : moe_ep::core::LogfmtRow{.bf16 = rows.row(r)});
+  std::vector<std::uint16_t> out(kHidden);
+  for (auto _ : state) {
+    moe_ep::core::logfmt_weighted_sum(in, rows.weights, out.data(), kHidden);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * LogfmtRows::kRows * kHidden);
+  moe_ep::core::logfmt_select_isa(moe_ep::core::LogfmtIsa::kAuto);
+}
+BENCHMARK(BM_LogfmtWeightedSum)->ArgsProduct({{0, 1, 2}, {0, 1}});
+
+// Its baseline: the BF16 combine's weighted sum of the same 8 rows.
+void BM_WeightedSumBf16(benchmark::State& state) {
+  LogfmtRows rows;
+  std::vector<const std::uint16_t*> in;
+  for (int r = 0; r < LogfmtRows::kRows; ++r) in.push_back(rows.row(r));
+  std::vector<std::uint16_t> out(kHidden);
+  for (auto _ : state) {
+    moe_ep::core::weighted_sum_bf16_rows(in, rows.weights, out.data(), kHidden);
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.SetItemsProcessed(state.iterations() * LogfmtRows::kRows * kHidden);
+}
+BENCHMARK(BM_WeightedSumBf16);
 
 // DeepSeek-V3 routing on 8 ranks: 4096 tokens, 256 experts, top-8, experts drawn uniformly.
 struct Routing {

@@ -100,6 +100,10 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
                     const Setup& setup);
 // The bench's MoE layer at `tokens` per rank: the shape of `o`, FP8 dispatch.
 LayerConfig layer(const BenchOptions& o, int tokens);
+// Bytes of one received row as the bench counts them (the compact layout): dispatch is the FP8
+// payload, its per-128 scales and top-k ids and weights; combine the BF16 row and top-k weights.
+std::int64_t compact_dispatch_row(const BenchOptions& o);
+std::int64_t compact_combine_row(const BenchOptions& o);
 Setup v2_setup(const BenchOptions& o, int tokens);
 Setup v1_setup(const BenchOptions& o, int tokens);
 Setup low_latency_setup(const BenchOptions& o, int tokens);

@@ -66,6 +66,42 @@ def log_x(ax, xs):
     ax.minorticks_off()
 
 
+def plot_bandwidth(ops, xs, ceiling, save):
+    """Logical GB/s of every operation beside the memcpy ceiling of the same threads."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, (x, gbs, _, baseline) in ops.items():
+        ax.plot(x, gbs, marker="o", linestyle="--" if baseline else "-", label=name)
+    ax.plot(xs, ceiling, color="black", linestyle=":", marker="x", label="memcpy ceiling (same threads)")
+    save(fig, ax, "logical GB/s (all ranks)", "bandwidth")
+
+
+def plot_time(ops, points, xs, save):
+    """Time per call of every operation, and the floor of the first one."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, (x, _, secs, baseline) in ops.items():
+        ax.plot(x, [s * 1e3 for s in secs], marker="o", linestyle="--" if baseline else "-", label=name)
+    # The least time any dispatch can take: its least traffic at the bandwidth of the same threads.
+    first = next(iter(ops))
+    floor = []
+    for p in points:
+        r = next(r for r in p["results"] if r["operation"] == first)
+        floor.append(r["floor_seconds"] * 1e3 if r.get("floor_seconds") is not None else float("nan"))
+    ax.plot(xs, floor, color="black", linestyle=":", marker="x", label=f"{first}: its floor (least traffic, measured bandwidth)")
+    ax.set_yscale("log")
+    save(fig, ax, "time per call (ms, slowest rank, median)", "time")
+
+
+def plot_efficiency(records, save):
+    """Efficiency (floor / time) of moe-ep's operations, every record's transport on one picture."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r_ in records:
+        for name, (x, eff, baseline) in efficiency_series(r_["points"]).items():
+            if not baseline:  # moe-ep's operations; the baselines' are in each record
+                ax.plot(x, eff, marker="o", label=f"{r_['transport']}: {name}")
+    ax.axhline(1.0, color="black", linestyle=":", label="floor: least traffic at the measured bandwidth")
+    save(fig, ax, "efficiency = floor / time", "efficiency")
+
+
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("record", help="the JSON written by moe-ep bench --sweep")
@@ -100,35 +136,12 @@ def main(argv):
         plt.close(fig)
         written.append(path)
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, (x, gbs, _, baseline) in ops.items():
-        ax.plot(x, gbs, marker="o", linestyle="--" if baseline else "-", label=name)
-    ax.plot(xs, ceiling, color="black", linestyle=":", marker="x", label="memcpy ceiling (same threads)")
-    save(fig, ax, "logical GB/s (all ranks)", "bandwidth")
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for name, (x, _, secs, baseline) in ops.items():
-        ax.plot(x, [s * 1e3 for s in secs], marker="o", linestyle="--" if baseline else "-", label=name)
-    # The least time any dispatch can take: its least traffic at the bandwidth of the same threads.
-    first = next(iter(ops))
-    floor = []
-    for p in points:
-        r = next(r for r in p["results"] if r["operation"] == first)
-        floor.append(r["floor_seconds"] * 1e3 if r.get("floor_seconds") is not None else float("nan"))
-    ax.plot(xs, floor, color="black", linestyle=":", marker="x", label=f"{first}: its floor (least traffic, measured bandwidth)")
-    ax.set_yscale("log")
-    save(fig, ax, "time per call (ms, slowest rank, median)", "time")
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r_ in records:
-        for name, (x, eff, baseline) in efficiency_series(r_["points"]).items():
-            if not baseline:  # moe-ep's operations; the baselines' are in each record
-                ax.plot(x, eff, marker="o", label=f"{r_['transport']}: {name}")
-    ax.axhline(1.0, color="black", linestyle=":", label="floor: least traffic at the measured bandwidth")
+    plot_bandwidth(ops, xs, ceiling, save)
+    plot_time(ops, points, xs, save)
     if len(records) > 1:
         title = (f"moe-ep {rec['version']} {rec['api']}: {', '.join(r_['transport'] for r_ in records)}, "
                  f"hidden {rec['hidden']}, {rec['experts']} experts, top-{rec['topk']} ({rec['host']}, {rec['cores']} cores)")
-    save(fig, ax, "efficiency = floor / time", "efficiency")
+    plot_efficiency(records, save)
     for p in written:
         print(p)
 

@@ -344,24 +344,15 @@ void LowLatencyCombine::combine_token(int64_t t) {
     return;
   }
   // LogFMT: every row is what its encoding decodes to, whether it traveled encoded or is read
-  // in place from a rank of this node (encoded here the same way).
-  thread_local std::vector<float> decoded;
-  thread_local std::vector<std::byte> scratch;
-  decoded.resize(static_cast<size_t>(n) * H);
-  scratch.resize(static_cast<size_t>(core::logfmt_max_row_bytes(H)));
-  std::array<const float*, kMaxTopk> values;
+  // in place from a rank of this node (encoded and decoded here the same way, without packing).
+  std::array<core::LogfmtRow, kMaxTopk> coded;
   for (int r = 0; r < n; ++r) {
-    float* dst = decoded.data() + static_cast<size_t>(r) * H;
-    const std::byte* bytes = reinterpret_cast<const std::byte*>(rows[static_cast<size_t>(r)]);
-    if (!encoded[static_cast<size_t>(r)]) {
-      core::logfmt_encode_row(rows[static_cast<size_t>(r)], H, scratch.data());
-      bytes = scratch.data();
-    }
-    core::logfmt_decode_row(bytes, H, dst);
-    values[static_cast<size_t>(r)] = dst;
+    const auto i = static_cast<size_t>(r);
+    coded[i] = encoded[i] ? core::LogfmtRow{.encoded = reinterpret_cast<const std::byte*>(rows[i])}
+                          : core::LogfmtRow{.bf16 = rows[i]};
   }
-  core::weighted_sum_fp32_rows({values.data(), static_cast<size_t>(n)}, {w.data(), static_cast<size_t>(n)},
-                               out + t * result.combined_x.stride(0), H);
+  core::logfmt_weighted_sum({coded.data(), static_cast<size_t>(n)}, {w.data(), static_cast<size_t>(n)},
+                            out + t * result.combined_x.stride(0), H);
 }
 
 }  // namespace

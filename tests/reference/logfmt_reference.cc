@@ -8,22 +8,35 @@
 namespace moe_ep::reference {
 namespace {
 
+// The codec's log2 (docs/quantized-formats.md): v = 2^e * m with m in [a, 2a), a the FP32 value
+// 0x3F3504F3 just below sqrt(1/2), found here by halving and doubling; s = (m - 1) / (m + 1);
+// log2(m) = s * P(s^2), P by Horner with the FP32 roundings of 2 / (k ln 2), k = 9, 7, 5, 3, 1.
+const float kLowMantissa = 0x1.6a09e6p-1f;  // 0x3F3504F3
+const float kP[5] = {0x1.715476p+1f, 0x1.ec709ep-1f, 0x1.2776c6p-1f, 0x1.a61762p-2f, 0x1.484b14p-2f};
+// The codec's exp2: Q(f) = 1 + f (q1 + f (q2 + ...)), degree 6, the doc's minimax coefficients.
+const float kQ[7] = {0x1p+0f, 0x1.62e432p-1f, 0x1.ebfbep-3f, 0x1.c6ae2cp-5f, 0x1.3b29e4p-7f, 0x1.5f88fep-10f,
+                     0x1.446c7ep-13f};
+
 struct Params {
   bool castable;
-  float ln, step, r;
+  float ln, step, step_inv, fused;
 };
 
+// The doc's order: step = (la - ln) / 510, step_inv = 1 / step, r = 2 - log2((1 + exp2(step)) * 0.5)
+// * step_inv, fused = r - ln * step_inv.
 Params params(float amax, float amin) {
   Params p{};
-  const float la = log2f(amax);
+  const float la = logfmt_log2(amax);
   float ln = la - 32.0f;
-  if (amin != 0.0f && log2f(amin) > ln) ln = log2f(amin);
+  if (amin != 0.0f && logfmt_log2(amin) > ln) ln = logfmt_log2(amin);
   p.castable = la < 0.0f && ln < la;
   if (p.castable) {
     p.ln = ln;
     p.step = (la - ln) / 510.0f;
-    const float half = (1.0f + exp2f(p.step)) / 2.0f;
-    p.r = 2.0f - log2f(half) / p.step;
+    p.step_inv = 1.0f / p.step;
+    const float half = (1.0f + logfmt_exp2(p.step)) * 0.5f;
+    const float r = 2.0f - logfmt_log2(half) * p.step_inv;
+    p.fused = r - ln * p.step_inv;
   }
   return p;
 }
@@ -45,6 +58,44 @@ std::uint32_t get_bits(const std::vector<std::uint8_t>& in, std::size_t& bit, in
 int chunk_of(int hidden) { return hidden % 1024 == 0 ? 1024 : 512; }
 
 }  // namespace
+
+float logfmt_log2(float v) {
+  if (std::isnan(v) || v < 0.0f) return NAN;
+  if (v == 0.0f) return -INFINITY;
+  if (std::isinf(v)) return INFINITY;
+  int e = 0;
+  if (v < 0x1p-126f) {
+    v = v * 0x1p23f;
+    e = -23;
+  }
+  float m = v;
+  while (m >= 2.0f * kLowMantissa) {
+    m = m / 2.0f;
+    ++e;
+  }
+  while (m < kLowMantissa) {
+    m = m * 2.0f;
+    --e;
+  }
+  const float s = (m - 1.0f) / (m + 1.0f);
+  const float z = s * s;
+  float q = kP[4];
+  for (int k = 3; k >= 0; --k) q = q * z + kP[k];
+  return s * q + static_cast<float>(e);
+}
+
+float logfmt_exp2(float x) {
+  if (std::isnan(x)) return x;
+  if (x < -160.0f) x = -160.0f;
+  if (x > 128.0f) x = 128.0f;
+  const float n = std::nearbyint(x);  // ties to even (the default rounding mode)
+  const float f = x - n;
+  float q = kQ[6];
+  for (int k = 5; k >= 0; --k) q = q * f + kQ[k];
+  const int whole = static_cast<int>(n);
+  const int n1 = whole >= 0 ? whole / 2 : -((-whole + 1) / 2);  // floor(n / 2)
+  return (q * std::ldexp(1.0f, n1)) * std::ldexp(1.0f, whole - n1);
+}
 
 std::vector<std::uint8_t> logfmt_encode(const std::uint16_t* x, int hidden) {
   const int blocks = hidden / 128;
@@ -81,7 +132,8 @@ std::vector<std::uint8_t> logfmt_encode(const std::uint16_t* x, int hidden) {
         const float v = std::fabs(float_from_bf16(x[g + i]));
         std::uint32_t code = 0;
         if (v != 0.0f) {
-          float c = log2f(v) / p.step + p.r - p.ln / p.step;
+          const float product = logfmt_log2(v) * p.step_inv;
+          float c = product + p.fused;
           c = std::floor(c < 0.0f ? 0.0f : c);
           code = c > 511.0f ? 511u : static_cast<std::uint32_t>(c);
         }
@@ -117,7 +169,7 @@ std::vector<float> logfmt_decode(const std::vector<std::uint8_t>& in, int hidden
       std::uint32_t codes[16];
       for (int i = 0; i < 16; ++i) codes[i] = get_bits(in, bit, 9);
       for (int i = 0; i < 16; ++i) {
-        const float v = codes[i] == 0 ? 0.0f : exp2f(static_cast<float>(codes[i] - 1) * q.step + q.ln);
+        const float v = codes[i] == 0 ? 0.0f : logfmt_exp2(static_cast<float>(codes[i] - 1) * q.step + q.ln);
         out[static_cast<size_t>(g + i)] = get_bits(in, bit, 1) ? -v : v;
       }
     }

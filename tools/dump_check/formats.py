@@ -141,6 +141,52 @@ def swizzled_scales(sf_rows, rows_total, h):
     return out
 
 
+# LogFMT's own log2 and exp2 (docs/quantized-formats.md), in float32, one rounding per operation.
+LOG2_P = [np.array(b, dtype=np.uint32).view(np.float32) for b in  # s, s^3, ..., s^9: fp32(2 / (k ln 2))
+          (0x4038AA3B, 0x3F76384F, 0x3F13BB63, 0x3ED30BB1, 0x3EA4258A)]
+EXP2_Q = [np.array(b, dtype=np.uint32).view(np.float32) for b in  # f^0 .. f^6
+          (0x3F800000, 0x3F317219, 0x3E75FDF0, 0x3D635716, 0x3C1D94F2, 0x3AAFC47F, 0x3922363F)]
+SQRT_HALF_BELOW = np.array(0x3F3504F3, dtype=np.uint32).view(np.float32)
+
+
+def logfmt_log2(v):
+    """log2 of non-negative float32 values: v = 2^e m with m in [a, 2a), a = 0x3F3504F3; s = (m - 1) /
+    (m + 1); s P(s^2) + e. 0 -> -inf, inf -> inf, NaN -> NaN."""
+    v = np.asarray(v, dtype=np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m, e = np.frexp(v)  # m in [1/2, 1), exact (subnormals normalized)
+        m = m.astype(np.float32)
+        low = m < SQRT_HALF_BELOW
+        m = np.where(low, m * F32(2), m).astype(np.float32)
+        e = np.where(low, e - 1, e)
+        s = ((m - F32(1)) / (m + F32(1))).astype(np.float32)
+        z = (s * s).astype(np.float32)
+        q = LOG2_P[4]
+        for c in LOG2_P[3::-1]:
+            q = (q * z + c).astype(np.float32)
+        out = (s * q + e.astype(np.float32)).astype(np.float32)
+    out = np.where(v == 0, F32(-np.inf), out)
+    out = np.where(np.isinf(v), F32(np.inf), out)
+    return np.where(np.isnan(v), v, out).astype(np.float32)
+
+
+def logfmt_exp2(x):
+    """2^x of float32 values: clamp to [-160, 128], n = round half to even, f = x - n, Q(f) by
+    Horner, then (Q 2^floor(n/2)) 2^(n - floor(n/2))."""
+    x = np.asarray(x, dtype=np.float32)
+    c = np.clip(np.where(np.isnan(x), F32(0), x), F32(-160), F32(128)).astype(np.float32)
+    n = np.rint(c).astype(np.float32)
+    f = (c - n).astype(np.float32)
+    p = EXP2_Q[6]
+    for q in EXP2_Q[5::-1]:
+        p = (p * f + q).astype(np.float32)
+    ni = n.astype(np.int32)
+    n1 = ni >> 1
+    with np.errstate(over="ignore", under="ignore"):
+        out = ((p * np.ldexp(F32(1), n1)).astype(np.float32) * np.ldexp(F32(1), ni - n1)).astype(np.float32)
+    return np.where(np.isnan(x), x, out).astype(np.float32)
+
+
 def logfmt_roundtrip(y_bits):
     """What LogFMT-10 decodes BF16 rows [M, H] to (FP32), docs/quantized-formats.md: per
     128-channel block (amax, amin), castable chunks of 256*U elements coded, the rest BF16."""
@@ -154,26 +200,29 @@ def logfmt_roundtrip(y_bits):
     amax = np.where(amax > 0x7F80, np.uint16(0x7FC0), amax)
     amax_f, amin_f = bf16_to_f32(amax), bf16_to_f32(amin)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        la = np.log2(amax_f)
+        la = logfmt_log2(amax_f)
         floor_ln = la - F32(32)
-        log_amin = np.log2(amin_f)
-        ln = np.where(amin_f == 0, floor_ln, np.where(log_amin < floor_ln, floor_ln, log_amin))
+        log_amin = logfmt_log2(amin_f)
+        ln = np.where(amin_f == 0, floor_ln, np.where(log_amin < floor_ln, floor_ln, log_amin)).astype(np.float32)
         castable = (la < 0) & (ln < la)
-        step = (la - ln) / F32(510)
-        r = F32(2) - np.log2((F32(1) + np.exp2(step)) / F32(2)) / step
+        step = ((la - ln) / F32(510)).astype(np.float32)
+        step_inv = (F32(1) / step).astype(np.float32)
+        r = (F32(2) - logfmt_log2((F32(1) + logfmt_exp2(step)) * F32(0.5)) * step_inv).astype(np.float32)
+        fused = (r - ln * step_inv).astype(np.float32)
         block_chunk = np.arange(nb) * 128 // chunk
         chunk_ok = np.ones((m, block_chunk[-1] + 1), dtype=bool)
         for c in range(block_chunk[-1] + 1):
             chunk_ok[:, c] = castable[:, block_chunk == c].all(axis=1)
         coded = chunk_ok[:, block_chunk]  # [m, nb]
         v = bf16_to_f32(mag)  # [m, nb, 128]
-        st, lnb, rb = step[:, :, None], ln[:, :, None], r[:, :, None]
-        t = np.log2(v) / st + rb - lnb / st
+        st, lnb, inv, fu = step[:, :, None], ln[:, :, None], step_inv[:, :, None], fused[:, :, None]
+        t = (logfmt_log2(v) * inv + fu).astype(np.float32)
         code = np.floor(np.where(t < 0, F32(0), t))
         code = np.where(code >= F32(511), F32(511), code)
         code = np.where(v == 0, F32(0), code)
         code = np.where(coded[:, :, None], code, F32(0)).astype(np.int32)
-        decoded = np.where(code == 0, F32(0), np.exp2((code - 1).astype(np.float32) * st + lnb)).astype(np.float32)
+        level = logfmt_exp2(((code - 1).astype(np.float32) * st + lnb).astype(np.float32))
+        decoded = np.where(code == 0, F32(0), level).astype(np.float32)
     negative = (bits.reshape(m, nb, 128) >> 15).astype(bool)
     decoded = np.where(negative, -decoded, decoded)
     plain = bf16_to_f32(bits).reshape(m, nb, 128)
