@@ -9,7 +9,9 @@
 #include <random>
 #include <vector>
 
+#include "core/fp8_rows.hh"
 #include "core/logfmt_rows.hh"
+#include "core/nvfp4_rows.hh"
 #include "core/reduce.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/dtype.hpp"
@@ -56,6 +58,34 @@ void BM_QuantizeFp8(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * 256 * kHidden * 3);
 }
 BENCHMARK(BM_QuantizeFp8);
+
+// The low-latency dispatch's row casts: FP8 (per-128 scales) and NVFP4 (16-element blocks, E4M3
+// scales), on N(0, 1) BF16 rows, beside a memcpy of the BF16 row (the BF16 dispatch's staging).
+std::vector<std::uint16_t> normal_bf16_rows(int rows) {
+  std::vector<std::uint16_t> x(static_cast<size_t>(rows) * kHidden);
+  std::mt19937 gen(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& v : x) v = moe_ep::float_to_bf16(normal(gen));
+  return x;
+}
+void BM_CastRow(benchmark::State& state) {
+  const int rows = 32, kind = static_cast<int>(state.range(0));
+  const auto x = normal_bf16_rows(rows);
+  std::vector<std::uint8_t> q(static_cast<size_t>(kHidden) * 2), scales(kHidden);
+  const moe_ep::core::Nvfp4Cast nvfp4{.global_scale = 1.0f};
+  for (auto _ : state) {
+    for (int t = 0; t < rows; ++t) {
+      const std::uint16_t* row = &x[static_cast<size_t>(t) * kHidden];
+      if (kind == 0) std::memcpy(q.data(), row, kHidden * 2);
+      if (kind == 1) moe_ep::core::cast_row_fp8(row, kHidden, false, false, q.data(), reinterpret_cast<std::byte*>(scales.data()));
+      if (kind == 2) moe_ep::core::cast_row_nvfp4(row, kHidden, nvfp4, q.data(), scales.data());
+    }
+    benchmark::DoNotOptimize(q.data());
+  }
+  state.SetLabel(kind == 0 ? "memcpy" : kind == 1 ? "fp8" : "nvfp4");
+  state.SetItemsProcessed(state.iterations() * rows * kHidden);
+}
+BENCHMARK(BM_CastRow)->Arg(0)->Arg(1)->Arg(2);
 
 // LogFMT rows: expert outputs of N(0, 0.1) values (every chunk castable), one token's top-8.
 struct LogfmtRows {

@@ -1,5 +1,6 @@
 #include "core/host_allocator.hh"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -170,6 +171,28 @@ std::shared_ptr<void> allocate_host(std::size_t bytes) {
   } catch (const std::bad_alloc&) {
     throw ResourceError(fmt::format("allocating {} bytes of host memory failed", bytes));
   }
+}
+
+void zero_host_sparse(void* p, std::size_t bytes) {
+  const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(p), end = begin + bytes;
+  const std::uintptr_t inner_begin = (begin + page - 1) / page * page, inner_end = end / page * page;
+  if (bytes < kLargeThreshold || inner_end <= inner_begin) {  // operator new storage, or no whole page
+    std::memset(p, 0, bytes);
+    return;
+  }
+  std::memset(p, 0, inner_begin - begin);
+  std::memset(reinterpret_cast<void*>(inner_end), 0, end - inner_end);
+  auto* inner = reinterpret_cast<void*>(inner_begin);
+  const std::size_t length = inner_end - inner_begin;
+  SharedBlock block;
+  bool zeroed = false;
+  if (cache().find(inner, length, &block))
+    zeroed = fallocate(block.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(block.offset),
+                       static_cast<off_t>(length)) == 0;
+  else
+    zeroed = madvise(inner, length, MADV_DONTNEED) == 0;
+  if (!zeroed) std::memset(inner, 0, length);
 }
 
 HostAllocatorStats host_allocator_stats() { return cache().stats(); }

@@ -28,6 +28,11 @@ struct HostAllocatorStats {
 // Returns storage of at least `bytes` bytes, 64-byte aligned, released by the deleter.
 std::shared_ptr<void> allocate_host(std::size_t bytes);
 HostAllocatorStats host_allocator_stats();
+// Sets [p, p + bytes) of storage from allocate_host to zero. For a large block the whole pages
+// inside the range are handed back to the kernel (madvise MADV_DONTNEED, or a hole punched in a
+// shareable block's memfd), which maps zero pages again on first touch: a mostly untouched output
+// (the swizzled NVFP4 scales) costs page faults for the pages written, not a memset of all of it.
+void zero_host_sparse(void* p, std::size_t bytes);
 // Unmaps every cached free block.
 void host_allocator_trim();
 

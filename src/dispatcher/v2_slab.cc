@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "core/host_allocator.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::dispatcher {
@@ -109,7 +110,8 @@ void to_nvfp4_layout(V2Slab& s, int hidden, bool ue8m0) {
   const std::int64_t xs[] = {rows_per_expert, H / 2, local_experts}, xt[] = {H / 2, 1, rows_per_expert * (H / 2)};
   x = x.with_view(TensorView(x.data(), DType::kUInt8, xs, xt));
   const DType dtype = ue8m0 ? DType::kInt32 : DType::kFP8E4M3;
-  Tensor sf = Tensor::zeros({local_experts, rm, rk, 32, 4, 4}, dtype);
+  Tensor sf = Tensor::empty({local_experts, rm, rk, 32, 4, 4}, dtype);
+  core::zero_host_sparse(sf.data(), static_cast<std::size_t>(sf.nbytes()));  // mostly untouched tiles
   const std::int64_t per = rm * rk * 512, expert_bytes = per * static_cast<std::int64_t>(element_size(dtype));
   // Scale words of row t of expert i: storage [local_experts, H/64, rows_per_expert] (the FP8 slab's
   // token-stride-1 layout).

@@ -18,6 +18,7 @@
 #include "core/checks.hh"
 #include "core/failure.hh"
 #include "core/fp8_rows.hh"
+#include "core/host_allocator.hh"
 #include "core/nvfp4_rows.hh"
 #include "engine/call_shape.hh"
 #include "engine/counted_exchange.hh"
@@ -198,7 +199,9 @@ void LowLatencyDispatch::allocate_received_rows() {
     result.recv_x = x.with_view(TensorView(x.data(), DType::kUInt8, xs, xt));
     const int64_t rm = (rows + 127) / 128, rk = H / 64;
     const DType sdtype = args_.use_ue8m0_for_sf ? DType::kInt32 : DType::kFP8E4M3;
-    Tensor sf = Tensor::zeros({El, rm, rk, 32, 4, 4}, sdtype);
+    // Zero outside the received rows: mostly untouched tiles, zeroed lazily (zero_host_sparse).
+    Tensor sf = Tensor::empty({El, rm, rk, 32, 4, 4}, sdtype);
+    core::zero_host_sparse(sf.data(), static_cast<std::size_t>(sf.nbytes()));
     const std::int64_t per = rm * rk * 512;  // elements per expert
     const std::int64_t ss[] = {32, 4, rm, 4, rk, El}, st[] = {16, 4, rk * 512, 1, 512, per};
     result.recv_x_scales = sf.with_view(TensorView(sf.data(), sdtype, ss, st));

@@ -46,17 +46,50 @@ TEST(Nvfp4Rows, MatchTheReferenceBitForBit) {
         for (bool ue8m0 : {false, true})
           for (bool sm90 : {false, true}) {
             const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
-            std::vector<std::uint8_t> packed(hidden / 2), scales(hidden / 16);
-            core::cast_row_nvfp4(row.data(), hidden,
-                                 {.global_scale = gs, .ue8m0 = ue8m0,
-                                  .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven},
-                                 packed.data(), scales.data());
-            ASSERT_EQ(scales, want.scales) << "kind " << kind << " gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90;
-            ASSERT_EQ(packed, want.packed) << "kind " << kind << " gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90;
+            const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
+                                       .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
+            for (bool portable : {false, true}) {  // the vector path where the CPU has one, and the portable one
+              std::vector<std::uint8_t> packed(hidden / 2), scales(hidden / 16);
+              (portable ? core::cast_row_nvfp4_generic : core::cast_row_nvfp4)(row.data(), hidden, cast, packed.data(),
+                                                                               scales.data());
+              ASSERT_EQ(scales, want.scales) << "kind " << kind << " gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90
+                                             << " portable " << portable;
+              ASSERT_EQ(packed, want.packed) << "kind " << kind << " gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90
+                                             << " portable " << portable;
+            }
             ++rows;
           }
     }
   EXPECT_EQ(rows, 5 * 40 * 5 * 2 * 2);
+}
+
+// Every BF16 code, twice: sixteen consecutive codes per block, and fifteen per block beside an
+// anchor of 6.0 (so that the block scale is 1 wherever the codes stay within 6, and the values
+// land exactly on the E2M1 midpoints: ties), subnormals, infinities and NaNs included; with E4M3
+// and power-of-two (UE8M0) scales, both roundings, both paths.
+TEST(Nvfp4Rows, EveryBf16CodeMatchesTheReferenceOnBothPaths) {
+  std::vector<std::uint16_t> row;
+  for (int code = 0; code < 65536; ++code) row.push_back(static_cast<std::uint16_t>(code));
+  for (int code = 0; code < 65536; ++code) {
+    if (row.size() % 16 == 0) row.push_back(0x40c0);  // 6.0
+    row.push_back(static_cast<std::uint16_t>(code));
+  }
+  while (row.size() % 16 != 0) row.push_back(0);
+  const int hidden = static_cast<int>(row.size());
+  for (float gs : {1.0f, 0.37f})
+    for (bool ue8m0 : {false, true})
+      for (bool sm90 : {false, true}) {
+        const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
+        const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
+                                   .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
+        for (bool portable : {false, true}) {
+          std::vector<std::uint8_t> packed(row.size() / 2), scales(row.size() / 16);
+          (portable ? core::cast_row_nvfp4_generic : core::cast_row_nvfp4)(row.data(), hidden, cast, packed.data(),
+                                                                           scales.data());
+          EXPECT_EQ(scales, want.scales) << "gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90 << " portable " << portable;
+          EXPECT_EQ(packed, want.packed) << "gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90 << " portable " << portable;
+        }
+      }
 }
 
 TEST(Nvfp4Rows, NibbleOrderAndAKnownBlock) {
