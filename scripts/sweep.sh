@@ -8,11 +8,13 @@
 #      local runs the ranks as threads, host and mpi under mpirun -np NP (default 8) with that
 #      transport (adding the baselines). The first record's bandwidth and time plots are drawn, and
 #      the efficiency of every transport on one picture (sweep-KEY-efficiency.png).
+#      Memory: the host transport keeps every rank's buffers in shared memory; 8 processes at
+#      4096 tokens per rank need more than 24 GiB (sweep host to 2048 on such a machine).
 #      BUILD: the build folder (default build/; built with scripts/bootstrap.sh when it has no moe-ep).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 if [ $# -lt 1 ] || [[ "$1" != *=* ]]; then
-  sed -n '2,12p' "$0" >&2
+  sed -n '2,14p' "$0" >&2
   exit 2
 fi
 sweep=$1

@@ -93,7 +93,7 @@ def plot_time(ops, points, xs, save):
 
 def plot_efficiency(records, save):
     """Efficiency (floor / time) of moe-ep's operations, every record's transport on one picture."""
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = plt.subplots(figsize=(8, 6))
     for r_ in records:
         for name, (x, eff, baseline) in efficiency_series(r_["points"]).items():
             if not baseline:  # moe-ep's operations; the baselines' are in each record
@@ -129,7 +129,10 @@ def main(argv):
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        if len(ax.get_lines()) > 6:  # many series: the legend below the axes, not over the lines
+            ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+        else:
+            ax.legend(fontsize=8)
         path = os.path.join(a.out, f"sweep-{key}-{name}.png")
         fig.tight_layout()
         fig.savefig(path, dpi=110)

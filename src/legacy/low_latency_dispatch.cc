@@ -20,6 +20,7 @@
 #include "core/fp8_rows.hh"
 #include "core/host_allocator.hh"
 #include "core/nvfp4_rows.hh"
+#include "core/reduce.hh"
 #include "engine/call_shape.hh"
 #include "engine/counted_exchange.hh"
 #include "legacy/buffer_core.hh"
@@ -468,6 +469,7 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
       if (lane >= 0) place_row(i, row++, area + t * L.row_bytes, with_weights ? weights[t * k + lane] : 0.0f, s);
     }
   }
+  core::streaming_fence();  // the rows' stores, before the call (or the hook) returns
 }
 
 // Copies one staged row (payload | scales | token) to slab row `row` of local expert i; `weight`
@@ -476,7 +478,8 @@ void LowLatencyDispatch::place_row(int64_t i, int64_t row, const std::byte* stag
   const SlotLayout& L = *layout_;
   const int64_t slab_row = i * static_cast<int64_t>(ranks()) * shape_.max_tokens + row;
   auto* out = static_cast<std::byte*>(result.recv_x.data());
-  std::memcpy(out + slab_row * L.payload_bytes, staged, static_cast<size_t>(L.payload_bytes));
+  // Non-temporal: the slab is far larger than the caches (receive_expert fences).
+  core::copy_bytes_streaming(out + slab_row * L.payload_bytes, staged, static_cast<size_t>(L.payload_bytes));
   if (result.recv_topk_weights.defined()) {
     result.recv_topk_weights.data_as<float>()[slab_row] = weight;
     result.recv_rank_info.data_as<int32_t>()[slab_row] = source;
