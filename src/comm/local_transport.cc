@@ -148,6 +148,7 @@ class LocalTransport final : public Transport, private EpochSlots {
         peer_reads_(*this, channel_->reading[rank].value) {}
 
   int ranks_on_host() const override { return size(); }
+  bool ranks_share_address_space() const override { return true; }
 
   std::unique_ptr<Transport> duplicate(const Wait& wait) override {
     std::uint64_t id = 0;

@@ -132,6 +132,9 @@ class Transport {
 
   // Ranks of the group running on this machine (they share its cores).
   virtual int ranks_on_host() const = 0;
+  // Whether every rank of the group runs in this process (ranks as threads), so that an address
+  // of one rank's memory is valid at every other rank.
+  virtual bool ranks_share_address_space() const { return false; }
 
   // A new independent channel over the same ranks (own collective sequence). Collective.
   virtual std::unique_ptr<Transport> duplicate(const Wait& wait) = 0;

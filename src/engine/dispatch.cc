@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "comm/agreement.hh"
+#include "core/env_vars.hh"
 #include "core/failure.hh"
 #include "core/log.hh"
 #include "engine/dispatch_op.hh"
@@ -22,6 +23,7 @@ Dispatch::Dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequen
       ctx_(context()) {}
 
 void Dispatch::validate() {
+  push_ = engine_.transport().ranks_share_address_space() && env::get(env::kDispatchPush);
   check_arguments();
   if (!cached_) start_handle();
 }
@@ -121,6 +123,7 @@ PeerTensors Dispatch::my_tensors() const {
   p.topk_row = topk.defined() ? topk.stride(0) : shape_.topk;
   p.listed = listed_.defined() ? reinterpret_cast<const routing::ListedToken*>(listed_.data()) : nullptr;
   p.num_tokens = shape_.tokens;
+  p.dispatch = push_ ? this : nullptr;
   return p;
 }
 
@@ -208,7 +211,8 @@ void Dispatch::describe(comm::Agreement& agreement) const {
       .field("topk_weights given", has_weights_)
       .field("expert_alignment", shape_.alignment)
       .field("do_expand", expand_)
-      .field("expert stride", stride_);
+      .field("expert stride", stride_)
+      .field("sources push rows (ranks as threads)", push_);
 }
 
 std::vector<PeerTensors> Dispatch::unpack_peers(const std::vector<std::span<const std::byte>>& payloads) {
@@ -278,9 +282,16 @@ void Dispatch::move_rows(const std::vector<PeerTensors>& peers) {
   if (!cached_ && hybrid) plan_forwarding(records);
   if (hybrid) engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("dispatch: forwarded records ready"));
   if (!cached_ && records.used()) plan_receive_remote(records);
-  {
+  prepare_copies(peers, records);
+  if (push_) {
+    // Every rank of the node has its outputs and its receive plan: sources write their rows.
+    engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("dispatch: outputs ready"));
+    comm::PeerReads writes(engine_.transport(), "dispatch: push");  // node peers' outputs
+    push_rows(peers);
+    copy_rows(true);
+  } else {
     comm::PeerReads reads(engine_.transport(), "dispatch: copy");  // node peers' x, scales and weights
-    copy_rows(peers, records);
+    copy_rows(false);
   }
   if (req_.zero_padding) zero_padding();
   add_expert_stats();
@@ -314,8 +325,10 @@ void Dispatch::plan_receive_remote(const DispatchRecordExchange& records) {
 }
 
 void Dispatch::finish() {
-  if (req_.on_rows_received) req_.on_rows_received(result);
+  // Pushed rows are all here once every node peer passed the exit barrier.
+  if (req_.on_rows_received && !push_) req_.on_rows_received(result);
   engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("dispatch: exit"));
+  if (req_.on_rows_received && push_) req_.on_rows_received(result);
   if (!cached_ && req_.on_complete) req_.on_complete(*result.handle);
 }
 

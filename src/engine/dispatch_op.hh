@@ -70,8 +70,13 @@ class Dispatch final : public DispatchOperation {
   void plan_forwarding(const DispatchRecordExchange& records);
   void plan_receive_remote(const DispatchRecordExchange& records);
 
-  // Copies into the outputs (dispatch_rows.cc).
-  void copy_rows(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records);
+  // Copies into the outputs (dispatch_rows.cc). prepare_copies sets the outputs and what copy_row
+  // reads; then either this rank copies every row it receives (pull), or (push_) every source of
+  // this node writes its rows here (push_rows, run by the source) and this rank copies only the
+  // rows of other nodes.
+  void prepare_copies(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records);
+  void push_rows(const std::vector<PeerTensors>& peers);
+  void copy_rows(bool remote_only);
   void copy_row(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records, std::int64_t row,
                 std::int32_t* metadata);
   void zero_padding();
@@ -105,13 +110,20 @@ class Dispatch final : public DispatchOperation {
     }
   };
   ScaleLayout scale_layout_;  // set with the outputs
-  // copy_rows' output pointers, set before the parallel loop.
+  // copy_row's output pointers and inputs, set by prepare_copies (a node peer pushing rows here
+  // uses them too).
   struct Outputs {
     std::byte* x = nullptr;
     std::uint32_t* scales = nullptr;
     std::int64_t* ids = nullptr;
     float* weights = nullptr;
+    std::int32_t* metadata = nullptr;  // null for a cached dispatch
   } out_;
+  const std::vector<PeerTensors>* copy_peers_ = nullptr;
+  const DispatchRecordExchange* copy_records_ = nullptr;
+  // Ranks as threads and MOE_EP_DISPATCH_PUSH: sources write their rows into their node peers'
+  // outputs (each token read once, not once per destination). The same on every rank (agreed).
+  bool push_ = false;
 };
 
 }  // namespace moe_ep::engine::dispatch_detail

@@ -1,30 +1,77 @@
 // The copies of a dispatch into its outputs: every row this rank receives, from its source's
-// tensors (same node) or its record (DispatchRecordExchange); the padding and the statistics.
+// tensors (same node) or its record (DispatchRecordExchange), or with ranks as threads the rows
+// this rank's tokens make at its node peers (push); the padding and the statistics.
 #include <algorithm>
 #include <cstring>
 
+#include <fmt/format.h>
+
 #include "core/reduce.hh"
 #include "engine/dispatch_op.hh"
+#include "moe_ep/error.hpp"
 
 namespace moe_ep::engine::dispatch_detail {
 
-void Dispatch::copy_rows(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records) {
-  const std::int64_t rows = static_cast<std::int64_t>(plan_->rows.size());
-  const int k = shape_.topk;
+void Dispatch::prepare_copies(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records) {
   out_.x = static_cast<std::byte*>(result.recv_x.data());
   out_.scales = fp8_ ? result.recv_x_scales.data_as<std::uint32_t>() : nullptr;
   out_.ids = expand_ ? nullptr : result.recv_topk_idx.data_as<std::int64_t>();
   out_.weights = has_weights_ ? result.recv_topk_weights.data_as<float>() : nullptr;
-  std::int32_t* metadata = cached_ ? nullptr : result.handle->recv_src_metadata.data_as<std::int32_t>();
+  out_.metadata = cached_ ? nullptr : result.handle->recv_src_metadata.data_as<std::int32_t>();
+  copy_peers_ = &peers;
+  copy_records_ = &records;
+}
+
+// Push: this rank's tokens in order, each written to every rank of this node it goes to (its row
+// there is dst_row at the token's master lane for that rank), by that rank's copy_row, so that the
+// row is read from memory once and then from the cache. Node peers' outputs are ready (a node
+// barrier after prepare_copies) and stay alive until the exit barrier, or until this rank closed
+// its peer section if one of them fails (comm/peer_reads.hh).
+void Dispatch::push_rows(const std::vector<PeerTensors>& peers) {
+  const HandleState& plan = *plan_;
+  const int k = shape_.topk, me = engine_.facts.rank, N = shape_.tokens;
+  std::vector<Dispatch*> targets(peers.size(), nullptr);
+  for (std::size_t r = 0; r < peers.size(); ++r) {
+    if (!engine_.facts.same_node(static_cast<int>(r))) continue;
+    targets[r] = static_cast<Dispatch*>(const_cast<void*>(peers[r].dispatch));
+    if (!targets[r]) throw StateError(fmt::format("{}: rank {} published no dispatch to push rows into", ctx_, r));
+  }
+  const std::int64_t* topk = plan.topk.data_as<const std::int64_t>();
+  const std::int64_t topk_row = plan.topk.stride(0);
+  engine_.pool().parallel_for((N + kRowsPerTask - 1) / kRowsPerTask, [&](std::int64_t task) {
+    const std::int64_t end = std::min<std::int64_t>(N, (task + 1) * kRowsPerTask);
+    for (std::int64_t t = task * kRowsPerTask; t < end; ++t)
+      for (int j = 0; j < k; ++j) {
+        const std::int32_t row = plan.dst_row[static_cast<size_t>(t * k + j)];
+        if (row < 0) continue;  // not the token's master lane for its rank
+        const int d = geo_.rank_of_expert(topk[t * topk_row + j]);
+        if (!engine_.facts.same_node(d)) continue;  // travels as a record
+        Dispatch& target = *targets[static_cast<size_t>(d)];
+        const routing::RowSource src = target.plan_->rows[static_cast<size_t>(row)];
+        if (src.source != me || src.index != t)
+          throw StateError(fmt::format("{}: row {} of rank {} is token {} of rank {}, not token {} of rank {}", ctx_,
+                                       row, d, src.index, src.source, t, me));
+        target.copy_row(*target.copy_peers_, *target.copy_records_, row, target.out_.metadata);
+      }
+    core::streaming_fence();
+  });
+}
+
+// The rows this rank receives (remote_only: those of other nodes; its node's sources push theirs).
+void Dispatch::copy_rows(bool remote_only) {
+  const std::int64_t rows = static_cast<std::int64_t>(plan_->rows.size());
+  const int k = shape_.topk;
   engine_.pool().parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, [&](std::int64_t task) {
     const std::int64_t end = std::min(rows, (task + 1) * kRowsPerTask);
-    for (std::int64_t i = task * kRowsPerTask; i < end; ++i) copy_row(peers, records, i, metadata);
+    for (std::int64_t i = task * kRowsPerTask; i < end; ++i)
+      if (!remote_only || !engine_.facts.same_node(plan_->rows[static_cast<size_t>(i)].source))
+        copy_row(*copy_peers_, *copy_records_, i, out_.metadata);
     core::streaming_fence();
   });
   // Rows past the real count (worst-case shapes) carry no data; mark their metadata.
-  if (metadata) {
+  if (out_.metadata) {
     const std::int64_t allocated = result.handle->recv_src_metadata.size(0);
-    std::fill(metadata + rows * (k + 2), metadata + allocated * (k + 2), -1);
+    std::fill(out_.metadata + rows * (k + 2), out_.metadata + allocated * (k + 2), -1);
   }
   if (!expand_ && rows < result.recv_topk_idx.size(0))
     std::fill(out_.ids + rows * k, out_.ids + result.recv_topk_idx.size(0) * k, -1);

@@ -183,6 +183,9 @@ struct PeerTensors {
   std::int64_t topk_row = 0;
   const routing::ListedToken* listed = nullptr;  // dispatch: routing::list_by_destination of topk
   std::int32_t num_tokens = 0;
+  // Dispatch with ranks as threads (push): the rank's dispatch operation, whose outputs its node
+  // peers write; null otherwise. Valid only where the ranks share the address space.
+  const void* dispatch = nullptr;
 };
 
 // Bytes from data() to one past the last element of a view (validated views have non-negative
