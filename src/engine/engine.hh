@@ -2,8 +2,9 @@
 // memory, workers and collective operations.
 //
 // Data paths (docs/architecture.md):
-//  - same physical node: the receiver copies straight from the sender's tensors (published
-//    addresses) into its outputs: one copy per (token, destination);
+//  - same physical node: one copy per (token, destination) from the sender's tensors into the
+//    receiver's outputs, made by the receiver (ranks in processes: published addresses) or, with
+//    ranks as threads, by the sender (push: each token read once for all its destinations);
 //  - direct mode across nodes: the sender puts records into the receiver's region [sender][slot];
 //  - hybrid mode (logical scale-out > 1): the sender puts one record per destination node to the
 //    rank of that node with its own scale-up index (the forwarder); receivers of that node copy
