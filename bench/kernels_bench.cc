@@ -52,6 +52,28 @@ void BM_Memcpy(benchmark::State& state) {
 }
 BENCHMARK(BM_Memcpy)->Arg(8)->Arg(64);
 
+// A push dispatch's memory traffic on one thread: each 7488-byte row (FP8 payload, scales and
+// metadata of DeepSeek-V3) read once from a 64 MiB source and written with non-temporal stores
+// into `fan_out` destination buffers; fan-out 1 is the streaming copy the bench's floor prices.
+// Counters: bytes read (once each) and written per second.
+void BM_FanOutCopy(benchmark::State& state) {
+  const int fan_out = static_cast<int>(state.range(0));
+  constexpr std::size_t kRow = 7488;
+  const std::size_t rows = (std::size_t{64} << 20) / kRow;
+  std::vector<char> src(rows * kRow, 1);
+  std::vector<std::vector<char>> dst(static_cast<size_t>(fan_out), std::vector<char>(rows * kRow, 0));
+  for (auto _ : state) {
+    for (std::size_t r = 0; r < rows; ++r)
+      for (auto& d : dst) moe_ep::core::copy_bytes_streaming(d.data() + r * kRow, src.data() + r * kRow, kRow);
+    moe_ep::core::streaming_fence();
+    benchmark::DoNotOptimize(dst.front().data());
+  }
+  const double read = static_cast<double>(state.iterations()) * static_cast<double>(rows * kRow);
+  state.counters["read_GBps"] = benchmark::Counter(read / 1e9, benchmark::Counter::kIsRate);
+  state.counters["written_GBps"] = benchmark::Counter(read * fan_out / 1e9, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_FanOutCopy)->Arg(1)->Arg(5)->Unit(benchmark::kMillisecond);
+
 void BM_QuantizeFp8(benchmark::State& state) {
   moe_ep::Tensor x = moe_ep::Tensor::zeros({256, kHidden}, moe_ep::DType::kBF16);
   for (auto _ : state) benchmark::DoNotOptimize(moe_ep::quantize_fp8(x));

@@ -62,6 +62,8 @@ void sample_memory(Group& g, int workers, std::size_t bytes, ShapeResult& r) {
     r.memory.copy_gbs =
         std::max(r.memory.copy_gbs, core::measure_streaming_copy_bandwidth(on_host * workers, bytes, 1) * hosts);
     r.memory.read_gbs = std::max(r.memory.read_gbs, core::measure_read_bandwidth(on_host * workers, bytes, 1) * hosts);
+    r.memory.write_gbs =
+        std::max(r.memory.write_gbs, core::measure_write_bandwidth(on_host * workers, bytes, 1) * hosts);
   }
   g.barrier();
 }

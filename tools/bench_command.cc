@@ -238,6 +238,7 @@ nlohmann::json result_json(const ShapeResult& r, const Measured& op, double ceil
           {"efficiency", or_null(floor ? std::optional<double>(*floor / op.seconds) : std::nullopt)},
           {"streaming_copy_gbs", r.memory.copy_gbs},
           {"read_gbs", r.memory.read_gbs},
+          {"write_gbs", r.memory.write_gbs},
           {"bandwidth_bytes_per_thread", r.memory_bytes_per_thread},
           {"barrier_seconds", r.barrier_seconds},
           {"x_barrier", r.barrier_seconds > 0 ? nlohmann::json(op.seconds / r.barrier_seconds) : nlohmann::json(nullptr)},
@@ -306,7 +307,8 @@ void print_formulas(const BenchOptions& o, bool v1, bool mpi, int threads, bool 
                "combine (hidden x 2 B); the LogFMT combine (use_logfmt) counts the same bytes, on the same expert "
                "outputs (N(0, 0.1) values)\n",
                o.hidden + 4 * (o.hidden / 128) + 16, 2 * o.hidden);
-  fmt::print("memory: {} threads each copying (memcpy; then with non-temporal stores), then reading, its own 64 MiB buffer, "
+  fmt::print("memory: {} threads each copying (memcpy; then with non-temporal stores), then reading, then writing (non-temporal\n"
+             "  stores) its own buffer (the shape's traffic shared among them, 1 to 64 MiB), "
              "best of 5, {}{}.\n", threads,
              sweep ? "measured after each point at its thread count" : "measured after each shape of this run (the higher kept)",
              mpi ? " (by one process per host, with the threads of that host's ranks)" : "");
@@ -317,8 +319,9 @@ void print_formulas(const BenchOptions& o, bool v1, bool mpi, int threads, bool 
     fmt::print(";\n  low-latency dispatch reads every token's BF16 row once and writes every (token, expert) row once\n"
                "  (hidden x 1 B + scales); low-latency combine reads every (token, expert) row once and writes every token "
                "once");
-  fmt::print(".\nfloor = bound read / read bandwidth + bound written x (1 / streaming copy bandwidth - 1 / read bandwidth),\n"
-             "  with the streaming copy and the read-only pass of the same threads measured in this run; efficiency = floor / time.\n"
+  fmt::print(".\nfloor = bound read x (a byte read) + bound written x (a byte written): a byte read costs 1 / read bandwidth;\n"
+             "  a byte written the cheaper of 1 / streaming copy bandwidth - 1 / read bandwidth and 1 / write bandwidth,\n"
+             "  all three passes of the same threads measured in this run; efficiency = floor / time.\n"
              "x barrier = time / one barrier round of the same ranks on the same transport (the latency floor, measured\n"
              "  in this run: back-to-back barriers, the slowest rank, median of three runs); a call that moves data\n"
              "  cannot beat floor + one round: x (floor + barrier) = time / (floor + one round).\n");
@@ -361,9 +364,10 @@ int bench_command(const BenchOptions& options, Launch& launch) {
              launch.describe(), o.nodes, o.ranks / o.nodes, results.front().workers, o.hidden, o.experts, o.topk);
   for (const auto& r : results) {
     if (r.memory.usable()) {
-      fmt::print("{}: {} threads, {} MiB each: streaming copy {:.2f} GB/s, read {:.2f} GB/s (a byte read {:.3f} ns, a byte "
-                 "written {:.3f} ns); one barrier round {:.1f} us\n",
+      fmt::print("{}: {} threads, {} MiB each: streaming copy {:.2f} GB/s, read {:.2f} GB/s, write {:.2f} GB/s (a byte read "
+                 "{:.3f} ns, a byte written {:.3f} ns); one barrier round {:.1f} us\n",
                  r.shape, ceiling.threads, r.memory_bytes_per_thread >> 20, r.memory.copy_gbs, r.memory.read_gbs,
+                 r.memory.write_gbs,
                  r.memory.seconds_per_read_byte() * 1e9, r.memory.seconds_per_written_byte() * 1e9,
                  r.barrier_seconds * 1e6);
     } else {

@@ -155,7 +155,7 @@ int sweep_command(const BenchOptions& options, Launch& launch) {
     nlohmann::json point = {{"value", v}, {"ranks", o.ranks}, {"tokens_per_rank", o.prefill_tokens}, {"hidden", o.hidden},
                             {"experts", o.experts}, {"workers", r.workers}, {"memcpy_threads", ceiling.threads},
                             {"memcpy_gbs", ceiling.gbs}, {"streaming_copy_gbs", r.memory.copy_gbs},
-                            {"read_gbs", r.memory.read_gbs}};
+                            {"read_gbs", r.memory.read_gbs}, {"write_gbs", r.memory.write_gbs}};
     record_point(key, v, o, r, ceiling, point, csv, table);
     json["points"].push_back(point);
   }

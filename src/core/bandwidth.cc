@@ -66,7 +66,35 @@ std::uint64_t read_all(const char* p, std::size_t bytes) {
   return folded;
 }
 
-enum class Pass { kCopy, kStream, kRead };
+#ifdef MOE_EP_X86_DISPATCH
+// Writes every byte of `p` (32-byte aligned) with non-temporal 32-byte stores of `value`.
+__attribute__((target("avx2"))) void write_all_avx2(char* p, std::size_t bytes, char value) {
+  const __m256i v = _mm256_set1_epi8(value);
+  std::size_t i = 0;
+  for (; i + 128 <= bytes; i += 128) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i), v);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i + 32), v);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i + 64), v);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p + i + 96), v);
+  }
+  std::memset(p + i, value, bytes - i);
+}
+#endif
+
+// Writes every byte once, as the data paths write their outputs (non-temporal stores where the
+// CPU has them).
+void write_all(char* p, std::size_t bytes, char value) {
+#ifdef MOE_EP_X86_DISPATCH
+  if (has_avx2()) {
+    write_all_avx2(p, bytes, value);
+    streaming_fence();
+    return;
+  }
+#endif
+  std::memset(p, value, bytes);
+}
+
+enum class Pass { kCopy, kStream, kRead, kWrite };
 
 // `threads` threads each run the pass over their own pre-faulted buffers, all starting together,
 // `repetitions` times after a warm-up; returns the bytes per second of the best repetition.
@@ -82,11 +110,12 @@ double measure_pass(Pass pass, int threads, std::size_t bytes_per_thread, int re
   std::vector<std::chrono::steady_clock::time_point> thread_end(static_cast<size_t>(threads) * (repetitions + 1));
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
-      // First touch by the thread that uses them; the read pass needs no destination.
-      Mapping src(bytes_per_thread), dst(pass == Pass::kRead ? 4096 : bytes_per_thread);
+      // First touch by the thread that uses them; the read pass needs no destination, the write
+      // pass no source.
+      Mapping src(pass == Pass::kWrite ? 4096 : bytes_per_thread), dst(pass == Pass::kRead ? 4096 : bytes_per_thread);
       const bool mapped = src.data && dst.data;
       if (!mapped) failed = true;
-      if (mapped) std::memset(src.data, t + 1, bytes_per_thread);
+      if (mapped) std::memset(src.data, t + 1, src.bytes);
       std::uint64_t folded = 0;
       for (int r = 0; r <= repetitions; ++r) {
         ++arrived;
@@ -97,6 +126,7 @@ double measure_pass(Pass pass, int threads, std::size_t bytes_per_thread, int re
           streaming_fence();
         }
         if (mapped && pass == Pass::kRead) folded ^= read_all(src.data, bytes_per_thread);
+        if (mapped && pass == Pass::kWrite) write_all(dst.data, bytes_per_thread, static_cast<char>(r + 1));
         thread_end[static_cast<size_t>(t) * (repetitions + 1) + r] = std::chrono::steady_clock::now();
         ++finished_count[static_cast<size_t>(r)];
       }
@@ -130,6 +160,10 @@ double measure_streaming_copy_bandwidth(int threads, std::size_t bytes_per_threa
 
 double measure_read_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions) {
   return measure_pass(Pass::kRead, threads, bytes_per_thread, repetitions);
+}
+
+double measure_write_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions) {
+  return measure_pass(Pass::kWrite, threads, bytes_per_thread, repetitions);
 }
 
 namespace {

@@ -8,6 +8,7 @@
 // measure DRAM; smaller ones measure caches.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 
 namespace moe_ep::core {
@@ -19,19 +20,28 @@ double measure_streaming_copy_bandwidth(int threads, std::size_t bytes_per_threa
 // The same with every thread only reading its buffer (a vector load of every byte, the loaded
 // values folded so that the loads cannot be dropped): bytes read per second.
 double measure_read_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions = 3);
+// The same with every thread only writing its buffer (non-temporal stores of a constant where the
+// CPU has them): bytes written per second.
+double measure_write_bandwidth(int threads, std::size_t bytes_per_thread, int repetitions = 3);
 
 // What moving bytes costs on this machine, measured with the same threads: a streaming copy
 // (measure_streaming_copy_bandwidth: bytes copied per second, each byte read once and written
-// once) and a read-only pass. A byte
-// read costs 1 / read; a byte written costs 1 / copy - 1 / read (the copy's time less its reads).
+// once), a read-only pass and a write-only pass. A byte read costs 1 / read; a byte written costs
+// the cheaper of 1 / copy - 1 / read (the copy's time less its reads) and 1 / write (a stream of
+// stores alone, which a write whose source is in the caches approaches), so that the floor they
+// price is one that no implementation beats.
 struct MemoryBandwidth {
   double copy_gbs = 0;
   double read_gbs = 0;
-  // False when the two do not make a cost (a measurement failed, or a copy came out faster than
-  // reading the same bytes): no floor can be priced with them.
-  bool usable() const { return copy_gbs > 0 && read_gbs > copy_gbs; }
+  double write_gbs = 0;  // 0: not measured (writes priced by the copy alone)
+  // False when the measurements do not make a cost (a measurement failed, or a copy came out
+  // faster than reading the same bytes): no floor can be priced with them.
+  bool usable() const { return copy_gbs > 0 && read_gbs > copy_gbs && write_gbs >= 0; }
   double seconds_per_read_byte() const { return 1.0 / (read_gbs * 1e9); }
-  double seconds_per_written_byte() const { return 1.0 / (copy_gbs * 1e9) - 1.0 / (read_gbs * 1e9); }
+  double seconds_per_written_byte() const {
+    const double after_reads = 1.0 / (copy_gbs * 1e9) - 1.0 / (read_gbs * 1e9);
+    return write_gbs > 0 ? std::min(after_reads, 1.0 / (write_gbs * 1e9)) : after_reads;
+  }
   // The least time to read `read_bytes` and write `write_bytes` at these bandwidths.
   double floor_seconds(double read_bytes, double write_bytes) const {
     return read_bytes * seconds_per_read_byte() + write_bytes * seconds_per_written_byte();

@@ -240,9 +240,11 @@ TEST(LogFmt, VectorPathsMatchTheScalarPathOnManyRows) {
       const float w[2] = {1.0f, -1.0f};
       std::vector<std::uint16_t> out(kHidden);
       core::logfmt_weighted_sum(pair, w, out.data(), kHidden);
-      for (int h = 0; h < kHidden; ++h)
-        if ((rows[i][static_cast<size_t>(h)] & 0x7f80) != 0x7f80)
+      for (int h = 0; h < kHidden; ++h) {
+        if ((rows[i][static_cast<size_t>(h)] & 0x7f80) != 0x7f80) {
           ASSERT_EQ(out[static_cast<size_t>(h)], 0) << isa_name(isa) << " row " << i << " element " << h;
+        }
+      }
     }
   }
 }

@@ -84,9 +84,11 @@ def check_floor(r, tokens):
         # Every returned row read once (hidden x 2 B of the logical row's 2H + 4k), every token written once.
         check(close(r["read_bytes"], r["bytes"] * 2 * H / (2 * H + 4 * K)), f"{op}: read_bytes {r['read_bytes']}")
         check(r["write_bytes"] == tokens * RANKS * 2 * H, f"{op}: write_bytes {r['write_bytes']}")
-    copy, read = r["streaming_copy_gbs"] * 1e9, r["read_gbs"] * 1e9
-    if read > copy > 0:
-        floor = r["read_bytes"] / read + r["write_bytes"] * (1 / copy - 1 / read)
+    copy, read, write = r["streaming_copy_gbs"] * 1e9, r["read_gbs"] * 1e9, r["write_gbs"] * 1e9
+    if read > copy > 0 and write >= 0:
+        # A byte written: the cheaper of the copy's time less its reads and a write-only stream.
+        written = min(1 / copy - 1 / read, 1 / write) if write > 0 else 1 / copy - 1 / read
+        floor = r["read_bytes"] / read + r["write_bytes"] * written
         check(close(r["floor_seconds"], floor), f"{op}: floor {r['floor_seconds']}, expected {floor}")
         check(close(r["efficiency"], floor / r["seconds"]), f"{op}: efficiency != floor / seconds")
     else:
