@@ -118,7 +118,6 @@ BaselineDispatch AlltoallvBaseline::dispatch(const TensorView& x, const TensorVi
   const std::int64_t N = x.size(0), H = x.size(1), k = topk_idx.size(1);
   const std::int64_t P = scales.defined() ? scales.size(1) : 0;
   const std::int64_t row_bytes = H * static_cast<std::int64_t>(element_size(x.dtype()));
-  const std::int64_t record = row_bytes + 4 * P + 12 * k;
   const int El = num_experts / size_;
   const auto* ids = topk_idx.data_as<const std::int64_t>();
   BaselineDispatch d;
