@@ -28,8 +28,9 @@ double measure_write_bandwidth(int threads, std::size_t bytes_per_thread, int re
 // (measure_streaming_copy_bandwidth: bytes copied per second, each byte read once and written
 // once), a read-only pass and a write-only pass. A byte read costs 1 / read; a byte written costs
 // the cheaper of 1 / copy - 1 / read (the copy's time less its reads) and 1 / write (a stream of
-// stores alone, which a write whose source is in the caches approaches), so that the floor they
-// price is one that no implementation beats.
+// stores alone, which a write whose source is in the caches approaches): each byte at the
+// cheapest rate measured. The floor this prices is a model, not a proof: an operation that meets
+// faster memory than every sample comes in under it.
 struct MemoryBandwidth {
   double copy_gbs = 0;
   double read_gbs = 0;
