@@ -135,6 +135,9 @@ class Transport {
   // Whether every rank of the group runs in this process (ranks as threads), so that an address
   // of one rank's memory is valid at every other rank.
   virtual bool ranks_share_address_space() const { return false; }
+  // Whether put() sends a message that reaches the peer's memory later (MPI), rather than writing
+  // the peer's memory at once: a receiver then has time to fill while records travel.
+  virtual bool puts_travel() const { return false; }
 
   // A new independent channel over the same ranks (own collective sequence). Collective.
   virtual std::unique_ptr<Transport> duplicate(const Wait& wait) = 0;

@@ -7,6 +7,7 @@
 
 #include "comm/agreement.hh"
 #include "core/checks.hh"
+#include "core/env_vars.hh"
 #include "core/failure.hh"
 #include "core/log.hh"
 #include "core/reduce.hh"
@@ -192,7 +193,12 @@ void Combine::run(const std::vector<std::span<const std::byte>>& payloads, const
     comm::PeerReads reads(engine_.transport(), "combine: forwarding");
     put_contributions(contributions);
   }
-  wait_contributions(contributions);
+  if (expect_contributions(contributions) && presums_apply()) {
+    // While the other nodes' records travel: this node's part of every token.
+    comm::PeerReads reads(engine_.transport(), "combine: this node's sums");
+    presum_tokens();
+  }
+  contributions.wait();
   {
     comm::PeerReads reads(engine_.transport(), "combine: reduction");  // node peers' rows and weights
     reduce_tokens();
@@ -385,12 +391,12 @@ void Combine::put_contributions(CountedExchange& contributions) {
   contributions.signal_written();
 }
 
-void Combine::wait_contributions(CountedExchange& contributions) {
-  if (!engine_.facts.paths.hybrid() && !engine_.facts.paths.direct_remote()) return;
+bool Combine::expect_contributions(CountedExchange& contributions) {
+  if (!engine_.facts.paths.hybrid() && !engine_.facts.paths.direct_remote()) return false;
   const routing::PlanningRank me{.rank = engine_.facts.rank, .physical_scaleup = engine_.facts.physical.num_scaleup,
                                  .hybrid = engine_.facts.paths.hybrid(), .expand = expand_};
   for (const int sender : routing::contribution_senders(plan_->layout, me)) contributions.expect(sender);
-  contributions.wait();
+  return contributions.expects_any();
 }
 
 int Combine::node_term(const routing::UnitRef& ref, const std::int64_t* ids, const std::int32_t* rows,
@@ -417,9 +423,70 @@ void Combine::reduce_tokens() {
   engine_.pool().parallel_for((N + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
     prepare_scratch(shape_.hidden);
     const int end = static_cast<int>(std::min<std::int64_t>(N, (task + 1) * kTokensPerTask));
-    for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t) reduce_token(t);
+    for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t)
+      if (presum_of(t) != Presum::kReduced) reduce_token(t);
     core::streaming_fence();
   });
+}
+
+// Records that travel (MPI: time to fill while they do; where puts write the peer's memory at once
+// the early sums only add a write and a read of every output row), hybrid, multiple reduction,
+// compact rows read in place: a token's units are at most one node unit of this node (the level-2
+// sum of its rank rows) and records of other nodes. MOE_EP_COMBINE_PRESUM=0 turns it off.
+bool Combine::presums_apply() const {
+  if (!engine_.transport().puts_travel() || !env::get(env::kCombinePresum)) return false;
+  if (!engine_.facts.paths.hybrid() || !multi_ || expand_) return false;
+  for (int d = 0; d < engine_.facts.num_ranks; ++d)
+    if (engine_.facts.same_node(d) && peers_[static_cast<size_t>(d)].row_weights) return false;
+  return true;
+}
+
+// Before the records of other nodes arrive: a token with no such record is reduced; a token
+// whose node unit sums two or more rank rows gets that sum, rounded to BF16 as the final kernel
+// rounds it (docs/semantics.md, level 2), in its output row, which the final kernel then reads in
+// place of those rows. The bits are those of reduce_token alone.
+void Combine::presum_tokens() {
+  const int N = shape_.tokens;
+  presums_.assign(static_cast<size_t>(N), Presum::kNone);
+  engine_.pool().parallel_for((N + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
+    prepare_scratch(shape_.hidden);
+    const int end = static_cast<int>(std::min<std::int64_t>(N, (task + 1) * kTokensPerTask));
+    for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t) presum_token(t);
+    core::streaming_fence();
+  });
+}
+
+void Combine::presum_token(int t) {
+  const HandleState& plan = *plan_;
+  const int k = shape_.topk;
+  const std::int64_t topk_row = plan.topk.defined() ? plan.topk.stride(0) : k;
+  const std::int64_t* ids = plan.topk.data_as<const std::int64_t>() + t * topk_row;
+  const std::int32_t* rows = &plan.dst_row[static_cast<size_t>(t) * k];
+  const std::int32_t* expanded = &plan.dst_expanded[static_cast<size_t>(t) * k];
+  std::array<routing::UnitRef, kMaxTopk> refs;
+  const int n = routing::reduction_units(ids, k, geo_, scheme(), engine_.facts.rank, refs);
+  int local = -1, remote = 0;
+  for (int u = 0; u < n; ++u) {
+    const routing::UnitKind kind = refs[static_cast<size_t>(u)].kind;
+    if (kind == routing::UnitKind::kNode) local = local < 0 ? u : -2;
+    remote += kind == routing::UnitKind::kRemoteNode || kind == routing::UnitKind::kRemoteRank ||
+              kind == routing::UnitKind::kRemoteLane;
+  }
+  if (remote == 0) {
+    reduce_token(t);
+    presums_[static_cast<size_t>(t)] = Presum::kReduced;
+    return;
+  }
+  if (local < 0) return;
+  int scratch = 0;
+  std::array<const std::uint16_t*, kMaxTopk> term;
+  Unit unit;
+  const int m = node_term(refs[static_cast<size_t>(local)], ids, rows, expanded, scratch, term, unit);
+  if (m < 2) return;
+  core::sum_bf16_rows({term.data(), static_cast<size_t>(m)},
+                      result.combined_x.data_as<std::uint16_t>() + static_cast<std::int64_t>(t) * shape_.hidden,
+                      shape_.hidden);
+  presums_[static_cast<size_t>(t)] = Presum::kNodeUnit;
 }
 
 // Token t's result: the biases, then its units in reduction order (routing::reduction_units);
@@ -486,16 +553,21 @@ void Combine::reduce_token(int t) {
     terms[static_cast<size_t>(count)] = {{&inputs[static_cast<size_t>(count)], 1}};
     ++count;
   }
+  std::uint16_t* out = result.combined_x.data_as<std::uint16_t>() + static_cast<std::int64_t>(t) * shape_.hidden;
   for (int u = 0; u < n; ++u) {
-    const int m = node_row_count[static_cast<size_t>(u)];
+    int m = node_row_count[static_cast<size_t>(u)];
+    if (m > 1 && presum_of(t) == Presum::kNodeUnit) {  // its sum is in the output row (presum_token)
+      m = 1;
+      units[static_cast<size_t>(u)].row = out;
+    }
     inputs[static_cast<size_t>(count)] = units[static_cast<size_t>(u)].row;
     terms[static_cast<size_t>(count)] = m > 1 ? core::Bf16Term{{node_rows[static_cast<size_t>(u)].data(), static_cast<size_t>(m)}}
                                               : core::Bf16Term{{&inputs[static_cast<size_t>(count)], 1}};
     ++count;
   }
-  core::sum_bf16_terms_streaming({terms.data(), static_cast<size_t>(count)},
-                                 result.combined_x.data_as<std::uint16_t>() + static_cast<std::int64_t>(t) * shape_.hidden,
-                                 shape_.hidden);
+  // The output row may be one of the inputs: the kernel reads every input of an element before it
+  // writes that element.
+  core::sum_bf16_terms_streaming({terms.data(), static_cast<size_t>(count)}, out, shape_.hidden);
 }
 
 }  // namespace combine_detail

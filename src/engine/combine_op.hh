@@ -15,7 +15,9 @@
 //
 // Guarantees: the phases of engine/operation.hh; run() puts the contributions of other nodes'
 // tokens (one counted exchange, engine/counted_exchange.hh), waits for those addressed to this
-// rank, then reduces every token of this rank, in the same order of steps on every rank.
+// rank, then reduces every token of this rank, in the same order of steps on every rank. While
+// contributions travel as messages (MPI), a hybrid combine with multiple reduction first sums
+// this node's part of every token (presum_tokens: the same bits).
 #pragma once
 
 #include <array>
@@ -72,11 +74,20 @@ class Combine final : public CombineOperation {
   // A record whose row is the sum of `parts` (in order, one BF16 rounding), formed in place.
   void put_sum_record(CountedExchange& contributions, int peer, int key, std::int32_t token,
                       std::span<const std::uint16_t* const> parts, const float* weights);
-  void wait_contributions(CountedExchange& contributions);
+  // Counts the contributions this rank receives (the ranks that send them); whether there are any.
+  bool expect_contributions(CountedExchange& contributions);
 
   // The reduction of this rank's tokens.
   void reduce_tokens();
   void reduce_token(int t);
+  // What is done of a token before the records of other nodes are waited for (hybrid combine
+  // with multiple reduction, compact rows): nothing, the sum of this node's rank rows in the
+  // output row (read there by reduce_token), or the whole token (it has no records).
+  enum class Presum : std::uint8_t { kNone, kNodeUnit, kReduced };
+  bool presums_apply() const;
+  void presum_tokens();
+  void presum_token(int t);
+  Presum presum_of(int t) const { return presums_.empty() ? Presum::kNone : presums_[static_cast<size_t>(t)]; }
   routing::ReductionScheme scheme() const {
     return {.expand = expand_, .multiple_reduction = multi_, .hybrid = engine_.facts.paths.hybrid(),
             .physical_scaleup = engine_.facts.physical.num_scaleup};
@@ -133,6 +144,7 @@ class Combine final : public CombineOperation {
   CombineRecord record_{1, 1};
   routing::Geometry geo_;
   std::vector<PeerTensors> peers_;
+  std::vector<Presum> presums_;  // [tokens], empty unless presum_tokens() ran
 };
 
 }  // namespace moe_ep::engine::combine_detail

@@ -275,6 +275,7 @@ class MpiTransport final : public Transport {
     hosts_->scaleout_bytes.fetch_add(bytes, std::memory_order_relaxed);
   }
 
+  bool puts_travel() const override { return true; }
   std::uint64_t scaleout_bytes_sent() const override { return hosts_->scaleout_bytes.load(std::memory_order_relaxed); }
 
   void signal(int peer) override { messenger_.signal(peer); }
