@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
 
 #include "comm/agreement.hh"
 #include "core/checks.hh"
@@ -39,6 +40,17 @@ void prepare_scratch(std::int64_t hidden) {
 
 std::uint16_t* scratch_row(int index, std::int64_t hidden) {
   return scratch_rows.data() + static_cast<std::size_t>(index) * static_cast<std::size_t>(hidden);
+}
+
+// fn(t) for every token, in tasks of kTokensPerTask on the pool, each task with its scratch rows
+// and its streaming stores fenced.
+void for_each_token(core::WorkerPool& pool, int tokens, std::int64_t hidden, const std::function<void(int)>& fn) {
+  pool.parallel_for((tokens + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
+    prepare_scratch(hidden);
+    const int end = static_cast<int>(std::min<std::int64_t>(tokens, (task + 1) * kTokensPerTask));
+    for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t) fn(t);
+    core::streaming_fence();
+  });
 }
 
 // FP32 sum of k-rows of weights in order, the first as is.
@@ -419,14 +431,17 @@ int Combine::node_term(const routing::UnitRef& ref, const std::int64_t* ids, con
 }
 
 void Combine::reduce_tokens() {
-  const int N = shape_.tokens;
-  engine_.pool().parallel_for((N + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
-    prepare_scratch(shape_.hidden);
-    const int end = static_cast<int>(std::min<std::int64_t>(N, (task + 1) * kTokensPerTask));
-    for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t)
-      if (presum_of(t) != Presum::kReduced) reduce_token(t);
-    core::streaming_fence();
+  for_each_token(engine_.pool(), shape_.tokens, shape_.hidden, [&](int t) {
+    if (presum_of(t) != Presum::kReduced) reduce_token(t);
   });
+}
+
+Combine::TokenRoute Combine::route_of(int t) const {
+  const HandleState& plan = *plan_;
+  const int k = shape_.topk;
+  const std::int64_t topk_row = plan.topk.defined() ? plan.topk.stride(0) : k;
+  return {plan.topk.data_as<const std::int64_t>() + t * topk_row, &plan.dst_row[static_cast<size_t>(t) * k],
+          &plan.dst_expanded[static_cast<size_t>(t) * k]};
 }
 
 // Records that travel (MPI: time to fill while they do; where puts write the peer's memory at once
@@ -446,25 +461,17 @@ bool Combine::presums_apply() const {
 // rounds it (docs/semantics.md, level 2), in its output row, which the final kernel then reads in
 // place of those rows. The bits are those of reduce_token alone.
 void Combine::presum_tokens() {
-  const int N = shape_.tokens;
-  presums_.assign(static_cast<size_t>(N), Presum::kNone);
-  engine_.pool().parallel_for((N + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
-    prepare_scratch(shape_.hidden);
-    const int end = static_cast<int>(std::min<std::int64_t>(N, (task + 1) * kTokensPerTask));
-    for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t) presum_token(t);
-    core::streaming_fence();
-  });
+  presums_.assign(static_cast<size_t>(shape_.tokens), Presum::kNone);
+  for_each_token(engine_.pool(), shape_.tokens, shape_.hidden, [&](int t) { presum_token(t); });
 }
 
 void Combine::presum_token(int t) {
-  const HandleState& plan = *plan_;
-  const int k = shape_.topk;
-  const std::int64_t topk_row = plan.topk.defined() ? plan.topk.stride(0) : k;
-  const std::int64_t* ids = plan.topk.data_as<const std::int64_t>() + t * topk_row;
-  const std::int32_t* rows = &plan.dst_row[static_cast<size_t>(t) * k];
-  const std::int32_t* expanded = &plan.dst_expanded[static_cast<size_t>(t) * k];
+  const TokenRoute route = route_of(t);
+  const std::int64_t* ids = route.ids;
+  const std::int32_t* rows = route.rows;
+  const std::int32_t* expanded = route.expanded;
   std::array<routing::UnitRef, kMaxTopk> refs;
-  const int n = routing::reduction_units(ids, k, geo_, scheme(), engine_.facts.rank, refs);
+  const int n = routing::reduction_units(ids, shape_.topk, geo_, scheme(), engine_.facts.rank, refs);
   int local = -1, remote = 0;
   for (int u = 0; u < n; ++u) {
     const routing::UnitKind kind = refs[static_cast<size_t>(u)].kind;
@@ -492,12 +499,11 @@ void Combine::presum_token(int t) {
 // Token t's result: the biases, then its units in reduction order (routing::reduction_units);
 // units on this node are read in place, units of other nodes arrived as records.
 void Combine::reduce_token(int t) {
-  const HandleState& plan = *plan_;
   const int k = shape_.topk, my_node = engine_.facts.node_of(engine_.facts.rank);
-  const std::int64_t topk_row = plan.topk.defined() ? plan.topk.stride(0) : k;
-  const std::int64_t* ids = plan.topk.data_as<const std::int64_t>() + t * topk_row;
-  const std::int32_t* rows = &plan.dst_row[static_cast<size_t>(t) * k];
-  const std::int32_t* expanded = &plan.dst_expanded[static_cast<size_t>(t) * k];
+  const TokenRoute route = route_of(t);
+  const std::int64_t* ids = route.ids;
+  const std::int32_t* rows = route.rows;
+  const std::int32_t* expanded = route.expanded;
   float* w = has_weights_ ? result.combined_topk_weights.data_as<float>() + static_cast<std::int64_t>(t) * k : nullptr;
   if (w) std::fill(w, w + k, 0.0f);
   auto take_remote_weights = [&](const float* rw, auto keep) {

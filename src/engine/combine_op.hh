@@ -77,6 +77,13 @@ class Combine final : public CombineOperation {
   // Counts the contributions this rank receives (the ranks that send them); whether there are any.
   bool expect_contributions(CountedExchange& contributions);
 
+  // Token t's top-k ids and its rows at the lanes' ranks (compact, expanded) in the plan.
+  struct TokenRoute {
+    const std::int64_t* ids;
+    const std::int32_t* rows;
+    const std::int32_t* expanded;
+  };
+  TokenRoute route_of(int t) const;
   // The reduction of this rank's tokens.
   void reduce_tokens();
   void reduce_token(int t);
