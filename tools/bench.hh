@@ -24,6 +24,8 @@ namespace moe_ep::tools::bench {
 struct Measured {
   std::string operation;
   std::string baseline_of;  // for a baseline operation: the operation of ours it stands beside
+  // For the network alone (across hosts): the operation of ours whose scale-out bytes it exchanges.
+  std::string network_alone_of;
   double seconds = 0;
   std::vector<double> samples;  // [iteration] seconds of the slowest rank
   double bytes = 0;  // logical bytes, all ranks
@@ -75,6 +77,7 @@ struct Operation {
   std::int64_t row_bytes = 0;
   std::string baseline_of;
   Traffic traffic;  // this rank's share of the operation's least traffic
+  std::string network_alone_of;  // as in Measured
 };
 // pairs: this rank's (token, remote node) and (token, remote rank) pairs (remote_pairs).
 using Setup = std::function<std::vector<Operation>(Group&, int& workers, std::pair<std::int64_t, std::int64_t>& pairs)>;

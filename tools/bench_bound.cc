@@ -44,7 +44,7 @@ Traffic low_latency_combine_traffic(std::int64_t pairs, std::int64_t tokens, std
 }
 
 std::optional<double> floor_seconds(const Measured& op, const ShapeResult& r) {
-  if (!r.memory.usable()) return std::nullopt;
+  if (!r.memory.usable() || !op.network_alone_of.empty()) return std::nullopt;  // the network's, not memory's
   return r.memory.floor_seconds(op.read_bytes, op.write_bytes);
 }
 

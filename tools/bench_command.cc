@@ -67,6 +67,7 @@ void merge_rank_blocks(const std::vector<std::vector<std::byte>>& all, const std
   for (std::size_t i = 0; i < ops.size(); ++i) {
     result.operations[i].operation = ops[i].name;
     result.operations[i].baseline_of = ops[i].baseline_of;
+    result.operations[i].network_alone_of = ops[i].network_alone_of;
     result.operations[i].scaleout_bytes.resize(static_cast<size_t>(R));
   }
   constexpr std::size_t kHead = 6, kPerOp = 4;  // workers, pairs (2), barrier runs (3); per op
@@ -176,7 +177,7 @@ void print_scaleout(const std::vector<ShapeResult>& results, const BenchOptions&
       const std::uint64_t bytes = dispatch.scaleout_bytes[static_cast<size_t>(rank)];
       std::uint64_t combine = 0;
       for (const auto& op : r.operations)
-        if (op.operation.find("combine") != std::string::npos && op.baseline_of.empty())
+        if (op.operation.find("combine") != std::string::npos && op.baseline_of.empty() && op.network_alone_of.empty())
           combine = op.scaleout_bytes[static_cast<size_t>(rank)];
       // What a per-rank exchange (the Alltoallv baseline, or direct mode) sends to other nodes:
       // one record per (token, remote rank).
@@ -190,6 +191,25 @@ void print_scaleout(const std::vector<ShapeResult>& results, const BenchOptions&
   fmt::print("per-rank sends = (token, remote rank) pairs x {} B: the dispatch bytes an exchange that sends each token "
              "to each of its ranks puts on the network\n",
              compact_dispatch_row(o));
+}
+
+// Each of our operations beside the network alone with its scale-out bytes (across hosts): how
+// much of its time moving those bytes takes by itself on this transport.
+void print_network_alone(const std::vector<ShapeResult>& results) {
+  bool any = false;
+  for (const auto& r : results)
+    for (const auto& net : r.operations) {
+      if (net.network_alone_of.empty()) continue;
+      if (!any)
+        fmt::print("\nnetwork alone = each rank sends the scale-out bytes of one call of ours to the ranks of the other "
+                   "nodes\n  (split evenly) and receives as many, nothing else (bench/scaleout_alone); "
+                   "share = network alone / our time:\n");
+      any = true;
+      for (const auto& ours : r.operations)
+        if (ours.operation == net.network_alone_of)
+          fmt::print("  {} {}: {:.2f} ms, network alone {:.2f} ms, share {:.2f}\n", r.shape, ours.operation,
+                     ours.seconds * 1e3, net.seconds * 1e3, net.seconds / ours.seconds);
+    }
 }
 
 // The memcpy ceiling at the same thread count: one process copies with as many threads as the
@@ -227,6 +247,7 @@ nlohmann::json result_json(const ShapeResult& r, const Measured& op, double ceil
           {"tokens_per_rank", r.tokens},
           {"operation", op.operation},
           {"baseline", !op.baseline_of.empty()},
+          {"network_alone_of", op.network_alone_of},
           {"seconds", op.seconds},
           {"samples_seconds", op.samples},
           {"bytes", op.bytes},
@@ -405,6 +426,7 @@ int bench_command(const BenchOptions& options, Launch& launch) {
   table.print();
   print_formulas(o, v1, mpi, ceiling.threads, false);
   print_scaleout(results, o, v1);
+  print_network_alone(results);
   if (!o.json_path.empty()) write_file(o.json_path, json.dump(2) + "\n");
   return 0;
 }

@@ -15,6 +15,7 @@
 #include "moe_ep/legacy_buffer.hpp"
 #ifdef MOE_EP_WITH_MPI
 #include "alltoallv_baseline.hh"
+#include "scaleout_alone.hh"
 #include "shared_window_baseline.hh"
 #endif
 
@@ -73,6 +74,25 @@ std::int64_t compact_combine_row(const BenchOptions& o) { return 2 * std::int64_
 
 // Under MPI: the same dispatch and combine written with MPI_Alltoall + MPI_Alltoallv (bench/), and
 // when every rank shares one node, with an MPI_Win_allocate_shared window.
+#ifdef MOE_EP_WITH_MPI
+// Beside our operation `name`: the network alone with the bytes one call of it puts on the network
+// (counted around one more call here; collective).
+void add_network_alone(Group& g, std::vector<Operation>& ops, const std::string& name) {
+  for (Operation& ours : ops) {
+    if (ours.name != name) continue;
+    g.barrier();
+    const std::uint64_t before = g.transport().scaleout_bytes_sent();
+    ours.call();
+    const std::uint64_t bytes = g.transport().scaleout_bytes_sent() - before;
+    auto net = std::make_shared<::moe_ep::bench::ScaleoutAlone>(MPI_COMM_WORLD, g.size() / g.num_scaleout(), bytes);
+    Operation op{"network alone (" + name + ")", [net] { net->exchange(); }, static_cast<std::int64_t>(bytes), 1};
+    op.network_alone_of = name;
+    ops.push_back(std::move(op));
+    return;
+  }
+}
+#endif
+
 void add_baseline(const BenchOptions& o, Group& g, const std::shared_ptr<BenchInputs>& in, std::vector<Operation>& ops,
                   const std::string& dispatch_name, const std::string& combine_name) {
 #ifdef MOE_EP_WITH_MPI
@@ -85,6 +105,10 @@ void add_baseline(const BenchOptions& o, Group& g, const std::shared_ptr<BenchIn
   ops.push_back({"alltoallv dispatch", [=, &o] { baseline->dispatch(in->x, in->scales, in->topk, in->weights, o.experts); },
                  rows, compact_dispatch_row(o), dispatch_name});
   ops.push_back({"alltoallv combine", [=] { baseline->combine(*first, *y); }, rows, 2 * std::int64_t{o.hidden}, combine_name});
+  if (g.num_scaleout() > 1) {
+    add_network_alone(g, ops, dispatch_name);
+    add_network_alone(g, ops, combine_name);
+  }
   if (g.num_scaleout() > 1 || g.transport().ranks_on_host() < g.size()) return;
   auto shared = std::make_shared<::moe_ep::bench::SharedWindowBaseline>(MPI_COMM_WORLD);
   auto routed = std::make_shared<::moe_ep::bench::BaselineDispatch>(
