@@ -80,7 +80,11 @@ Timing run(const moe_ep::provider::Table* table, const MoeEpCudaBenchOptions& o,
     check(cudaMalloc(&ids, topk.size() * 8), "cudaMalloc");
     check(cudaMemcpy(ids, topk.data(), topk.size() * 8, cudaMemcpyHostToDevice), "cudaMemcpy");
     const DLDevice dev{kDLCUDA, rank % devices};
+    // The rank's own stream: ranks must not share the legacy default stream (docs/cuda.md, Streams).
+    cudaStream_t stream = nullptr;
+    check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
     moe_ep::DispatchArgs args;
+    args.stream = reinterpret_cast<std::uintptr_t>(stream);
     args.x = moe_ep::TensorView(x, moe_ep::DType::kBF16, {tokens, H}).on_device(dev);
     args.topk_idx = moe_ep::TensorView(ids, moe_ep::DType::kInt64, {tokens, k}).on_device(dev);
     args.num_experts = E;
@@ -89,14 +93,15 @@ Timing run(const moe_ep::provider::Table* table, const MoeEpCudaBenchOptions& o,
       group.barrier();
       const auto t0 = Clock::now();
       moe_ep::DispatchResult r = buffer->dispatch(args);
-      check(cudaDeviceSynchronize(), "sync");
+      check(cudaStreamSynchronize(stream), "sync");
       group.barrier();
       const auto t1 = Clock::now();
       moe_ep::CombineArgs c;
       c.x = r.recv_x;
       c.handle = r.handle;
+      c.stream = args.stream;
       moe_ep::CombineResult out = buffer->combine(c);
-      check(cudaDeviceSynchronize(), "sync");
+      check(cudaStreamSynchronize(stream), "sync");
       group.barrier();
       const auto t2 = Clock::now();
       if (i >= 2) {
@@ -110,6 +115,7 @@ Timing run(const moe_ep::provider::Table* table, const MoeEpCudaBenchOptions& o,
     buffer->destroy();
     cudaFree(x);
     cudaFree(ids);
+    cudaStreamDestroy(stream);
   });
   timing.dispatch_s = *std::max_element(dispatch.begin(), dispatch.end());
   timing.combine_s = *std::max_element(combine.begin(), combine.end());

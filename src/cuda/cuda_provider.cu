@@ -29,9 +29,9 @@ int device_count(std::string* why) {
 
 const char* init() {
   // Every rank's stream spins in its barriers while peers' streams run: give streams their own
-  // hardware queues (8 by default), unless the user chose, before the first CUDA call makes the
-  // process's context (later the setting has no effect).
-  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  // hardware queues (8 by default), unless the user chose or the process's context already exists
+  // (then the setting has no effect; buffers that need more queues than it has are refused).
+  hardware_queues();
   static std::string why;
   static const int devices = device_count(&why);
   return devices > 0 ? nullptr : why.c_str();

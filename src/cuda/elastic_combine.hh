@@ -52,6 +52,8 @@ std::shared_ptr<const DeviceHandleState> ElasticDevice<Exec>::check_combine(cons
     core::expect_tensor(ctx, name, a.bias[b], DType::kBF16, {N, H}, dev);
     core::expect_rows_contiguous(ctx, name, a.bias[b]);
   }
+  check_peer_readable(ctx, "x", a.x);  // read in place by each token's source rank
+  check_peer_readable(ctx, "topk_weights", a.topk_weights);
   return state;
 }
 
@@ -80,6 +82,7 @@ CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
       off_w = round_up(g.receive_capacity() * g.num_topk * 4, 256);  // staging: lanes, weights, x
       off_x = off_w + round_up((g.expanded_layout ? rows : rows * g.num_topk) * 4, 256);
       staging_bytes(off_x + rows * state->hidden * 2, op);
+      exec_->after_caller(a.stream);  // before the agreement, as in dispatch
     } catch (const Error&) {
       local = std::current_exception();
     }
@@ -108,6 +111,7 @@ CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
   const auto payloads = agreement.exchange(*channel_, comm::Scope::kWorld, wait("combine: agreement"),
                                            {reinterpret_cast<const std::byte*>(&mine), sizeof mine});
   ++op_number_;
+  call_first_barrier_ = barriers_ + 1;
   return after_agreement(op, [&] {
     if (a.previous_event) a.previous_event->wait();
     return reduce_rows(a, *state, g, rows, off_w, off_x, resolve(payloads));
@@ -121,7 +125,6 @@ CombineResult ElasticDevice<Exec>::reduce_rows(const CombineArgs& a, const Devic
   const char* op = "combine";
   const int H = handle.hidden;
   const bool has_weights = a.topk_weights.defined();
-  exec_->after_caller(a.stream);
   if (!direct_) {
     if (g.expanded_layout)
       exec_->copy(stage_at(0), handle.arrays.lane_rows, static_cast<std::size_t>(g.receive_capacity()) * g.num_topk * 4);

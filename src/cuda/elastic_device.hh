@@ -20,15 +20,18 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "comm/agreement.hh"
 #include "comm/transport.hh"
+#include "comm/wait.hh"
 #include "core/checks.hh"
 #include "core/timeout.hh"
 #include "cuda/device_common.hh"
@@ -133,8 +136,10 @@ class ElasticDevice final : public provider::ElasticBackend {
   // out of step (peers time out at the next barrier, naming this rank): the buffer becomes unusable.
   template <class F>
   auto after_agreement(const char* op, F f) -> decltype(f());
-  // Marks the buffer unusable and releases the peers' waits, naming `culprit` as the root cause.
+  // Marks the buffer unusable and releases the peers' waits, naming `culprit` as the root cause;
+  // returns once no peer can still read this rank's tensors (wait_for_readers).
   void leave(const std::string& reason, int culprit) noexcept;
+  void wait_for_readers() noexcept;
   std::shared_ptr<const DeviceHandleState> check_combine(const CombineArgs& a, const std::string& ctx);
   comm::Wait wait(const char* phase) const { return {phase, timeout_}; }
   void check_usable(const char* op) const;
@@ -143,6 +148,8 @@ class ElasticDevice final : public provider::ElasticBackend {
   // The addresses of every rank's tensors, from the agreement's payloads.
   PeerTensors resolve(const std::vector<std::span<const std::byte>>& payloads) const;
   std::uint64_t publish_address(const void* p) const;
+  // Refuses a tensor that ranks on other devices would read in place but cannot (Exec::peer_readable).
+  void check_peer_readable(const std::string& ctx, const char* name, const TensorView& t) const;
   std::byte* stage_at(std::int64_t offset) const { return peers_.base[rank_] + layout_.stage + offset; }
   // The call's end: barrier 1, the error word's host copy, the scratch released, and the
   // caller's stream ordered after the work (or an Event for asynchronous calls).
@@ -160,9 +167,11 @@ class ElasticDevice final : public provider::ElasticBackend {
   SymLayout layout_;
   Peers peers_{};
   bool direct_ = true;  // every rank in this process: tensors are published as they are
+  bool other_devices_ = false;  // ranks of this process use other devices (they read across devices)
   std::vector<std::shared_ptr<void>> mapped_;  // peers' regions mapped through IPC
   std::uint64_t id_ = 0;
   std::uint64_t barriers_ = 0;  // barriers passed (the signal value)
+  std::uint64_t call_first_barrier_ = 0;  // the signal value of the current call's first barrier
   std::uint64_t op_number_ = 0;
   bool destroyed_ = false;
   bool failed_ = false;

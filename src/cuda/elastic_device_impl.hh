@@ -16,10 +16,52 @@ inline bool payload_dtype(DType d) {
 }
 
 struct ConfigBlock {
-  std::int64_t pid;
+  std::uint64_t process[2];     // this process (process_token): pids repeat across pid namespaces
   std::int64_t device;
   std::int64_t direct_allowed;  // the executor may publish tensors as they are to ranks of its process
+  std::int64_t queues;          // the device's hardware queues in this process (0: no limit)
 };
+
+// A random identity of this process, drawn once: two ranks are in one process exactly when their
+// tokens agree (a pid does not say so across pid namespaces or hosts).
+inline const std::uint64_t* process_token() {
+  static const std::array<std::uint64_t, 2> token = [] {
+    std::random_device rd;
+    std::array<std::uint64_t, 2> t{};
+    for (auto& w : t) w = (std::uint64_t{rd()} << 32) ^ rd() ^ static_cast<std::uint64_t>(::getpid());
+    return t;
+  }();
+  return token.data();
+}
+
+// The hardware queues the executor's device offers this process, 0 when it has no such limit.
+template <class Exec>
+std::int64_t hardware_queues() {
+  if constexpr (requires { Exec::hardware_queues(); }) {
+    return Exec::hardware_queues();
+  } else {
+    return 0;
+  }
+}
+
+// Every rank's barriers spin on its communication stream while it waits for its caller's stream:
+// two streams per rank must not share a hardware queue, or a spinning kernel can hold back work a
+// peer waits for. The same verdict on every rank (it reads every rank's block).
+inline std::string queue_shortage(const std::vector<ConfigBlock>& blocks) {
+  for (const ConfigBlock& b : blocks) {
+    if (b.queues <= 0) continue;
+    int sharing = 0;
+    for (const ConfigBlock& o : blocks)
+      sharing += o.device == b.device && o.process[0] == b.process[0] && o.process[1] == b.process[1];
+    if (2 * sharing > b.queues)
+      return fmt::format("{} ranks of one process share cuda:{}, and each needs two hardware queues (its communication "
+                         "stream and its caller's stream) while its barriers spin: CUDA_DEVICE_MAX_CONNECTIONS = {} "
+                         "allows {}; set CUDA_DEVICE_MAX_CONNECTIONS={} or more (at most 32) before the process's first "
+                         "CUDA call, or use fewer ranks per device",
+                         sharing, b.device, b.queues, b.queues / 2, std::min<std::int64_t>(2 * sharing, 32));
+  }
+  return {};
+}
 
 struct MemoryBlock {
   std::uint64_t address;
@@ -57,8 +99,8 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   } catch (const Error&) {
     local = std::current_exception();
   }
-  const detail::ConfigBlock mine{static_cast<std::int64_t>(::getpid()), device,
-                                 exec_ && exec_->direct_allowed() ? 1 : 0};
+  detail::ConfigBlock mine{{detail::process_token()[0], detail::process_token()[1]}, device,
+                           exec_ && exec_->direct_allowed() ? 1 : 0, detail::hardware_queues<Exec>()};
   comm::Agreement agreement(ctx, "ElasticBuffer");
   agreement.field("num_bytes", config.num_bytes)
       .field("num_max_tokens_per_rank", config.num_max_tokens_per_rank)
@@ -70,11 +112,16 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
       .local_error(local);
   const auto blocks = agreement.exchange(transport, comm::Scope::kWorld, wait("ElasticBuffer: agreement"),
                                          {reinterpret_cast<const std::byte*>(&mine), sizeof mine});
+  std::vector<detail::ConfigBlock> all(static_cast<size_t>(R_));
   for (int r = 0; r < R_; ++r) {
-    detail::ConfigBlock b;
+    detail::ConfigBlock& b = all[static_cast<size_t>(r)];
     std::memcpy(&b, blocks[static_cast<size_t>(r)].data(), sizeof b);
-    direct_ = direct_ && b.pid == mine.pid && b.direct_allowed != 0;
+    const bool same_process = b.process[0] == mine.process[0] && b.process[1] == mine.process[1];
+    direct_ = direct_ && same_process && b.direct_allowed != 0;
+    other_devices_ = other_devices_ || (same_process && b.device != device);
   }
+  if (const std::string shortage = detail::queue_shortage(all); !shortage.empty())
+    throw ResourceError(fmt::format("{}: {}", ctx, shortage));
   channel_ = transport.duplicate(wait("ElasticBuffer: channel"));
   layout_ = sym_layout(R_, config.num_max_tokens_per_rank);
   bytes_ = config.num_bytes > 0 ? config.num_bytes : default_bytes();
@@ -161,6 +208,17 @@ void ElasticDevice<Exec>::check_usable(const char* op) const {
   if (destroyed_) throw StateError(fmt::format("{}: the buffer was destroyed", context(op)));
   if (failed_)
     throw StateError(fmt::format("{}: the buffer is unusable after an earlier failure: {}", context(op), failure_));
+}
+
+template <class Exec>
+void ElasticDevice<Exec>::check_peer_readable(const std::string& ctx, const char* name, const TensorView& t) const {
+  if constexpr (requires { Exec::peer_readable(t.data()); }) {
+    if (direct_ && other_devices_ && t.defined() && !Exec::peer_readable(t.data()))
+      core::fail(ctx, "{} ({}) is not cudaMalloc memory (torch's expandable_segments or its cudaMallocAsync backend), "
+                 "and ranks of this process on other devices read it in place; set PYTORCH_CUDA_ALLOC_CONF="
+                 "expandable_segments:False (and no cudaMallocAsync backend), or run one rank per process",
+                 name, t.describe());
+  }
 }
 
 template <class Exec>
@@ -290,6 +348,43 @@ void ElasticDevice<Exec>::leave(const std::string& reason, int culprit) noexcept
   } catch (...) {  // the device may be what failed: the peers then time out, naming this rank
   }
   channel_->abandon(reason, culprit == rank_ ? std::vector<int>{} : std::vector<int>{culprit});
+  wait_for_readers();
+}
+
+// seen[p] = the signal rank p last wrote into this rank's region.
+template <class Exec>
+void copy_signals(Exec& exec, const Peers& peers, int me, int R, std::int64_t signals_off, std::uint64_t* seen) {
+  const Peers p = peers;
+  exec.each(R, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t peer) {
+    seen[peer] = load_acquire(reinterpret_cast<std::uint64_t*>(p.base[me] + signals_off) + peer);
+  });
+}
+
+// Ranks as threads read this rank's tensors in place between the call's two barriers: after a
+// failure, the call returns only once no peer can still read them (its caller may free them).
+// Each peer has signalled the call's last barrier (its reads are done), has left (its reads, queued
+// before, are done), or has not reached the first barrier (it will find this rank's left signal
+// there and move nothing). Bounded by the timeout. Ranks as processes read this rank's staging
+// region, which a failed buffer keeps (~ElasticDevice).
+template <class Exec>
+void ElasticDevice<Exec>::wait_for_readers() noexcept {
+  if (!direct_ || call_first_barrier_ == 0 || barriers_ < call_first_barrier_) return;
+  const std::uint64_t first = call_first_barrier_, last = call_first_barrier_ + 1;
+  try {
+    auto* const seen = static_cast<std::uint64_t*>(exec_->temp(static_cast<std::size_t>(R_) * 8));
+    std::vector<std::uint64_t> host(static_cast<size_t>(R_));
+    comm::Backoff backoff(timeout_);
+    for (;;) {
+      copy_signals(*exec_, peers_, rank_, R_, layout_.signals, seen);
+      exec_->copy_to_host(host.data(), seen, host.size() * 8);
+      bool reading = false;
+      for (int p = 0; p < R_; ++p)
+        reading = reading || (p != rank_ && host[static_cast<size_t>(p)] >= first && host[static_cast<size_t>(p)] < last);
+      if (!reading || !backoff.pause()) break;
+    }
+    exec_->end_op();
+  } catch (...) {  // the device may be what failed
+  }
 }
 
 template <class Exec>
@@ -299,6 +394,15 @@ void ElasticDevice<Exec>::finish(std::uintptr_t stream, bool async, Event& event
   exec_->end_op();
   if (!async) {
     exec_->before_caller(stream);
+    // A synchronous call fails in the call: it waits for its work on the host and raises what the
+    // device recorded (a timeout, a peer that left, bad ids), unless the caller's stream is being
+    // captured into a graph, where no host wait is allowed (the next call raises it then).
+    bool capturing = false;
+    if constexpr (requires { exec_->capturing(stream); }) capturing = exec_->capturing(stream);
+    if (!capturing) {
+      exec_->synchronize();
+      if (std::exception_ptr e = take_device_error(op)) std::rethrow_exception(e);
+    }
     return;
   }
   // Completes when the work finished; fails with the device's error if it recorded one (which

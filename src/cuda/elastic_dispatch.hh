@@ -122,6 +122,9 @@ void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c,
                         {El64}, dev);
     core::expect_contiguous(ctx, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats);
   }
+  check_peer_readable(ctx, "x", a.x);
+  check_peer_readable(ctx, "x_scales", a.x_scales);
+  check_peer_readable(ctx, "topk_weights", a.topk_weights);
   // Staging (processes): topk, weights, x, scales, packed, at fixed offsets.
   c.off_weights = round_up(std::int64_t{g.max_tokens_per_rank} * g.num_topk * 8, 256);
   c.off_x = c.off_weights + round_up(std::int64_t{g.max_tokens_per_rank} * g.num_topk * 4, 256);
@@ -343,6 +346,9 @@ DispatchResult ElasticDevice<Exec>::dispatch(const DispatchArgs& a) {
       check_dispatch(a, c, ctx);
       if (!c.cached) new_routing_state(c);
       c.plan = c.cached ? c.cached_state.get() : c.state.get();
+      // Before the agreement: the call's work follows what the caller's stream queued before the
+      // call, never what another rank's call queued there after it (docs/cuda.md, Streams).
+      exec_->after_caller(a.stream);
     } catch (const Error&) {
       local = std::current_exception();
     }
@@ -366,6 +372,7 @@ DispatchResult ElasticDevice<Exec>::dispatch(const DispatchArgs& a) {
   const auto payloads = agreement.exchange(*channel_, comm::Scope::kWorld, wait("dispatch: agreement"),
                                            {reinterpret_cast<const std::byte*>(&mine), sizeof mine});
   ++op_number_;
+  call_first_barrier_ = barriers_ + 1;
   return after_agreement(op, [&] {
     if (a.previous_event) a.previous_event->wait();
     return move_rows(a, c, resolve(payloads));
@@ -375,7 +382,6 @@ DispatchResult ElasticDevice<Exec>::dispatch(const DispatchArgs& a) {
 template <class Exec>
 DispatchResult ElasticDevice<Exec>::move_rows(const DispatchArgs& a, DispatchCall& c, const PeerTensors& pt) {
   const char* op = "dispatch";
-  exec_->after_caller(a.stream);
   stage_dispatch(a, c);
   if (!c.cached)
     route(*exec_, c.g, c.state->arrays.topk, status(), reinterpret_cast<std::int32_t*>(peers_.base[rank_] + layout_.counts),

@@ -2,7 +2,8 @@
 // each step is a grid-stride kernel over its indices; scans are CUB device-wide exclusive sums of
 // integers (exact, so the same on every run);
 // memory is device memory (cudaMalloc for the symmetric region, which CUDA IPC can export; the
-// stream-ordered pool for handles, outputs and per-call scratch). Output tensors are DLPack
+// rank's own stream-ordered pool, which keeps freed memory for later calls, for handles, outputs
+// and per-call scratch). Output tensors are DLPack
 // tensors on the device; their memory is released on the communication stream after the work
 // queued on the caller's stream at release time. Errors of the runtime become moe_ep errors that
 // name the call and the device.
@@ -10,11 +11,14 @@
 
 #include <cub/device/device_scan.cuh>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 #include <dlpack/dlpack.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -29,6 +33,46 @@ inline void check_cuda(cudaError_t e, const char* what, int device) {
   if (e != cudaSuccess)
     throw ResourceError(fmt::format("cuda provider: {} on cuda:{} failed: {} ({})", what, device,
                                     cudaGetErrorString(e), cudaGetErrorName(e)));
+}
+
+// Whether a CUDA context may already exist in this process: libcuda is loaded and a device's
+// primary context is active (contexts made with cuCtxCreate are not seen).
+inline bool primary_context_active() {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);  // not loaded: no context can exist
+  if (lib == nullptr) return false;
+  using Init = int (*)(unsigned);
+  using Count = int (*)(int*);
+  using State = int (*)(int, unsigned*, int*);
+  auto init = reinterpret_cast<Init>(dlsym(lib, "cuInit"));
+  auto count = reinterpret_cast<Count>(dlsym(lib, "cuDeviceGetCount"));
+  auto state = reinterpret_cast<State>(dlsym(lib, "cuDevicePrimaryCtxGetState"));
+  bool active = init == nullptr || count == nullptr || state == nullptr;  // cannot tell: assume one
+  int n = 0;
+  if (!active && init(0) == 0 && count(&n) == 0)
+    for (int d = 0; d < n && !active; ++d) {
+      unsigned flags = 0;
+      int on = 0;
+      active = state(d, &flags, &on) != 0 || on != 0;
+    }
+  dlclose(lib);
+  return active;
+}
+
+// The hardware queues (CUDA_DEVICE_MAX_CONNECTIONS) each device gives this process: the value in
+// force when its context was made, 8 when unset. Settled at the first call: if the variable is
+// unset and no context exists yet, it is set to 32 first (the most CUDA gives).
+inline int hardware_queues() {
+  static const int queues = [] {
+    const char* given = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+    if (given == nullptr || *given == 0) {
+      if (primary_context_active()) return 8;
+      setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+      return 32;
+    }
+    const int n = std::atoi(given);
+    return n < 1 ? 8 : std::min(n, 32);
+  }();
+  return queues;
 }
 
 template <class F>
@@ -50,6 +94,18 @@ class CudaExec {
       cudaStreamDestroy(q);
     });
     check_cuda(cudaDeviceGetAttribute(&sms_, cudaDevAttrMultiProcessorCount, device_), "cudaDeviceGetAttribute", device_);
+    // The rank's own stream-ordered pool, which keeps what it freed for the next calls (a release
+    // threshold of all memory: the default pool's 0 returns it to the driver at every
+    // synchronization); released when the last allocation from it is freed.
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device_;
+    cudaMemPool_t pool;
+    check_cuda(cudaMemPoolCreate(&pool, &props), "cudaMemPoolCreate", device_);
+    pool_ = std::shared_ptr<CUmemPoolHandle_st>(pool, [](cudaMemPool_t q) { cudaMemPoolDestroy(q); });
+    std::uint64_t keep = ~std::uint64_t{0};
+    check_cuda(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep), "cudaMemPoolSetAttribute", device_);
     check_cuda(cudaHostAlloc(reinterpret_cast<void**>(&mirror_), sizeof(std::uint64_t), cudaHostAllocMapped),
                "cudaHostAlloc (error word)", device_);
     *mirror_ = 0;
@@ -70,8 +126,34 @@ class CudaExec {
   CudaExec& operator=(const CudaExec&) = delete;
 
   DLDevice dl_device() const { return {kDLCUDA, device_}; }
+  static int hardware_queues() { return cuda::hardware_queues(); }
   // Ranks of one process reach each other's tensors directly (one address space, peer access).
   bool direct_allowed() const { return true; }
+  // Whether a rank on another device can read `p` in place once peer access is on: memory from
+  // cudaMalloc (what torch's caching allocator gives by default) can; memory mapped through CUDA's
+  // virtual memory management (torch's expandable_segments) or from another stream-ordered pool
+  // (torch's cudaMallocAsync backend) needs access granted by its owner, which moe-ep does not do.
+  static bool peer_readable(const void* p) {
+    using Get = int (*)(void*, int, unsigned long long);
+    static const Get get = [] {
+      void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+      return lib ? reinterpret_cast<Get>(dlsym(lib, "cuPointerGetAttribute")) : nullptr;
+    }();
+    if (get == nullptr || p == nullptr) return true;  // cannot tell: peer access reports a fault by name
+    int legacy = 1;
+    constexpr int kIsLegacyCudaIpcCapable = 10;  // CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+    if (get(&legacy, kIsLegacyCudaIpcCapable, reinterpret_cast<unsigned long long>(p)) != 0) return true;
+    return legacy != 0;
+  }
+  // Whether the caller's stream is capturing a graph (no host wait may happen then).
+  bool capturing(std::uintptr_t caller) const {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(caller), &status) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return status != cudaStreamCaptureStatusNone;
+  }
   cudaStream_t stream() const { return stream_.get(); }
   int device() const { return device_; }
 
@@ -90,11 +172,12 @@ class CudaExec {
   std::shared_ptr<void> alloc(std::size_t bytes) {
     set();
     void* p = nullptr;
-    check_cuda(cudaMallocAsync(&p, bytes ? bytes : 1, stream()),
-               fmt::format("cudaMallocAsync of {} bytes", bytes).c_str(), device_);
+    check_cuda(cudaMallocFromPoolAsync(&p, bytes ? bytes : 1, pool_.get(), stream()),
+               fmt::format("cudaMallocFromPoolAsync of {} bytes", bytes).c_str(), device_);
     const int dev = device_;
     std::shared_ptr<CUstream_st> s = stream_;
-    return {p, [dev, s](void* q) {
+    std::shared_ptr<CUmemPoolHandle_st> pool = pool_;
+    return {p, [dev, s, pool](void* q) {
               cudaSetDevice(dev);
               cudaFreeAsync(q, s.get());
             }};
@@ -115,12 +198,13 @@ class CudaExec {
     const TensorView layout(nullptr, dtype, shape);
     const std::size_t bytes = shape.size() == 0 ? element_size(dtype) : layout.nbytes();
     void* p = nullptr;
-    check_cuda(cudaMallocAsync(&p, bytes ? bytes : 1, stream()),
-               fmt::format("cudaMallocAsync of an output of {} bytes", bytes).c_str(), device_);
+    check_cuda(cudaMallocFromPoolAsync(&p, bytes ? bytes : 1, pool_.get(), stream()),
+               fmt::format("cudaMallocFromPoolAsync of an output of {} bytes", bytes).c_str(), device_);
     struct Owner {
       DLManagedTensor managed;
       std::int64_t shape[TensorView::kMaxDims];
       std::shared_ptr<CUstream_st> stream;
+      std::shared_ptr<CUmemPoolHandle_st> pool;  // outlives the executor while outputs live
       cudaStream_t caller;
       int device;
     };
@@ -128,6 +212,7 @@ class CudaExec {
     int d = 0;
     for (std::int64_t v : shape) o->shape[d++] = v;
     o->stream = stream_;
+    o->pool = pool_;
     o->caller = reinterpret_cast<cudaStream_t>(caller);
     o->device = device_;
     DLTensor& t = o->managed.dl_tensor;
@@ -156,6 +241,9 @@ class CudaExec {
 
   template <class F>
   void each(std::int64_t n, F f) {
+    // Kernel arguments above 4 KB need CUDA 12.1 (toolkit and driver; CMakeLists.txt checks the
+    // toolkit) and at most 32764 bytes.
+    static_assert(sizeof(F) + sizeof(std::int64_t) <= 32764, "a step's captures exceed CUDA's kernel argument limit");
     if (n <= 0) return;
     set();
     const std::int64_t blocks = std::min<std::int64_t>((n + 255) / 256, std::int64_t{sms_} * 16);
@@ -258,10 +346,9 @@ class CudaExec {
     } else {
       check_cuda(e, "cudaDeviceEnablePeerAccess", device_);
     }
-    // Peers read this rank's handle arrays, which come from the stream-ordered pool: its memory
+    // Peers read this rank's handle arrays, which come from its stream-ordered pool: its memory
     // is reachable from another device only when the pool grants it.
-    cudaMemPool_t pool;
-    check_cuda(cudaDeviceGetDefaultMemPool(&pool, device_), "cudaDeviceGetDefaultMemPool", device_);
+    cudaMemPool_t pool = pool_.get();
     cudaMemAccessDesc access{};
     access.location.type = cudaMemLocationTypeDevice;
     access.location.id = attr.device;
@@ -281,6 +368,7 @@ class CudaExec {
   int device_;
   int sms_ = 1;
   std::shared_ptr<CUstream_st> stream_;
+  std::shared_ptr<CUmemPoolHandle_st> pool_;
   std::vector<std::shared_ptr<void>> temps_;
   std::uint64_t* mirror_ = nullptr;
   std::uint64_t* mirror_device_ = nullptr;

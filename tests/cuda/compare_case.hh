@@ -115,6 +115,10 @@ std::vector<std::string> compare_case(const reference::CaseSpec& spec, const Cas
     args.use_tma_aligned_col_major_sf = flags.col_major;
     args.do_handle_copy = flags.handle_copy;
     DispatchArgs dargs = args;
+    // Each rank calls on its own stream where the mover has one (a GPU: docs/cuda.md, Streams).
+    std::uintptr_t stream = 0;
+    if constexpr (requires { mover.stream(); }) stream = mover.stream();
+    dargs.stream = stream;
     auto on_dev = [&](const TensorView& v) { return v.defined() ? mover.in(v) : v; };
     dargs.x = on_dev(args.x);
     dargs.x_scales = on_dev(args.x_scales);
@@ -205,6 +209,7 @@ std::vector<std::string> compare_case(const reference::CaseSpec& spec, const Cas
     cargs.do_expand = spec.expand;
     cargs.handle = a.handle;
     DispatchArgs cdargs = cargs;
+    cdargs.stream = stream;
     cdargs.x = on_dev(cargs.x);
     cdargs.x_scales = on_dev(cargs.x_scales);
     cdargs.topk_weights = on_dev(cargs.topk_weights);
@@ -233,6 +238,7 @@ std::vector<std::string> compare_case(const reference::CaseSpec& spec, const Cas
     for (auto& bb : bias) c1.bias.push_back(TensorView(bb.data(), DType::kBF16, {n, H}));
     CombineArgs c2 = c1;
     c2.handle = device_handle;
+    c2.stream = stream;
     c2.x = on_dev(c1.x);
     c2.topk_weights = on_dev(c1.topk_weights);
     for (auto& v : c2.bias) v = on_dev(v);

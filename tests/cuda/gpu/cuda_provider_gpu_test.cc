@@ -39,13 +39,19 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw moe_ep::Error(fmt::format("{}: {}", what, cudaGetErrorString(e)));
 }
 
-// Copies host views to the device and device results back to the host.
+// Copies host views to the device and device results back to the host. Each rank calls on its
+// own non-blocking stream: ranks sharing the legacy default stream can deadlock (docs/cuda.md,
+// Streams), and a device-wide synchronization would wait for the other ranks' spinning barriers.
 struct CudaMover {
   std::vector<void*> blocks;
+  cudaStream_t own = nullptr;
+  CudaMover() { check(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"); }
   ~CudaMover() {
-    cudaDeviceSynchronize();
+    cudaStreamSynchronize(own);
     for (void* p : blocks) cudaFree(p);
+    cudaStreamDestroy(own);
   }
+  std::uintptr_t stream() const { return reinterpret_cast<std::uintptr_t>(own); }
   TensorView in(const TensorView& v) {
     const TensorView::ByteRange r = v.byte_range();
     void* p = nullptr;
@@ -62,12 +68,12 @@ struct CudaMover {
     return d;
   }
   void read_back(const TensorView& v, void* host) {
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    check(cudaStreamSynchronize(own), "cudaStreamSynchronize");
     check(cudaMemcpy(host, v.data(), v.nbytes(), cudaMemcpyDeviceToHost), "cudaMemcpy");
   }
   Tensor host(const Tensor& t) {
     if (!t.defined()) return t;
-    check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    check(cudaStreamSynchronize(own), "cudaStreamSynchronize");
     const TensorView::ByteRange r = t.byte_range();
     Tensor storage = Tensor::empty({std::max<std::int64_t>(r.end - r.begin, 1)}, DType::kUInt8);
     check(cudaMemcpy(storage.data(), static_cast<const std::byte*>(t.data()) + r.begin, r.end - r.begin,
