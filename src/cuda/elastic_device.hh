@@ -33,6 +33,8 @@
 #include "comm/transport.hh"
 #include "comm/wait.hh"
 #include "core/checks.hh"
+#include "core/v2_contract.hh"
+#include "elastic/v2_config.hh"
 #include "core/timeout.hh"
 #include "cuda/device_common.hh"
 #include "cuda/elastic_steps.hh"
@@ -121,7 +123,7 @@ class ElasticDevice final : public provider::ElasticBackend {
   void map_peers();                    // allocates the region and reaches every peer's
   // Dispatch, in steps (elastic_dispatch.hh).
   void check_dispatch(const DispatchArgs& a, DispatchCall& c, const std::string& ctx);
-  void check_handle(const DispatchArgs& a, DispatchCall& c, const std::string& ctx);
+  void check_handle(const DispatchArgs& a, DispatchCall& c, const std::string& ctx, int hidden);
   void new_routing_state(DispatchCall& c);
   Published publish_dispatch(const DispatchArgs& a, const DispatchCall& c) const;
   void stage_dispatch(const DispatchArgs& a, const DispatchCall& c);

@@ -10,11 +10,6 @@ namespace detail {
 
 inline std::atomic<std::uint64_t> next_buffer_id{1};
 
-inline bool payload_dtype(DType d) {
-  const std::size_t s = element_size(d);
-  return d != DType::kBool && (s == 1 || s == 2 || s == 4);
-}
-
 struct ConfigBlock {
   std::uint64_t process[2];     // this process (process_token): pids repeat across pid namespaces
   std::int64_t device;
@@ -77,7 +72,9 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   comm::Transport& transport = group.transport();
   std::exception_ptr local;
   try {
-    timeout_ = core::checked_timeout(ctx, "num_cpu_timeout_secs", config.num_cpu_timeout_secs);
+    elastic::check_config(ctx, config);  // V2's rules, as the built-in provider
+    timeout_ = config.num_cpu_timeout_secs;
+    // This provider's own limits: one host, its ranks and its lists' size.
     if (R_ > kMaxCudaRanks)
       core::fail(ctx, "the group has {} ranks; the cuda provider serves at most {} ranks on one host", R_, kMaxCudaRanks);
     if (group.num_scaleout() != 1)
@@ -87,14 +84,8 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
       core::fail(ctx, "{} of the group's {} ranks run on this host; the cuda provider needs all of them here",
                  transport.ranks_on_host(), R_);
     if (config.num_max_tokens_per_rank < 1 || config.num_max_tokens_per_rank > kMaxCudaTokensPerRank)
-      core::fail(ctx, "num_max_tokens_per_rank = {} is outside [1, {}]", config.num_max_tokens_per_rank, kMaxCudaTokensPerRank);
-    if (config.hidden < 0 || config.hidden > kMaxHidden)
-      core::fail(ctx, "hidden = {} is outside [0, {}]", config.hidden, kMaxHidden);
-    if (config.num_topk < 0 || config.num_topk > kMaxTopk)
-      core::fail(ctx, "num_topk = {} is outside [0, {}]", config.num_topk, kMaxTopk);
-    if (config.num_bytes < 0 || config.num_bytes % kBufferAlignment != 0)
-      core::fail(ctx, "num_bytes = {} must be a non-negative multiple of 2 MiB (0: derived from the shape)",
-                 config.num_bytes);
+      core::fail(ctx, "num_max_tokens_per_rank = {} is outside [1, {}] (the cuda provider sizes its lists for it)",
+                 config.num_max_tokens_per_rank, kMaxCudaTokensPerRank);
     exec_ = std::make_unique<Exec>(device);  // a device that cannot be used fails here, before the agreement
   } catch (const Error&) {
     local = std::current_exception();
@@ -102,14 +93,7 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   detail::ConfigBlock mine{{detail::process_token()[0], detail::process_token()[1]}, device,
                            exec_ && exec_->direct_allowed() ? 1 : 0, detail::hardware_queues<Exec>()};
   comm::Agreement agreement(ctx, "ElasticBuffer");
-  agreement.field("num_bytes", config.num_bytes)
-      .field("num_max_tokens_per_rank", config.num_max_tokens_per_rank)
-      .field("hidden", config.hidden)
-      .field("num_topk", config.num_topk)
-      .field("use_fp8_dispatch", config.use_fp8_dispatch)
-      .field("allow_hybrid_mode", config.allow_hybrid_mode)
-      .field("allow_multiple_reduction", config.allow_multiple_reduction)
-      .local_error(local);
+  elastic::agree_config(agreement, config).local_error(local);
   const auto blocks = agreement.exchange(transport, comm::Scope::kWorld, wait("ElasticBuffer: agreement"),
                                          {reinterpret_cast<const std::byte*>(&mine), sizeof mine});
   std::vector<detail::ConfigBlock> all(static_cast<size_t>(R_));

@@ -7,20 +7,18 @@
 #pragma once
 
 #include "cuda/elastic_device.hh"
+#include "core/v2_contract.hh"
 #include "moe_ep/limits.hpp"
 
 namespace moe_ep::cuda {
 
 template <class Exec>
-void ElasticDevice<Exec>::check_handle(const DispatchArgs& a, DispatchCall& c, const std::string& ctx) {
+void ElasticDevice<Exec>::check_handle(const DispatchArgs& a, DispatchCall& c, const std::string& ctx, int hidden) {
   c.cached_state = std::static_pointer_cast<const DeviceHandleState>(a.handle->provider_state);
   if (!c.cached_state || c.cached_state->buffer_id != id_)
     core::fail(ctx, "the handle was not made by this buffer (cuda provider, rank {})", rank_);
   const DeviceHandleState& h = *c.cached_state;
-  if (a.topk_idx.defined()) core::fail(ctx, "topk_idx must not be given with a handle (cached dispatch)");
-  if (a.cumulative_local_expert_recv_stats.defined())
-    core::fail(ctx, "cumulative_local_expert_recv_stats must not be given with a handle");
-  if (a.do_cpu_sync.value_or(false)) core::fail(ctx, "do_cpu_sync = true is refused with a handle (cached dispatch)");
+  // The handle's fields must still say what its dispatch produced (the routing state they describe).
   auto same = [&](const char* name, std::int64_t given, std::int64_t made) {
     if (given != made) core::fail(ctx, "handle.{} = {} differs from the {} its dispatch produced", name, given, made);
   };
@@ -33,95 +31,54 @@ void ElasticDevice<Exec>::check_handle(const DispatchArgs& a, DispatchCall& c, c
   same("hidden", a.handle->hidden, h.hidden);
   same("num_recv_tokens", a.handle->num_recv_tokens, h.num_recv_tokens);
   same("num_expanded_tokens", a.handle->num_expanded_tokens, h.num_expanded_tokens);
-  // Shape arguments left at their defaults (0, false) take the handle's values.
-  if (a.num_experts != 0 && a.num_experts != h.num_experts)
-    core::fail(ctx, "num_experts = {} differs from the handle's {}", a.num_experts, h.num_experts);
-  if (a.do_expand && !h.do_expand) core::fail(ctx, "do_expand = true differs from the handle's false");
+  core::v2::check_cached(ctx,
+                         {.topk_given = a.topk_idx.defined(), .cpu_sync = a.do_cpu_sync.value_or(false),
+                          .stats_given = a.cumulative_local_expert_recv_stats.defined(), .expand = a.do_expand,
+                          .num_experts = a.num_experts, .expert_alignment = a.expert_alignment,
+                          .max_tokens = a.num_max_tokens_per_rank},
+                         {.num_experts = h.num_experts, .expert_alignment = h.expert_alignment,
+                          .max_tokens = h.num_max_tokens_per_rank, .num_tokens = h.num_tokens, .hidden = h.hidden,
+                          .expand = h.do_expand},
+                         c.g.num_tokens, hidden);
   c.g.expanded_layout = h.do_expand;
-  if (a.expert_alignment != 0 && a.expert_alignment != h.expert_alignment)
-    core::fail(ctx, "expert_alignment = {} differs from the handle's {}", a.expert_alignment, h.expert_alignment);
   c.g.expert_alignment = h.expert_alignment;
-  if (c.g.num_tokens != h.num_tokens)
-    core::fail(ctx, "x has {} tokens, the handle's dispatch had {}", c.g.num_tokens, h.num_tokens);
-  if (a.x.size(1) != h.hidden) core::fail(ctx, "x has hidden size {}, the handle's dispatch had {}", a.x.size(1), h.hidden);
   c.g.num_topk = h.num_topk;
   c.g.num_experts = h.num_experts;
 }
 
-// Long: one rule per argument, in the order of docs/semantics.md's table.
+// V2's rules (core/v2_contract.hh, shared with the built-in provider), then this provider's own:
+// the buffer's token count, 16-byte aligned rows, memory peers can read, the staging size.
 template <class Exec>
 void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c, const std::string& ctx) {
   const DLDevice dev = exec_->dl_device();
   Geometry& g = c.g;
-  if (a.num_sms < 0 || a.num_sms > kMaxWorkers) core::fail(ctx, "num_sms = {} is outside [0, {}]", a.num_sms, kMaxWorkers);
-  if (a.previous_event && !a.allocate_on_comm_stream)
-    core::fail(ctx, "previous_event requires allocate_on_comm_stream = true (DeepEP's rule)");
+  core::v2::check_call(ctx, a.num_sms, a.previous_event && !a.allocate_on_comm_stream);
   if (g.max_tokens_per_rank != config_.num_max_tokens_per_rank)
     core::fail(ctx, "num_max_tokens_per_rank = {} differs from the buffer's {} (the cuda provider sizes its lists "
                "for the buffer's)", g.max_tokens_per_rank, config_.num_max_tokens_per_rank);
-  core::expect_tensor(ctx, "x", a.x, a.x.dtype(), {-1, -1}, dev);
-  core::expect_rows_contiguous(ctx, "x", a.x);
-  c.x_dtype = a.x.dtype();
-  g.num_tokens = core::int_size(ctx, "x", a.x, 0);
-  const int H = core::int_size(ctx, "x", a.x, 1);
-  if (!detail::payload_dtype(c.x_dtype))
-    core::fail(ctx, "x has dtype {} ({}); dispatch moves 1-, 2- or 4-byte payloads", dtype_name(c.x_dtype),
-               a.x.describe());
-  g.row_bytes = std::int64_t{H} * static_cast<std::int64_t>(element_size(c.x_dtype));
-  if (H < 1 || H > kMaxHidden) core::fail(ctx, "x has hidden size {}, outside [1, {}]", H, kMaxHidden);
-  if (g.row_bytes % kRowByteMultiple != 0)
-    core::fail(ctx, "x ({}) has rows of {} bytes: a row (hidden x element size) must be a multiple of {} bytes",
-               a.x.describe(), g.row_bytes, kRowByteMultiple);
+  const core::v2::Payload p = core::v2::check_payload(ctx, a.x, a.x_scales, g.max_tokens_per_rank, config_.hidden, dev);
+  c.x_dtype = p.x_dtype;
+  c.scale_dtype = p.scale_dtype;
+  c.fp8 = p.fp8;
+  g.num_tokens = p.tokens;
+  g.row_bytes = p.row_bytes;
+  g.scale_columns = p.scale_columns;
   if (reinterpret_cast<std::uintptr_t>(a.x.data()) % 16 != 0 ||
       a.x.stride(0) * static_cast<std::int64_t>(element_size(c.x_dtype)) % 16 != 0)
     core::fail(ctx, "x ({}, at {}) must start at a 16-byte boundary with rows 16-byte aligned: the cuda provider "
                "moves rows in 16-byte loads", a.x.describe(), a.x.data());
-  if (config_.hidden > 0 && H != config_.hidden)
-    core::fail(ctx, "x has hidden size {}, the buffer's hidden is {}", H, config_.hidden);
-  if (g.num_tokens > g.max_tokens_per_rank)
-    core::fail(ctx, "x has {} tokens, more than num_max_tokens_per_rank = {}", g.num_tokens, g.max_tokens_per_rank);
-  const std::int64_t N64 = g.num_tokens;
-  c.fp8 = c.x_dtype == DType::kFP8E4M3;
-  if (c.fp8) {
-    if (!a.x_scales.defined()) core::fail(ctx, "x is float8_e4m3fn but x_scales is missing");
-    c.scale_dtype = a.x_scales.dtype();
-    if (c.scale_dtype != DType::kFP32 && c.scale_dtype != DType::kInt32)
-      core::fail(ctx, "x_scales has dtype {}, expected float32 or int32", dtype_name(c.scale_dtype));
-    core::expect_tensor(ctx, "x_scales", a.x_scales, c.scale_dtype, {N64, -1}, dev);
-    core::expect_non_overlapping(ctx, "x_scales", a.x_scales);
-    g.scale_columns = core::int_size(ctx, "x_scales", a.x_scales, 1);
-    if (g.scale_columns < 1) core::fail(ctx, "x_scales has {} columns, at least 1 needed", g.scale_columns);
-  } else if (a.x_scales.defined()) {
-    core::fail(ctx, "x_scales is given but x has dtype {} (scales travel with float8_e4m3fn only)",
-               dtype_name(c.x_dtype));
-  }
-  if (a.expert_alignment < 0) core::fail(ctx, "expert_alignment = {} must be at least 1", a.expert_alignment);
   g.expert_alignment = a.expert_alignment == 0 ? 1 : a.expert_alignment;
   if (c.cached) {
-    check_handle(a, c, ctx);
+    check_handle(a, c, ctx, p.hidden);
   } else {
-    core::expect_tensor(ctx, "topk_idx", a.topk_idx, DType::kInt64, {N64, -1}, dev);
-    core::expect_rows_contiguous(ctx, "topk_idx", a.topk_idx);
-    g.num_topk = core::int_size(ctx, "topk_idx", a.topk_idx, 1);
-    if (g.num_topk < 1 || g.num_topk > kMaxTopk)
-      core::fail(ctx, "topk_idx has {} columns, outside [1, {}]", g.num_topk, kMaxTopk);
+    g.num_topk = core::v2::check_topk(ctx, a.topk_idx, g.num_tokens, dev);
     g.num_experts = a.num_experts;
-    if (g.num_experts <= 0 || g.num_experts % R_ != 0)
-      core::fail(ctx, "num_experts = {} must be positive and a multiple of the {} ranks", g.num_experts, R_);
   }
-  if (a.do_zero_padding && !g.expanded_layout) core::fail(ctx, "do_zero_padding = true requires do_expand = true");
-  g.experts_per_rank = g.num_experts / R_;
-  const std::int64_t k64 = g.num_topk, El64 = g.experts_per_rank;
-  if (a.topk_weights.defined()) {
-    c.has_weights = true;
-    core::expect_tensor(ctx, "topk_weights", a.topk_weights, DType::kFP32, {N64, k64}, dev);
-    core::expect_rows_contiguous(ctx, "topk_weights", a.topk_weights);
-  }
-  if (a.cumulative_local_expert_recv_stats.defined()) {
-    core::expect_tensor(ctx, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats, DType::kInt32,
-                        {El64}, dev);
-    core::expect_contiguous(ctx, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats);
-  }
+  g.experts_per_rank = core::v2::check_experts(ctx, g.num_topk, g.num_experts, R_, g.expert_alignment);
+  c.has_weights = a.topk_weights.defined();
+  core::v2::check_options(ctx, a.topk_weights, a.cumulative_local_expert_recv_stats, g.num_tokens, g.num_topk,
+                          g.experts_per_rank, a.do_zero_padding, g.expanded_layout, dev);
+  core::v2::check_row_capacity(ctx, g.max_tokens_per_rank, R_, g.num_topk, g.experts_per_rank, g.expert_alignment, 0);
   check_peer_readable(ctx, "x", a.x);
   check_peer_readable(ctx, "x_scales", a.x_scales);
   check_peer_readable(ctx, "topk_weights", a.topk_weights);
@@ -280,9 +237,8 @@ void ElasticDevice<Exec>::make_outputs(const DispatchArgs& a, DispatchCall& c, E
     for (const std::int32_t n : counts) aligned.push_back(static_cast<int>(align_up(n, g.expert_alignment)));
   } else {
     rows = g.receive_capacity();
-    expanded_rows = align_up(g.receive_capacity() * std::min(g.num_topk, g.experts_per_rank) +
-                                 std::int64_t{g.expert_alignment - 1} * g.experts_per_rank,
-                             g.expert_alignment);
+    expanded_rows = core::v2::worst_expanded_rows(g.num_ranks, g.max_tokens_per_rank, g.num_topk, g.experts_per_rank,
+                                                  g.expert_alignment);
   }
   const std::int64_t out_rows = g.expanded_layout ? expanded_rows : rows;
   const std::int64_t H = g.row_bytes / static_cast<std::int64_t>(element_size(c.x_dtype));

@@ -11,6 +11,8 @@
 #include "core/executor.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
+#include "core/v2_contract.hh"
+#include "elastic/v2_config.hh"
 #include "core/fabric.hh"
 #include "engine/engine.hh"
 #include "core/env_vars.hh"
@@ -25,27 +27,7 @@ engine::Paths paths_for(const Topology& physical, int num_ranks, bool allow_hybr
 }
 
 std::exception_ptr check_config(const std::string& context, const ElasticBufferConfig& c) {
-  return core::attempt(context, [&] {
-    auto fail = [&](const std::string& what) { throw InvalidArgument(fmt::format("{}: {}", context, what)); };
-    if (c.num_bytes < 0) fail(fmt::format("num_bytes = {} is negative", c.num_bytes));
-    if (c.num_bytes == 0 && c.num_max_tokens_per_rank <= 0)
-      fail(fmt::format("num_max_tokens_per_rank = {} must be positive when num_bytes is not given",
-                       c.num_max_tokens_per_rank));
-    if (c.num_bytes == 0 && c.hidden <= 0)
-      fail(fmt::format("hidden = {} must be positive when num_bytes is not given", c.hidden));
-    if (c.num_max_tokens_per_rank < 0)
-      fail(fmt::format("num_max_tokens_per_rank = {} is negative", c.num_max_tokens_per_rank));
-    if (c.hidden < 0) fail(fmt::format("hidden = {} is negative", c.hidden));
-    if (c.num_topk < 0 || c.num_topk > kMaxTopk)
-      fail(fmt::format("num_topk = {} is outside [0, {}]", c.num_topk, kMaxTopk));
-    if (c.num_bytes % kBufferAlignment != 0)
-      fail(fmt::format("num_bytes = {} is not a multiple of {} (2 MiB)", c.num_bytes, kBufferAlignment));
-    if (c.use_fp8_dispatch && c.hidden % kRowByteMultiple != 0)
-      fail(fmt::format("hidden = {} must be a multiple of {} with use_fp8_dispatch (an FP8 row of hidden bytes must "
-                       "be a multiple of {} bytes)", c.hidden, kRowByteMultiple, kRowByteMultiple));
-    core::checked_timeout(context, "num_cpu_timeout_secs", c.num_cpu_timeout_secs);
-    if (c.num_allocated_qps < 0) fail(fmt::format("num_allocated_qps = {} is negative", c.num_allocated_qps));
-  });
+  return core::attempt(context, [&] { elastic::check_config(context, c); });
 }
 
 engine::EngineConfig engine_config(const Group& group, const ElasticBufferConfig& c, bool valid) {
@@ -81,26 +63,14 @@ std::function<int(int, int)> worker_choice(engine::Engine& e, int num_sms) {
   };
 }
 
-void check_num_sms(const std::string& context, int num_sms) {
-  if (num_sms < 0 || num_sms > kMaxWorkers)
-    core::fail(context, "num_sms = {} is outside [0, {}]", num_sms, kMaxWorkers);
-}
-
 }  // namespace
 
 ElasticBuffer::ElasticBuffer(Group& group, const ElasticBufferConfig& config) : config_(config) {
   const std::string ctx = fmt::format("[rank {}] ElasticBuffer", group.rank());
   const std::exception_ptr error = check_config(ctx, config);
   engine_ = std::make_unique<engine::Engine>(
-      group, engine_config(group, config, error == nullptr), error, [&](comm::Agreement& a) {
-        a.field("num_bytes", config.num_bytes)
-            .field("num_max_tokens_per_rank", config.num_max_tokens_per_rank)
-            .field("hidden", config.hidden)
-            .field("num_topk", config.num_topk)
-            .field("use_fp8_dispatch", config.use_fp8_dispatch)
-            .field("allow_hybrid_mode", config.allow_hybrid_mode)
-            .field("allow_multiple_reduction", config.allow_multiple_reduction);
-      });
+      group, engine_config(group, config, error == nullptr), error,
+      [&](comm::Agreement& a) { elastic::agree_config(a, config); });
   const auto& e = *engine_;
   if (config.num_topk == 0)
     core::info(core::Subsys::kInit, "ElasticBuffer #{}: num_topk = 0, sizing conservatively for k = {}", engine_->facts.id,
@@ -159,9 +129,7 @@ engine::DispatchRequest dispatch_request(engine::Engine& engine, const ElasticBu
   const bool cached = args.handle != nullptr;
   const bool event_without_allocation = args.previous_event.has_value() && !args.allocate_on_comm_stream;
   r.validate_more = [num_sms, requested_tokens, tokens, cached, event_without_allocation](const std::string& context) {
-    check_num_sms(context, num_sms);
-    if (event_without_allocation)
-      core::fail(context, "previous_event requires allocate_on_comm_stream = true (DeepEP's rule)");
+    core::v2::check_call(context, num_sms, event_without_allocation);
     if (requested_tokens < 0) core::fail(context, "num_max_tokens_per_rank = {} is negative", requested_tokens);
     if (tokens == 0 && !cached)
       core::fail(context, "num_max_tokens_per_rank is 0: give it here or to the buffer's constructor");
@@ -181,7 +149,7 @@ engine::CombineRequest combine_request(engine::Engine& engine, const CombineArgs
   r.workers = worker_choice(engine, num_sms);
   r.validate_more = [given = args.num_sms, num_sms, from_handle = args.num_sms <= 0 && args.handle != nullptr](
                         const std::string& context) {
-    check_num_sms(context, given);
+    core::v2::check_call(context, given, false);
     if (from_handle && (num_sms < 0 || num_sms > kMaxWorkers))
       core::fail(context, "the handle's num_sms = {} is outside [0, {}]", num_sms, kMaxWorkers);
   };

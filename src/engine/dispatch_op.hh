@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/v2_contract.hh"
 #include "comm/agreement.hh"
 #include "engine/call_shape.hh"
 #include "engine/dispatch_record_exchange.hh"
@@ -96,6 +97,7 @@ class Dispatch final : public DispatchOperation {
   std::int64_t row_bytes_ = 0;
   routing::Geometry geo_;
   const HandleState* cached_state_ = nullptr;
+  core::v2::CachedCall cached_call_;  // a cached dispatch's arguments, checked against its handle
   std::shared_ptr<HandleState> state_;  // the new handle's state (non-cached)
   const HandleState* plan_ = nullptr;   // state_ or cached_state_
   PeerTensors mine_;                    // this rank's tensors (before sharing)
