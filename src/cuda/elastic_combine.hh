@@ -11,7 +11,7 @@
 
 namespace moe_ep::cuda {
 
-template <class Exec>
+template <Executor Exec>
 std::shared_ptr<const DeviceHandleState> ElasticDevice<Exec>::check_combine(const CombineArgs& a,
                                                                             const std::string& ctx) {
   const DLDevice dev = exec_->dl_device();
@@ -57,7 +57,7 @@ std::shared_ptr<const DeviceHandleState> ElasticDevice<Exec>::check_combine(cons
   return state;
 }
 
-template <class Exec>
+template <Executor Exec>
 CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
   const char* op = "combine";
   check_usable(op);
@@ -118,7 +118,7 @@ CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
   });
 }
 
-template <class Exec>
+template <Executor Exec>
 CombineResult ElasticDevice<Exec>::reduce_rows(const CombineArgs& a, const DeviceHandleState& handle, const Geometry& g,
                                                std::int64_t rows, std::int64_t off_w, std::int64_t off_x,
                                                const PeerTensors& pt) {

@@ -38,6 +38,7 @@
 #include "core/timeout.hh"
 #include "cuda/device_common.hh"
 #include "cuda/elastic_steps.hh"
+#include "cuda/executor.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/limits.hpp"
@@ -99,7 +100,7 @@ struct DispatchCall {
   std::int64_t off_topk = 0, off_weights = 0, off_x = 0, off_scales = 0, stage_end = 0;  // staging offsets
 };
 
-template <class Exec>
+template <Executor Exec>
 class ElasticDevice final : public provider::ElasticBackend {
  public:
   ElasticDevice(Group& group, const ElasticBufferConfig& config, int device);

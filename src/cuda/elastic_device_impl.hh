@@ -65,7 +65,7 @@ struct MemoryBlock {
 
 }  // namespace detail
 
-template <class Exec>
+template <Executor Exec>
 ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& config, int device)
     : group_(group), config_(config), rank_(group.rank()), R_(group.size()) {
   const std::string ctx = context("ElasticBuffer (cuda provider)");
@@ -118,7 +118,7 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   channel_->barrier(comm::Scope::kWorld, wait("ElasticBuffer: ready"));
 }
 
-template <class Exec>
+template <Executor Exec>
 std::int64_t ElasticDevice<Exec>::default_bytes() const {
   std::int64_t stage = 0;
   if (!direct_) {
@@ -131,7 +131,7 @@ std::int64_t ElasticDevice<Exec>::default_bytes() const {
   return round_up(layout_.end + stage, kBufferAlignment);
 }
 
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::map_peers() {
   sym_ = exec_->alloc_symmetric(static_cast<std::size_t>(bytes_));
   exec_->zero(sym_.get(), static_cast<std::size_t>(bytes_));
@@ -155,7 +155,7 @@ void ElasticDevice<Exec>::map_peers() {
   }
 }
 
-template <class Exec>
+template <Executor Exec>
 ElasticDevice<Exec>::~ElasticDevice() {
   if (exec_) {
     try {
@@ -176,7 +176,7 @@ ElasticDevice<Exec>::~ElasticDevice() {
 
 // Collective: once every rank's device work finished (each synchronizes before the barrier), no
 // peer touches this region again and it can be freed. After a failure it is kept (~ElasticDevice).
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::destroy() {
   if (destroyed_) return;
   exec_->synchronize();
@@ -187,14 +187,14 @@ void ElasticDevice<Exec>::destroy() {
   destroyed_ = true;
 }
 
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::check_usable(const char* op) const {
   if (destroyed_) throw StateError(fmt::format("{}: the buffer was destroyed", context(op)));
   if (failed_)
     throw StateError(fmt::format("{}: the buffer is unusable after an earlier failure: {}", context(op), failure_));
 }
 
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::check_peer_readable(const std::string& ctx, const char* name, const TensorView& t) const {
   if constexpr (requires { Exec::peer_readable(t.data()); }) {
     if (direct_ && other_devices_ && t.defined() && !Exec::peer_readable(t.data()))
@@ -205,14 +205,14 @@ void ElasticDevice<Exec>::check_peer_readable(const std::string& ctx, const char
   }
 }
 
-template <class Exec>
+template <Executor Exec>
 std::uint64_t ElasticDevice<Exec>::publish_address(const void* p) const {
   if (p == nullptr) return 0;
   if (direct_) return reinterpret_cast<std::uint64_t>(p);
   return static_cast<std::uint64_t>(static_cast<const std::byte*>(p) - peers_.base[rank_]);  // an offset in my region
 }
 
-template <class Exec>
+template <Executor Exec>
 PeerTensors ElasticDevice<Exec>::resolve(const std::vector<std::span<const std::byte>>& payloads) const {
   PeerTensors t{};
   for (int r = 0; r < R_; ++r) {
@@ -236,7 +236,7 @@ PeerTensors ElasticDevice<Exec>::resolve(const std::vector<std::span<const std::
   return t;
 }
 
-template <class Exec>
+template <Executor Exec>
 std::int64_t ElasticDevice<Exec>::staging_bytes(std::int64_t need, const char* op) const {
   if (direct_) return 0;
   const std::int64_t have = bytes_ - layout_.stage;
@@ -249,7 +249,7 @@ std::int64_t ElasticDevice<Exec>::staging_bytes(std::int64_t need, const char* o
   return need;
 }
 
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::barrier(int step) {
   const std::uint64_t limit = timeout_ >= core::kNeverSecs ? ~std::uint64_t{0} : static_cast<std::uint64_t>(timeout_ * 1e9);
   signal_and_wait(*exec_, peers_, rank_, R_, layout_.signals, ++barriers_, status() + 1, limit, step);
@@ -275,7 +275,7 @@ inline std::string describe_error(std::uint64_t word, double timeout_secs) {
   }
 }
 
-template <class Exec>
+template <Executor Exec>
 std::exception_ptr ElasticDevice<Exec>::take_device_error(const char* op) {
   const std::uint64_t word = exec_->take_mirrored_error();
   if (word == 0) return nullptr;
@@ -283,7 +283,7 @@ std::exception_ptr ElasticDevice<Exec>::take_device_error(const char* op) {
   return error_from(word, op);
 }
 
-template <class Exec>
+template <Executor Exec>
 std::exception_ptr ElasticDevice<Exec>::error_from(std::uint64_t word, const char* op) {
   const UnpackedError e = unpack_error(word);
   const std::string what = describe_error(word, timeout_);
@@ -303,7 +303,7 @@ std::exception_ptr ElasticDevice<Exec>::error_from(std::uint64_t word, const cha
   return std::make_exception_ptr(InvalidArgument(fmt::format("{}: {} (found on the device)", context(op), what)));
 }
 
-template <class Exec>
+template <Executor Exec>
 template <class F>
 auto ElasticDevice<Exec>::after_agreement(const char* op, F f) -> decltype(f()) {
   try {
@@ -322,7 +322,7 @@ auto ElasticDevice<Exec>::after_agreement(const char* op, F f) -> decltype(f()) 
   }
 }
 
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::leave(const std::string& reason, int culprit) noexcept {
   failed_ = true;
   failure_ = reason;
@@ -350,7 +350,7 @@ void copy_signals(Exec& exec, const Peers& peers, int me, int R, std::int64_t si
 // before, are done), or has not reached the first barrier (it will find this rank's left signal
 // there and move nothing). Bounded by the timeout. Ranks as processes read this rank's staging
 // region, which a failed buffer keeps (~ElasticDevice).
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::wait_for_readers() noexcept {
   if (!direct_ || call_first_barrier_ == 0 || barriers_ < call_first_barrier_) return;
   const std::uint64_t first = call_first_barrier_, last = call_first_barrier_ + 1;
@@ -371,7 +371,7 @@ void ElasticDevice<Exec>::wait_for_readers() noexcept {
   }
 }
 
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::finish(std::uintptr_t stream, bool async, Event& event, const char* op) {
   barrier(1);  // every peer is done reading this rank's memory
   exec_->mirror_error(status() + 1);

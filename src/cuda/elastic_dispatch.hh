@@ -12,7 +12,7 @@
 
 namespace moe_ep::cuda {
 
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::check_handle(const DispatchArgs& a, DispatchCall& c, const std::string& ctx, int hidden) {
   c.cached_state = std::static_pointer_cast<const DeviceHandleState>(a.handle->provider_state);
   if (!c.cached_state || c.cached_state->buffer_id != id_)
@@ -48,7 +48,7 @@ void ElasticDevice<Exec>::check_handle(const DispatchArgs& a, DispatchCall& c, c
 
 // V2's rules (core/v2_contract.hh, shared with the built-in provider), then this provider's own:
 // the buffer's token count, 16-byte aligned rows, memory peers can read, the staging size.
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c, const std::string& ctx) {
   const DLDevice dev = exec_->dl_device();
   Geometry& g = c.g;
@@ -90,7 +90,7 @@ void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c,
   staging_bytes(c.stage_end, "dispatch");
 }
 
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::new_routing_state(DispatchCall& c) {
   const Geometry& g = c.g;
   c.state = std::make_shared<DeviceHandleState>();
@@ -128,7 +128,7 @@ void ElasticDevice<Exec>::new_routing_state(DispatchCall& c) {
   r.expert_count = take(El);
 }
 
-template <class Exec>
+template <Executor Exec>
 Published ElasticDevice<Exec>::publish_dispatch(const DispatchArgs& a, const DispatchCall& c) const {
   Published mine{};
   const Geometry& g = c.g;
@@ -164,7 +164,7 @@ Published ElasticDevice<Exec>::publish_dispatch(const DispatchArgs& a, const Dis
   return mine;
 }
 
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::stage_dispatch(const DispatchArgs& a, const DispatchCall& c) {
   const Geometry& g = c.g;
   if (!c.cached)
@@ -186,7 +186,7 @@ void ElasticDevice<Exec>::stage_dispatch(const DispatchArgs& a, const DispatchCa
 }
 
 // After the count barrier: the handle and its count tensors, every received row's plan.
-template <class Exec>
+template <Executor Exec>
 std::shared_ptr<EPHandle> ElasticDevice<Exec>::plan_receive(const DispatchArgs& a, DispatchCall& c,
                                                             const PeerTensors& pt) {
   const Geometry& g = c.g;
@@ -209,7 +209,7 @@ std::shared_ptr<EPHandle> ElasticDevice<Exec>::plan_receive(const DispatchArgs& 
 // The outputs: exact shapes with CPU sync (one host wait for the counts), else the worst case
 // (the handle's for a cached replay); the handle's fields.
 // Long: every output tensor and handle field, in the order of docs/semantics.md.
-template <class Exec>
+template <Executor Exec>
 void ElasticDevice<Exec>::make_outputs(const DispatchArgs& a, DispatchCall& c, EPHandle* handle, DispatchResult& result) {
   const Geometry& g = c.g;
   const DLDevice dev = exec_->dl_device();
@@ -283,7 +283,7 @@ void ElasticDevice<Exec>::make_outputs(const DispatchArgs& a, DispatchCall& c, E
   write_slots(*exec_, g, c.state->arrays, handle->dst_buffer_slot_idx.data_as<std::int32_t>());
 }
 
-template <class Exec>
+template <Executor Exec>
 DispatchResult ElasticDevice<Exec>::dispatch(const DispatchArgs& a) {
   const char* op = "dispatch";
   check_usable(op);
@@ -335,7 +335,7 @@ DispatchResult ElasticDevice<Exec>::dispatch(const DispatchArgs& a) {
   });
 }
 
-template <class Exec>
+template <Executor Exec>
 DispatchResult ElasticDevice<Exec>::move_rows(const DispatchArgs& a, DispatchCall& c, const PeerTensors& pt) {
   const char* op = "dispatch";
   stage_dispatch(a, c);

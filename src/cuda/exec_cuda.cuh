@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cuda/device_common.hh"
+#include "cuda/executor.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/tensor.hpp"
 
@@ -374,5 +375,7 @@ class CudaExec {
   std::uint64_t* mirror_device_ = nullptr;
   cudaEvent_t in_{}, out_{};
 };
+
+static_assert(Executor<CudaExec>);
 
 }  // namespace moe_ep::cuda
