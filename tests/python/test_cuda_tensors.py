@@ -175,7 +175,9 @@ def round_trip(g, device, stream=False, async_=False):
     buf = buffer(g)
     assert buf.provider == ("cpu" if device == "cpu" else "cuda")
     x, idx, w = inputs(g.rank(), device)
-    side = torch.cuda.Stream() if stream else None
+    side = torch.cuda.Stream() if stream and device != "cpu" else None
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())  # the inputs were made on the current stream
     with torch.cuda.stream(side) if side is not None else _nothing():
         recv_x, recv_idx, recv_w, handle, ev = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
                                                             async_with_compute_stream=async_)
@@ -185,7 +187,7 @@ def round_trip(g, device, stream=False, async_=False):
         combined, combined_w, ev = buf.combine(y, handle, topk_weights=recv_w, async_with_compute_stream=async_)
         if async_:
             ev.current_stream_wait()
-        out = [t.cpu() for t in (recv_x, recv_idx, recv_w, combined, combined_w)]
+        out = [t.cpu() for t in (recv_x, recv_idx, recv_w, combined, combined_w)]  # read on the call's stream
     buf.destroy()
     return out
 
