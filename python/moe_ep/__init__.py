@@ -3,8 +3,9 @@
 ``moe_ep.deep_ep`` is DeepEP's Python API (``Buffer``, ``ElasticBuffer``, ...) on moe-ep's C++
 buffers; ``moe_ep.TokenDispatcher`` is the framework-facing dispatcher. Groups are
 ``torch.distributed`` process groups (processes of one host), mpi4py communicators, or threads of
-this process (``LocalWorld``). Tensors are torch CPU tensors (numpy arrays are accepted as inputs);
-outputs are torch tensors over moe-ep memory, exchanged through DLPack without a copy.
+this process (``LocalWorld``). Tensors are torch CPU tensors (numpy arrays are accepted as inputs),
+or torch CUDA tensors for a ``deep_ep.ElasticBuffer`` backed by the CUDA provider; outputs are
+torch tensors over moe-ep memory, exchanged through DLPack without a copy.
 See docs/python.md.
 """
 

@@ -31,12 +31,23 @@ namespace py = pybind11;
 
 namespace moe_ep::python {
 
+// Where a call's tensors may live. Host tensors are always imported; CUDA tensors only when
+// `cuda` (the callee, e.g. the CUDA provider, checks the device and refuses what it cannot
+// serve by name); otherwise they are refused with a TypeError naming the argument, its device
+// and `why_host` (why this callee moves host tensors only).
+struct Placement {
+  bool cuda = false;
+  std::string why_host = "moe-ep's built-in CPU provider moves host tensors";
+};
+
 // What an argument must be; `dtype`: re-tag a uint8 input as this 1-byte dtype (FP8 data given as
 // its uint8 codes).
-Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt);
+Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt,
+                     const Placement& placement = {});
 // None -> an undefined Tensor.
-inline Tensor import_optional(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt) {
-  return obj.is_none() ? Tensor{} : import_tensor(obj, name, dtype);
+inline Tensor import_optional(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt,
+                              const Placement& placement = {}) {
+  return obj.is_none() ? Tensor{} : import_tensor(obj, name, dtype, placement);
 }
 // A torch tensor (None for an undefined tensor).
 py::object export_tensor(const Tensor& t);
@@ -90,6 +101,8 @@ double& last_native_seconds();
 // original Python error here.
 class ArgumentImports {
  public:
+  ArgumentImports() = default;
+  explicit ArgumentImports(Placement placement) : placement_(std::move(placement)) {}
   Tensor tensor(py::handle obj, const char* name, std::optional<DType> dtype = std::nullopt);  // None: undefined
   // x or (x_fp8, scales): the data and the scales (undefined for a plain tensor).
   std::pair<Tensor, Tensor> x_or_pair(py::handle x, const char* scales_name);
@@ -149,6 +162,7 @@ class ArgumentImports {
     }
   }
 
+  Placement placement_;
   std::exception_ptr error_;
   std::string message_;
 };

@@ -9,6 +9,9 @@
 namespace moe_ep::python {
 namespace {
 
+// CUDA tensors go on to the C++ dispatcher, which refuses them by name, saying why.
+const Placement kToDispatcher{.cuda = true, .why_host = ""};
+
 using CacheBox = Box<BufferCache>;
 
 // A dispatcher and the cache it must not outlive.
@@ -129,7 +132,7 @@ void register_dispatcher(py::module_& m) {
            [](PyDispatcher& d, py::handle x, py::handle topk_idx, py::handle topk_weights, const std::string& kind,
               int micro_batch) {
              const BatchKind k = parse_batch_kind(kind);
-             ArgumentImports in;
+             ArgumentImports in(kToDispatcher);
              const DispatchInputs i(in, x, topk_idx, topk_weights);
              in.call([&] { d.dispatcher->dispatch_a(i.x, i.topk_idx, i.topk_weights, k, micro_batch); });
            })
@@ -137,7 +140,7 @@ void register_dispatcher(py::module_& m) {
            [](PyDispatcher& d, py::handle x, py::handle topk_idx, py::handle topk_weights, const std::string& kind,
               int micro_batch) {
              const BatchKind k = parse_batch_kind(kind);
-             ArgumentImports in;
+             ArgumentImports in(kToDispatcher);
              const DispatchInputs i(in, x, topk_idx, topk_weights);
              return output_dict(
                  in.call([&] { return d.dispatcher->dispatch(i.x, i.topk_idx, i.topk_weights, k, micro_batch); }));
@@ -153,13 +156,13 @@ void register_dispatcher(py::module_& m) {
            })
       .def("combine_a",
            [](PyDispatcher& d, py::handle x, int micro_batch) {
-             ArgumentImports in;
+             ArgumentImports in(kToDispatcher);
              const Tensor a = in.tensor(x, "hidden_states");
              in.call([&] { d.dispatcher->combine_a(a, micro_batch); });
            })
       .def("combine",
            [](PyDispatcher& d, py::handle x, int micro_batch) {
-             ArgumentImports in;
+             ArgumentImports in(kToDispatcher);
              const Tensor a = in.tensor(x, "hidden_states");
              return export_tensor(in.call([&] { return d.dispatcher->combine(a, micro_batch); }));
            })

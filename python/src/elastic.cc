@@ -2,18 +2,23 @@
 #include <fmt/format.h>
 
 #include "common.hh"
+#include "dispatcher/provider_registry.hh"
+#include "elastic_runtime.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::python {
 namespace {
 
-using ElasticBox = Box<ElasticBuffer>;
+using ElasticBox = Box<ElasticRuntime>;
 
-// The stream arguments dispatch and combine share.
+// The stream arguments dispatch and combine share; `stream`: the caller's cudaStream_t (0 = the
+// legacy default stream; ignored by the built-in provider).
 template <class Args>
 void stream_arguments(ArgumentImports& in, Args& a, py::handle previous_event, py::handle before_epilogue,
-                      py::handle async_with_compute_stream, py::handle allocate_on_comm_stream) {
+                      py::handle async_with_compute_stream, py::handle allocate_on_comm_stream,
+                      std::uintptr_t stream) {
+  a.stream = stream;
   a.previous_event = in.event(previous_event, "previous_event");
   a.previous_event_before_epilogue = in.event(before_epilogue, "previous_event_before_epilogue");
   a.async_with_compute_stream = in.boolean(async_with_compute_stream, "async_with_compute_stream");
@@ -56,7 +61,8 @@ void register_elastic(py::module_& m) {
       .def(py::init([](std::shared_ptr<Group> group, std::int64_t num_bytes, int num_max_tokens_per_rank, int hidden,
                        int num_topk, bool use_fp8_dispatch, bool deterministic, bool allow_hybrid_mode,
                        bool allow_multiple_reduction, bool prefer_overlap_with_compute, int num_allocated_qps,
-                       double num_cpu_timeout_secs, bool explicitly_destroy) {
+                       double num_cpu_timeout_secs, bool explicitly_destroy, bool cuda, int device,
+                       std::string why_host, std::string refusal, std::string provider_path) {
              ElasticBufferConfig c;
              c.num_bytes = num_bytes;
              c.num_max_tokens_per_rank = num_max_tokens_per_rank;
@@ -70,13 +76,15 @@ void register_elastic(py::module_& m) {
              c.num_allocated_qps = num_allocated_qps;
              c.num_cpu_timeout_secs = num_cpu_timeout_secs;
              c.explicitly_destroy = explicitly_destroy;
+             const ProviderChoice choice{cuda, device, std::move(why_host), std::move(refusal)};
              py::gil_scoped_release release;
-             return std::make_shared<ElasticBox>(std::make_unique<ElasticBuffer>(*group, c));
+             return std::make_shared<ElasticBox>(std::make_unique<ElasticRuntime>(group, c, choice, provider_path));
            }),
            py::arg("group"), py::arg("num_bytes"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"),
            py::arg("num_topk"), py::arg("use_fp8_dispatch"), py::arg("deterministic"), py::arg("allow_hybrid_mode"),
            py::arg("allow_multiple_reduction"), py::arg("prefer_overlap_with_compute"), py::arg("num_allocated_qps"),
-           py::arg("num_cpu_timeout_secs"), py::arg("explicitly_destroy"))
+           py::arg("num_cpu_timeout_secs"), py::arg("explicitly_destroy"), py::arg("cuda") = false,
+           py::arg("device") = -1, py::arg("why_host") = "", py::arg("refusal") = "", py::arg("provider_path") = "")
       .def_static(
           "get_buffer_size_hint",
           [](std::shared_ptr<Group> group, int t, int h, int k, bool fp8, bool hybrid, bool multi) {
@@ -91,9 +99,10 @@ void register_elastic(py::module_& m) {
              py::handle num_sms, py::handle num_qps, py::handle previous_event,
              py::handle previous_event_before_epilogue, py::handle async_with_compute_stream,
              py::handle allocate_on_comm_stream, py::handle handle, py::handle do_handle_copy,
-             py::handle do_cpu_sync, py::handle do_expand, py::handle do_zero_padding, py::handle use_tma) {
-            ElasticBuffer& buffer = box.get();
-            ArgumentImports in;
+             py::handle do_cpu_sync, py::handle do_expand, py::handle do_zero_padding, py::handle use_tma,
+             std::uintptr_t stream) {
+            ElasticRuntime& buffer = box.get();
+            ArgumentImports in(buffer.placement());
             auto [data, scales] = in.x_or_pair(x, "scales");
             const Tensor idx = in.tensor(topk_idx, "topk_idx");
             const Tensor weights = in.tensor(topk_weights, "topk_weights");
@@ -110,7 +119,7 @@ void register_elastic(py::module_& m) {
             a.num_sms = in.integer(num_sms, "num_sms");
             a.num_qps = in.integer(num_qps, "num_qps");
             stream_arguments(in, a, previous_event, previous_event_before_epilogue, async_with_compute_stream,
-                             allocate_on_comm_stream);
+                             allocate_on_comm_stream, stream);
             a.handle = in.object<EPHandle>(handle, "handle", "an EPHandle returned by dispatch");
             a.do_handle_copy = in.boolean(do_handle_copy, "do_handle_copy");
             a.do_cpu_sync = in.optional_boolean(do_cpu_sync, "do_cpu_sync");
@@ -130,15 +139,15 @@ void register_elastic(py::module_& m) {
           py::arg("num_qps"), py::arg("previous_event"), py::arg("previous_event_before_epilogue"),
           py::arg("async_with_compute_stream"), py::arg("allocate_on_comm_stream"), py::arg("handle"),
           py::arg("do_handle_copy"), py::arg("do_cpu_sync"), py::arg("do_expand"), py::arg("do_zero_padding"),
-          py::arg("use_tma_aligned_col_major_sf"))
+          py::arg("use_tma_aligned_col_major_sf"), py::arg("stream") = 0)
       .def(
           "combine",
           [](ElasticBox& box, py::handle x, py::handle handle, py::handle topk_weights, py::handle bias,
              py::handle num_sms, py::handle num_qps, py::handle previous_event,
              py::handle previous_event_before_epilogue, py::handle async_with_compute_stream,
-             py::handle allocate_on_comm_stream) {
-            ElasticBuffer& buffer = box.get();
-            ArgumentImports in;
+             py::handle allocate_on_comm_stream, std::uintptr_t stream) {
+            ElasticRuntime& buffer = box.get();
+            ArgumentImports in(buffer.placement());
             const Tensor data = in.tensor(x, "x");
             const Tensor weights = in.tensor(topk_weights, "topk_weights");
             const std::vector<Tensor> biases = in.tensor_list(bias, "bias");
@@ -150,7 +159,7 @@ void register_elastic(py::module_& m) {
             a.num_sms = in.integer(num_sms, "num_sms");
             a.num_qps = in.integer(num_qps, "num_qps");
             stream_arguments(in, a, previous_event, previous_event_before_epilogue, async_with_compute_stream,
-                             allocate_on_comm_stream);
+                             allocate_on_comm_stream, stream);
             a.rejection = in.rejection();
             const CombineResult r = in.call([&] { return buffer.combine(a); });
             auto ev = std::make_shared<PyEvent>();
@@ -161,7 +170,7 @@ void register_elastic(py::module_& m) {
           },
           py::arg("x"), py::arg("handle"), py::arg("topk_weights"), py::arg("bias"), py::arg("num_sms"),
           py::arg("num_qps"), py::arg("previous_event"), py::arg("previous_event_before_epilogue"),
-          py::arg("async_with_compute_stream"), py::arg("allocate_on_comm_stream"))
+          py::arg("async_with_compute_stream"), py::arg("allocate_on_comm_stream"), py::arg("stream") = 0)
       .def(
           "get_theoretical_num_sms",
           [](const ElasticBox& b, int e, int k, int so_k, double rdma, double nvl, double rd, double wr) {
@@ -189,7 +198,23 @@ void register_elastic(py::module_& m) {
       .def_property_readonly("num_scaleup_ranks", [](const ElasticBox& b) { return b.get().num_scaleup_ranks(); })
       .def_property_readonly("scaleout_rank_idx", [](const ElasticBox& b) { return b.get().scaleout_rank_idx(); })
       .def_property_readonly("scaleup_rank_idx", [](const ElasticBox& b) { return b.get().scaleup_rank_idx(); })
-      .def_property_readonly("is_hybrid", [](const ElasticBox& b) { return b.get().is_hybrid(); });
+      .def_property_readonly("is_hybrid", [](const ElasticBox& b) { return b.get().is_hybrid(); })
+      .def_property_readonly("provider", [](const ElasticBox& b) { return std::string(b.get().provider()); })
+      .def_property_readonly("device", [](const ElasticBox& b) { return b.get().device(); })
+      .def_property_readonly("why_host", [](const ElasticBox& b) { return b.get().placement().why_host; });
+
+  // Whether the CUDA provider can serve a Python ElasticBuffer, and from where (or why not).
+  m.def(
+      "cuda_provider",
+      [](const std::string& path_list) {
+        const dispatcher::DeviceProvider found = dispatcher::find_cuda_provider(path_list);
+        py::dict d;
+        d["available"] = found.table != nullptr;
+        d["origin"] = found.origin;
+        d["reason"] = found.reason;
+        return d;
+      },
+      py::arg("path_list"));
 }
 
 }  // namespace moe_ep::python

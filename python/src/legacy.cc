@@ -8,6 +8,13 @@
 namespace moe_ep::python {
 namespace {
 
+// V1 runs on the built-in provider only (the CUDA provider offers V2): host tensors.
+Placement v1_placement() {
+  return {.cuda = false,
+          .why_host = "Buffer (V1) runs on moe-ep's built-in CPU provider, which moves host tensors (the CUDA provider "
+                      "offers V2 only: ElasticBuffer)"};
+}
+
 using LegacyBox = Box<Buffer>;
 
 std::shared_ptr<PyEvent> event_of(const Event& e, std::vector<Tensor> keep) {
@@ -103,7 +110,7 @@ void register_legacy(py::module_& m) {
       .def("get_dispatch_layout",
            [](LegacyBox& box, py::handle topk_idx, int num_experts, py::handle previous_event, bool async_finish,
               bool allocate_on_comm_stream) {
-             const Tensor idx = import_tensor(topk_idx, "topk_idx");
+             const Tensor idx = import_tensor(topk_idx, "topk_idx", std::nullopt, v1_placement());
              const std::optional<Event> prev = to_event(previous_event, "previous_event");
              DispatchLayout r;
              {
@@ -120,7 +127,7 @@ void register_legacy(py::module_& m) {
               py::handle expert_alignment, py::handle num_worst_tokens, py::handle config, py::handle previous_event,
               py::handle async_finish, py::handle allocate_on_comm_stream) {
              Buffer& buffer = box.get();
-             ArgumentImports in;
+             ArgumentImports in(v1_placement());
              // x: a tensor, (x_fp8, x_scales), or the NVFP4 triple (packed, sf, sf_scale).
              const bool nvfp4 = py::isinstance<py::tuple>(x) && py::len(x) == 3;
              Tensor data, scales;
@@ -177,7 +184,7 @@ void register_legacy(py::module_& m) {
               py::handle config, py::handle previous_event, py::handle async_finish,
               py::handle allocate_on_comm_stream) {
              Buffer& buffer = box.get();
-             ArgumentImports in;
+             ArgumentImports in(v1_placement());
              std::vector<Tensor> keep = {in.tensor(x, "x"), in.tensor(topk_weights, "topk_weights")};
              const std::vector<Tensor> biases = in.tensor_list(bias, "bias");
              keep.insert(keep.end(), biases.begin(), biases.end());
@@ -201,7 +208,7 @@ void register_legacy(py::module_& m) {
               py::handle use_fp8, py::handle round_scale, py::handle use_ue8m0, py::handle use_nvfp4,
               py::handle use_ue8m0_for_sf, py::handle async_finish, py::handle return_recv_hook) {
              Buffer& buffer = box.get();
-             ArgumentImports in;
+             ArgumentImports in(v1_placement());
              std::vector<Tensor> keep = {in.tensor(x, "x"), in.tensor(topk_idx, "topk_idx"),
                                          in.tensor(cumulative, "cumulative_local_expert_recv_stats"),
                                          in.tensor(wait_stats, "dispatch_wait_recv_cost_stats"),
@@ -235,7 +242,7 @@ void register_legacy(py::module_& m) {
               py::handle use_logfmt, py::handle zero_copy, py::handle async_finish, py::handle return_recv_hook,
               py::handle out, py::handle wait_stats) {
              Buffer& buffer = box.get();
-             ArgumentImports in;
+             ArgumentImports in(v1_placement());
              std::vector<Tensor> keep = {in.tensor(x, "x"), in.tensor(topk_idx, "topk_idx"),
                                          in.tensor(topk_weights, "topk_weights"), in.tensor(out, "out"),
                                          in.tensor(wait_stats, "combine_wait_recv_cost_stats")};

@@ -76,18 +76,16 @@ DType movable_dtype(py::handle tensor, const char* name) {
   return static_cast<DType>(PyLong_AsLong(code));
 }
 
-[[noreturn]] void not_on_cpu(py::handle obj, const char* name, int device_type) {
+[[noreturn]] void not_on_host(py::handle obj, const char* name, int device_type, const std::string& why) {
   const std::string where = py::hasattr(obj, "device") ? py::str(obj.attr("device")).cast<std::string>()
                                                        : fmt::format("DLPack device type {}", device_type);
-  throw py::type_error(fmt::format("{} is on {}; moe-ep's CPU provider needs CPU tensors (no GPU provider is built "
-                                   "into this module)",
-                                   name, where));
+  throw py::type_error(fmt::format("{} is on {}, but {}: pass CPU tensors", name, where, why));
 }
 
 // The DLPack capsule of `obj`. The common case (a CPU tensor torch or numpy can export) is one
-// call. The slow path: tensors that require grad (only their data is read), tensors on other
-// devices, and 1-byte dtypes a torch's DLPack cannot name (bool, float8_e4m3fn), which travel as
-// uint8 and are re-tagged (*retag).
+// call (CUDA tensors included: the callee checks their device). The slow path: tensors that require
+// grad (only their data is read), and 1-byte dtypes a torch's DLPack cannot name (bool,
+// float8_e4m3fn), which travel as uint8 and are re-tagged (*retag).
 py::object dlpack_capsule(py::handle obj, const char* name, std::optional<DType>* retag) {
   const Torch& torch = torch_api();
   const bool is_torch = PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(torch.tensor_type.ptr()));
@@ -100,11 +98,6 @@ py::object dlpack_capsule(py::handle obj, const char* name, std::optional<DType>
     const DType dtype = movable_dtype(obj, name);  // refused here with the torch dtype's name
     py::object source = py::reinterpret_borrow<py::object>(obj);
     if (py::cast<bool>(source.attr("requires_grad"))) source = source.attr("detach")();
-    const std::string device = py::str(source.attr("device").attr("type")).cast<std::string>();
-    if (device != "cpu") {
-      py::object capsule = source.attr("__dlpack__")();  // a CUDA tensor still names its device
-      return capsule;
-    }
     if (dtype == DType::kBool || dtype == DType::kFP8E4M3) {
       PyObject* capsule = PyObject_CallMethod(source.ptr(), "__dlpack__", nullptr);
       if (capsule != nullptr) return py::reinterpret_steal<py::object>(capsule);
@@ -127,7 +120,7 @@ py::object dlpack_capsule(py::handle obj, const char* name, std::optional<DType>
 
 }  // namespace
 
-Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype) {
+Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtype, const Placement& placement) {
   if (obj.is_none()) throw py::type_error(fmt::format("{} is None; a tensor is required", name));
   std::optional<DType> retag;
   py::object capsule = dlpack_capsule(obj, name, &retag);
@@ -136,7 +129,10 @@ Tensor import_tensor(py::handle obj, const char* name, std::optional<DType> dtyp
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
   const int device = managed->dl_tensor.device.device_type;
   // The capsule still owns the tensor and releases it.
-  if (device != kDLCPU && device != kDLCUDAHost) not_on_cpu(obj, name, device);
+  if (device != kDLCPU && device != kDLCUDAHost) {
+    if (device != kDLCUDA) not_on_host(obj, name, device, "moe-ep moves host and CUDA tensors only");
+    if (!placement.cuda) not_on_host(obj, name, device, placement.why_host);
+  }
   PyCapsule_SetName(capsule.ptr(), kUsedCapsuleName);
   Tensor t;
   try {
@@ -244,7 +240,7 @@ void ArgumentImports::fail_with(std::exception_ptr error) {
 }
 
 Tensor ArgumentImports::tensor(py::handle obj, const char* name, std::optional<DType> dtype) {
-  return guarded([&] { return import_optional(obj, name, dtype); }, Tensor{});
+  return guarded([&] { return import_optional(obj, name, dtype, placement_); }, Tensor{});
 }
 
 std::pair<Tensor, Tensor> ArgumentImports::x_or_pair(py::handle x, const char* scales_name) {
@@ -257,7 +253,7 @@ std::pair<Tensor, Tensor> ArgumentImports::x_or_pair(py::handle x, const char* s
     }
     return {tensor(pair[0], "x[0] (FP8 data)", DType::kFP8E4M3), tensor(pair[1], scales_name)};
   }
-  return {guarded([&] { return import_tensor(x, "x"); }, Tensor{}), Tensor{}};
+  return {guarded([&] { return import_tensor(x, "x", std::nullopt, placement_); }, Tensor{}), Tensor{}};
 }
 
 std::optional<Event> ArgumentImports::event(py::handle obj, const char* name) {

@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string_view>
+#include <unistd.h>
 
 #include "core/log.hh"
 #include "dispatcher/provider_registry.hh"
@@ -202,6 +203,40 @@ bool accept_table(const std::string& entry, const provider::Table* table, Provid
 const provider::Table* provider_for(const std::string& path_list, Generation generation) {
   const Probed& p = probed(path_list);
   return generation == Generation::kV1 ? p.v1 : p.v2;
+}
+
+// The directory of the library this code is part of (libmoe_ep.so), with a trailing '/'.
+std::string library_directory() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<const void*>(&find_cuda_provider), &info) == 0 || info.dli_fname == nullptr) return "";
+  const std::string path = info.dli_fname;
+  const std::size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string("./") : path.substr(0, slash + 1);
+}
+
+DeviceProvider find_cuda_provider(const std::string& path_list) {
+  DeviceProvider found;
+  std::string list = path_list;
+  if (list.empty()) {
+    list = library_directory() + "libmoe_ep_cuda.so";
+    if (access(list.c_str(), R_OK) != 0) {
+      found.reason = fmt::format("no CUDA provider library: MOE_EP_PROVIDER_PATH is unset and {} does not exist "
+                                 "(moe-ep was built without CUDA: docs/cuda.md)",
+                                 list);
+      return found;
+    }
+  }
+  const Probed& p = probed(list);
+  if (p.v2 == nullptr) {
+    found.reason = fmt::format("no usable CUDA provider in '{}': {}", list, p.report.v2.reason);
+  } else if (std::string_view(p.v2->name) != "cuda") {
+    found.reason = fmt::format("MOE_EP_PROVIDER_PATH = '{}' gives V2 to provider '{}' ({}), not 'cuda'", list,
+                               p.report.v2.provider, p.report.v2.origin);
+  } else {
+    found.table = p.v2;
+    found.origin = p.report.v2.origin;
+  }
+  return found;
 }
 
 }  // namespace moe_ep::dispatcher

@@ -27,6 +27,18 @@ bool accept_table(const std::string& entry, const provider::Table* table, Provid
 // probe_providers(path_list)[generation]).
 const provider::Table* provider_for(const std::string& path_list, Generation generation);
 
+// The device provider for a caller that moves device tensors itself (the Python ElasticBuffer):
+// when `path_list` is non-empty, the V2 provider it resolves to (as the dispatcher resolves it),
+// used only when that provider is the one named "cuda"; when empty, libmoe_ep_cuda.so beside this
+// library (the build tree's, or the installed one). `table` is null when none is usable, and
+// `reason` then says why (no library, an init that found no device, another provider first).
+struct DeviceProvider {
+  const provider::Table* table = nullptr;
+  std::string origin;  // the library's path
+  std::string reason;
+};
+DeviceProvider find_cuda_provider(const std::string& path_list);
+
 // The ElasticBuffer behind a backend the built-in provider made (providers that hand out the
 // built-in tables' objects included), or null for another provider's backend.
 ElasticBuffer* builtin_elastic_buffer(provider::ElasticBackend* backend);

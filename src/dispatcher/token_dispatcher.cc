@@ -267,9 +267,22 @@ class ReleaseOnFailure {
   int exceptions_;
 };
 
+// The dispatcher reads and writes its tensors on the host whatever provider runs its buffer (it
+// checks topk_idx, quantizes and packs rows into the buffer's layout): device tensors are refused
+// by name, saying so.
+static void expect_host(const std::string& ctx, const char* name, const Tensor& t) {
+  if (!t.defined() || t.on_host()) return;
+  core::fail(ctx, "{} lives on {}: the token dispatcher works on host tensors whatever its provider (it checks "
+             "topk_idx and packs rows on the host); pass CPU tensors, or move device tensors with the CUDA "
+             "provider's ElasticBuffer directly (moe_ep.deep_ep.ElasticBuffer: docs/python.md)",
+             name, device_name(t.device()));
+}
+
 void DispatcherState::validate_dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                         DispatchMode mode) const {
   const std::string ctx = fmt::format("[rank {}] dispatcher: dispatch", shared.group.rank());
+  for (const auto& [name, t] : {std::pair{"x", &x}, {"topk_idx", &topk_idx}, {"topk_weights", &topk_weights}})
+    expect_host(ctx, name, *t);
   core::expect_tensor(ctx, "x", x, DType::kBF16, {-1, options.hidden});
   core::expect_rows_contiguous(ctx, "x", x);
   const std::int64_t n = x.size(0);
@@ -302,6 +315,7 @@ DispatchOutput DispatcherState::finish_dispatch(Slot& s, int micro_batch) {
 void DispatcherState::validate_combine(const Slot& s, const Tensor& y) const {
   const std::string ctx =
       fmt::format("[rank {}] dispatcher: combine ({} format)", shared.group.rank(), format_name(s.route->format()));
+  expect_host(ctx, "x", y);
   s.route->check_combine_input(ctx, y);
 }
 

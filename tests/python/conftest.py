@@ -136,3 +136,8 @@ def shm_unchanged():
     time.sleep(0.2)
     leaked = shm_listing() - before
     assert not leaked, f"left in /dev/shm: {sorted(leaked)}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device and the CUDA provider (skipped, with the reason, "
+                                       "without them)")

@@ -5,10 +5,17 @@ deterministic (by source rank, then source token), so ``deterministic`` changes 
 ``EPHandle.deterministic_sort`` returns its inputs. GPU-only arguments (``sl_idx``, ``num_sms`` and
 ``num_qps`` as SM/QP counts, ``use_tma_aligned_col_major_sf`` as a layout, streams) are accepted:
 ``num_sms`` sets worker threads, ``num_qps`` the scale-out transfers in flight.
+
+On CUDA tensors the buffer is backed by the CUDA provider when one is usable (``_provider``;
+``ElasticBuffer.provider`` says which): each call runs after the work queued on torch's current
+stream, and a synchronous call makes that stream wait for it (docs/python.md, "CUDA tensors").
 """
+
+import torch
 
 from ... import _C
 from ..utils import EventHandle, _native, _overlap
+from . import _provider
 from ._common import bias_list, group_of, not_on_cpu, or_default
 
 # DeepEP's defaults of get_theoretical_num_sms are GPU SM bandwidths; left at them, moe-ep uses the
@@ -66,11 +73,14 @@ class ElasticBuffer:
         self.prefer_overlap_with_compute = prefer_overlap_with_compute
         self.deterministic = deterministic
         self.explicitly_destroy = explicitly_destroy
+        choice = _provider.choose(self._group)
         self.runtime = _C.ElasticBuffer(self._group, 0 if num_bytes is None else num_bytes, num_max_tokens_per_rank,
                                         hidden, num_topk, use_fp8_dispatch, deterministic, allow_hybrid_mode,
                                         allow_multiple_reduction, prefer_overlap_with_compute, num_allocated_qps,
-                                        num_cpu_timeout_secs, explicitly_destroy)
+                                        num_cpu_timeout_secs, explicitly_destroy, choice.cuda, choice.device,
+                                        choice.why_host, choice.refusal, choice.provider_path)
         rt = self.runtime
+        self._provider, self._device = rt.provider, rt.device
         self.num_bytes = rt.num_bytes
         self.num_max_tokens_per_rank = rt.num_max_tokens_per_rank
         self.num_allocated_qps = rt.num_allocated_qps
@@ -83,6 +93,19 @@ class ElasticBuffer:
                              allow_hybrid_mode=True, allow_multiple_reduction=True):
         return _C.ElasticBuffer.get_buffer_size_hint(group_of(group, None), num_max_tokens_per_rank, hidden, num_topk,
                                                      use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+
+    @property
+    def provider(self):
+        """The provider behind this buffer: "cuda" (CUDA tensors on ``device``) or "cpu" (host tensors)."""
+        return self._provider
+
+    @property
+    def device(self):
+        """The ``torch.device`` the buffer's tensors live on: ``cuda:N`` or ``cpu``."""
+        return torch.device("cuda", self._device) if self._provider == "cuda" else torch.device("cpu")
+
+    def _stream(self):
+        return _provider.current_stream(self._device) if self._provider == "cuda" else 0
 
     @staticmethod
     def capture():
@@ -133,7 +156,7 @@ class ElasticBuffer:
             _native(previous_event, "previous_event"),
             _native(previous_event_before_epilogue, "previous_event_before_epilogue"), async_with_compute_stream,
             allocate_on_comm_stream, native, do_handle_copy, do_cpu_sync, do_expand, do_zero_padding,
-            use_tma_aligned_col_major_sf)
+            use_tma_aligned_col_major_sf, self._stream())
         if isinstance(x, tuple):
             recv_x = (recv_x, recv_sf)
         out_handle = handle if handle is not None else EPHandle(new_native, ev)
@@ -146,7 +169,7 @@ class ElasticBuffer:
             x, native, topk_weights, bias_list(bias), num_sms, num_qps,
             _native(previous_event, "previous_event"),
             _native(previous_event_before_epilogue, "previous_event_before_epilogue"), async_with_compute_stream,
-            allocate_on_comm_stream)
+            allocate_on_comm_stream, self._stream())
         return combined, combined_w, _overlap(ev, async_with_compute_stream)
 
     # DeepEP's experimental extras (Engram storage, pipeline-parallel send/receive, all-gather sessions).
