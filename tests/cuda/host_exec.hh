@@ -17,12 +17,20 @@
 //    on other ranks (a barrier) but never on another index of its own step. An exception a step
 //    throws is rethrown by each() after every index ran.
 //  - scan is sequential (on GPU: CUB's exact device-wide scan); copies run on the caller.
-//  - With staging, ranks behave as processes do: every tensor peers read is first copied into
-//    the rank's symmetric region, and regions are "mapped" through handles (here the address).
+//  - With staging, ranks behave as processes do: every tensor peers read is first copied into the
+//    rank's symmetric region, which is real shared memory (a memfd mapped MAP_SHARED); its IPC
+//    handle is the descriptor and size, and open_ipc maps the same pages again at another
+//    address, as CUDA IPC does, so peers reach the region only through their own mapping.
+//    Device atomics (std::atomic_ref) work across the mappings: they are the same pages.
 //  Without staging ranks read each other's tensors in place (ranks as threads of one process).
 // Under ThreadSanitizer the hand-over between steps is a semaphore (a happens-before edge), so a
-// correct algorithm runs clean.
+// correct algorithm runs clean; TSan watches addresses, so it sees races between ranks on the
+// in-place path, not through the second mappings of the staged one.
 #pragma once
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +45,7 @@
 #include <numeric>
 #include <random>
 #include <semaphore>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -89,7 +98,23 @@ class HostExec {
     if (p == nullptr) throw ResourceError("HostExec: out of memory");
     return {p, [](void* q) { std::free(q); }};
   }
-  std::shared_ptr<void> alloc_symmetric(std::size_t bytes) { return alloc(bytes); }
+  // Shared memory (a memfd) mapped here; ipc_handle names it for open_ipc.
+  std::shared_ptr<void> alloc_symmetric(std::size_t bytes) {
+    bytes = std::max<std::size_t>(bytes, 1);
+    const int fd = ::memfd_create("moe_ep_host_exec", MFD_CLOEXEC);
+    if (fd < 0) throw ResourceError(std::string("HostExec: memfd_create: ") + std::strerror(errno));
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) {
+      const int e = errno;
+      ::close(fd);
+      throw ResourceError(std::string("HostExec: ftruncate of the symmetric region: ") + std::strerror(e));
+    }
+    void* p = map_shared(fd, bytes);
+    regions_.push_back({p, fd, bytes});
+    return {p, [fd, bytes](void* q) {
+              ::munmap(q, bytes);
+              ::close(fd);
+            }};
+  }
   void* temp(std::size_t bytes) {
     temps_.push_back(alloc(bytes));
     return temps_.back().get();
@@ -147,15 +172,42 @@ class HostExec {
   std::uint64_t take_mirrored_error() { return std::atomic_ref<std::uint64_t>(mirrored_).exchange(0); }
   const std::uint64_t* mirrored_error() const { return &mirrored_; }
 
-  void ipc_handle(void* p, char* out) { std::memcpy(out, &p, sizeof p); }
+  // The handle of a region of alloc_symmetric: its descriptor and size.
+  void ipc_handle(void* p, char* out) {
+    for (const Region& r : regions_) {
+      if (r.base != p) continue;
+      const std::int64_t words[2] = {r.fd, static_cast<std::int64_t>(r.bytes)};
+      std::memcpy(out, words, sizeof words);
+      return;
+    }
+    throw ResourceError("HostExec: ipc_handle of memory that alloc_symmetric did not return");
+  }
+  // The region again, through a descriptor of its own and at an address of its own.
   std::shared_ptr<void> open_ipc(const char* handle) {
+    std::int64_t words[2];
+    std::memcpy(words, handle, sizeof words);
+    const std::string path = "/proc/self/fd/" + std::to_string(words[0]);
+    const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) throw ResourceError("HostExec: open " + path + ": " + std::strerror(errno));
+    const auto bytes = static_cast<std::size_t>(words[1]);
     void* p = nullptr;
-    std::memcpy(&p, handle, sizeof p);
-    return {p, [](void*) {}};  // the owner frees it
+    try {
+      p = map_shared(fd, bytes);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+    ::close(fd);  // the mapping keeps the pages
+    return {p, [bytes](void* q) { ::munmap(q, bytes); }};
   }
   void enable_peer_access_to(const void*) {}
 
  private:
+  struct Region {
+    void* base;
+    int fd;
+    std::size_t bytes;
+  };
   // Indices [begin, begin + len), walked from `first` by `stride` (coprime with len) modulo len.
   struct Chunk {
     std::int64_t begin, len, first, stride;
@@ -165,6 +217,13 @@ class HostExec {
     static std::atomic<std::uint64_t> n{0};
     return n;
   }
+  static void* map_shared(int fd, std::size_t bytes) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+      throw ResourceError(std::string("HostExec: mmap of the symmetric region: ") + std::strerror(errno));
+    return p;
+  }
+
   // This call's chunks, in a fresh random order, each with its own walk.
   void plan(std::int64_t n) {
     const std::int64_t count = std::min(n, kChunks), size = (n + count - 1) / count;
@@ -216,6 +275,7 @@ class HostExec {
   std::mutex error_mu_;
   std::exception_ptr error_;
   std::vector<std::thread> workers_;
+  std::vector<Region> regions_;
   std::vector<std::shared_ptr<void>> temps_;
   std::uint64_t mirrored_ = 0;
 };
