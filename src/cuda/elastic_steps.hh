@@ -1,6 +1,6 @@
 // The device steps of the CUDA provider's dispatch and combine: each is a group of index-parallel
-// lambdas queued on an executor (CudaExec: kernels on the rank's stream; HostExec: loops on the
-// rank's thread). They see only the values and device pointers they are given (no host state),
+// lambdas queued on an executor (CudaExec: kernels on the rank's stream; HostExec: host threads,
+// step after step). They see only the values and device pointers they are given (no host state),
 // read peers' memory only after the barrier that published it, and do nothing once this rank's
 // error word is set, so a failure moves no rows.
 //
