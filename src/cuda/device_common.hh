@@ -34,7 +34,7 @@ MOE_EP_HD inline void store_release(std::uint64_t* flag, std::uint64_t value) {
 #if defined(__CUDACC__)
   ::cuda::atomic_thread_fence(::cuda::memory_order_seq_cst, ::cuda::thread_scope_system);
   ::cuda::atomic_ref<std::uint64_t, ::cuda::thread_scope_system>(*flag).store(value, ::cuda::memory_order_release);
-#else  // host steps run on the rank's one thread: the release store orders all of its writes
+#else  // host: each step happens after the earlier ones (any thread's writes): the release store orders them
   std::atomic_ref<std::uint64_t>(*flag).store(value, std::memory_order_release);
 #endif
 }

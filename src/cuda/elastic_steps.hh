@@ -1,6 +1,6 @@
 // The device steps of the CUDA provider's dispatch and combine: each is a group of index-parallel
-// lambdas queued on an executor (CudaExec: kernels on the rank's stream; HostExec: loops on the
-// rank's thread). They see only the values and device pointers they are given (no host state),
+// lambdas queued on an executor (CudaExec: kernels on the rank's stream; HostExec: host threads,
+// step after step). They see only the values and device pointers they are given (no host state),
 // read peers' memory only after the barrier that published it, and do nothing once this rank's
 // error word is set, so a failure moves no rows.
 //
@@ -179,7 +179,8 @@ void plan_counts(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t
   std::int32_t* const sizes = a.sizes;
   std::int32_t* const send_base = a.send_base;
   exec.each(1, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t) {
-    for (int r = 0; r < R; ++r) {
+    // A rank whose barrier ended on an error may be ahead of peers still writing their status.
+    for (int r = 0; r < R && load_acquire(status + 1) == 0; ++r) {
       const std::uint64_t w = *reinterpret_cast<const std::uint64_t*>(p.base[r] + status_off);
       if (w != 0) {
         set_first(status + 1, r == me ? w : pack_error(ErrorCode::kPeerRejected, static_cast<std::uint32_t>(r), 0, 0));

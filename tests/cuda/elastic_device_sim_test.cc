@@ -1,5 +1,5 @@
-// The CUDA provider's algorithm (ElasticDevice over HostExec, which runs its device steps on the
-// rank's host thread) against the built-in provider: every output of dispatch, cached dispatch
+// The CUDA provider's algorithm (ElasticDevice over HostExec, which runs its device steps on host
+// threads in a random order) against the built-in provider: every output of dispatch, cached dispatch
 // and combine bit for bit, over random cases of 1 to 8 ranks (every layout, payload dtype, sync
 // mode, weights and biases), and its errors. The built-in provider is the independent reference
 // here: the two share no routing, planning or reduction code.
