@@ -144,7 +144,7 @@ CombineResult ElasticDevice<Exec>::reduce_rows(const CombineArgs& a, const Devic
       static_cast<std::int64_t*>(exec_->temp(static_cast<std::size_t>(std::max(g.num_tokens, 1)) * g.num_topk * 8));
   auto* const unit_end =
       static_cast<std::int32_t*>(exec_->temp(static_cast<std::size_t>(std::max(g.num_tokens, 1)) * (g.num_topk + 1) * 4));
-  combine_units(*exec_, g, config_.allow_multiple_reduction, pt, handle.arrays, inputs, unit_end);
+  combine_units(*exec_, g, config_.allow_multiple_reduction, pt, handle.arrays, status(), inputs, unit_end);
   const std::size_t nb = a.bias.size();
   combine_sums(*exec_, g, H, pt, inputs, unit_end, nb > 0 ? a.bias[0].data_as<const std::uint16_t>() : nullptr,
                nb > 0 ? a.bias[0].stride(0) : 0, nb > 1 ? a.bias[1].data_as<const std::uint16_t>() : nullptr,

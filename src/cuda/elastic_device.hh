@@ -2,8 +2,9 @@
 //
 // The executor (Exec) runs index-parallel steps in order on the rank's communication stream and
 // owns the rank's memory: CudaExec (exec_cuda.cuh) launches them as kernels on a GPU; HostExec
-// (tests/cuda) runs the same steps on the rank's host thread, so the whole algorithm is checked
-// against the built-in provider on machines without a GPU. Every step is a lambda over an index
+// (tests/cuda) runs the same steps on host threads, each step's indices on several threads in a
+// seeded random order, so the whole algorithm, races and step order included, is checked against
+// the built-in provider on machines without a GPU. Every step is a lambda over an index
 // that captures only values and device pointers.
 //
 // Guarantees (docs/cuda.md): the results are bit-identical to the built-in provider's on the same

@@ -387,7 +387,7 @@ void zero_padding(Exec& exec, const Geometry& g, const RoutingArrays& a, std::ui
 // its lanes ascending); expanded without, one unit per lane.
 template <class Exec>
 void combine_units(Exec& exec, const Geometry& g, bool multi, const PeerTensors& pt, const RoutingArrays& a,
-                   std::int64_t* inputs, std::int32_t* unit_end) {
+                   std::uint64_t* status, std::int64_t* inputs, std::int32_t* unit_end) {
   const int k = g.num_topk, R = g.num_ranks, El = g.experts_per_rank;
   const bool expand = g.expanded_layout;
   const PeerTensors src_t = pt;
@@ -395,6 +395,7 @@ void combine_units(Exec& exec, const Geometry& g, bool multi, const PeerTensors&
   const std::int32_t* const dst_slot = a.dst_slot;
   const std::int32_t* const send_base = a.send_base;
   exec.each(g.num_tokens, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t t) {
+    if (load_acquire(status + 1) != 0) return;  // a failed barrier: peers' lanes may not be ready (nothing is summed)
     const std::int64_t* ids = topk + t * k;
     std::int64_t* in = inputs + t * k;
     std::int32_t* end = unit_end + t * (k + 1);

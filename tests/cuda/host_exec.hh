@@ -50,6 +50,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/executor.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/tensor.hpp"
 
@@ -161,7 +162,17 @@ class HostExec {
   void copy_to_host(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
   void zero(void* dst, std::size_t bytes) { std::memset(dst, 0, bytes); }
   void synchronize() {}
-  void after_caller(std::uintptr_t) {}
+  // Test knobs for what only a GPU has: the hardware queues each device gives the process (0: no
+  // limit), and pointers ranks on other devices cannot read in place (peer_readable).
+  static inline std::atomic<int> queues{0};
+  static int hardware_queues() { return queues.load(); }
+  static inline std::atomic<const void*> unreadable{nullptr};
+  static bool peer_readable(const void* p) { return p == nullptr || p != unreadable.load(); }
+  // Runs at after_caller (tests observe when a call orders itself after its caller's stream).
+  static inline std::function<void(int device)> on_after_caller;
+  void after_caller(std::uintptr_t) {
+    if (on_after_caller) on_after_caller(device_);
+  }
   void before_caller(std::uintptr_t) {}
   void then(const std::function<void()>& fn) { fn(); }
 
@@ -279,5 +290,7 @@ class HostExec {
   std::vector<std::shared_ptr<void>> temps_;
   std::uint64_t mirrored_ = 0;
 };
+
+static_assert(Executor<HostExec>);
 
 }  // namespace moe_ep::cuda::testing
