@@ -7,6 +7,8 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <cstdint>
 #include <vector>
 
@@ -44,7 +46,8 @@ struct SmallCall {
 
 // Rank 1 starts its call only once rank 0's call has ordered itself after its caller's stream:
 // that happens before the agreement (which needs rank 1), so both calls complete. Ordered after
-// the agreement, rank 0 would wait there for rank 1 and the agreement would time out.
+// the agreement, rank 0 would wait there for rank 1 and the agreement would time out (rank 1 gives
+// up waiting after 30 s and fails too).
 TEST(CudaProviderRules, ACallOrdersItselfAfterItsCallerBeforeTheAgreement) {
   std::atomic<bool> rank0_ordered{false};
   HostExec::on_after_caller = [&](int device) {
@@ -55,8 +58,10 @@ TEST(CudaProviderRules, ACallOrdersItselfAfterItsCallerBeforeTheAgreement) {
   world.run([&](Group& group) {
     Device dev(group, small_config(5), group.rank());  // rank r on device r: its hook is told apart
     SmallCall call;
-    if (group.rank() == 1)
-      while (!rank0_ordered.load()) std::this_thread::yield();
+    if (group.rank() == 1) {  // bounded, so that a call ordered after its agreement fails instead of hanging
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+      while (!rank0_ordered.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+    }
     errors[group.rank()] = catch_error([&] { dev.dispatch(call.args(group.rank())); });
     dev.destroy();
   });
