@@ -366,14 +366,14 @@ void zero_padding(Exec& exec, const Geometry& g, const RoutingArrays& a, std::ui
   const std::int64_t row_bytes = g.row_bytes, chunks = g.row_bytes / 16, scale_block = o.scale_block;
   const RoutingArrays r = a;
   const DispatchOutputs out = o;
-  exec.each(out.expanded_rows * chunks, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t idx) {
-    const std::int64_t row = idx / chunks, c = idx % chunks;
+  // Only padding rows: index (expert l, padding row p < align - 1, chunk c), no search per chunk.
+  const std::int64_t pad = align - 1;
+  exec.each(std::int64_t{El} * pad * chunks, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t idx) {
+    const int l = static_cast<int>(idx / (pad * chunks));
+    const std::int64_t p = idx / chunks % pad, c = idx % chunks;
     if (load_acquire(status + 1) != 0) return;
-    int l = 0;
-    while (l + 1 < El && r.expert_start[l + 1] <= row) ++l;
-    const std::int64_t begin = r.expert_start[l] + r.expert_count[l];
-    const std::int64_t end = r.expert_start[l] + align_up(r.expert_count[l], align);
-    if (row < begin || row >= end) return;
+    const std::int64_t row = std::int64_t{r.expert_start[l]} + r.expert_count[l] + p;
+    if (row >= r.expert_start[l] + align_up(r.expert_count[l], align)) return;
     reinterpret_cast<Chunk*>(out.x + row * row_bytes)[c] = Chunk{};
     if (c != 0) return;
     for (int q = 0; q < P && out.scales; ++q) out.scales[scale_block == 1 ? row * P + q : q * scale_block + row] = 0;
