@@ -48,12 +48,15 @@ inline std::string queue_shortage(const std::vector<ConfigBlock>& blocks) {
     int sharing = 0;
     for (const ConfigBlock& o : blocks)
       sharing += o.device == b.device && o.process[0] == b.process[0] && o.process[1] == b.process[1];
-    if (2 * sharing > b.queues)
-      return fmt::format("{} ranks of one process share cuda:{}, and each needs two hardware queues (its communication "
-                         "stream and its caller's stream) while its barriers spin: CUDA_DEVICE_MAX_CONNECTIONS = {} "
-                         "allows {}; set CUDA_DEVICE_MAX_CONNECTIONS={} or more (at most 32) before the process's first "
-                         "CUDA call, or use fewer ranks per device",
-                         sharing, b.device, b.queues, b.queues / 2, std::min<std::int64_t>(2 * sharing, 32));
+    if (2 * sharing <= b.queues) continue;
+    const std::string remedy =
+        2 * sharing <= 32 ? fmt::format("set CUDA_DEVICE_MAX_CONNECTIONS={} or more before the process's first CUDA "
+                                        "call, or use fewer ranks per device", 2 * sharing)
+                          : std::string("use at most 16 ranks of one process per device (CUDA gives at most 32 queues)");
+    return fmt::format("{} ranks of one process share cuda:{}, and each needs two hardware queues (its communication "
+                       "stream and its caller's stream) while its barriers spin: CUDA_DEVICE_MAX_CONNECTIONS = {} "
+                       "allows {}; {}",
+                       sharing, b.device, b.queues, b.queues / 2, remedy);
   }
   return {};
 }
