@@ -8,7 +8,8 @@ deterministic (by source rank, then source token), so ``deterministic`` changes 
 
 On CUDA tensors the buffer is backed by the CUDA provider when one is usable (``_provider``;
 ``ElasticBuffer.provider`` says which): each call runs after the work queued on torch's current
-stream, and a synchronous call makes that stream wait for it (docs/python.md, "CUDA tensors").
+stream, and a synchronous call makes that stream wait for it and waits for it on the host, so that a
+failure raises in the call (docs/python.md, "CUDA tensors").
 """
 
 import torch
