@@ -210,23 +210,25 @@ void plan_counts(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t
 }
 
 // Every received row: its source and token (from the source's list), master lane and local
-// experts; then the expert blocks (a scan over per-expert flags) and each lane's expanded row;
-// the handle's per-expert counts and the statistics.
+// experts; then the expert blocks and each lane's expanded row, in receive order within each
+// expert: per (local expert, block of kPlanBlock rows) a count, one exact scan over those counts
+// (expert-major), and each row's place in its block; the handle's per-expert counts and the
+// statistics. Scratch: 8 x local experts x blocks bytes (not per row).
+inline constexpr std::int64_t kPlanBlock = 64;
+
 template <class Exec>
 void plan_rows(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t lists_off, const PeerTensors& pt,
                const std::int32_t* base, const RoutingArrays& a, std::int32_t* psum_e, std::int32_t* unaligned,
                std::int32_t* stats) {
   const int k = g.num_topk, T = g.max_tokens_per_rank, El = g.experts_per_rank, me = g.rank, align = g.expert_alignment;
   const bool expand = g.expanded_layout;
-  const std::int64_t cap = g.receive_capacity(), nf = std::int64_t{El} * cap + 1;
+  const std::int64_t cap = g.receive_capacity(), S = kPlanBlock, B = (cap + S - 1) / S, nf = std::int64_t{El} * B + 1;
   auto* const eflag = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(nf) * 4));
   auto* const epos = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(nf) * 4));
   const Peers p = peers;
   const PeerTensors src_t = pt;
   const RoutingArrays r = a;
   exec.each(cap, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
-    for (int l = 0; l < El; ++l) eflag[l * cap + i] = 0;
-    if (i == 0) eflag[nf - 1] = 0;
     if (i >= r.sizes[0]) return;
     int src = 0;
     while (base[src + 1] <= i) ++src;
@@ -239,18 +241,32 @@ void plan_rows(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t l
       const std::int64_t e = ids[j];
       const bool here = e >= 0 && rank_of(e, El) == me;
       r.local_ids[i * k + j] = here ? static_cast<std::int32_t>(e - std::int64_t{me} * El) : -1;
-      if (here) {
-        master = j;
-        eflag[(e - std::int64_t{me} * El) * cap + i] = 1;
-      }
+      if (here) master = j;
     }
     r.row_master[i] = master;
+  });
+  // Whether received row i names local expert l (a row names an expert at most once).
+  auto names = [=] MOE_EP_HD(std::int64_t i, int l) {
+    for (int j = 0; j < k; ++j)
+      if (r.local_ids[i * k + j] == l) return true;
+    return false;
+  };
+  exec.each(nf, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t f) {
+    if (f == nf - 1) {
+      eflag[f] = 0;
+      return;
+    }
+    const int l = static_cast<int>(f / B);
+    const std::int64_t first = f % B * S, last = std::min<std::int64_t>(first + S, r.sizes[0]);
+    std::int32_t n = 0;
+    for (std::int64_t i = first; i < last; ++i) n += names(i, l) ? 1 : 0;
+    eflag[f] = n;
   });
   exec.scan(eflag, epos, nf);
   exec.each(1, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t) {
     std::int32_t next = 0, psum = 0;
     for (int l = 0; l < El; ++l) {
-      const std::int32_t c = epos[(l + 1) * cap] - epos[l * cap];
+      const std::int32_t c = epos[(l + 1) * B] - epos[l * B];
       const auto aligned = static_cast<std::int32_t>(align_up(c, align));
       r.expert_count[l] = c;
       r.expert_start[l] = next;
@@ -264,9 +280,16 @@ void plan_rows(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t l
   });
   exec.each(cap, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
     if (i >= r.sizes[0]) return;
+    const std::int64_t b = i / S;
     for (int j = 0; j < k; ++j) {
       const std::int32_t l = r.local_ids[i * k + j];
-      r.lane_rows[i * k + j] = l < 0 ? -1 : r.expert_start[l] + (epos[l * cap + i] - epos[l * cap]);
+      if (l < 0) {
+        r.lane_rows[i * k + j] = -1;
+        continue;
+      }
+      std::int32_t before = epos[l * B + b] - epos[l * B];  // earlier blocks
+      for (std::int64_t q = b * S; q < i; ++q) before += names(q, l) ? 1 : 0;
+      r.lane_rows[i * k + j] = r.expert_start[l] + before;
     }
   });
 }
