@@ -262,10 +262,13 @@ class HybridEPBuffer(PermuteMixin):
         """The internal V2 combine (collective); normalised so that a zero sum is +0, as HybridEP's
         accumulator (starting at +0.0) gives it."""
         runtime = state.runtime if state is not None else self.runtime
-        rejection = "" if problem is None else str(problem)
-        combined, combined_w = runtime._combine_hybrid_ep(
-            hidden if problem is None else None, state.native if state is not None else None,
-            weights if problem is None else None, sum_weights, True, rejection)
+        if problem is not None:  # the peers learn it through the combine's agreement
+            try:
+                runtime._combine_hybrid_ep(None, None, None, sum_weights, True, problem)
+            except _C.Error:
+                pass
+            raise _C.InvalidArgument(problem) from None
+        combined, combined_w = runtime._combine_hybrid_ep(hidden, state.native, weights, sum_weights, True, "")
         combined = combined + 0.0
         if combined_w is None:
             return combined, None
