@@ -149,6 +149,23 @@ def check_dispatch(case, me, everything_, out, bad):
     return rows
 
 
+def check_cached_dispatch(case, me, buf, everything_, handle, rows, bad):
+    """dispatch with the handle: other rows (and probs) over the same routing."""
+    other = [inputs(case, r + 100) for r in range(case.G)]
+    width, base = EL * case.L, (me // case.L) * EL * case.L
+    probs2 = torch.cat([o[3] for o in other])
+    map_all = everything_[2]
+    probs2 = torch.where(map_all, probs2 + 1.0, torch.zeros_like(probs2))  # on the handle's routes
+    tokens, probs, sf, again = buf.dispatch(hidden=other[me][0], scaling_factor=other[me][1],
+                                            probs=probs2[me * N:(me + 1) * N], handle=handle)
+    if again is not handle or not same(tokens, torch.cat([o[0] for o in other])[rows]):
+        bad.append("dispatch with a handle: tokens")
+    if not same(probs, probs2[rows, base:base + width].contiguous()):
+        bad.append("dispatch with a handle: probs")
+    if case.fp8 and not same(sf, torch.cat([o[1] for o in other])[rows]):
+        bad.append("dispatch with a handle: scaling factors")
+
+
 def check_combine(case, me, buf, everything_, out, rows, bad):
     _, _, map_all, probs_all = everything_
     tokens, probs, _, handle = out
@@ -272,6 +289,7 @@ def run_case(rank, case, group):
     if not case.budget:
         out = buf.dispatch(hidden=x, scaling_factor=sf, routing_map=routing_map, probs=probs)
         rows = check_dispatch(case, rank, everything_, out, bad)
+        check_cached_dispatch(case, rank, buf, everything_, out[3], rows, bad)
         check_combine(case, rank, buf, everything_, out, rows, bad)
     handle = check_permute(case, rank, buf, everything_, bad)
     check_unpermute(case, rank, buf, everything_, handle, bad)
@@ -343,3 +361,25 @@ def negative_zero_case(g):
 def test_all_negative_zero_inputs_combine_to_positive_zero():
     """HybridEP's accumulator starts at +0.0, so a sum of -0 rows is +0."""
     assert moe_ep.LocalWorld(4, 2).run(negative_zero_case) == [([0], [0])] * 4
+
+
+def growth_case(g):
+    """A call with more tokens than the buffer was built for grows it; handles made before still work."""
+    buf = HybridEPBuffer(g, 128, 16, EL)
+    results = []
+    handles = []
+    for n in (5, 600):
+        gen = torch.Generator().manual_seed(7 + g.rank())
+        x = spread(gen, (n, 128)).to(torch.bfloat16)
+        routing_map = torch.zeros(n, EL * g.size(), dtype=torch.bool)
+        routing_map[:, -1] = True  # every token to the last rank
+        tokens, _, _, handle = buf.dispatch(hidden=x, routing_map=routing_map)
+        handles.append((x, tokens, handle))
+    for x, tokens, handle in handles:
+        combined, _ = buf.combine(tokens, None, handle)
+        results.append(same(combined, x))
+    return results
+
+
+def test_buffer_grows_for_more_tokens():
+    assert moe_ep.LocalWorld(2).run(growth_case) == [[True, True]] * 2
