@@ -135,6 +135,8 @@ def test_dispatch_arguments():
                                                            topk_idx=torch.zeros(N, 2, dtype=torch.int64),
                                                            num_of_experts=e + 2)), 0,
            "InvalidArgument", "num_of_experts = 6, expected 4")
+    expect(dispatch_case(0, "dispatch", lambda k: k.update(hidden=[[0.0] * H] * N)), 0, "InvalidArgument",
+           "hidden is a list, expected a torch tensor")
     expect(dispatch_case(1, "dispatch", lambda k: k.update(routing_map=None, probs=None)), 1, "InvalidArgument",
            "no routing input")
     expect(dispatch_case(1, "dispatch", lambda k: k.update(hidden=torch.zeros(N + 1, H, dtype=torch.bfloat16),
@@ -205,6 +207,8 @@ def test_combine_arguments():
            "handle is None; combine needs the 7-tuple dispatch returned")
     expect(combine_case(1, "combine", lambda k: k.update(hidden=k["hidden"].view(torch.uint8))), 1,
            "InvalidArgument", "hidden has dtype torch.uint8")
+    expect(combine_case(0, "combine", lambda k: k.update(probs="not a tensor")), 0, "InvalidArgument",
+           "probs is a str, expected a torch tensor")
     expect(combine_case(1, "combine_with_unpermute", lambda k: k.update(hidden=k["hidden"][:1])), 1,
            "InvalidArgument", "hidden has shape [1, 128]", "at least")
     expect(combine_case(0, "combine_with_unpermute", lambda k: k.update(pad_multiple=16)), 0, "InvalidArgument",

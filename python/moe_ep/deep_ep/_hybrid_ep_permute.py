@@ -126,10 +126,8 @@ class PermuteMixin:
             if probs is not None:
                 check_tensor("probs", probs, (torch.float32,), (n, state.geo.experts))
                 weights = lane_values(probs, state.lanes)
-        except ValueError as e:
-            problem = _C.InvalidArgument(f"{self._context(op)}: {e}")
-        except TypeError as e:
-            problem = e
+        except Exception as e:  # every refusal must reach the agreement, or the peers would wait
+            problem = self._refusal(op, e)
         agree(self._group, self._context(op), problem)
         recv_x, recv_sf, recv_w, _ = self._v2_dispatch(state.runtime, x, None, weights, 0, 0, True, state.pad,
                                                        state.native)
@@ -160,6 +158,6 @@ class PermuteMixin:
                 raise ValueError(f"pad_multiple = {pad_multiple!r} differs from the handle's dispatch ({state.pad})")
             x = fit(hidden, state.m_exp, need).contiguous()
             weights = fit(probs, state.m_exp, need) if probs is not None else None
-        except ValueError as e:
-            problem = f"{self._context(op)}: {e}"
+        except Exception as e:  # every refusal must reach the agreement, or the peers would wait
+            problem = self._refusal(op, e)
         return self._combine(op, state, x, weights, problem, False)

@@ -18,8 +18,7 @@ import torch
 
 from .. import _C
 from .buffers._common import group_of
-from ._hybrid_ep_config import (HybridEpConfigInstance,  # noqa: F401  (exported here too)
-                                agree, align, capacity_of, check_int,
+from ._hybrid_ep_config import (HybridEpConfigInstance, agree, align, capacity_of, check_int,
                                 chunk_sizes_from_environment, nvlink_domain_size)
 from ._hybrid_ep_permute import PermuteMixin
 from ._hybrid_ep_routing import (Geometry, HybridHandle, Routing, check_tensor, lane_values, routed_count_problem,
@@ -105,6 +104,13 @@ class HybridEPBuffer(PermuteMixin):
     def _context(self, op):
         return f"[rank {self.rank}] HybridEPBuffer.{op}"
 
+    def _refusal(self, op, error):
+        """What this rank raises for an argument its checks refused: InvalidArgument naming the
+        call for a ValueError, any other error as it is (its peers learn it through the call)."""
+        if isinstance(error, ValueError) and not isinstance(error, _C.Error):
+            return _C.InvalidArgument(f"{self._context(op)}: {error}")
+        return error
+
     def empty_jit_cache(self):
         """GPU-only (the kernel cache): nothing to do on CPU."""
 
@@ -177,12 +183,12 @@ class HybridEPBuffer(PermuteMixin):
             config, problems = self._call_config(h, n, el, pad_multiple, fp8, False, {})
             if problems:
                 raise ValueError("The buffer config is not valid: " + "; ".join(problems))
-            problem = routed_count_problem(routed) or (more() if more else None)
+            phrase = routed_count_problem(routed) or (more() if more else None)
+            if phrase:
+                raise ValueError(phrase)
             payload = (n, h, routed)
-        except ValueError as e:
-            problem = e
-        if problem is not None:
-            problem = _C.InvalidArgument(f"{self._context(op)}: {problem}")
+        except Exception as e:  # every refusal must reach the agreement, or the peers would wait
+            problem = self._refusal(op, e)
         blocks = agree(self._group, self._context(op), problem, payload)
         self._agree_shape(op, blocks)
         self._grow(n, h)
@@ -234,7 +240,9 @@ class HybridEPBuffer(PermuteMixin):
         state = getattr(handle, "_hybrid", None)
         if state is None or state.kind != kind:
             what = "the 7-tuple dispatch returned" if kind == "dispatch" else "the 11-tuple dispatch_with_permute returned"
-            got = "None" if handle is None else f"a {type(handle).__name__} of {len(handle) if isinstance(handle, tuple) else '?'} items"
+            got = "None" if handle is None else f"a {type(handle).__name__}"
+            if isinstance(handle, tuple):
+                got += f" of {len(handle)} items"
             raise ValueError(f"handle is {got}; {op} needs {what}")
         return state
 
@@ -249,8 +257,8 @@ class HybridEPBuffer(PermuteMixin):
             if probs is not None:
                 weights = lane_values(check_tensor("probs", probs, (torch.float32,), (n, state.geo.experts)),
                                       state.lanes)
-        except ValueError as e:
-            problem = _C.InvalidArgument(f"{self._context('dispatch')}: {e}")
+        except Exception as e:  # every refusal must reach the agreement, or the peers would wait
+            problem = self._refusal("dispatch", e)
         agree(self._group, self._context("dispatch"), problem)
         recv_x, recv_sf, recv_w, _ = self._v2_dispatch(state.runtime, x, None, weights, 0, 0, False, 0, state.native)
         d = state.recv_lanes.shape[0]
@@ -264,10 +272,10 @@ class HybridEPBuffer(PermuteMixin):
         runtime = state.runtime if state is not None else self.runtime
         if problem is not None:  # the peers learn it through the combine's agreement
             try:
-                runtime._combine_hybrid_ep(None, None, None, sum_weights, True, problem)
+                runtime._combine_hybrid_ep(None, None, None, sum_weights, True, f"{type(problem).__name__}: {problem}")
             except _C.Error:
                 pass
-            raise _C.InvalidArgument(problem) from None
+            raise problem
         combined, combined_w = runtime._combine_hybrid_ep(hidden, state.native, weights, sum_weights, True, "")
         combined = combined + 0.0
         if combined_w is None:
@@ -282,12 +290,12 @@ class HybridEPBuffer(PermuteMixin):
             check_tensor("hidden", hidden, (torch.bfloat16,), (d, -1))
             if not hidden.is_contiguous():
                 raise ValueError(f"hidden (strides {hidden.stride()}) is not contiguous")
-            if probs is not None and probs.numel() != 0:
+            if probs is not None and (not isinstance(probs, torch.Tensor) or probs.numel() != 0):
                 check_tensor("probs", probs, (torch.float32,), (d, width))
                 base = self.node_rank * width
                 weights = lane_values(torch.cat([torch.zeros(d, base), probs,
                                                  torch.zeros(d, state.geo.experts - base - width)], 1),
                                       state.recv_lanes)
-        except ValueError as e:
-            problem = f"{self._context('combine')}: {e}"
+        except Exception as e:  # every refusal must reach the agreement, or the peers would wait
+            problem = self._refusal("combine", e)
         return self._combine("combine", state, hidden, weights, problem, True)
