@@ -3,6 +3,7 @@
 
 #include "common.hh"
 #include "dispatcher/provider_registry.hh"
+#include "elastic/elastic_access.hh"
 #include "elastic_runtime.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
@@ -171,6 +172,33 @@ void register_elastic(py::module_& m) {
           py::arg("x"), py::arg("handle"), py::arg("topk_weights"), py::arg("bias"), py::arg("num_sms"),
           py::arg("num_qps"), py::arg("previous_event"), py::arg("previous_event_before_epilogue"),
           py::arg("async_with_compute_stream"), py::arg("allocate_on_comm_stream"), py::arg("stream") = 0)
+      // HybridEPBuffer's combines (python/moe_ep/deep_ep/hybrid_ep_buffer.py, docs/hybrid-ep.md):
+      // the V2 combine with engine options DeepEP's API has no argument for (elastic::CombineExtras),
+      // on the built-in buffer. `rejection`: the caller's own argument check failed on this rank
+      // (every rank raises; peers PeerError naming it).
+      .def(
+          "_combine_hybrid_ep",
+          [](ElasticBox& box, py::handle x, py::handle handle, py::handle topk_weights, bool sum_weights_over_ranks,
+             bool own_node_rank_terms, const std::string& rejection) {
+            ElasticRuntime& buffer = box.get();
+            ElasticBuffer* host = buffer.host_buffer();
+            if (host == nullptr)
+              throw StateError(fmt::format("[rank {}] HybridEPBuffer: combine runs on host tensors only", buffer.rank()));
+            ArgumentImports in(buffer.placement());
+            const Tensor data = in.tensor(x, "hidden");
+            const Tensor weights = in.tensor(topk_weights, "probs");
+            CombineArgs a;
+            a.x = data;
+            a.handle = in.object<EPHandle>(handle, "handle", "an EPHandle returned by dispatch");
+            a.topk_weights = weights;
+            a.rejection = in.failed() ? in.rejection() : rejection;
+            const elastic::CombineExtras extras{.sum_weights_over_ranks = sum_weights_over_ranks,
+                                                .own_node_rank_terms = own_node_rank_terms};
+            const CombineResult r = in.call([&] { return elastic::Access::combine(*host, a, extras); });
+            return py::make_tuple(export_tensor(r.combined_x), export_tensor(r.combined_topk_weights));
+          },
+          py::arg("x"), py::arg("handle"), py::arg("topk_weights"), py::arg("sum_weights_over_ranks"),
+          py::arg("own_node_rank_terms"), py::arg("rejection") = "")
       .def(
           "get_theoretical_num_sms",
           [](const ElasticBox& b, int e, int k, int so_k, double rdma, double nvl, double rd, double wr) {

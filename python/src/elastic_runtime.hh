@@ -53,6 +53,8 @@ class ElasticRuntime {
   const char* provider() const { return cpu_ ? "cpu" : "cuda"; }
   int device() const { return device_; }  // -1 for the built-in provider
   const Placement& placement() const { return placement_; }
+  // The built-in buffer (host tensors), or null when the CUDA provider backs this one.
+  ElasticBuffer* host_buffer() { return cpu_.get(); }
 
  private:
   std::shared_ptr<Group> group_;

@@ -20,6 +20,12 @@ struct CombineExtras {
   // engine::CombineRequest::row_weights: float32 [expanded rows]; row r of x counts as
   // bf16(row_weights[r] * float(x[r])).
   TensorView row_weights;
+  // engine::CombineRequest::sum_weights_over_ranks: combined_topk_weights sums every unit's whole
+  // weight row (compact layout).
+  bool sum_weights_over_ranks = false;
+  // engine::CombineRequest::own_node_rank_terms: in hybrid mode with multiple reduction, this
+  // node's rank units are terms of the final sum, not one rounded node unit.
+  bool own_node_rank_terms = false;
 };
 
 class Access {

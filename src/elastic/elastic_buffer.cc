@@ -181,6 +181,8 @@ CombineResult elastic::Access::combine(ElasticBuffer& buffer, const CombineArgs&
   e.check_usable("combine");
   engine::CombineRequest r = combine_request(e, args);
   r.row_weights = extras.row_weights;
+  r.sum_weights_over_ranks = extras.sum_weights_over_ranks;
+  r.own_node_rank_terms = extras.own_node_rank_terms;
   return e.execute(engine::make_combine(e, std::move(r), e.next_sequence()), args.async_with_compute_stream);
 }
 

@@ -191,6 +191,8 @@ void Combine::describe(comm::Agreement& agreement) const {
       .field("do_expand (handle)", expand_)
       .field("topk_weights given", has_weights_)
       .field("row weights given", req_.row_weights.defined())
+      .field("weights summed over ranks", req_.sum_weights_over_ranks)
+      .field("own node's rank terms", req_.own_node_rank_terms)
       .field("hidden", shape_.hidden);
 }
 
@@ -484,7 +486,7 @@ void Combine::presum_token(int t) {
     presums_[static_cast<size_t>(t)] = Presum::kReduced;
     return;
   }
-  if (local < 0) return;
+  if (local < 0) return;  // no node unit of this node (own_node_rank_terms: its rank rows are terms)
   int scratch = 0;
   std::array<const std::uint16_t*, kMaxTopk> term;
   Unit unit;

@@ -97,7 +97,7 @@ class Combine final : public CombineOperation {
   Presum presum_of(int t) const { return presums_.empty() ? Presum::kNone : presums_[static_cast<size_t>(t)]; }
   routing::ReductionScheme scheme() const {
     return {.expand = expand_, .multiple_reduction = multi_, .hybrid = engine_.facts.paths.hybrid(),
-            .physical_scaleup = engine_.facts.physical.num_scaleup};
+            .physical_scaleup = engine_.facts.physical.num_scaleup, .own_node_rank_terms = req_.own_node_rank_terms};
   }
 
   // Row r of rank d's combine input (d on this node); with row weights, the weighted row

@@ -262,6 +262,9 @@ struct CombineRequest {
   // combined_topk_weights: false = the weight each lane's rank returned for that lane (V2);
   // true = the sum, over the token's ranks in unit order, of their whole weight rows (V1).
   bool sum_weights_over_ranks = false;
+  // Hybrid with multiple reduction: this node's rank units are summed into the result one by one
+  // instead of as one BF16-rounded node unit (routing::ReductionScheme::own_node_rank_terms).
+  bool own_node_rank_terms = false;
   // Generation-specific checks, run first (they see unvalidated arguments).
   std::function<void(const std::string& context)> validate_more;
 };

@@ -31,12 +31,22 @@ int reduction_units(const std::int64_t* ids, int k, const Geometry& geometry, co
   if (scheme.hybrid && scheme.multiple_reduction) {
     // One unit per routing node, keyed by the node's master lane (token_nodes: ascending).
     const int nn = token_nodes(ids, k, geometry, dests);
+    int n = 0;
     for (int i = 0; i < nn; ++i) {
       const Destination& d = dests[static_cast<size_t>(i)];
-      out[static_cast<size_t>(i)] = d.target == my_node ? UnitRef{d.master_lane, UnitKind::kNode, d.target}
-                                                        : UnitRef{d.master_lane, UnitKind::kRemoteNode, d.target, d.target};
+      if (d.target != my_node) {
+        out[static_cast<size_t>(n++)] = {d.master_lane, UnitKind::kRemoteNode, d.target, d.target};
+      } else if (!scheme.own_node_rank_terms) {
+        out[static_cast<size_t>(n++)] = {d.master_lane, UnitKind::kNode, d.target};
+      } else {
+        std::array<UnitRef, kMaxTopk> ranks;
+        const int nr = node_unit_refs(ids, k, geometry, scheme, my_node, ranks);
+        for (int r = 0; r < nr; ++r) out[static_cast<size_t>(n++)] = ranks[static_cast<size_t>(r)];
+      }
     }
-    return nn;
+    // The own node's rank units may interleave with other nodes' keys.
+    std::sort(out.begin(), out.begin() + n, [](const UnitRef& a, const UnitRef& b) { return a.key < b.key; });
+    return n;
   }
   int n = node_unit_refs(ids, k, geometry, scheme, my_node, out);
   if (scheme.expand && !scheme.multiple_reduction) {

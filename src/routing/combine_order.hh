@@ -23,6 +23,11 @@ struct ReductionScheme {
   bool multiple_reduction = true;   // ranks (and forwarders) pre-sum their lanes (levels 1 and 2)
   bool hybrid = false;              // two-hop path: one record per routing node
   int physical_scaleup = 1;         // ranks per physical node
+  // Hybrid with multiple reduction: the source's own node contributes its rank units (kRank, as
+  // node_unit_refs lists them) as units of their own instead of one level-2 unit (kNode); the
+  // other nodes' units stay level-2 sums. Elsewhere it changes nothing (the own node already
+  // contributes rank or lane units).
+  bool own_node_rank_terms = false;
   int physical_node_of(int rank) const { return rank / physical_scaleup; }
 };
 

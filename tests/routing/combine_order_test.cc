@@ -61,6 +61,19 @@ TEST(ReductionUnits, HybridMultipleReductionOneUnitPerNode) {
   expect_units(scheme, 0, {{1, UnitKind::kNode, 0, -1}, {3, UnitKind::kRemoteNode, 1, 1}});
 }
 
+TEST(ReductionUnits, HybridOwnNodeRankTermsListTheOwnNodesRanks) {
+  const ReductionScheme scheme{.expand = false, .multiple_reduction = true, .hybrid = true, .physical_scaleup = 2,
+                               .own_node_rank_terms = true};
+  // From rank 0: its own rank's row (lane 1), then node 1's level-2 sum.
+  expect_units(scheme, 0, {{1, UnitKind::kRank, 0, -1}, {3, UnitKind::kRemoteNode, 1, 1}});
+  // From rank 2 (node 1): node 0's sum (master lane 1) sorts before ranks 2 and 3 (keys 2, 3).
+  expect_units(scheme, 2, {{1, UnitKind::kRemoteNode, 0, 0}, {2, UnitKind::kRank, 2, -1}, {3, UnitKind::kRank, 3, -1}});
+  // Expanded: the same rank units (each the sum of its lanes).
+  const ReductionScheme expanded{.expand = true, .multiple_reduction = true, .hybrid = true, .physical_scaleup = 2,
+                                 .own_node_rank_terms = true};
+  expect_units(expanded, 2, {{1, UnitKind::kRemoteNode, 0, 0}, {2, UnitKind::kRank, 2, -1}, {3, UnitKind::kRank, 3, -1}});
+}
+
 TEST(ReductionUnits, HybridWithoutMultipleReductionKeepsRankUnits) {
   const ReductionScheme scheme{.expand = false, .multiple_reduction = false, .hybrid = true, .physical_scaleup = 2};
   expect_units(scheme, 0, {{1, UnitKind::kRank, 0, -1}, {2, UnitKind::kRemoteRank, 2, 2}, {3, UnitKind::kRemoteRank, 3, 3}});

@@ -7,7 +7,8 @@ import moe_ep.deep_ep.buffers.elastic
 import moe_ep.deep_ep.buffers.legacy
 import moe_ep.deep_ep.utils
 import moe_ep.deep_ep.cpu_compat
+import moe_ep.deep_ep.hybrid_ep_buffer
 
-for _name in ("utils", "buffers", "buffers.legacy", "buffers.elastic", "cpu_compat"):
+for _name in ("utils", "buffers", "buffers.legacy", "buffers.elastic", "cpu_compat", "hybrid_ep_buffer"):
     sys.modules[f"{__name__}.{_name}"] = sys.modules[f"moe_ep.deep_ep.{_name}"]
 sys.modules[__name__] = _impl

@@ -8,6 +8,7 @@ import torch
 from .._groups import resolve_group
 from .buffers.elastic import ElasticBuffer, EPHandle
 from .buffers.legacy import Buffer, Config
+from .hybrid_ep_buffer import HybridEPBuffer, HybridEpConfigInstance
 from .utils import EventHandle, EventOverlap
 from . import cpu_compat
 
@@ -29,5 +30,5 @@ def get_logical_domain_size(group, allow_hybrid_mode=True):
 
 cpu_compat._install_from_environment()  # MOE_EP_CPU_COMPAT=1 (off by default)
 
-__all__ = ["Buffer", "ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "Config", "topk_idx_t",
+__all__ = ["Buffer", "ElasticBuffer", "EPHandle", "HybridEPBuffer", "HybridEpConfigInstance", "EventOverlap", "EventHandle", "Config", "topk_idx_t",
            "get_physical_domain_size", "get_logical_domain_size", "__version__"]
