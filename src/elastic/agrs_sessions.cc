@@ -172,18 +172,14 @@ class EndSession final : public SyncOperation {
 
  private:
   void validate() override {
-    session_ = state_.open_session();
-    if (session_ == 0)
+    if (state_.open_session() == 0)
       throw StateError(fmt::format("{}: no session is open (create_agrs_session first)", context()));
     state_.close_session();
   }
   void describe(comm::Agreement& a) const override {
-    a.field("operation number", static_cast<std::int64_t>(sequence_))
-        .field("session number", static_cast<std::int64_t>(session_));
+    a.field("operation number", static_cast<std::int64_t>(sequence_));
   }
   void run(const std::vector<std::span<const std::byte>>&, const std::function<void()>&) override {}
-
-  std::uint64_t session_ = 0;
 };
 
 // The collective release of the region (destroy, destruction).
@@ -227,7 +223,6 @@ class Gather final : public SyncOperation {
   }
   void describe(comm::Agreement& a) const override {
     a.field("operation number", static_cast<std::int64_t>(sequence_))
-        .field("session number", static_cast<std::int64_t>(session_))
         .field("session offset", start_)
         .field("session slot", slot_)
         .field("number of tensors", static_cast<std::int64_t>(tensors_.size()))

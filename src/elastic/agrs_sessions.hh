@@ -3,7 +3,7 @@
 //
 // Guarantees:
 //  - agrs_set_config, destroy_agrs_session and all_gather are engine operations: their arguments
-//    and this rank's session state (session number, cursor, slot) travel through the agreement,
+//    and this rank's place in its session (byte offset, slot) travel through the agreement,
 //    so a rank with bad arguments raises its own error and every other rank a PeerError naming
 //    it; nothing moves unless every rank agreed.
 //  - The session region is symmetric memory of its own (a(num_max_session_bytes, 32) bytes per
