@@ -4,6 +4,7 @@ and as processes, against torch.stack of every rank's inputs (each rank regenera
 inputs from their seeds); the size hints against their formulas; and every misuse a typed error on
 every rank, with nothing left waiting."""
 
+import inspect
 import random
 
 import pytest
@@ -18,6 +19,33 @@ SHAPES = [(8, 16), (3, 5, 7), (64,), (2, 32), (1,), (0, 4)]
 DTYPES = [torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.int16, torch.bool]
 MAX_CALLS = 4  # all_gather calls per session (Q)
 TIMEOUT = 30
+
+
+# DeepEP V2's names, parameters and defaults (deepep-v2-extras.md §8-§12).
+METHODS = {
+    "agrs_set_config": [("self", None), ("num_max_session_bytes", None), ("num_max_all_gathers_per_session", None)],
+    "create_agrs_session": [("self", None)],
+    "destroy_agrs_session": [("self", None)],
+    "agrs_new_session": [("self", None), ("enabled", True)],
+    "agrs_get_inplace_tensor": [("self", None), ("shapes", None), ("dtype", None)],
+    "all_gather": [("self", None), ("t", None)],
+}
+STATIC = {
+    "get_agrs_num_max_session_bytes": [("group", None), ("shapes", None), ("dtype", None)],
+    "get_agrs_buffer_size_hint": [("group", None), ("num_max_session_bytes", None)],
+}
+
+
+def test_signatures():
+    def params(fn):
+        return [(p.name, None if p.default is inspect.Parameter.empty else p.default)
+                for p in inspect.signature(fn).parameters.values()]
+    for name, want in METHODS.items():
+        assert params(getattr(deep_ep.ElasticBuffer, name)) == want, name
+    for name, want in STATIC.items():
+        assert isinstance(inspect.getattr_static(deep_ep.ElasticBuffer, name), staticmethod), name
+        assert params(getattr(deep_ep.ElasticBuffer, name)) == want, name
+    assert not hasattr(deep_ep.ElasticBuffer, "reduce_scatter")  # DeepEP has none
 
 
 def align(x, to):
