@@ -8,7 +8,8 @@
 // topology, transport and thread count. Every call is collective: all ranks of the group call
 // the same operations in the same order. Arguments are validated on every rank before anything
 // moves; a rank with bad arguments raises InvalidArgument and its peers raise PeerError naming
-// it. Inputs are only read; outputs are new tensors. With async_with_compute_stream the call
+// it. Inputs are only read; outputs are new tensors (the all-gather sessions' results are views
+// of their session region instead: agrs.hpp, docs/agrs.md). With async_with_compute_stream the call
 // returns at once with an Event; inputs must stay unchanged and outputs must not be read until
 // the event completes.
 #pragma once
