@@ -460,3 +460,28 @@ def test_views_outlive_their_region():
         want = torch.arange(R, dtype=torch.float32)[:, None].expand(R, 16)
         return torch.equal(kept, want) and torch.equal(other, -want)
     assert moe_ep.LocalWorld(4).run(fn) == [True] * 4
+
+
+def test_bad_inputs_reach_every_rank():
+    def fn(g):
+        buf = _buffer(g, calls=4)
+        r = g.rank()
+        with buf.agrs_new_session():
+            strided = outcome(lambda: buf.all_gather(torch.ones(4, 4).t() if r == 0 else torch.ones(4, 4)))
+            try:
+                buf.all_gather([torch.ones(4), "x" if r == 1 else torch.ones(4)])
+                not_a_tensor = "ok"
+            except TypeError as e:
+                not_a_tensor = str(e)
+            except moe_ep.PeerError as e:
+                not_a_tensor = e.ranks
+            empty = outcome(lambda: buf.all_gather([]))
+            out, handle = buf.all_gather(torch.full((2,), float(r)))  # nothing moved: still usable
+            handle()
+        buf.destroy()
+        return strided, not_a_tensor, empty, out[:, 0].tolist()
+    outs = moe_ep.LocalWorld(3).run(fn)
+    expect_rejected_by([o[0] for o in outs], 0, "InvalidArgument", "all_gather", "t must be contiguous")
+    assert "t[1]" in outs[1][1] and outs[0][1] == outs[2][1] == [1], [o[1] for o in outs]
+    expect_all([o[2] for o in outs], "InvalidArgument", "needs at least one tensor (got 0)")
+    assert all(o[3] == [0.0, 1.0, 2.0] for o in outs)
