@@ -44,6 +44,7 @@ PUBLIC_HEADERS = {
     "mpi.hpp": "comm",
     "dispatch_types.hpp": "engine",
     "elastic_buffer.hpp": "elastic",
+    "agrs.hpp": "elastic",
     "legacy_buffer.hpp": "legacy",
     "provider.hpp": "dispatcher",
     "dispatcher.hpp": "dispatcher",

@@ -8,7 +8,8 @@
 // topology, transport and thread count. Every call is collective: all ranks of the group call
 // the same operations in the same order. Arguments are validated on every rank before anything
 // moves; a rank with bad arguments raises InvalidArgument and its peers raise PeerError naming
-// it. Inputs are only read; outputs are new tensors. With async_with_compute_stream the call
+// it. Inputs are only read; outputs are new tensors (the all-gather sessions' results are views
+// of their session region instead: agrs.hpp, docs/agrs.md). With async_with_compute_stream the call
 // returns at once with an Event; inputs must stay unchanged and outputs must not be read until
 // the event completes.
 #pragma once
@@ -16,10 +17,12 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "moe_ep/agrs.hpp"
 #include "moe_ep/dispatch_types.hpp"
 #include "moe_ep/event.hpp"
 #include "moe_ep/group.hpp"
@@ -48,6 +51,7 @@ struct ElasticBufferConfig {
 
 namespace elastic {
 class Access;  // internal (src/elastic/elastic_access.hh)
+class AgrsAccess;  // internal (src/elastic/agrs_sessions.hh)
 }
 
 class ElasticBuffer {
@@ -78,6 +82,20 @@ class ElasticBuffer {
   // Collective: frees the buffer (required when explicitly_destroy). Later calls raise StateError.
   void destroy();
 
+  // All-gather sessions (docs/agrs.md). Session bytes: the sum over shapes of
+  // a(R * numel * itemsize, 32); the hint: those bytes rounded up to 2 MiB.
+  static std::int64_t get_agrs_num_max_session_bytes(const Group& group, std::span<const AgrsShape> shapes,
+                                                     DType dtype);
+  static std::int64_t get_agrs_buffer_size_hint(const Group& group, std::int64_t num_max_session_bytes);
+  // Collective: allocates the session region (a(bytes, 32) bytes per rank, beside num_bytes).
+  void agrs_set_config(std::int64_t num_max_session_bytes, int num_max_all_gathers_per_session);
+  void create_agrs_session();   // this rank only
+  void destroy_agrs_session();  // collective: ends the session on every rank
+  // Views of this rank's session region where the next all_gather calls put this rank's inputs.
+  std::vector<Tensor> agrs_get_inplace_tensor(std::span<const AgrsShape> shapes, DType dtype);
+  // Collective: every rank's inputs, gathered in this rank's session region.
+  AllGatherResult all_gather(std::span<const TensorView> tensors);
+
   int rank() const;
   int num_ranks() const;
   std::int64_t num_bytes() const;
@@ -91,8 +109,11 @@ class ElasticBuffer {
 
  private:
   friend class elastic::Access;
+  friend class elastic::AgrsAccess;
   ElasticBufferConfig config_;
   std::unique_ptr<engine::Engine> engine_;
+  // Made by the first AGRS call; declared after engine_, so released before it.
+  std::shared_ptr<elastic::AgrsState> agrs_;
 };
 
 }  // namespace moe_ep

@@ -31,6 +31,10 @@ inline constexpr std::int64_t kRowByteMultiple = 16;
 // A buffer's num_bytes, when given, is a multiple of this (2 MiB); sized buffers are rounded up to it.
 inline constexpr std::int64_t kBufferAlignment = std::int64_t{2} << 20;
 
+// ElasticBuffer::agrs_set_config's num_max_all_gathers_per_session: 1 to 32 all_gather calls per
+// session (DeepEP's slot flags, docs/agrs.md).
+inline constexpr int kMaxAgrsAllGathersPerSession = 32;
+
 // Dimensions of a tensor: 0-d (scalars) to 6-d (the NVFP4 scale layout). TensorView::kMaxDims.
 inline constexpr int kMaxTensorDims = 6;
 

@@ -104,6 +104,11 @@ class Tensor : public TensorView {
   static Tensor zeros(std::initializer_list<std::int64_t> shape, DType dtype) {
     return zeros(std::span<const std::int64_t>(shape.begin(), shape.size()), dtype);
   }
+  // A uint8 [bytes] host tensor over memory that `owner` keeps alive: every Tensor made from it
+  // (with_view, copies, DLPack exports) holds a reference on `owner`, so the memory outlives the
+  // last of them whatever its owner does meanwhile. [begin, begin + bytes) is the storage
+  // with_view checks against. InvalidArgument when owner is null, or begin is null with bytes > 0.
+  static Tensor adopt(std::shared_ptr<void> owner, void* begin, std::size_t bytes);
   // A tensor sharing this one's storage, described by `view`: every byte of the view's elements
   // must lie inside the storage, and a view without elements must point into it or just past
   // its end (InvalidArgument otherwise). The storage is the block of empty()/zeros() or the

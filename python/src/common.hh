@@ -170,6 +170,7 @@ class ArgumentImports {
 void register_errors(py::module_& m);
 void register_groups(py::module_& m);
 void register_elastic(py::module_& m);
+void register_elastic_agrs(py::module_& m);  // after register_elastic: adds to its ElasticBuffer
 void register_legacy(py::module_& m);
 void register_dispatcher(py::module_& m);
 

@@ -222,6 +222,20 @@ Tensor Tensor::zeros(std::span<const std::int64_t> shape, DType dtype) {
   return t;
 }
 
+Tensor Tensor::adopt(std::shared_ptr<void> owner, void* begin, std::size_t bytes) {
+  if (owner == nullptr) throw InvalidArgument("Tensor::adopt: owner is null");
+  if (begin == nullptr && bytes > 0)
+    throw InvalidArgument(fmt::format("Tensor::adopt: begin is null for {} bytes", bytes));
+  if (bytes > static_cast<std::size_t>(INT64_MAX))
+    throw InvalidArgument(fmt::format("Tensor::adopt: {} bytes do not fit in int64", bytes));
+  Tensor t;
+  static_cast<TensorView&>(t) = TensorView(begin, DType::kUInt8, {static_cast<std::int64_t>(bytes)});
+  t.storage_ = std::move(owner);
+  t.storage_begin_ = reinterpret_cast<std::uintptr_t>(begin);
+  t.storage_bytes_ = bytes;
+  return t;
+}
+
 Tensor Tensor::with_view(const TensorView& view) const {
   if (use_count() > 0 && (view.device().device_type != device_.device_type || view.device().device_id != device_.device_id))
     throw InvalidArgument(fmt::format("Tensor::with_view: the view {} names another device than the storage ({})",

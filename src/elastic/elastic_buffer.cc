@@ -2,6 +2,7 @@
 // configuration; the collective work happens in src/engine.
 #include "moe_ep/elastic_buffer.hpp"
 
+#include "elastic/agrs_sessions.hh"
 #include "elastic/elastic_access.hh"
 
 #include <fmt/format.h>
@@ -84,7 +85,20 @@ ElasticBuffer::ElasticBuffer(Group& group, const ElasticBufferConfig& config) : 
              config.allow_multiple_reduction ? "allowed" : "off", e.facts.config.num_allocated_qps);
 }
 
-ElasticBuffer::~ElasticBuffer() = default;
+// The all-gather session region goes first, collectively where the engine's destruction is
+// collective (a rank whose buffer is unusable, or not destroyed explicitly, releases it alone).
+ElasticBuffer::~ElasticBuffer() {
+  if (!agrs_) return;
+  const bool collective =
+      !config_.explicitly_destroy && core::attempt("", [&] { engine_->check_usable("destruction"); }) == nullptr;
+  const std::exception_ptr error =
+      core::attempt("", [&] { elastic::AgrsAccess::release(*this, collective, "destruction"); });
+  if (error) {
+    core::warn(core::Subsys::kAlloc, "ElasticBuffer #{} on rank {}: the all-gather session region is released alone ({})",
+               engine_->facts.id, engine_->facts.rank, comm::message_of(error));
+    elastic::AgrsAccess::release(*this, false, "destruction");
+  }
+}
 
 std::int64_t ElasticBuffer::get_buffer_size_hint(const Group& group, int num_max_tokens_per_rank, int hidden,
                                                  int num_topk, bool use_fp8_dispatch, bool allow_hybrid_mode,
@@ -207,6 +221,7 @@ std::pair<int, int> ElasticBuffer::get_logical_domain_size() const {
 void ElasticBuffer::destroy() {
   if (!config_.explicitly_destroy)
     throw StateError(fmt::format("{}: destroy() requires explicitly_destroy = true", engine_->facts.context("destroy")));
+  elastic::AgrsAccess::release(*this, true, "destroy");
   engine_->destroy();
 }
 int ElasticBuffer::rank() const { return engine_->facts.rank; }

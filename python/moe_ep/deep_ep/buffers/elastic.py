@@ -17,6 +17,7 @@ import torch
 from ... import _C
 from ..utils import EventHandle, _native, _overlap
 from . import _provider
+from ._agrs import AgrsMixin
 from ._common import bias_list, group_of, not_on_cpu, or_default
 
 # DeepEP's defaults of get_theoretical_num_sms are GPU SM bandwidths; left at them, moe-ep uses the
@@ -58,7 +59,7 @@ class EPHandle:
         return recv_x, recv_sf, recv_topk_idx, recv_topk_weights, channel_linked_list
 
 
-class ElasticBuffer:
+class ElasticBuffer(AgrsMixin):
     def __init__(self, group, num_bytes=None, num_cpu_bytes=0, num_max_tokens_per_rank=0, hidden=0, num_topk=0,
                  use_fp8_dispatch=False, deterministic=False, allow_hybrid_mode=True, allow_multiple_reduction=True,
                  prefer_overlap_with_compute=True, sl_idx=3, num_allocated_qps=0, num_cpu_timeout_secs=300,
@@ -173,7 +174,8 @@ class ElasticBuffer:
             allocate_on_comm_stream, self._stream())
         return combined, combined_w, _overlap(ev, async_with_compute_stream)
 
-    # DeepEP's experimental extras (Engram storage, pipeline-parallel send/receive, all-gather sessions).
+    # DeepEP's experimental extras (Engram storage, pipeline-parallel send/receive; the all-gather
+    # sessions are AgrsMixin's).
     def engram_write(self, storage, sf=None):
         not_on_cpu("engram_write")
 
