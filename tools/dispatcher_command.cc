@@ -175,7 +175,7 @@ RunPlan plan_run(const LayerConfig& c, const DispatcherRunOptions& run) {
     o.nvfp4_global_scale = c.nvfp4_global_scale;
     o.nvfp4_use_ue8m0 = c.nvfp4_ue8m0;
   }
-  if (c.expand) o.v2_expanded_normal_layout = true;
+  if (c.expand) o.v2_normal_layout = V2NormalLayout::kExpanded;
   if (c.alignment != 1) o.expert_alignment = c.alignment;
   if (!c.allow_hybrid) o.allow_hybrid_mode = false;
   if (!c.multi) o.allow_multiple_reduction = false;

@@ -32,13 +32,16 @@ class DispatcherState;
 enum class Generation { kV1, kV2 };
 enum class DispatchMode { kNormal, kLowLatency, kAuto };
 enum class BatchKind { kPrefill, kDecode };  // prefill/extend vs decode
-enum class OutputFormat { kNormal, kLowLatency, kV2Expanded };
+enum class OutputFormat { kNormal, kLowLatency, kV2Expanded, kHybridEp };
+// The layout of V2 normal-mode batches (docs/dispatcher.md §4).
+enum class V2NormalLayout { kCompact, kExpanded, kHybridEp };
 // kNVFP4: the low-latency wire format (normal-mode batches travel BF16; docs/dispatcher.md §5).
 enum class WireDType { kBF16, kFP8, kNVFP4 };
 
 const char* generation_name(Generation g);  // "V1", "V2"
 const char* mode_name(DispatchMode m);      // "normal", "low_latency", "auto"
-const char* format_name(OutputFormat f);    // "normal", "low_latency", "v2_expanded"
+const char* format_name(OutputFormat f);    // "normal", "low_latency", "v2_expanded", "hybrid_ep"
+const char* v2_normal_layout_name(V2NormalLayout l);  // "compact", "expanded", "hybrid_ep"
 const char* wire_dtype_name(WireDType d);   // "bf16", "fp8", "nvfp4"
 const char* batch_kind_name(BatchKind k);   // "prefill", "decode"
 
@@ -48,6 +51,7 @@ const char* batch_kind_name(BatchKind k);   // "prefill", "decode"
 DispatchMode parse_mode(std::string_view value, std::string_view argument = "mode");
 WireDType parse_wire_dtype(std::string_view value, std::string_view argument = "dispatch_dtype");  // also "bfloat16"
 BatchKind parse_batch_kind(std::string_view value, std::string_view argument = "kind");  // also "extend" (prefill)
+V2NormalLayout parse_v2_normal_layout(std::string_view value, std::string_view argument = "v2_normal_layout");
 
 // ---- Probe ----------------------------------------------------------------------------------
 
@@ -92,7 +96,7 @@ struct DispatcherOptions {
   std::optional<int> num_workers;                        // MOE_EP_NUM_WORKERS
   std::optional<bool> allow_hybrid_mode;                 // MOE_EP_V2_ALLOW_HYBRID_MODE
   std::optional<bool> allow_multiple_reduction;          // MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION
-  std::optional<bool> v2_expanded_normal_layout;         // MOE_EP_V2_NORMAL_LAYOUT
+  std::optional<V2NormalLayout> v2_normal_layout;       // MOE_EP_V2_NORMAL_LAYOUT
   std::optional<double> timeout_secs;                    // MOE_EP_TIMEOUT_SECS
   std::optional<std::string> provider_path;              // MOE_EP_PROVIDER_PATH
   bool round_scale = false;  // FP8: power-of-two scales
@@ -138,12 +142,12 @@ struct DispatchOutput {
   DispatchMode mode = DispatchMode::kNormal;  // resolved: kNormal or kLowLatency
   std::string provider;
   int micro_batch = 0;
-  Tensor hidden_states;        // kNormal [M, H]; kV2Expanded [M_exp, H]; kLowLatency [El, R*cap, H]
+  Tensor hidden_states;        // kNormal [M, H]; kV2Expanded, kHybridEp [M_exp, H]; kLowLatency [El, R*cap, H]
   Tensor hidden_states_scale;  // FP8 only (docs/dispatcher.md §5)
   Tensor topk_ids;             // kNormal: int64 [M, k] local ids or -1
-  Tensor topk_weights;         // kNormal: float32 [M, k]; kV2Expanded: [M_exp]
-  std::vector<int> num_recv_tokens_per_expert;  // kNormal, kV2Expanded: aligned counts
-  Tensor masked_m;             // kLowLatency, kV2Expanded: int32 [El] real rows per expert
+  Tensor topk_weights;         // kNormal: float32 [M, k]; kV2Expanded, kHybridEp: [M_exp]
+  std::vector<int> num_recv_tokens_per_expert;  // kNormal, kV2Expanded, kHybridEp: aligned counts
+  Tensor masked_m;             // kLowLatency, kV2Expanded, kHybridEp: int32 [El] real rows
   int expected_m = 0;          // kLowLatency
 };
 

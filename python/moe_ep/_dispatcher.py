@@ -40,6 +40,16 @@ class DispatchOutput(dict):
     __getattr__ = dict.__getitem__
 
 
+def _normal_layout(layout, expanded):
+    """V2 normal-mode layout: ``v2_normal_layout`` ("compact", "expanded" or "hybrid_ep"), or the
+    older switch ``v2_expanded_normal_layout`` (True: "expanded", False: "compact"); not both."""
+    if expanded is None:
+        return layout
+    if layout is not None:
+        raise ValueError("give v2_normal_layout or v2_expanded_normal_layout, not both")
+    return "expanded" if expanded else "compact"
+
+
 class TokenDispatcher:
     """One MoE layer's dispatcher. Unset options take their environment variables
     (MOE_EP_USE_V2, MOE_EP_MODE, ...). ``kind`` is "prefill" (or "extend") or "decode"."""
@@ -48,14 +58,16 @@ class TokenDispatcher:
                  num_max_dispatch_tokens_per_rank=None, num_max_prefill_tokens_per_rank=None, dispatch_dtype=None,
                  num_workers=None, allow_hybrid_mode=None, allow_multiple_reduction=None,
                  v2_expanded_normal_layout=None, timeout_secs=None, provider_path=None, round_scale=False,
-                 use_ue8m0=False, expert_alignment=1, nvfp4_global_scale=1.0, nvfp4_use_ue8m0=False):
+                 use_ue8m0=False, expert_alignment=1, nvfp4_global_scale=1.0, nvfp4_use_ue8m0=False,
+                 v2_normal_layout=None):
         if not isinstance(cache, BufferCache):
             raise TypeError(f"cache must be a moe_ep.BufferCache, not {type(cache).__name__}")
         self.cache = cache
+        layout = _normal_layout(v2_normal_layout, v2_expanded_normal_layout)
         self._native = _C.TokenDispatcher(cache._native, hidden, num_experts, num_topk, use_v2, mode,
                                           num_max_dispatch_tokens_per_rank, num_max_prefill_tokens_per_rank,
                                           dispatch_dtype, num_workers, allow_hybrid_mode, allow_multiple_reduction,
-                                          v2_expanded_normal_layout, timeout_secs, provider_path, round_scale,
+                                          layout, timeout_secs, provider_path, round_scale,
                                           use_ue8m0, expert_alignment, nvfp4_global_scale, nvfp4_use_ue8m0)
 
     @property

@@ -94,7 +94,7 @@ void register_dispatcher(py::module_& m) {
                        std::optional<bool> use_v2, std::optional<std::string> mode, std::optional<int> cap,
                        std::optional<int> prefill_cap, std::optional<std::string> dtype, std::optional<int> workers,
                        std::optional<bool> hybrid, std::optional<bool> multiple_reduction,
-                       std::optional<bool> expanded_normal, std::optional<double> timeout,
+                       std::optional<std::string> normal_layout, std::optional<double> timeout,
                        std::optional<std::string> provider_path, bool round_scale, bool use_ue8m0,
                        int expert_alignment, float nvfp4_global_scale, bool nvfp4_use_ue8m0) {
              DispatcherOptions o;
@@ -109,7 +109,7 @@ void register_dispatcher(py::module_& m) {
              o.num_workers = workers;
              o.allow_hybrid_mode = hybrid;
              o.allow_multiple_reduction = multiple_reduction;
-             o.v2_expanded_normal_layout = expanded_normal;
+             if (normal_layout) o.v2_normal_layout = parse_v2_normal_layout(*normal_layout);
              o.timeout_secs = timeout;
              o.provider_path = provider_path;
              o.round_scale = round_scale;
@@ -125,7 +125,7 @@ void register_dispatcher(py::module_& m) {
            py::arg("cache"), py::arg("hidden"), py::arg("num_experts"), py::arg("num_topk"), py::arg("use_v2"),
            py::arg("mode"), py::arg("num_max_dispatch_tokens_per_rank"), py::arg("num_max_prefill_tokens_per_rank"),
            py::arg("dispatch_dtype"), py::arg("num_workers"), py::arg("allow_hybrid_mode"),
-           py::arg("allow_multiple_reduction"), py::arg("v2_expanded_normal_layout"), py::arg("timeout_secs"),
+           py::arg("allow_multiple_reduction"), py::arg("v2_normal_layout"), py::arg("timeout_secs"),
            py::arg("provider_path"), py::arg("round_scale"), py::arg("use_ue8m0"), py::arg("expert_alignment"),
            py::arg("nvfp4_global_scale"), py::arg("nvfp4_use_ue8m0"))
       .def("dispatch_a",
@@ -217,7 +217,8 @@ void register_dispatcher(py::module_& m) {
         r["num_workers"] = o.num_workers;
         r["allow_hybrid_mode"] = o.allow_hybrid_mode;
         r["allow_multiple_reduction"] = o.allow_multiple_reduction;
-        r["v2_expanded_normal_layout"] = o.v2_expanded_normal_layout;
+        r["v2_normal_layout"] =
+            o.v2_normal_layout ? py::object(py::str(v2_normal_layout_name(*o.v2_normal_layout))) : py::object(py::none());
         r["timeout_secs"] = o.timeout_secs;
         r["provider_path"] = o.provider_path;
         r["expert_alignment"] = o.expert_alignment;

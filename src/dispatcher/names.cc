@@ -23,7 +23,11 @@ constexpr Spelling<DispatchMode> kModes[] = {
     {"normal", DispatchMode::kNormal}, {"low_latency", DispatchMode::kLowLatency}, {"auto", DispatchMode::kAuto}};
 constexpr Spelling<OutputFormat> kFormats[] = {{"normal", OutputFormat::kNormal},
                                                {"low_latency", OutputFormat::kLowLatency},
-                                               {"v2_expanded", OutputFormat::kV2Expanded}};
+                                               {"v2_expanded", OutputFormat::kV2Expanded},
+                                               {"hybrid_ep", OutputFormat::kHybridEp}};
+constexpr Spelling<V2NormalLayout> kV2NormalLayouts[] = {{"compact", V2NormalLayout::kCompact},
+                                                         {"expanded", V2NormalLayout::kExpanded},
+                                                         {"hybrid_ep", V2NormalLayout::kHybridEp}};
 constexpr Spelling<WireDType> kWireDTypes[] = {
     {"bf16", WireDType::kBF16}, {"bfloat16", WireDType::kBF16}, {"fp8", WireDType::kFP8}, {"nvfp4", WireDType::kNVFP4}};
 constexpr Spelling<BatchKind> kBatchKinds[] = {
@@ -53,6 +57,7 @@ const char* mode_name(DispatchMode m) { return name_in(kModes, m); }
 const char* format_name(OutputFormat f) { return name_in(kFormats, f); }
 const char* wire_dtype_name(WireDType d) { return name_in(kWireDTypes, d); }
 const char* batch_kind_name(BatchKind k) { return name_in(kBatchKinds, k); }
+const char* v2_normal_layout_name(V2NormalLayout l) { return name_in(kV2NormalLayouts, l); }
 
 DispatchMode parse_mode(std::string_view value, std::string_view argument) { return parse_in(kModes, value, argument); }
 WireDType parse_wire_dtype(std::string_view value, std::string_view argument) {
@@ -60,6 +65,9 @@ WireDType parse_wire_dtype(std::string_view value, std::string_view argument) {
 }
 BatchKind parse_batch_kind(std::string_view value, std::string_view argument) {
   return parse_in(kBatchKinds, value, argument);
+}
+V2NormalLayout parse_v2_normal_layout(std::string_view value, std::string_view argument) {
+  return parse_in(kV2NormalLayouts, value, argument);
 }
 
 }  // namespace moe_ep

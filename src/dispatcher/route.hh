@@ -1,4 +1,4 @@
-// Route: one dispatcher path — V1 normal, V1 low-latency, V2 normal (compact or expanded) or V2
+// Route: one dispatcher path — V1 normal, V1 low-latency, V2 normal (compact, expanded or HybridEP) or V2
 // low-latency — behind the four calls of the stage machine (docs/dispatcher.md §4-§6).
 //
 // A route object is the buffer state of one micro-batch: it is built for the batch's resolved
@@ -70,7 +70,7 @@ std::unique_ptr<Route> make_route(Generation generation, DispatchMode mode, cons
 // FP8 E4M3 with per-128 block scales, quantized before sending by every path but V1 low-latency
 // (which casts inside the buffer, with the same rule).
 void quantize_fp8_input(const RouteContext& context, const Tensor& x, Tensor& data, Tensor& scales);
-// The expert output of the row formats (kNormal, kV2Expanded): BF16 [rows, H], rows contiguous.
+// The expert output of the row formats (kNormal, kV2Expanded, kHybridEp): BF16 [rows, H], rows contiguous.
 void check_row_input(std::string_view context, const RouteContext& c, std::int64_t rows, const Tensor& y);
 // The expert output of the low-latency format: BF16 [El, R x cap, H], rows contiguous.
 void check_slab_input(std::string_view context, const RouteContext& c, const Tensor& y);
@@ -91,11 +91,13 @@ Tensor wait_combined(const Combined& combined) {
   return combined.combined_x;
 }
 
-// The four paths (one file each: route_v1_normal.cc, route_v1_low_latency.cc, route_v2_normal.cc,
-// route_v2_low_latency.cc); callers go through make_route.
+// The paths (one file each: route_v1_normal.cc, route_v1_low_latency.cc, route_v2_normal.cc,
+// route_v2_low_latency.cc, route_v2_hybrid_ep.cc); callers go through make_route.
 std::unique_ptr<Route> make_v1_normal_route(const RouteContext& context);
 std::unique_ptr<Route> make_v1_low_latency_route(const RouteContext& context);
 std::unique_ptr<Route> make_v2_normal_route(const RouteContext& context, bool expanded);
 std::unique_ptr<Route> make_v2_low_latency_route(const RouteContext& context);
+// V2 normal mode, MOE_EP_V2_NORMAL_LAYOUT = hybrid_ep (route_v2_hybrid_ep.cc).
+std::unique_ptr<Route> make_v2_hybrid_ep_route(const RouteContext& context);
 
 }  // namespace moe_ep::dispatcher

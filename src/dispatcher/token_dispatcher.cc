@@ -92,6 +92,21 @@ void check_variable_range(bool from_field, const char* field, env::IntVar variab
   check_range(origin(from_field, field, variable.name.data()), value, range.min, range.max);
 }
 
+// HybridEP's reduction order rounds each other node's sum once (V2's level-2 unit of the hybrid
+// path with multiple reduction): across nodes the layout needs both switches on.
+void check_hybrid_ep_layout(const DispatcherOptions& in, const DispatcherOptions& o, const Group& group) {
+  if (!*o.use_v2 || *o.v2_normal_layout != V2NormalLayout::kHybridEp || group.num_scaleout() == 1) return;
+  const std::string layout = origin(in.v2_normal_layout.has_value(), "v2_normal_layout", "MOE_EP_V2_NORMAL_LAYOUT");
+  if (!*o.allow_hybrid_mode)
+    throw InvalidArgument(fmt::format("dispatcher: {} = hybrid_ep on {} nodes needs allow_hybrid_mode "
+                                      "(MOE_EP_V2_ALLOW_HYBRID_MODE) on: HybridEP sums each other node's rows there",
+                                      layout, group.num_scaleout()));
+  if (!*o.allow_multiple_reduction)
+    throw InvalidArgument(fmt::format("dispatcher: {} = hybrid_ep on {} nodes needs allow_multiple_reduction "
+                                      "(MOE_EP_V2_ALLOW_MULTIPLE_REDUCTION) on: HybridEP rounds each other node's sum once",
+                                      layout, group.num_scaleout()));
+}
+
 DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& group) {
   DispatcherOptions o = in;
   o.use_v2 = pick(in.use_v2, env::get(env::kUseV2));
@@ -106,7 +121,8 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
   o.num_workers = pick(in.num_workers, static_cast<int>(env::get(env::kNumWorkers)));
   o.allow_hybrid_mode = pick(in.allow_hybrid_mode, env::get(env::kV2AllowHybridMode));
   o.allow_multiple_reduction = pick(in.allow_multiple_reduction, env::get(env::kV2AllowMultipleReduction));
-  o.v2_expanded_normal_layout = pick(in.v2_expanded_normal_layout, env::get(env::kV2NormalLayout) == "expanded");
+  if (!in.v2_normal_layout)
+    o.v2_normal_layout = parse_v2_normal_layout(env::get(env::kV2NormalLayout), env::kV2NormalLayout.name);
   o.timeout_secs = in.timeout_secs ? *in.timeout_secs : core::timeout_from_env();
   o.provider_path = pick(in.provider_path, env::get(env::kProviderPath));
   if (!*o.use_v2)
@@ -149,6 +165,7 @@ DispatcherOptions resolve_options(const DispatcherOptions& in, const Group& grou
   }
   if (o.use_ue8m0 && !o.round_scale)
     throw InvalidArgument("dispatcher: DispatcherOptions.use_ue8m0 = true needs round_scale = true");
+  check_hybrid_ep_layout(in, o, group);
   // The V2 low-latency slab: R x cap rows per expert, row indices in int32.
   if (std::int64_t{R} * *o.num_max_dispatch_tokens_per_rank * (o.num_experts / R + o.num_topk) > (std::int64_t{1} << 31) - 1)
     throw InvalidArgument(fmt::format("dispatcher: {} = {} with {} ranks gives slabs beyond the int32 row index",

@@ -39,7 +39,7 @@ TEST(EnvVars, ConstantsNameTheirVariables) {
   EXPECT_EQ(env::kFiProvider.name, "FI_PROVIDER");
   EXPECT_EQ(env::kPmiSize.name, "PMI_SIZE");
   EXPECT_EQ(env::lookup(env::kNumWorkers).type, env::Type::kInt);
-  EXPECT_EQ(env::lookup(env::kV2NormalLayout).choices.size(), 2u);
+  EXPECT_EQ(env::lookup(env::kV2NormalLayout).choices.size(), 3u);
 }
 
 TEST(EnvVars, EveryDefaultIsAnAcceptedValue) {

@@ -44,7 +44,7 @@ TEST(DispatcherEnv, UnsetOptionsTakeTheEnvironment) {
       EXPECT_EQ(d.resolve(BatchKind::kPrefill), DispatchMode::kLowLatency);
       EXPECT_EQ(*d.options().num_max_dispatch_tokens_per_rank, 64);
       EXPECT_EQ(*d.options().dispatch_dtype, WireDType::kFP8);
-      EXPECT_TRUE(*d.options().v2_expanded_normal_layout);
+      EXPECT_EQ(*d.options().v2_normal_layout, V2NormalLayout::kExpanded);
       DispatcherOptions fields = shape();
       fields.use_v2 = false;
       fields.mode = DispatchMode::kNormal;
@@ -78,7 +78,7 @@ TEST(DispatcherEnv, BadValuesNameTheVariableAndTheAcceptedValues) {
         {"MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK", "0",
          "MOE_EP_NUM_MAX_DISPATCH_TOKENS_PER_RANK=\"0\" is invalid: accepted values are integers from 1 to 1048576"},
         {"MOE_EP_DISPATCH_DTYPE", "fp16", "accepted values are bf16 | fp8"},
-        {"MOE_EP_V2_NORMAL_LAYOUT", "dense", "accepted values are compact | expanded"},
+        {"MOE_EP_V2_NORMAL_LAYOUT", "dense", "accepted values are compact | expanded | hybrid_ep"},
         {"MOE_EP_TIMEOUT_SECS", "soon", "MOE_EP_TIMEOUT_SECS=\"soon\" is invalid: accepted values are a non-negative number"},
         {"MOE_EP_TIMEOUT_SECS", "0", "MOE_EP_TIMEOUT_SECS=\"0\" is not a valid timeout: expected a positive, finite number"},
         {"MOE_EP_TIMEOUT_SECS", "inf", "MOE_EP_TIMEOUT_SECS=\"inf\" is not a valid timeout"},

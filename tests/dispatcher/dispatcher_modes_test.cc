@@ -59,7 +59,7 @@ TEST_P(Modes, OutputsAndCombineMatchTheReference) {
   run_ranks(ranks, {.num_scaleout = c.scaleout}, [&](Group& g, std::vector<std::string>& bad) {
     BufferCache cache(g);
     DispatcherOptions o = base_options(c.v2, c.mode, c.fp8);
-    o.v2_expanded_normal_layout = c.expanded_normal;
+    o.v2_normal_layout = c.expanded_normal ? V2NormalLayout::kExpanded : V2NormalLayout::kCompact;
     o.allow_multiple_reduction = c.multiple_reduction;
     o.expert_alignment = c.expanded_normal ? 4 : 1;
     if (c.fp8 && c.v2) o.round_scale = o.use_ue8m0 = true;  // the packed scale format too
