@@ -50,6 +50,8 @@ class ElasticRuntime {
   int scaleup_rank_idx() const { return cpu_ ? cpu_->scaleup_rank_idx() : group_->rank(); }
   bool is_hybrid() const { return cpu_ ? cpu_->is_hybrid() : false; }
 
+  // The built-in buffer (Engram, PP and their collectives: elastic_extras.cc), or null with the cuda provider.
+  ElasticBuffer* builtin() const { return cpu_.get(); }
   const char* provider() const { return cpu_ ? "cpu" : "cuda"; }
   int device() const { return device_; }  // -1 for the built-in provider
   const Placement& placement() const { return placement_; }

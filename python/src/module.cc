@@ -91,6 +91,7 @@ PYBIND11_MODULE(_C, m) {
         "Seconds this thread's last buffer call spent in C++ (the rest of its time is the Python layer's).");
   mp::register_groups(m);
   mp::register_elastic(m);
+  mp::register_elastic_extras(m);
   mp::register_legacy(m);
   mp::register_dispatcher(m);
 }
