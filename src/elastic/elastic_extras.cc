@@ -15,6 +15,18 @@ namespace moe_ep {
 
 using elastic::ExtrasAccess;
 
+namespace {
+
+// The store or channels of a usable buffer: after destroy() they are gone, and the engine says so
+// (StateError) before they are reached.
+template <class Part>
+Part& part_of(engine::Engine& engine, const std::unique_ptr<Part>& part, const char* operation) {
+  engine.check_usable(operation);
+  return *part;
+}
+
+}  // namespace
+
 std::pair<std::int64_t, std::int64_t> ElasticBuffer::get_engram_storage_size_hint(std::int64_t num_entries,
                                                                                   std::int64_t hidden,
                                                                                   std::int64_t num_max_tokens_per_rank,
@@ -27,7 +39,7 @@ void ElasticBuffer::engram_write(const TensorView& storage, const Tensor& sf) {
 }
 
 EngramFetchResult ElasticBuffer::engram_fetch(const TensorView& indices, int num_qps, bool use_tma_aligned_col_major_sf) {
-  return engram_->fetch(indices, num_qps, use_tma_aligned_col_major_sf);
+  return part_of(*engine_, engram_, "engram_fetch").fetch(indices, num_qps, use_tma_aligned_col_major_sf);
 }
 
 std::int64_t ElasticBuffer::get_pp_buffer_size_hint(std::int64_t num_max_tensor_bytes,
@@ -39,9 +51,13 @@ void ElasticBuffer::pp_set_config(std::int64_t num_max_tensor_bytes, std::int64_
   ExtrasAccess::pp_set_config(*this, num_max_tensor_bytes, num_max_inflight_tensors, {});
 }
 
-void ElasticBuffer::pp_send(const TensorView& t, int dst_rank_idx, int num_sms) { pp_->send(t, dst_rank_idx, num_sms); }
+void ElasticBuffer::pp_send(const TensorView& t, int dst_rank_idx, int num_sms) {
+  part_of(*engine_, pp_, "pp_send").send(t, dst_rank_idx, num_sms);
+}
 
-void ElasticBuffer::pp_recv(const TensorView& t, int src_rank_idx, int num_sms) { pp_->recv(t, src_rank_idx, num_sms); }
+void ElasticBuffer::pp_recv(const TensorView& t, int src_rank_idx, int num_sms) {
+  part_of(*engine_, pp_, "pp_recv").recv(t, src_rank_idx, num_sms);
+}
 
 // DeepEP's flags choose streams, CTAs and device syncs; on the host every combination is the same
 // full barrier (an agreement over every rank, after this rank's queued asynchronous work).
@@ -51,12 +67,13 @@ void ElasticBuffer::barrier(bool use_comm_stream, bool with_cpu_sync, bool seque
 
 void ExtrasAccess::engram_write(ElasticBuffer& buffer, const TensorView& storage, const Tensor& sf,
                                 const std::string& rejection) {
-  buffer.engram_->write(storage, sf, rejection);
+  part_of(*buffer.engine_, buffer.engram_, "engram_write").write(storage, sf, rejection);
 }
 
 void ExtrasAccess::pp_set_config(ElasticBuffer& buffer, std::int64_t num_max_tensor_bytes,
                                  std::int64_t num_max_inflight_tensors, const std::string& rejection) {
-  buffer.pp_->set_config(num_max_tensor_bytes, num_max_inflight_tensors, buffer.num_bytes(), rejection);
+  part_of(*buffer.engine_, buffer.pp_, "pp_set_config")
+      .set_config(num_max_tensor_bytes, num_max_inflight_tensors, buffer.num_bytes(), rejection);
 }
 
 void ExtrasAccess::barrier(ElasticBuffer& buffer, const std::string& rejection) {

@@ -276,6 +276,30 @@ TEST(EngramPpErrors, ConfigurationRulesOfNumCpuBytes) {
   });
 }
 
+TEST(EngramPpErrors, CallsAfterDestroyAreStateErrors) {
+  auto caught = testing::results_on_ranks<std::vector<Caught>>(2, {}, [](Group& g) {
+    ElasticBuffer b(g, {.num_bytes = 2 * kMiB2, .num_cpu_bytes = kMiB2, .explicitly_destroy = true});
+    std::vector<std::uint16_t> table(kEntries * kHidden, 1);
+    b.engram_write(TensorView(table.data(), DType::kBF16, {kEntries, kHidden}));
+    b.pp_set_config(64, 2);
+    b.destroy();
+    std::vector<std::int32_t> idx = {0};
+    std::vector<std::uint8_t> bytes(32);
+    return std::vector<Caught>{
+        catch_error([&] { b.engram_fetch(TensorView(idx.data(), DType::kInt32, {1, 1})); }),
+        catch_error([&] { b.engram_write(TensorView(table.data(), DType::kBF16, {kEntries, kHidden})); }),
+        catch_error([&] { b.pp_set_config(64, 2); }),
+        catch_error([&] { b.pp_send(TensorView(bytes.data(), DType::kUInt8, {32}), 1 - g.rank()); }),
+        catch_error([&] { b.pp_recv(TensorView(bytes.data(), DType::kUInt8, {32}), 1 - g.rank()); }),
+        catch_error([&] { b.barrier(); })};
+  });
+  for (const auto& rank : caught)
+    for (const Caught& c : rank) {
+      EXPECT_EQ(c.type, "StateError") << c.message;
+      EXPECT_TRUE(contains(c.message, "the ElasticBuffer was destroyed")) << c.message;
+    }
+}
+
 TEST(EngramPpErrors, ReceiveTimeoutNamesThePeerAndClosesPp) {
   std::atomic<bool> rank0_done{false};
   auto caught = testing::results_on_ranks<std::vector<Caught>>(2, {}, [&](Group& g) {
