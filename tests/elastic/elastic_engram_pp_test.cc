@@ -258,13 +258,14 @@ TEST(EngramPpErrors, ConfigurationRulesOfNumCpuBytes) {
       {{.num_bytes = kMiB2, .num_cpu_bytes = 2 * kMiB2}, "num_cpu_bytes = 4194304 exceeds num_bytes = 2097152"},
       {{.num_bytes = 2 * kMiB2, .num_cpu_bytes = 4096}, "num_cpu_bytes = 4096 is not a multiple of 2097152"},
   };
-  for (const auto& [config, fragment] : cases) {
+  for (const auto& one : cases) {
+    const ElasticBufferConfig& config = one.first;
     auto caught = testing::results_on_ranks<Caught>(2, {}, [&](Group& g) {
       return catch_error([&] { ElasticBuffer b(g, config); });
     });
     for (const Caught& c : caught) {
       EXPECT_EQ(c.type, "InvalidArgument") << c.message;
-      EXPECT_TRUE(contains(c.message, fragment)) << c.message;
+      EXPECT_TRUE(contains(c.message, one.second)) << c.message;
     }
   }
   // The whole of num_bytes may be storage: the pool is then empty.
