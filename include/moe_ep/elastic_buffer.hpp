@@ -9,9 +9,9 @@
 // the same operations in the same order) except engram_fetch, pp_send and pp_recv, which involve
 // only this rank and the peers they name (Engram storage and PP send/receive: docs/engram-pp.md).
 // Arguments are validated on every rank before anything moves; a rank with bad arguments raises
-// InvalidArgument and its peers raise PeerError naming it. Inputs are only read; outputs are new tensors. With async_with_compute_stream the call
-// returns at once with an Event; inputs must stay unchanged and outputs must not be read until
-// the event completes.
+// InvalidArgument and its peers raise PeerError naming it. Inputs are only read; outputs are new
+// tensors. With async_with_compute_stream the call returns at once with an Event; inputs must stay
+// unchanged and outputs must not be read until the event completes.
 #pragma once
 
 #include <cstdint>

@@ -92,12 +92,10 @@ void register_elastic_extras(py::module_& m) {
            py::arg("use_tma_aligned_col_major_sf"))
       .def("pp_set_config", &pp_set_config, py::arg("num_max_tensor_bytes"), py::arg("num_max_inflight_tensors"))
       .def(
-          "pp_send",
-          [](ElasticBox& box, py::handle t, int dst_rank_idx, int num_sms) { pp_transfer(box, t, dst_rank_idx, num_sms, true); },
+          "pp_send", [](ElasticBox& box, py::handle t, int dst, int num_sms) { pp_transfer(box, t, dst, num_sms, true); },
           py::arg("t"), py::arg("dst_rank_idx"), py::arg("num_sms"))
       .def(
-          "pp_recv",
-          [](ElasticBox& box, py::handle t, int src_rank_idx, int num_sms) { pp_transfer(box, t, src_rank_idx, num_sms, false); },
+          "pp_recv", [](ElasticBox& box, py::handle t, int src, int num_sms) { pp_transfer(box, t, src, num_sms, false); },
           py::arg("t"), py::arg("src_rank_idx"), py::arg("num_sms"))
       .def("barrier", &barrier, py::arg("use_comm_stream"), py::arg("with_cpu_sync"), py::arg("sequential"))
       .def_property_readonly("num_cpu_bytes",
@@ -107,9 +105,9 @@ void register_elastic_extras(py::module_& m) {
                              })
       .def_static(
           "get_engram_storage_size_hint",
-          [](std::int64_t num_entries, std::int64_t hidden, std::int64_t num_max_tokens_per_rank, const std::string& dtype) {
-            return ElasticBuffer::get_engram_storage_size_hint(
-                num_entries, hidden, num_max_tokens_per_rank, parse_dtype(dtype, "get_engram_storage_size_hint"));
+          [](std::int64_t num_entries, std::int64_t hidden, std::int64_t rows, const std::string& dtype) {
+            return ElasticBuffer::get_engram_storage_size_hint(num_entries, hidden, rows,
+                                                               parse_dtype(dtype, "get_engram_storage_size_hint"));
           },
           py::arg("num_entries"), py::arg("hidden"), py::arg("num_max_tokens_per_rank"), py::arg("dtype"))
       .def_static("get_pp_buffer_size_hint", &ElasticBuffer::get_pp_buffer_size_hint, py::arg("num_max_tensor_bytes"),

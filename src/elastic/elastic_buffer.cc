@@ -36,13 +36,15 @@ engine::EngineConfig engine_config(const Group& group, const ElasticBufferConfig
   engine::EngineConfig e;
   e.name = "ElasticBuffer";
   // With Engram storage, num_bytes is the total: the pool is what the storage leaves.
-  e.pool_bytes = valid && c.num_cpu_bytes > 0 ? c.num_bytes - c.num_cpu_bytes
-                 : c.num_bytes != 0           ? c.num_bytes
-                 : valid                      ? engine::buffer_size_hint(paths_for(group.transport().topology(), group.size(),
-                                                                       c.allow_hybrid_mode),
-                                                             c.num_max_tokens_per_rank, c.hidden, c.num_topk,
-                                                             c.use_fp8_dispatch, c.allow_multiple_reduction)
-                                              : 0;
+  if (valid && c.num_cpu_bytes > 0) {
+    e.pool_bytes = c.num_bytes - c.num_cpu_bytes;
+  } else if (c.num_bytes != 0 || !valid) {
+    e.pool_bytes = c.num_bytes;
+  } else {
+    e.pool_bytes = engine::buffer_size_hint(paths_for(group.transport().topology(), group.size(), c.allow_hybrid_mode),
+                                            c.num_max_tokens_per_rank, c.hidden, c.num_topk, c.use_fp8_dispatch,
+                                            c.allow_multiple_reduction);
+  }
   e.pool_alignment = kBufferAlignment;
   e.fixed_hidden = c.hidden;
   e.allow_hybrid_mode = c.allow_hybrid_mode;
@@ -82,8 +84,8 @@ ElasticBuffer::ElasticBuffer(Group& group, const ElasticBufferConfig& config) : 
     core::info(core::Subsys::kInit, "ElasticBuffer #{}: num_topk = 0, sizing conservatively for k = {}", engine_->facts.id,
                kMaxTopk);
   core::info(core::Subsys::kInit,
-             "ElasticBuffer #{}: num_bytes {} ({}), Engram storage {} bytes, num_max_tokens_per_rank {}, hidden {}, num_topk {}, {}, hybrid mode "
-             "{}, multiple reduction {}, {} allocated qps",
+             "ElasticBuffer #{}: num_bytes {} ({}), Engram storage {} bytes, num_max_tokens_per_rank {}, hidden {}, "
+             "num_topk {}, {}, hybrid mode {}, multiple reduction {}, {} allocated qps",
              e.facts.id, e.facts.config.pool_bytes, config.num_bytes == 0 ? "from the shape" : "given",
              config.num_cpu_bytes, config.num_max_tokens_per_rank, config.hidden, config.num_topk,
              config.use_fp8_dispatch ? "FP8 dispatch" : "BF16 dispatch", config.allow_hybrid_mode ? "allowed" : "off",
@@ -216,7 +218,9 @@ void ElasticBuffer::destroy() {
 }
 int ElasticBuffer::rank() const { return engine_->facts.rank; }
 int ElasticBuffer::num_ranks() const { return engine_->facts.num_ranks; }
-std::int64_t ElasticBuffer::num_bytes() const { return engine_->facts.config.pool_bytes + config_.num_cpu_bytes; }
+std::int64_t ElasticBuffer::num_bytes() const {
+  return engine_->facts.config.pool_bytes + config_.num_cpu_bytes;
+}
 std::int64_t ElasticBuffer::num_cpu_bytes() const { return config_.num_cpu_bytes; }
 int ElasticBuffer::num_max_tokens_per_rank() const { return config_.num_max_tokens_per_rank; }
 int ElasticBuffer::num_allocated_qps() const { return engine_->facts.config.num_allocated_qps; }

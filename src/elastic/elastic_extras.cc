@@ -38,7 +38,8 @@ void ElasticBuffer::engram_write(const TensorView& storage, const Tensor& sf) {
   ExtrasAccess::engram_write(*this, storage, sf, {});
 }
 
-EngramFetchResult ElasticBuffer::engram_fetch(const TensorView& indices, int num_qps, bool use_tma_aligned_col_major_sf) {
+EngramFetchResult ElasticBuffer::engram_fetch(const TensorView& indices, int num_qps,
+                                              bool use_tma_aligned_col_major_sf) {
   return part_of(*engine_, engram_, "engram_fetch").fetch(indices, num_qps, use_tma_aligned_col_major_sf);
 }
 
@@ -94,8 +95,9 @@ void ElasticBuffer::release_extras() noexcept {
     const std::exception_ptr error = core::capture([&] { elastic::run_collective(*engine_, "destruction", {}); });
     quiet = error == nullptr;
     if (error)
-      core::warn(core::Subsys::kAlloc, "ElasticBuffer #{} on rank {}: the destruction collective failed ({}); its Engram "
-                 "and PP memory stays mapped", engine_->facts.id, engine_->facts.rank, comm::message_of(error));
+      core::warn(core::Subsys::kAlloc,
+                 "ElasticBuffer #{} on rank {}: the destruction collective failed ({}); its Engram and PP memory "
+                 "stays mapped", engine_->facts.id, engine_->facts.rank, comm::message_of(error));
   }
   if (!quiet) {
     if (engram_) engram_->retire();

@@ -101,8 +101,9 @@ TEST_P(EngramFetch, Fp8RowsAndScalesInBothLayouts) {
       for (int t = 0; t < T; ++t)
         for (int k = 0; k < K; ++k) {
           const int gidx = idx[static_cast<size_t>(t * K + k)];
+          const auto* row = r.data.data_as<const std::uint8_t>() + (t * K + k) * kHidden;
           for (int c = 0; c < kHidden; ++c)
-            if (r.data.data_as<const std::uint8_t>()[(t * K + k) * kHidden + c] != fp8_at(gidx / kEntries, gidx % kEntries, c))
+            if (row[c] != fp8_at(gidx / kEntries, gidx % kEntries, c))
               return out.push_back(fmt::format("row ({}, {}) differs at column {}", t, k, c));
           for (int p = 0; p < kScales; ++p)
             if (r.sf.data_as<const std::uint32_t>()[t * s0 + (k * kScales + p) * s1] != scale_at(gidx, p))
