@@ -5,13 +5,14 @@
 // a fixed order: by source rank, then source token index (DeepEP's deterministic order, always).
 // combine() sums, for every token, the rows the destination ranks return, in FP32 with a fixed
 // order and BF16 rounding (docs/semantics.md), so results are reproducible bit for bit on any
-// topology, transport and thread count. Every call is collective: all ranks of the group call
-// the same operations in the same order. Arguments are validated on every rank before anything
-// moves; a rank with bad arguments raises InvalidArgument and its peers raise PeerError naming
-// it. Inputs are only read; outputs are new tensors (the all-gather sessions' results are views
-// of their session region instead: agrs.hpp, docs/agrs.md). With async_with_compute_stream the call
-// returns at once with an Event; inputs must stay unchanged and outputs must not be read until
-// the event completes.
+// topology, transport and thread count. Every call is collective (all ranks of the group call
+// the same operations in the same order) except engram_fetch, pp_send and pp_recv, which involve
+// only this rank and the peers they name (Engram storage and PP send/receive: docs/engram-pp.md).
+// Arguments are validated on every rank before anything moves; a rank with bad arguments raises
+// InvalidArgument and its peers raise PeerError naming it. Inputs are only read; outputs are new
+// tensors (the all-gather sessions' results are views of their session region instead: agrs.hpp,
+// docs/agrs.md). With async_with_compute_stream the call returns at once with an Event; inputs must
+// stay unchanged and outputs must not be read until the event completes.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +37,9 @@ class Engine;
 
 struct ElasticBufferConfig {
   std::int64_t num_bytes = 0;  // 0: derived from the MoE shape below (get_buffer_size_hint)
+  // Engram storage per rank (docs/engram-pp.md): with num_cpu_bytes > 0, num_bytes is required
+  // and is the total, of which num_bytes - num_cpu_bytes is the dispatch pool. 2 MiB multiples.
+  std::int64_t num_cpu_bytes = 0;
   int num_max_tokens_per_rank = 0;
   int hidden = 0;
   int num_topk = 0;  // 0: size for the largest top-k (32)
@@ -52,7 +56,18 @@ struct ElasticBufferConfig {
 namespace elastic {
 class Access;  // internal (src/elastic/elastic_access.hh)
 class AgrsAccess;  // internal (src/elastic/agrs_sessions.hh)
-}
+class ExtrasAccess;  // internal (src/elastic/extras_access.hh)
+class EngramStore;
+class PpChannels;
+}  // namespace elastic
+
+// What engram_fetch returns (docs/engram-pp.md): data [T, K*hidden] (float8_e4m3fn when the write
+// had scales, else bfloat16); sf [T, K*P] in the scales' dtype, strides (K*P, 1) or, column-major,
+// (1, T rounded up to 4); undefined without scales. New tensors, not views of the buffer.
+struct EngramFetchResult {
+  Tensor data;
+  Tensor sf;
+};
 
 class ElasticBuffer {
  public:
@@ -75,8 +90,24 @@ class ElasticBuffer {
                               double nvlink_gbs = 0, double sm_read_gbs = 0, double sm_write_gbs = 0) const;
   int get_theoretical_num_qps(int num_sms) const;
 
-  // Collective barrier on the buffer's channel, ordered after this rank's queued async work.
-  void barrier();
+  // Collective barrier over every rank, ordered after this rank's queued async work. Every flag
+  // combination is the same full host-blocking barrier (docs/engram-pp.md).
+  void barrier(bool use_comm_stream = true, bool with_cpu_sync = false, bool sequential = true);
+
+  // Engram storage and pipeline-parallel send/receive (docs/engram-pp.md). Collective:
+  // engram_write, pp_set_config. engram_write keeps `sf` by reference: a Tensor with storage keeps
+  // it alive, one wrapping caller memory must stay valid; fetches read its current contents.
+  static std::pair<std::int64_t, std::int64_t> get_engram_storage_size_hint(std::int64_t num_entries,
+                                                                            std::int64_t hidden,
+                                                                            std::int64_t num_max_tokens_per_rank,
+                                                                            DType dtype = DType::kBF16);
+  void engram_write(const TensorView& storage, const Tensor& sf = {});
+  EngramFetchResult engram_fetch(const TensorView& indices, int num_qps = 0, bool use_tma_aligned_col_major_sf = false);
+  static std::int64_t get_pp_buffer_size_hint(std::int64_t num_max_tensor_bytes, std::int64_t num_max_inflight_tensors);
+  void pp_set_config(std::int64_t num_max_tensor_bytes, std::int64_t num_max_inflight_tensors);
+  void pp_send(const TensorView& t, int dst_rank_idx, int num_sms = 0);
+  void pp_recv(const TensorView& t, int src_rank_idx, int num_sms = 0);
+
   std::pair<int, int> get_physical_domain_size() const;  // (scale-out, scale-up)
   std::pair<int, int> get_logical_domain_size() const;
   // Collective: frees the buffer (required when explicitly_destroy). Later calls raise StateError.
@@ -98,7 +129,8 @@ class ElasticBuffer {
 
   int rank() const;
   int num_ranks() const;
-  std::int64_t num_bytes() const;
+  std::int64_t num_bytes() const;  // the pool plus num_cpu_bytes
+  std::int64_t num_cpu_bytes() const;
   int num_max_tokens_per_rank() const;
   int num_allocated_qps() const;
   int num_scaleout_ranks() const;
@@ -110,8 +142,13 @@ class ElasticBuffer {
  private:
   friend class elastic::Access;
   friend class elastic::AgrsAccess;
+  friend class elastic::ExtrasAccess;
+  // Frees (or, when peers may still read them, keeps) the Engram and PP memory.
+  void release_extras() noexcept;
   ElasticBufferConfig config_;
   std::unique_ptr<engine::Engine> engine_;
+  std::unique_ptr<elastic::EngramStore> engram_;  // always; memory only with num_cpu_bytes > 0
+  std::unique_ptr<elastic::PpChannels> pp_;       // always; channels once pp_set_config ran
   // Made by the first AGRS call; declared after engine_, so released before it.
   std::shared_ptr<elastic::AgrsState> agrs_;
 };

@@ -3,7 +3,7 @@
 // A provider offers V1 (the legacy Buffer), V2 (ElasticBuffer) or both, behind the abstract
 // interfaces below, which take the same argument and result types as the built-in classes. The
 // built-in provider "cpu" is part of this library; others are shared libraries that export
-//     extern "C" const moe_ep::provider::Table* moe_ep_provider_abi_4();
+//     extern "C" const moe_ep::provider::Table* moe_ep_provider_abi_5();
 // and link against this library for its types. The symbol's name carries the ABI version and the
 // table repeats it (with its size): a library built for another ABI is refused, never called.
 // Any change to these interfaces or to the argument structs they take bumps kAbiVersion.
@@ -22,8 +22,8 @@
 namespace moe_ep::provider {
 
 inline constexpr std::uint32_t kAbiVersion = MOE_EP_PROVIDER_ABI_VERSION;
-inline constexpr const char* kEntrySymbol = "moe_ep_provider_abi_4";
-static_assert(kAbiVersion == 4, "kEntrySymbol names the ABI version: change both");
+inline constexpr const char* kEntrySymbol = "moe_ep_provider_abi_5";
+static_assert(kAbiVersion == 5, "kEntrySymbol names the ABI version: change both");
 
 // A V1 buffer (every call collective, as moe_ep::Buffer).
 class LegacyBackend {

@@ -108,6 +108,7 @@ class ArgumentImports {
   std::pair<Tensor, Tensor> x_or_pair(py::handle x, const char* scales_name);
   std::optional<Event> event(py::handle obj, const char* name);
   int integer(py::handle obj, const char* name);
+  std::int64_t integer64(py::handle obj, const char* name);  // an int in the 64-bit range
   bool boolean(py::handle obj, const char* name);
   std::optional<bool> optional_boolean(py::handle obj, const char* name);
   // An object of a bound class; None gives null unless `required` (then a TypeError).
@@ -171,6 +172,7 @@ void register_errors(py::module_& m);
 void register_groups(py::module_& m);
 void register_elastic(py::module_& m);
 void register_elastic_agrs(py::module_& m);  // after register_elastic: adds to its ElasticBuffer
+void register_elastic_extras(py::module_& m);  // after register_elastic: methods of its ElasticBuffer
 void register_legacy(py::module_& m);
 void register_dispatcher(py::module_& m);
 

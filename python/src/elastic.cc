@@ -63,9 +63,11 @@ void register_elastic(py::module_& m) {
                        int num_topk, bool use_fp8_dispatch, bool deterministic, bool allow_hybrid_mode,
                        bool allow_multiple_reduction, bool prefer_overlap_with_compute, int num_allocated_qps,
                        double num_cpu_timeout_secs, bool explicitly_destroy, bool cuda, int device,
-                       std::string why_host, std::string refusal, std::string provider_path) {
+                       std::string why_host, std::string refusal, std::string provider_path,
+                       std::int64_t num_cpu_bytes) {
              ElasticBufferConfig c;
              c.num_bytes = num_bytes;
+             c.num_cpu_bytes = num_cpu_bytes;
              c.num_max_tokens_per_rank = num_max_tokens_per_rank;
              c.hidden = hidden;
              c.num_topk = num_topk;
@@ -85,7 +87,8 @@ void register_elastic(py::module_& m) {
            py::arg("num_topk"), py::arg("use_fp8_dispatch"), py::arg("deterministic"), py::arg("allow_hybrid_mode"),
            py::arg("allow_multiple_reduction"), py::arg("prefer_overlap_with_compute"), py::arg("num_allocated_qps"),
            py::arg("num_cpu_timeout_secs"), py::arg("explicitly_destroy"), py::arg("cuda") = false,
-           py::arg("device") = -1, py::arg("why_host") = "", py::arg("refusal") = "", py::arg("provider_path") = "")
+           py::arg("device") = -1, py::arg("why_host") = "", py::arg("refusal") = "", py::arg("provider_path") = "",
+           py::arg("num_cpu_bytes") = 0)
       .def_static(
           "get_buffer_size_hint",
           [](std::shared_ptr<Group> group, int t, int h, int k, bool fp8, bool hybrid, bool multi) {
@@ -207,10 +210,6 @@ void register_elastic(py::module_& m) {
           py::arg("num_experts"), py::arg("num_topk"), py::arg("num_scaleout_topk") = 0, py::arg("rdma_gbs") = 0.0,
           py::arg("nvlink_gbs") = 0.0, py::arg("sm_read_gbs") = 0.0, py::arg("sm_write_gbs") = 0.0)
       .def("get_theoretical_num_qps", [](const ElasticBox& b, int sms) { return b.get().get_theoretical_num_qps(sms); })
-      .def("barrier", [](ElasticBox& b) {
-        py::gil_scoped_release release;
-        b.get().barrier();
-      })
       .def("destroy", [](ElasticBox& b) {
         py::gil_scoped_release release;
         b.get().destroy();

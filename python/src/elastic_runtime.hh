@@ -50,12 +50,12 @@ class ElasticRuntime {
   int scaleup_rank_idx() const { return cpu_ ? cpu_->scaleup_rank_idx() : group_->rank(); }
   bool is_hybrid() const { return cpu_ ? cpu_->is_hybrid() : false; }
 
-  ElasticBuffer* host_buffer() const { return cpu_.get(); }  // null with the CUDA provider
   const char* provider() const { return cpu_ ? "cpu" : "cuda"; }
   int device() const { return device_; }  // -1 for the built-in provider
   const Placement& placement() const { return placement_; }
-  // The built-in buffer (host tensors), or null when the CUDA provider backs this one.
-  ElasticBuffer* host_buffer() { return cpu_.get(); }
+  // The built-in buffer (host tensors; Engram, PP, all-gather sessions and HybridEP's combine), or
+  // null when the CUDA provider backs this one.
+  ElasticBuffer* host_buffer() const { return cpu_.get(); }
 
  private:
   std::shared_ptr<Group> group_;

@@ -92,6 +92,7 @@ PYBIND11_MODULE(_C, m) {
   mp::register_groups(m);
   mp::register_elastic(m);
   mp::register_elastic_agrs(m);
+  mp::register_elastic_extras(m);
   mp::register_legacy(m);
   mp::register_dispatcher(m);
 }

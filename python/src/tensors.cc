@@ -272,6 +272,19 @@ int ArgumentImports::integer(py::handle obj, const char* name) {
       0);
 }
 
+std::int64_t ArgumentImports::integer64(py::handle obj, const char* name) {
+  return guarded(
+      [&]() -> std::int64_t {
+        if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr())) throw py::type_error(type_message(obj, name, "an int"));
+        int overflow = 0;
+        const long long v = PyLong_AsLongLongAndOverflow(obj.ptr(), &overflow);
+        if (overflow != 0)
+          throw InvalidArgument(fmt::format("{} = {} is outside the 64-bit range", name, py::str(obj).cast<std::string>()));
+        return v;
+      },
+      std::int64_t{0});
+}
+
 bool ArgumentImports::boolean(py::handle obj, const char* name) {
   return guarded(
       [&] {

@@ -77,7 +77,10 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   try {
     elastic::check_config(ctx, config);  // V2's rules, as the built-in provider
     timeout_ = config.num_cpu_timeout_secs;
-    // This provider's own limits: one host, its ranks and its lists' size.
+    // This provider's own limits: no Engram storage, one host, its ranks and its lists' size.
+    if (config.num_cpu_bytes != 0)
+      core::fail(ctx, "num_cpu_bytes = {}: the cuda provider has no Engram storage (the built-in provider has it, on "
+                 "host tensors)", config.num_cpu_bytes);
     if (R_ > kMaxCudaRanks)
       core::fail(ctx, "the group has {} ranks; the cuda provider serves at most {} ranks on one host", R_, kMaxCudaRanks);
     if (group.num_scaleout() != 1)

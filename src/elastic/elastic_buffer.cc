@@ -4,6 +4,8 @@
 
 #include "elastic/agrs_sessions.hh"
 #include "elastic/elastic_access.hh"
+#include "elastic/engram_store.hh"
+#include "elastic/pp_channels.hh"
 
 #include <fmt/format.h>
 
@@ -34,12 +36,16 @@ std::exception_ptr check_config(const std::string& context, const ElasticBufferC
 engine::EngineConfig engine_config(const Group& group, const ElasticBufferConfig& c, bool valid) {
   engine::EngineConfig e;
   e.name = "ElasticBuffer";
-  e.pool_bytes = c.num_bytes != 0 ? c.num_bytes
-                 : valid          ? engine::buffer_size_hint(paths_for(group.transport().topology(), group.size(),
-                                                                       c.allow_hybrid_mode),
-                                                             c.num_max_tokens_per_rank, c.hidden, c.num_topk,
-                                                             c.use_fp8_dispatch, c.allow_multiple_reduction)
-                                  : 0;
+  // With Engram storage, num_bytes is the total: the pool is what the storage leaves.
+  if (valid && c.num_cpu_bytes > 0) {
+    e.pool_bytes = c.num_bytes - c.num_cpu_bytes;
+  } else if (c.num_bytes != 0 || !valid) {
+    e.pool_bytes = c.num_bytes;
+  } else {
+    e.pool_bytes = engine::buffer_size_hint(paths_for(group.transport().topology(), group.size(), c.allow_hybrid_mode),
+                                            c.num_max_tokens_per_rank, c.hidden, c.num_topk, c.use_fp8_dispatch,
+                                            c.allow_multiple_reduction);
+  }
   e.pool_alignment = kBufferAlignment;
   e.fixed_hidden = c.hidden;
   e.allow_hybrid_mode = c.allow_hybrid_mode;
@@ -72,22 +78,26 @@ ElasticBuffer::ElasticBuffer(Group& group, const ElasticBufferConfig& config) : 
   engine_ = std::make_unique<engine::Engine>(
       group, engine_config(group, config, error == nullptr), error,
       [&](comm::Agreement& a) { elastic::agree_config(a, config); });
+  engram_ = std::make_unique<elastic::EngramStore>(*engine_, config.num_cpu_bytes);  // collective with storage
+  pp_ = std::make_unique<elastic::PpChannels>(*engine_);
   const auto& e = *engine_;
   if (config.num_topk == 0)
     core::info(core::Subsys::kInit, "ElasticBuffer #{}: num_topk = 0, sizing conservatively for k = {}", engine_->facts.id,
                kMaxTopk);
   core::info(core::Subsys::kInit,
-             "ElasticBuffer #{}: num_bytes {} ({}), num_max_tokens_per_rank {}, hidden {}, num_topk {}, {}, hybrid mode "
-             "{}, multiple reduction {}, {} allocated qps",
+             "ElasticBuffer #{}: num_bytes {} ({}), Engram storage {} bytes, num_max_tokens_per_rank {}, hidden {}, "
+             "num_topk {}, {}, hybrid mode {}, multiple reduction {}, {} allocated qps",
              e.facts.id, e.facts.config.pool_bytes, config.num_bytes == 0 ? "from the shape" : "given",
-             config.num_max_tokens_per_rank, config.hidden, config.num_topk,
+             config.num_cpu_bytes, config.num_max_tokens_per_rank, config.hidden, config.num_topk,
              config.use_fp8_dispatch ? "FP8 dispatch" : "BF16 dispatch", config.allow_hybrid_mode ? "allowed" : "off",
              config.allow_multiple_reduction ? "allowed" : "off", e.facts.config.num_allocated_qps);
 }
 
-// The all-gather session region goes first, collectively where the engine's destruction is
-// collective (a rank whose buffer is unusable, or not destroyed explicitly, releases it alone).
+// The Engram and PP memory, then the all-gather session region, each collectively where the
+// engine's destruction is collective (a rank whose buffer is unusable, or not destroyed
+// explicitly, releases it alone).
 ElasticBuffer::~ElasticBuffer() {
+  release_extras();
   if (!agrs_) return;
   const bool collective =
       !config_.explicitly_destroy && core::attempt("", [&] { engine_->check_usable("destruction"); }) == nullptr;
@@ -211,7 +221,6 @@ int ElasticBuffer::get_theoretical_num_qps(int num_sms) const {
   return std::min(qps, engine_->facts.config.num_allocated_qps);
 }
 
-void ElasticBuffer::barrier() { engine_->barrier(); }
 std::pair<int, int> ElasticBuffer::get_physical_domain_size() const {
   return {engine_->facts.physical.num_scaleout, engine_->facts.physical.num_scaleup};
 }
@@ -223,10 +232,15 @@ void ElasticBuffer::destroy() {
     throw StateError(fmt::format("{}: destroy() requires explicitly_destroy = true", engine_->facts.context("destroy")));
   elastic::AgrsAccess::release(*this, true, "destroy");
   engine_->destroy();
+  engram_.reset();  // every rank passed destroy(): no peer reads or writes this memory any more
+  pp_.reset();
 }
 int ElasticBuffer::rank() const { return engine_->facts.rank; }
 int ElasticBuffer::num_ranks() const { return engine_->facts.num_ranks; }
-std::int64_t ElasticBuffer::num_bytes() const { return engine_->facts.config.pool_bytes; }
+std::int64_t ElasticBuffer::num_bytes() const {
+  return engine_->facts.config.pool_bytes + config_.num_cpu_bytes;
+}
+std::int64_t ElasticBuffer::num_cpu_bytes() const { return config_.num_cpu_bytes; }
 int ElasticBuffer::num_max_tokens_per_rank() const { return config_.num_max_tokens_per_rank; }
 int ElasticBuffer::num_allocated_qps() const { return engine_->facts.config.num_allocated_qps; }
 int ElasticBuffer::num_scaleout_ranks() const { return engine_->facts.logical_scaleout; }

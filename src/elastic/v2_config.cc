@@ -11,6 +11,16 @@ using core::fail;
 
 void check_config(std::string_view ctx, const ElasticBufferConfig& c) {
   if (c.num_bytes < 0) fail(ctx, "num_bytes = {} is negative", c.num_bytes);
+  // Engram storage (docs/engram-pp.md): part of num_bytes, which is then required.
+  if (c.num_cpu_bytes < 0) fail(ctx, "num_cpu_bytes = {} is negative", c.num_cpu_bytes);
+  if (c.num_cpu_bytes > 0 && c.num_bytes == 0)
+    fail(ctx, "num_bytes is required with num_cpu_bytes = {} > 0 (it is the total of the pool and the Engram storage)",
+         c.num_cpu_bytes);
+  if (c.num_cpu_bytes % kBufferAlignment != 0)
+    fail(ctx, "num_cpu_bytes = {} is not a multiple of {} (2 MiB)", c.num_cpu_bytes, kBufferAlignment);
+  if (c.num_cpu_bytes > c.num_bytes && c.num_bytes > 0)
+    fail(ctx, "num_cpu_bytes = {} exceeds num_bytes = {} (the total of the pool and the Engram storage)",
+         c.num_cpu_bytes, c.num_bytes);
   if (c.num_bytes == 0 && c.num_max_tokens_per_rank <= 0)
     fail(ctx, "num_max_tokens_per_rank = {} must be positive when num_bytes is not given", c.num_max_tokens_per_rank);
   if (c.num_bytes == 0 && c.hidden <= 0) fail(ctx, "hidden = {} must be positive when num_bytes is not given", c.hidden);

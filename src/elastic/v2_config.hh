@@ -10,13 +10,14 @@
 
 namespace moe_ep::elastic {
 
-// num_bytes, the shape (tokens, hidden, top-k), the timeout and qps.
+// num_bytes and num_cpu_bytes, the shape (tokens, hidden, top-k), the timeout and qps.
 void check_config(std::string_view context, const ElasticBufferConfig& c);
 
 // The configuration fields every rank's buffer must share (a comm::Agreement).
 template <class Agreement>
 Agreement& agree_config(Agreement& a, const ElasticBufferConfig& c) {
   return a.field("num_bytes", c.num_bytes)
+      .field("num_cpu_bytes", c.num_cpu_bytes)
       .field("num_max_tokens_per_rank", c.num_max_tokens_per_rank)
       .field("hidden", c.hidden)
       .field("num_topk", c.num_topk)

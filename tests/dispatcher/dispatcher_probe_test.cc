@@ -67,13 +67,13 @@ TEST(Probe, MatrixOfProviderLibraries) {
   {
     const ProbeReport& p = probe_providers(kOldAbi);
     EXPECT_FALSE(p.v1.available);
-    EXPECT_TRUE(contains(p.v1.reason, "missing symbol moe_ep_provider_abi_4 (it exports moe_ep_provider_abi_0: built for ABI 0)"))
+    EXPECT_TRUE(contains(p.v1.reason, "missing symbol moe_ep_provider_abi_5 (it exports moe_ep_provider_abi_0: built for ABI 0)"))
         << p.v1.reason;
   }
   {
     const ProbeReport& p = probe_providers(kNoSymbol);
     EXPECT_FALSE(p.v1.available);
-    EXPECT_TRUE(contains(p.v1.reason, "missing symbol moe_ep_provider_abi_4 (not a moe-ep provider)")) << p.v1.reason;
+    EXPECT_TRUE(contains(p.v1.reason, "missing symbol moe_ep_provider_abi_5 (not a moe-ep provider)")) << p.v1.reason;
   }
   {
     const ProbeReport& p = probe_providers("/nonexistent/libmoe_ep_cuda.so");

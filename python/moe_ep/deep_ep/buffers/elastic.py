@@ -19,6 +19,7 @@ from ..utils import EventHandle, _native, _overlap
 from . import _provider
 from ._agrs import AgrsMixin
 from ._common import bias_list, group_of, not_on_cpu, or_default
+from ._engram_pp import EngramPPMixin
 
 # DeepEP's defaults of get_theoretical_num_sms are GPU SM bandwidths; left at them, moe-ep uses the
 # bandwidths it measured on this machine.
@@ -59,13 +60,13 @@ class EPHandle:
         return recv_x, recv_sf, recv_topk_idx, recv_topk_weights, channel_linked_list
 
 
-class ElasticBuffer(AgrsMixin):
+class ElasticBuffer(EngramPPMixin, AgrsMixin):
+    # Engram storage, PP send/receive and barrier: EngramPPMixin (_engram_pp.py); the all-gather
+    # sessions: AgrsMixin (_agrs.py).
     def __init__(self, group, num_bytes=None, num_cpu_bytes=0, num_max_tokens_per_rank=0, hidden=0, num_topk=0,
                  use_fp8_dispatch=False, deterministic=False, allow_hybrid_mode=True, allow_multiple_reduction=True,
                  prefer_overlap_with_compute=True, sl_idx=3, num_allocated_qps=0, num_cpu_timeout_secs=300,
                  num_gpu_timeout_secs=100, explicitly_destroy=False):
-        if num_cpu_bytes:
-            raise NotImplementedError(f"num_cpu_bytes={num_cpu_bytes}: Engram host storage is not supported by moe-ep")
         self.group = group
         self._group = group_of(group, None)
         self.rank_idx = self._group.rank()
@@ -80,7 +81,8 @@ class ElasticBuffer(AgrsMixin):
                                         hidden, num_topk, use_fp8_dispatch, deterministic, allow_hybrid_mode,
                                         allow_multiple_reduction, prefer_overlap_with_compute, num_allocated_qps,
                                         num_cpu_timeout_secs, explicitly_destroy, choice.cuda, choice.device,
-                                        choice.why_host, choice.refusal, choice.provider_path)
+                                        choice.why_host, choice.refusal, choice.provider_path,
+                                        num_cpu_bytes=num_cpu_bytes)
         rt = self.runtime
         self._provider, self._device = rt.provider, rt.device
         self.num_bytes = rt.num_bytes
@@ -127,9 +129,6 @@ class ElasticBuffer(AgrsMixin):
         self._rt().destroy()
         self.runtime = None
 
-    def barrier(self, use_comm_stream=True, with_cpu_sync=False, sequential=True):
-        self._rt().barrier()
-
     def get_physical_domain_size(self):
         return self._rt().get_physical_domain_size()
 
@@ -173,20 +172,3 @@ class ElasticBuffer(AgrsMixin):
             _native(previous_event_before_epilogue, "previous_event_before_epilogue"), async_with_compute_stream,
             allocate_on_comm_stream, self._stream())
         return combined, combined_w, _overlap(ev, async_with_compute_stream)
-
-    # DeepEP's experimental extras (Engram storage, pipeline-parallel send/receive; the all-gather
-    # sessions are AgrsMixin's).
-    def engram_write(self, storage, sf=None):
-        not_on_cpu("engram_write")
-
-    def engram_fetch(self, indices, num_qps=0, use_tma_aligned_col_major_sf=False):
-        not_on_cpu("engram_fetch")
-
-    def pp_set_config(self, max_bytes, max_inflight):
-        not_on_cpu("pp_set_config")
-
-    def pp_send(self, t, dst_rank, num_sms=0):
-        not_on_cpu("pp_send")
-
-    def pp_recv(self, t, src_rank, num_sms=0):
-        not_on_cpu("pp_recv")
