@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 #include <vector>
 
@@ -34,7 +35,9 @@ HybridEpInputs inputs_of(int rank, int experts) {
   HybridEpInputs in;
   in.tokens = 5 + 3 * rank;
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (int i = 0; i < in.tokens * kHidden; ++i) in.x.push_back(reference::bf16_from_float(normal(rng)));
+  // Magnitudes 2^-12 .. 2^12: FP32 sums of such rows round differently in different orders.
+  for (int i = 0; i < in.tokens * kHidden; ++i)
+    in.x.push_back(reference::bf16_from_float(std::ldexp(normal(rng), static_cast<int>(rng() % 25) - 12)));
   for (int t = 0; t < in.tokens; ++t) {
     std::vector<std::int64_t> pool(static_cast<size_t>(experts));
     for (int e = 0; e < experts; ++e) pool[static_cast<size_t>(e)] = e;
@@ -47,9 +50,15 @@ HybridEpInputs inputs_of(int rank, int experts) {
   return in;
 }
 
-// The expert's output for a row of token x under expert e with weight w: bf16(w * x * (1 + e/8)).
-std::uint16_t expert_value(std::uint16_t x, int e, float w) {
-  return reference::bf16_from_float(w * (reference::float_from_bf16(x) * (1.0f + static_cast<float>(e) / 8.0f)));
+// The expert's output for a row of token x under expert e: bf16(x * f_e), where experts 4q and
+// 4q + 1 give +-(1 + q/8) 2^20 x (they cancel exactly) and 4q + 2, 4q + 3 give (1 + q/8) x and
+// (1 + q/8) 2^-3 x. A small row added to a large one before the large ones cancel loses bits
+// that survive the final BF16 rounding, so every difference in the order of the sums shows.
+std::uint16_t expert_value(std::uint16_t x, int e, float) {
+  const int q = e / 4, kind = e % 4;
+  const float scale = 1.0f + static_cast<float>(q) / 8.0f;
+  const float f = kind == 0 ? std::ldexp(scale, 20) : kind == 1 ? -std::ldexp(scale, 20) : kind == 2 ? scale : std::ldexp(scale, -3);
+  return reference::bf16_from_float(reference::float_from_bf16(x) * f);
 }
 
 float weight_of(const HybridEpInputs& in, int t, int e) {
