@@ -175,6 +175,33 @@ def test_v2_expanded_normal_layout_and_alignment(use_v2):
     moe_ep.LocalWorld(4, 2).run(fn)
 
 
+def test_hybrid_ep_layout_is_hybrid_ep_buffers():
+    """v2_normal_layout="hybrid_ep" gives, bit for bit, what deep_ep.HybridEPBuffer's permuted dispatch
+    and combine give on the same routing (each is checked against HybridEP's rules elsewhere:
+    tests/dispatcher/dispatcher_hybrid_ep_test.cc, test_hybrid_ep.py); 2 nodes of 2 ranks."""
+    from moe_ep.deep_ep import HybridEPBuffer
+
+    def fn(g):
+        n, pad = 8, 4  # HybridEP needs the same token count on every rank
+        x, idx, w = (t[:n].contiguous() for t in ref.make_inputs(g.size(), 12, H, E, K, 31)[g.rank()])
+        cache, d = make_dispatcher(g, use_v2=True, mode="normal", v2_normal_layout="hybrid_ep", expert_alignment=pad)
+        out = d.dispatch(x, idx, w, kind="prefill")
+        assert out.format == "hybrid_ep" and d.options()["v2_normal_layout"] == "hybrid_ep"
+        y = (out.hidden_states.float() * (1 + out.topk_weights[:, None])).bfloat16()
+        combined = d.combine(y)
+        buf = HybridEPBuffer(g, hidden_dim=H, max_num_of_tokens_per_rank=n, num_local_experts=E // g.size())
+        tokens, probs, _, per_expert, handle = buf.dispatch_with_permute(
+            hidden=x, topk_idx=idx, topk_weights=w, num_of_experts=E, pad_multiple=pad)
+        assert torch.equal(tokens.view(torch.int16), out.hidden_states.view(torch.int16))
+        assert torch.equal(probs, out.topk_weights)
+        assert per_expert.tolist() == out.num_recv_tokens_per_expert
+        theirs, _ = buf.combine_with_unpermute(hidden=(tokens.float() * (1 + probs[:, None])).bfloat16(),
+                                               handle=handle, pad_multiple=pad)
+        assert torch.equal(theirs.view(torch.int16), combined.view(torch.int16))
+        return True
+    assert moe_ep.LocalWorld(4, 2).run(fn) == [True] * 4
+
+
 def test_hooks_and_split_halves():
     def fn(g):
         events = []
