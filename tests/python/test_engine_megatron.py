@@ -1,7 +1,10 @@
-"""Megatron-Core's own MoE token dispatcher on moe-ep: the flex dispatcher with the DeepEP backend
+"""Megatron-Core's own MoE token dispatcher on moe-ep: the flex dispatcher
 (megatron.core.transformer.moe.token_dispatcher.MoEFlexTokenDispatcher, its fused dispatch and
-combine in megatron/core/transformer/moe/fused_a2a.py), unmodified, forward and backward, on 2 and
-4 CPU processes over gloo, with ``deep_ep`` resolving to moe-ep through the alias directory.
+combine in megatron/core/transformer/moe/fused_a2a.py) with both of its backends, DeepEP
+(``deep_ep.Buffer``) and HybridEP (``_HybridEPManager`` on ``deep_ep.HybridEPBuffer``), unmodified,
+forward and backward, on 2 and 4 CPU processes over gloo, with ``deep_ep`` resolving to moe-ep
+through the alias directory. With HybridEP every rank has the same token count (it all-gathers
+equal-sized routing maps).
 
 Each process runs Megatron's dispatch_preprocess -> token_dispatch -> dispatch_postprocess, a
 linear expert per local expert (y = (x @ W_e) * prob), combine_preprocess -> token_combine ->
@@ -22,14 +25,14 @@ from conftest import check_all_ok, run_processes
 E, K, H = 8, 2, 128
 
 
-def tokens_of(rank):
-    return 5 + 2 * rank
+def tokens_of(rank, backend):
+    return 7 if backend == "hybridep" else 5 + 2 * rank
 
 
-def rank_inputs(rank):
+def rank_inputs(rank, backend):
     """x (BF16 values), the routing map and the masked router probabilities, and the loss weights."""
     g = torch.Generator().manual_seed(1000 + rank)
-    n = tokens_of(rank)
+    n = tokens_of(rank, backend)
     x = torch.randn(n, H, generator=g).to(torch.bfloat16)
     probs = torch.softmax(torch.randn(n, E, generator=g), dim=-1)
     top = probs.topk(K, dim=-1)
@@ -44,7 +47,7 @@ def expert_weight(e):
     return torch.randn(H, H, generator=g) / H ** 0.5
 
 
-def megatron_layer(rank, world, group):
+def megatron_layer(rank, world, group, backend):
     import deep_ep
     import moe_ep
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -53,9 +56,12 @@ def megatron_layer(rank, world, group):
     from megatron.core.transformer.transformer_config import TransformerConfig
     import torch.distributed as dist
 
-    assert deep_ep.Buffer is moe_ep.deep_ep.Buffer and fused_a2a.HAVE_DEEP_EP
+    if backend == "hybridep":
+        assert deep_ep.HybridEPBuffer is moe_ep.deep_ep.HybridEPBuffer and fused_a2a.HAVE_HYBRIDEP
+    else:
+        assert deep_ep.Buffer is moe_ep.deep_ep.Buffer and fused_a2a.HAVE_DEEP_EP
     cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=1, num_moe_experts=E, moe_router_topk=K,
-                            moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep",
+                            moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend=backend,
                             moe_router_dtype="fp32", expert_model_parallel_size=world, params_dtype=torch.bfloat16,
                             bf16=True, use_cpu_initialization=True)
     pgs = ProcessGroupCollection()
@@ -64,7 +70,7 @@ def megatron_layer(rank, world, group):
     El = E // world
     dispatcher = MoEFlexTokenDispatcher(El, list(range(rank * El, (rank + 1) * El)), cfg, pg_collection=pgs)
 
-    x, routing_map, masked, G = rank_inputs(rank)
+    x, routing_map, masked, G = rank_inputs(rank, backend)
     x = x.clone().requires_grad_()
     probs = masked.clone().requires_grad_()
     weights = [expert_weight(rank * El + i).requires_grad_() for i in range(El)]
@@ -91,7 +97,7 @@ def megatron_layer(rank, world, group):
     return results
 
 
-def dense_reference(world):
+def dense_reference(world, backend):
     """The layer over all ranks' tokens in float64: outputs, tokens per expert, gradients, and the
     magnitude sums that bound each element's rounding."""
     El = E // world
@@ -100,7 +106,7 @@ def dense_reference(world):
     counts = [[0] * El for _ in range(world)]
     loss = 0
     for r in range(world):
-        x, routing_map, masked, G = rank_inputs(r)
+        x, routing_map, masked, G = rank_inputs(r, backend)
         x = x.double().requires_grad_()
         p = masked.double().requires_grad_()
         m = routing_map.double()
@@ -129,10 +135,12 @@ def within(actual, expected, bound, scale, what):
     assert worst <= 0, f"{what}: off by {err.max().item():.3g} (limit exceeded by {worst:.3g})"
 
 
+@pytest.mark.parametrize("backend", ["deepep", "hybridep"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_megatron_flex_dispatcher_deepep_forward_and_backward(world):
-    results = check_all_ok(run_processes(megatron_layer, world, env={"TORCH_COMPILE_DISABLE": "1"}, timeout=600))
-    per_rank, counts, W, bound_w = dense_reference(world)
+def test_megatron_flex_dispatcher_forward_and_backward(world, backend):
+    results = check_all_ok(run_processes(megatron_layer, world, args=(backend,), env={"TORCH_COMPILE_DISABLE": "1"},
+                                         timeout=600))
+    per_rank, counts, W, bound_w = dense_reference(world, backend)
     El = E // world
     for r, steps in enumerate(results):
         ref = per_rank[r]
