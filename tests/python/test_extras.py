@@ -83,6 +83,19 @@ def test_group_all_gather_bytes():
     assert out == [want] * 3
 
 
+def test_comm_stream_is_the_cpu_stream():
+    """Host buffers run every call in call order on the host: their communication stream is torch's
+    CPU stream, which `with torch.cpu.stream(...)` accepts."""
+    def fn(g):
+        v2 = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=8, hidden=H, num_topk=K)
+        v1 = deep_ep.Buffer(g, num_nvl_bytes=1 << 20)
+        streams = [v2.get_comm_stream(), v1.get_comm_stream()]
+        with torch.cpu.stream(streams[0]):
+            pass
+        return all(isinstance(s, torch.cpu.Stream) for s in streams)
+    assert moe_ep.LocalWorld(2).run(fn) == [True, True]
+
+
 def test_moe_ep_memory_tensors():
     z = moe_ep.zeros(3, 5, dtype=torch.float32)
     assert z.shape == (3, 5) and z.dtype == torch.float32 and bool((z == 0).all())

@@ -18,7 +18,7 @@ from ... import _C
 from ..utils import EventHandle, _native, _overlap
 from . import _provider
 from ._agrs import AgrsMixin
-from ._common import bias_list, group_of, not_on_cpu, or_default
+from ._common import bias_list, group_of, or_default
 from ._engram_pp import EngramPPMixin
 
 # DeepEP's defaults of get_theoretical_num_sms are GPU SM bandwidths; left at them, moe-ep uses the
@@ -115,9 +115,12 @@ class ElasticBuffer(EngramPPMixin, AgrsMixin):
     def capture():
         return EventHandle()
 
-    @staticmethod
-    def get_comm_stream():
-        not_on_cpu("get_comm_stream (streams)")
+    def get_comm_stream(self):
+        """The stream communication is ordered on: with the CUDA provider the caller's current stream
+        (each call runs on it), on CPU torch's CPU stream (calls run in call order on the host)."""
+        if self._provider == "cuda":
+            return torch.cuda.current_stream(self._device)
+        return torch.cpu.current_stream()
 
     def _rt(self):
         if self.runtime is None:

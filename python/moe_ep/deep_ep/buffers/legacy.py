@@ -5,6 +5,8 @@ Signatures, defaults and return tuples are DeepEP's (main, 2.1.0). GPU-only argu
 ``Config`` chunk sizes) are accepted; what cannot be honoured raises NotImplementedError naming it.
 """
 
+import torch
+
 from ... import _C
 from ..utils import EventHandle, EventOverlap, _native, _overlap
 from ._common import DeferredHandleTuple, HandleTuple, bias_list, group_of, native_handle, not_on_cpu, require_false
@@ -66,7 +68,9 @@ class Buffer:
         return _C.Buffer.get_combine_config(num_ranks)
 
     def get_comm_stream(self):
-        not_on_cpu("get_comm_stream (streams)")
+        """The stream communication is ordered on: on CPU every call runs in call order on the host,
+        so it is torch's CPU stream (``torch.cpu.current_stream()``)."""
+        return torch.cpu.current_stream()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         not_on_cpu("get_local_buffer_tensor (raw views of the communication buffer)")
