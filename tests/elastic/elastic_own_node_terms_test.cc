@@ -50,7 +50,8 @@ std::vector<std::int64_t> topk_of(int rank) {
 // The expert output of rank `rank` for lane `lane` (-1: the compact row) of token (src, t), as
 // BF16 bits: a random sign and mantissa over 2^-12 .. 2^4.
 std::uint16_t output_of(int rank, int lane, int src, int t, int h) {
-  std::uint32_t x = static_cast<std::uint32_t>((((rank * 7 + lane + 1) * 131 + src) * 977 + t) * 4099 + h);
+  std::uint32_t x = ((static_cast<std::uint32_t>(rank * 7 + lane + 1) * 131u + static_cast<std::uint32_t>(src)) * 977u +
+                     static_cast<std::uint32_t>(t)) * 4099u + static_cast<std::uint32_t>(h);
   x ^= x >> 13;
   x *= 0x5bd1e995u;
   x ^= x >> 15;
