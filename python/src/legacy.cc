@@ -240,12 +240,14 @@ void register_legacy(py::module_& m) {
       .def("low_latency_combine",
            [](LegacyBox& box, py::handle x, py::handle topk_idx, py::handle topk_weights, py::handle handle,
               py::handle use_logfmt, py::handle zero_copy, py::handle async_finish, py::handle return_recv_hook,
-              py::handle out, py::handle wait_stats) {
+              py::handle out, py::handle wait_stats, py::handle overlap, py::handle src_signals,
+              py::handle src_signal_expect_value) {
              Buffer& buffer = box.get();
              ArgumentImports in(v1_placement());
              std::vector<Tensor> keep = {in.tensor(x, "x"), in.tensor(topk_idx, "topk_idx"),
                                          in.tensor(topk_weights, "topk_weights"), in.tensor(out, "out"),
-                                         in.tensor(wait_stats, "combine_wait_recv_cost_stats")};
+                                         in.tensor(wait_stats, "combine_wait_recv_cost_stats"),
+                                         in.tensor(src_signals, "src_signals")};
              LowLatencyCombineArgs a;
              a.x = keep[0];
              a.topk_idx = keep[1];
@@ -257,6 +259,9 @@ void register_legacy(py::module_& m) {
              a.return_recv_hook = in.boolean(return_recv_hook, "return_recv_hook");
              a.out = keep[3];
              a.combine_wait_recv_cost_stats = keep[4];
+             a.overlap = in.boolean(overlap, "overlap");
+             a.src_signals = keep[5];
+             a.src_signal_expect_value = in.integer64(src_signal_expect_value, "src_signal_expect_value");
              a.rejection = in.rejection();
              const LowLatencyCombineResult r = in.call([&] { return buffer.low_latency_combine(a); });
              py::object hook = hook_of(r.hook, keep);

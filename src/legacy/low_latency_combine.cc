@@ -73,6 +73,8 @@ class LowLatencyCombine final : public engine::Operation {
 
   void check_arguments();
   void check_tensors();
+  void check_signals();
+  void wait_for_signals() const;
   // zero_copy: the caller wrote the expert outputs into this call's slot
   // (get_next_low_latency_combine_buffer); x gave only the shape, the rows are read from there.
   void read_combine_buffer();
@@ -151,6 +153,43 @@ void LowLatencyCombine::check_tensors() {
     core::expect_tensor(ctx_, "combine_wait_recv_cost_stats", a.combine_wait_recv_cost_stats, DType::kInt64, {ranks()});
     core::expect_contiguous(ctx_, "combine_wait_recv_cost_stats", a.combine_wait_recv_cost_stats);
   }
+  check_signals();
+}
+
+// hybrid-ep's signalled combine: one unsigned 32-bit word per local expert.
+void LowLatencyCombine::check_signals() {
+  const auto& a = args_;
+  if (a.overlap && !a.src_signals.defined())
+    core::fail(ctx_, "overlap = true needs src_signals (one signal per local expert, {} here)", shape_.local_experts);
+  if (!a.src_signals.defined()) return;
+  core::expect_tensor(ctx_, "src_signals", a.src_signals, DType::kInt32, {shape_.local_experts});
+  core::expect_contiguous(ctx_, "src_signals", a.src_signals);
+  constexpr std::int64_t kMaxSignal = 0xffffffffLL;
+  if (a.src_signal_expect_value < 0 || a.src_signal_expect_value > kMaxSignal)
+    core::fail(ctx_, "src_signal_expect_value = {} is outside [0, {}] (signals are unsigned 32-bit words)",
+               a.src_signal_expect_value, kMaxSignal);
+}
+
+// Before peers may read this rank's rows: every local expert's signal reached the expected value.
+// The wait is bounded by half the buffer's timeout, so that its failure reaches the peers waiting
+// in the agreement as this rank's rejection rather than as their own timeout.
+void LowLatencyCombine::wait_for_signals() const {
+  if (!args_.src_signals.defined()) return;
+  auto* words = static_cast<std::uint32_t*>(args_.src_signals.data());
+  const auto expect = static_cast<std::uint32_t>(args_.src_signal_expect_value);
+  const double timeout = core_.engine.facts.config.timeout_secs / 2;
+  comm::Backoff backoff(timeout);
+  for (int e = 0; e < shape_.local_experts; ++e) {
+    const std::atomic_ref<std::uint32_t> signal(words[e]);
+    while (signal.load(std::memory_order_acquire) < expect)
+      if (!backoff.pause())
+        throw TimeoutError(fmt::format("{}: src_signals[{}] = {} after {:.1f} s, expected at least "
+                                       "src_signal_expect_value = {} (the wait is bounded by half the timeout, "
+                                       "{:g} s)",
+                                       ctx_, e, signal.load(std::memory_order_acquire), backoff.elapsed_secs(),
+                                       expect, timeout),
+                           {core_.engine.facts.rank});
+  }
 }
 
 void LowLatencyCombine::read_combine_buffer() {
@@ -161,6 +200,7 @@ void LowLatencyCombine::read_combine_buffer() {
 // This rank's slab: without staging, node peers read x itself, so it is shared (Transport::share).
 std::vector<std::byte> LowLatencyCombine::prepare() {
   auto& e = core_.engine;
+  wait_for_signals();
   e.limit_inflight(0);  // num_qps_per_rank
   if (!result.combined_x.defined()) allocate_outputs_early();
   mine_ = {static_cast<const std::byte*>(args_.x.data()), args_.x.stride(0) * 2, args_.x.stride(1) * 2};

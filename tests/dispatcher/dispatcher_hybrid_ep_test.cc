@@ -176,7 +176,7 @@ void check_rank(Group& g, int nodes, std::vector<std::string>& out) {
 }
 
 TEST(DispatcherHybridEp, PermutedRowsAndCombineMatchHybridEpsOrder) {
-  for (const auto [ranks, nodes] : std::vector<std::pair<int, int>>{{4, 1}, {4, 2}, {6, 3}}) {
+  for (const auto& [ranks, nodes] : std::vector<std::pair<int, int>>{{4, 1}, {4, 2}, {6, 3}}) {
     const int n = nodes;
     auto problems = collect_on_ranks(ranks, {n}, [n](Group& g, std::vector<std::string>& out) { check_rank(g, n, out); });
     report_problems(problems, {.context = fmt::format("{} ranks on {} nodes", ranks, nodes), .name_rank = true});

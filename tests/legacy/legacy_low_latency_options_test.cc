@@ -4,12 +4,16 @@
 // (shape and dtype rules, accumulation of non-negative values, only for the sources that were
 // waited for, untouched when not given or before the hook); and use_logfmt with zero_copy, which
 // is refused (InvalidArgument on the rank that asks, PeerError naming it on the others, the buffer
-// usable afterwards).
+// usable afterwards); and the signalled combine (overlap / src_signals): rows handed over only once
+// a producer thread raised each expert's signal, and its argument checks.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "moe_ep/error.hpp"
 #include "moe_ep/legacy_buffer.hpp"
@@ -300,6 +304,88 @@ TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
     });
     report(failures, fmt::format("{} nodes", scaleout));
   }
+}
+
+// ---- the signalled combine (hybrid-ep's overlap / src_signals) ------------------------------------
+
+// A thread writes each local expert's rows into y, then raises its signal; the combine, started
+// while y is still zero, must hand the rows over only after the signals and match the reference.
+TEST(LowLatencyCombine, SignalledCombineWaitsForEachExpertsSignal) {
+  for (int scaleout : {1, 2}) {
+    const CaseSpec s = ll_spec(4, scaleout, 8, 3, 4, 256, 80 + scaleout);
+    const auto failures = collect_on_ranks(4, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
+      const int me = g.rank(), N = s.max_tokens, El = s.num_experts / s.ranks;
+      Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
+      std::vector<RankInputs> all = reference::make_all_inputs(s);
+      RankInputs& in = all[static_cast<size_t>(me)];
+      const std::int64_t n = in.num_tokens;
+      const TensorView x(in.x.data(), DType::kBF16, {n, s.hidden}), topk(in.topk.data(), DType::kInt64, {n, s.k}),
+          weights(in.weights.data(), DType::kFP32, {n, s.k});
+      LowLatencyDispatchResult d = b.low_latency_dispatch({.x = x, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
+                                                           .num_experts = s.num_experts, .use_fp8 = false});
+      const Tensor rows = reference::slab_expert_outputs(s, all, me, std::int64_t{s.ranks} * N);
+      Tensor y = Tensor::zeros({El, std::int64_t{s.ranks} * N, s.hidden}, DType::kBF16);
+      Tensor signals = Tensor::zeros({El}, DType::kInt32);
+      const std::uint32_t expect = 0xfffffff0u;  // above INT32_MAX: compared unsigned
+      std::thread producer([&] {
+        const std::size_t expert_bytes = static_cast<std::size_t>(y.stride(0)) * 2;
+        for (int e = 0; e < El; ++e) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          std::memcpy(static_cast<std::byte*>(y.data()) + e * expert_bytes,
+                      static_cast<const std::byte*>(rows.data()) + e * expert_bytes, expert_bytes);
+          std::atomic_ref<std::uint32_t>(signals.data_as<std::uint32_t>()[e]).store(expect, std::memory_order_release);
+        }
+      });
+      const Caught c = catch_error([&] {
+        const LowLatencyCombineResult r = b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights,
+                                                                 .handle = d.handle, .overlap = true,
+                                                                 .src_signals = signals, .src_signal_expect_value = expect});
+        const auto expected = reference::low_latency_combine_reference(s, in, me);
+        if (n > 0 && std::memcmp(r.combined_x.data(), expected.data(), expected.size() * 2) != 0)
+          bad.push_back("the signalled combine differs from the reference");
+      });
+      producer.join();
+      if (!c.type.empty()) bad.push_back(fmt::format("{}: {}", c.type, c.message));
+      for (int e = 0; e < El; ++e)  // only read
+        if (signals.data_as<std::uint32_t>()[e] != expect) bad.push_back(fmt::format("src_signals[{}] changed", e));
+    });
+    report(failures, fmt::format("{} nodes", scaleout));
+  }
+}
+
+TEST(LowLatencyCombine, SignalArgumentsAreChecked) {
+  LocalWorld(2).run([&](Group& g) {
+    const int R = 2, N = 4, H = 128, E = 4;
+    Buffer b(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(N, H, R, E), .low_latency_mode = true});
+    std::vector<std::uint16_t> x(static_cast<size_t>(N) * H, 0x3f80);
+    std::vector<std::int64_t> ids = {0, 1, 2, 3, 1, 2, 3, 0};
+    std::vector<float> w(8, 1.0f);
+    const TensorView topk(ids.data(), DType::kInt64, {N, 2}), weights(w.data(), DType::kFP32, {N, 2});
+    const LowLatencyDispatchArgs dispatch{.x = TensorView(x.data(), DType::kBF16, {N, H}), .topk_idx = topk,
+                                          .num_max_dispatch_tokens_per_rank = N, .num_experts = E, .use_fp8 = false};
+    const Tensor y = Tensor::zeros({E / R, std::int64_t{R} * N, H}, DType::kBF16);
+    struct Wrong {
+      bool overlap;
+      Tensor signals;
+      std::int64_t expect;
+      const char* words;
+    };
+    for (const Wrong& wrong : {Wrong{true, Tensor(), 0, "overlap = true needs src_signals"},
+                               Wrong{false, Tensor::zeros({E / R + 1}, DType::kInt32), 0, "src_signals"},
+                               Wrong{false, Tensor::zeros({E / R}, DType::kInt64), 0, "src_signals"},
+                               Wrong{false, Tensor::zeros({E / R}, DType::kInt32), -1, "src_signal_expect_value = -1"},
+                               Wrong{false, Tensor::zeros({E / R}, DType::kInt32), std::int64_t{1} << 32,
+                                     "src_signal_expect_value = 4294967296 is outside [0, 4294967295]"}}) {
+      // each call (rejected ones too) takes one of the two slots: a fresh dispatch each time
+      LowLatencyCombineArgs a{.x = y, .topk_idx = topk, .topk_weights = weights, .handle = b.low_latency_dispatch(dispatch).handle};
+      a.overlap = wrong.overlap;
+      a.src_signals = wrong.signals;
+      a.src_signal_expect_value = wrong.expect;
+      const Caught c = catch_error([&] { b.low_latency_combine(a); });
+      EXPECT_EQ(c.type, "InvalidArgument") << wrong.words;
+      EXPECT_NE(c.message.find(wrong.words), std::string::npos) << c.message;
+    }
+  });
 }
 
 }  // namespace legacy_low_latency_options_test

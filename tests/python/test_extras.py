@@ -201,3 +201,98 @@ def test_handle_helpers_and_measurements():
         assert torch.equal(recv_x, exp["recv_x"])
         return True
     assert moe_ep.LocalWorld(2).run(fn) == [True, True]
+
+
+def _expert_outputs_by_thread(recv_x, count, rank, y, signals, expect):
+    """A producer of the expert outputs running beside the combine: expert le's rows of y, then
+    signals[le] = expect (written through an int32 view of the uint32 words)."""
+    El = recv_x.shape[0]
+    words = signals.view(torch.int32)
+
+    def produce():
+        for le in range(El):
+            m = int(count[le])
+            for i in range(m):
+                y[le, i] = ref.expert_transform(recv_x[le, i], rank * El + le)
+            words[le] = expect
+    return threading.Thread(target=produce)
+
+
+@pytest.mark.parametrize("ranks,nodes", [(2, 1), (4, 2)])
+def test_hybrid_ep_signalled_combine(ranks, nodes):
+    """overlap / src_signals: the combine hands expert le's rows over only once its signal reached
+    the expected value, raised here by a thread that writes them while the combine waits; the
+    result is the dense weighted sum of the final rows."""
+    expect = 2**32 - 5  # above INT32_MAX: the words are compared unsigned
+
+    def fn(g):
+        inputs = ref.make_inputs(g.size(), N, H, E, K, seed=53)
+        x, idx, w = inputs[g.rank()]
+        buf = _hybrid_buffer(g)
+        recv_x, count, _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, CAP, E, topk_weights=w, use_fp8=False)
+        y = torch.zeros_like(recv_x)
+        signals = torch.zeros(E // g.size(), dtype=torch.uint32)
+        producer = _expert_outputs_by_thread(recv_x, count, g.rank(), y, signals, expect - 2**32)
+        producer.start()
+        combined, _, _ = buf.low_latency_combine(y, idx, w, handle, overlap=True, src_signals=signals,
+                                                 src_signal_expect_value=expect)
+        producer.join()
+        want = ref.ll_combine(inputs, g.rank(), E, lambda t, e: ref.expert_transform(x[t], e))
+        assert torch.equal(combined.view(torch.int16), want.view(torch.int16))
+        # the signals are only read; without overlap, signals already raised pass at once
+        assert bool((signals.view(torch.int32) == expect - 2**32).all())
+        again, _, _ = buf.low_latency_combine(y, idx, w, handle, src_signals=signals.view(torch.int32),
+                                              src_signal_expect_value=expect)
+        assert torch.equal(again.view(torch.int16), want.view(torch.int16))
+        buf.destroy()
+        return True
+    assert moe_ep.LocalWorld(ranks, nodes).run(fn) == [True] * ranks
+
+
+def _outcome(fn):
+    try:
+        fn()
+        return ("ok", "", [])
+    except moe_ep.PeerError as e:
+        return (type(e).__name__, str(e), list(e.ranks))
+    except Exception as e:  # the test compares each rank's error type and message
+        return (type(e).__name__, str(e), [])
+
+
+SIGNAL_REFUSALS = [
+    (dict(overlap=True), "InvalidArgument", "overlap = true needs src_signals"),
+    (dict(src_signals=torch.zeros(3, dtype=torch.int32)), "InvalidArgument", "src_signals"),
+    (dict(src_signals=torch.zeros(2, dtype=torch.float32)), "InvalidArgument", "src_signals"),
+    (dict(src_signals=[0, 0]), "TypeError", "src_signals"),
+    (dict(src_signals=torch.zeros(2, dtype=torch.int32), src_signal_expect_value=-1), "InvalidArgument",
+     "src_signal_expect_value = -1 is outside [0, 4294967295]"),
+    (dict(src_signals=torch.zeros(2, dtype=torch.int32), src_signal_expect_value=2**32), "InvalidArgument",
+     "src_signal_expect_value = 4294967296 is outside [0, 4294967295]"),
+    # a signal nobody raises: a TimeoutError after half the buffer's timeout, not a hang
+    (dict(src_signals=torch.zeros(2, dtype=torch.uint32), src_signal_expect_value=1), "TimeoutError",
+     "src_signals[0] = 0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,kind,words", SIGNAL_REFUSALS)
+def test_hybrid_ep_signal_refusals_on_every_rank(kwargs, kind, words, monkeypatch):
+    """Rank 1's bad signal arguments: it raises the typed error naming them, rank 0 a PeerError
+    naming rank 1, and both buffers still work afterwards."""
+    monkeypatch.setenv("MOE_EP_TIMEOUT_SECS", "4")
+
+    experts, topk = 4, 2  # two local experts per rank
+
+    def fn(g):
+        x, idx, w = ref.make_inputs(g.size(), N, H, experts, topk, seed=59)[g.rank()]
+        buf = hybrid_ep.Buffer(g, 0, hybrid_ep.Buffer.get_low_latency_rdma_size_hint(CAP, H, 2, experts),
+                               low_latency_mode=True, num_qps_per_rank=2, explicitly_destroy=True)
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, CAP, experts, use_fp8=False)
+        got = _outcome(lambda: buf.low_latency_combine(recv_x, idx, w, handle, **(kwargs if g.rank() == 1 else {})))
+        recv_x, _, handle, _, _ = buf.low_latency_dispatch(x, idx, CAP, experts, use_fp8=False)
+        buf.low_latency_combine(recv_x, idx, w, handle)
+        buf.destroy()
+        return got
+    bad, peer = moe_ep.LocalWorld(2, 1).run(fn)[::-1]
+    assert bad[0] == kind and words in bad[1], bad
+    assert kind == "TypeError" or bad[1].startswith("[rank 1]"), bad  # conversion errors name no rank
+    assert peer[0] == "PeerError" and peer[2] == [1], peer

@@ -9,7 +9,14 @@ count are 0 and -1); the weights travel with the rows. Without ``topk_weights`` 
 ``use_ue8m0_for_sf=True``) sends E2M1 values with per-16 block scales; ``recv_x`` is then the pair
 ``(values [R*N, H/2, L] uint8, scales [32, 4, rm, 4, rk, L])`` in DeepEP's permuted views
 (docs/quantized-formats.md).
+
+``low_latency_combine(..., overlap=False, src_signals=None, src_signal_expect_value=0)`` is the
+signalled combine: with ``src_signals`` (int32 or uint32 ``[El]``), the rows of local expert ``e``
+are handed to the ranks that read them once ``src_signals[e] >= src_signal_expect_value``, as
+another thread producing ``x`` raises them (docs/legacy.md §4).
 """
+
+import torch
 
 from .buffers import legacy
 
@@ -31,7 +38,10 @@ class Buffer(legacy.Buffer):
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None,
                             overlap=False, src_signals=None, src_signal_expect_value=0):
-        if overlap or src_signals is not None:
-            raise NotImplementedError("overlap / src_signals (hybrid-ep's signalled combine) are not supported by moe-ep")
-        return super().low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
-                                           return_recv_hook, out, combine_wait_recv_cost_stats)
+        # uint32 signals (what DeepGEMM raises) as the same words typed int32: the extension reads
+        # them unsigned; any other object reaches it unchanged and is refused there, on every rank.
+        if isinstance(src_signals, torch.Tensor) and src_signals.dtype == torch.uint32:
+            src_signals = src_signals.view(torch.int32)
+        return self._low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                         return_recv_hook, out, combine_wait_recv_cost_stats, overlap, src_signals,
+                                         src_signal_expect_value)

@@ -152,10 +152,17 @@ class Buffer:
 
     def low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt=False, zero_copy=False,
                             async_finish=False, return_recv_hook=False, out=None, combine_wait_recv_cost_stats=None):
+        return self._low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                                         return_recv_hook, out, combine_wait_recv_cost_stats)
+
+    def _low_latency_combine(self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+                             return_recv_hook, out, combine_wait_recv_cost_stats, overlap=False, src_signals=None,
+                             src_signal_expect_value=0):
         combined, ev, hook = self._rt().low_latency_combine(x, topk_idx, topk_weights, native_handle(handle),
                                                             use_logfmt, zero_copy,
                                                             async_finish, return_recv_hook, out,
-                                                            combine_wait_recv_cost_stats)
+                                                            combine_wait_recv_cost_stats, overlap, src_signals,
+                                                            src_signal_expect_value)
         return combined, _overlap(ev, async_finish), hook
 
     def get_next_low_latency_combine_buffer(self, handle):
