@@ -230,29 +230,39 @@ TEST(LowLatencyStats, FourNodesDrawnRouting) {
   run_stats(8, 4, 16, 3, 3, ids, false, "4 nodes");
 }
 
+// Two ranks, four experts, four BF16 tokens of ones each sent to two experts with weight 1: the
+// smallest call, for the argument checks.
+struct TinyCall {
+  static constexpr int R = 2, N = 4, H = 128, E = 4;
+  std::vector<std::uint16_t> x = std::vector<std::uint16_t>(static_cast<size_t>(N) * H, 0x3f80);
+  std::vector<std::int64_t> ids = {0, 1, 2, 3, 1, 2, 3, 0};
+  std::vector<float> w = std::vector<float>(8, 1.0f);
+  const TensorView topk{ids.data(), DType::kInt64, {N, 2}}, weights{w.data(), DType::kFP32, {N, 2}};
+  const LowLatencyDispatchArgs dispatch{.x = TensorView(x.data(), DType::kBF16, {N, H}), .topk_idx = topk,
+                                        .num_max_dispatch_tokens_per_rank = N, .num_experts = E, .use_fp8 = false};
+  const Tensor y = Tensor::zeros({E / R, std::int64_t{R} * N, H}, DType::kBF16);
+  static BufferConfig config() {
+    return {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(N, H, R, E), .low_latency_mode = true};
+  }
+};
+
 TEST(LowLatencyStats, ShapeAndDtypeAreChecked) {
   LocalWorld(2).run([&](Group& g) {
-    const int R = 2, N = 4, H = 128, E = 4;
-    Buffer b(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(N, H, R, E), .low_latency_mode = true});
-    std::vector<std::uint16_t> x(static_cast<size_t>(N) * H, 0x3f80);
-    std::vector<std::int64_t> ids = {0, 1, 2, 3, 1, 2, 3, 0};
-    std::vector<float> w(8, 1.0f);
-    const TensorView xv(x.data(), DType::kBF16, {N, H}), topk(ids.data(), DType::kInt64, {N, 2}), weights(w.data(), DType::kFP32, {N, 2});
-    const LowLatencyDispatchArgs base{.x = xv, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N, .num_experts = E,
-                                      .use_fp8 = false};
+    const TinyCall call;
+    constexpr int R = TinyCall::R;
+    Buffer b(g, TinyCall::config());
     for (const Tensor& wrong : {Tensor::zeros({R}, DType::kInt32), Tensor::zeros({R + 1}, DType::kInt64),
                                 Tensor::zeros({R, R}, DType::kInt64)}) {
-      LowLatencyDispatchArgs a = base;
+      LowLatencyDispatchArgs a = call.dispatch;
       a.dispatch_wait_recv_cost_stats = wrong;
       const Caught c = catch_error([&] { b.low_latency_dispatch(a); });
       EXPECT_EQ(c.type, "InvalidArgument") << wrong.describe();
       EXPECT_NE(c.message.find("dispatch_wait_recv_cost_stats"), std::string::npos) << c.message;
     }
-    LowLatencyDispatchResult d = b.low_latency_dispatch(base);
-    Tensor y = Tensor::zeros({E / R, std::int64_t{R} * N, H}, DType::kBF16);
+    LowLatencyDispatchResult d = b.low_latency_dispatch(call.dispatch);
     for (const Tensor& wrong : {Tensor::zeros({R}, DType::kFP32), Tensor::zeros({R - 1}, DType::kInt64)}) {
       const Caught c = catch_error([&] {
-        b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle,
+        b.low_latency_combine({.x = call.y, .topk_idx = call.topk, .topk_weights = call.weights, .handle = d.handle,
                                .combine_wait_recv_cost_stats = wrong});
       });
       EXPECT_EQ(c.type, "InvalidArgument") << wrong.describe();
@@ -263,17 +273,31 @@ TEST(LowLatencyStats, ShapeAndDtypeAreChecked) {
 
 // ---- use_logfmt ----------------------------------------------------------------------------------
 
+// Every rank's inputs of a case, and this rank's with their views.
+struct RankCall {
+  RankCall(const CaseSpec& s, int me)
+      : all(reference::make_all_inputs(s)),
+        in(all[static_cast<size_t>(me)]),
+        n(in.num_tokens),
+        x(in.x.data(), DType::kBF16, {n, s.hidden}),
+        topk(in.topk.data(), DType::kInt64, {n, s.k}),
+        weights(in.weights.data(), DType::kFP32, {n, s.k}) {}
+  RankCall(const RankCall&) = delete;
+  RankCall& operator=(const RankCall&) = delete;
+  std::vector<RankInputs> all;
+  RankInputs& in;
+  std::int64_t n;
+  TensorView x, topk, weights;
+};
+
 TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
   for (int scaleout : {1, 2}) {
     const CaseSpec s = ll_spec(4, scaleout, 8, 3, 4, 256, 70 + scaleout);
     const auto failures = collect_on_ranks(4, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
       const int me = g.rank(), N = s.max_tokens;
       Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
-      std::vector<RankInputs> all = reference::make_all_inputs(s);
-      RankInputs& in = all[static_cast<size_t>(me)];
-      const std::int64_t n = in.num_tokens;
-      const TensorView x(in.x.data(), DType::kBF16, {n, s.hidden}), topk(in.topk.data(), DType::kInt64, {n, s.k}),
-          weights(in.weights.data(), DType::kFP32, {n, s.k});
+      RankCall call(s, me);
+      auto& [all, in, n, x, topk, weights] = call;
       const auto expected = reference::low_latency_combine_reference(s, in, me);
       auto combine_checked = [&](const std::shared_ptr<LowLatencyHandle>& handle, const char* what) {
         const Tensor y = reference::slab_expert_outputs(s, all, me, std::int64_t{s.ranks} * N);
@@ -316,11 +340,8 @@ TEST(LowLatencyCombine, SignalledCombineWaitsForEachExpertsSignal) {
     const auto failures = collect_on_ranks(4, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
       const int me = g.rank(), N = s.max_tokens, El = s.num_experts / s.ranks;
       Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
-      std::vector<RankInputs> all = reference::make_all_inputs(s);
-      RankInputs& in = all[static_cast<size_t>(me)];
-      const std::int64_t n = in.num_tokens;
-      const TensorView x(in.x.data(), DType::kBF16, {n, s.hidden}), topk(in.topk.data(), DType::kInt64, {n, s.k}),
-          weights(in.weights.data(), DType::kFP32, {n, s.k});
+      RankCall call(s, me);
+      auto& [all, in, n, x, topk, weights] = call;
       LowLatencyDispatchResult d = b.low_latency_dispatch({.x = x, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
                                                            .num_experts = s.num_experts, .use_fp8 = false});
       const Tensor rows = reference::slab_expert_outputs(s, all, me, std::int64_t{s.ranks} * N);
@@ -355,15 +376,9 @@ TEST(LowLatencyCombine, SignalledCombineWaitsForEachExpertsSignal) {
 
 TEST(LowLatencyCombine, SignalArgumentsAreChecked) {
   LocalWorld(2).run([&](Group& g) {
-    const int R = 2, N = 4, H = 128, E = 4;
-    Buffer b(g, {.num_rdma_bytes = Buffer::get_low_latency_rdma_size_hint(N, H, R, E), .low_latency_mode = true});
-    std::vector<std::uint16_t> x(static_cast<size_t>(N) * H, 0x3f80);
-    std::vector<std::int64_t> ids = {0, 1, 2, 3, 1, 2, 3, 0};
-    std::vector<float> w(8, 1.0f);
-    const TensorView topk(ids.data(), DType::kInt64, {N, 2}), weights(w.data(), DType::kFP32, {N, 2});
-    const LowLatencyDispatchArgs dispatch{.x = TensorView(x.data(), DType::kBF16, {N, H}), .topk_idx = topk,
-                                          .num_max_dispatch_tokens_per_rank = N, .num_experts = E, .use_fp8 = false};
-    const Tensor y = Tensor::zeros({E / R, std::int64_t{R} * N, H}, DType::kBF16);
+    const TinyCall call;
+    constexpr int El = TinyCall::E / TinyCall::R;
+    Buffer b(g, TinyCall::config());
     struct Wrong {
       bool overlap;
       Tensor signals;
@@ -371,13 +386,14 @@ TEST(LowLatencyCombine, SignalArgumentsAreChecked) {
       const char* words;
     };
     for (const Wrong& wrong : {Wrong{true, Tensor(), 0, "overlap = true needs src_signals"},
-                               Wrong{false, Tensor::zeros({E / R + 1}, DType::kInt32), 0, "src_signals"},
-                               Wrong{false, Tensor::zeros({E / R}, DType::kInt64), 0, "src_signals"},
-                               Wrong{false, Tensor::zeros({E / R}, DType::kInt32), -1, "src_signal_expect_value = -1"},
-                               Wrong{false, Tensor::zeros({E / R}, DType::kInt32), std::int64_t{1} << 32,
+                               Wrong{false, Tensor::zeros({El + 1}, DType::kInt32), 0, "src_signals"},
+                               Wrong{false, Tensor::zeros({El}, DType::kInt64), 0, "src_signals"},
+                               Wrong{false, Tensor::zeros({El}, DType::kInt32), -1, "src_signal_expect_value = -1"},
+                               Wrong{false, Tensor::zeros({El}, DType::kInt32), std::int64_t{1} << 32,
                                      "src_signal_expect_value = 4294967296 is outside [0, 4294967295]"}}) {
       // each call (rejected ones too) takes one of the two slots: a fresh dispatch each time
-      LowLatencyCombineArgs a{.x = y, .topk_idx = topk, .topk_weights = weights, .handle = b.low_latency_dispatch(dispatch).handle};
+      LowLatencyCombineArgs a{.x = call.y, .topk_idx = call.topk, .topk_weights = call.weights,
+                              .handle = b.low_latency_dispatch(call.dispatch).handle};
       a.overlap = wrong.overlap;
       a.src_signals = wrong.signals;
       a.src_signal_expect_value = wrong.expect;
