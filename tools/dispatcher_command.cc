@@ -283,6 +283,7 @@ bool verify_batches(const LayerConfig& c, const RunPlan& plan, const Batches& ba
     ref.expand = info.format != OutputFormat::kNormal;
     ref.alignment = resolved.expert_alignment;
     ref.lanes_weighted_after_rounding = info.format == OutputFormat::kLowLatency;
+    ref.hybrid_ep_order = info.format == OutputFormat::kHybridEp;
     std::int64_t bad = 0, tokens = 0;
     double dispatch_s = 0, combine_s = 0;
     for (int r = 0; r < c.ranks; ++r) {

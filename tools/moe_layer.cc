@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string_view>
@@ -125,6 +126,7 @@ void route(const LayerConfig& c, int rank, int n, Tensor& topk_idx, Tensor& topk
 
 RankBatch make_batch(const LayerConfig& c, int rank) {
   RankBatch b;
+  b.rank = rank;
   const int n = c.tokens_on(rank);
   std::mt19937_64 rng(c.seed * 0x9e3779b97f4a7c15ULL + static_cast<std::uint64_t>(rank) + 1);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -263,7 +265,8 @@ Tensor run_experts(const LayerConfig& c, const ExpertParams& params, int rank, c
     case OutputFormat::kNormal:
       return experts_compact(c, params, rank, r.hidden_states, r.hidden_states_scale, r.topk_ids, r.topk_weights,
                              r.hidden_states.size(0));
-    case OutputFormat::kV2Expanded: {
+    case OutputFormat::kV2Expanded:
+    case OutputFormat::kHybridEp: {  // both: blocks per local expert, real rows first, then padding
       std::vector<std::int64_t> start, count;
       std::int64_t next = 0;
       for (std::size_t i = 0; i < r.num_recv_tokens_per_expert.size(); ++i) {
@@ -337,6 +340,29 @@ std::vector<std::vector<std::uint16_t>> reference_lane_rows(const LayerConfig& c
   return lane_rows;
 }
 
+// HybridEP's order (docs/hybrid-ep.md, "Reduction") of the units of a token of `source`, given
+// the receiving ranks ascending: the source's node's ranks, each a term of the final sum; then each
+// other node, source node - 1, - 2, ... wrapping, as the BF16 sum of its ranks.
+std::vector<const std::uint16_t*> hybrid_ep_units(const LayerConfig& c, int source, const std::vector<int>& receivers,
+                                                  const std::function<const std::uint16_t*(int)>& contribution,
+                                                  std::vector<std::vector<std::uint16_t>>& storage) {
+  const int per_node = c.ranks / c.scaleout, home = source / per_node;
+  std::vector<const std::uint16_t*> units;
+  for (int step = 0; step < c.scaleout; ++step) {
+    const int node = ((home - step) % c.scaleout + c.scaleout) % c.scaleout;
+    std::vector<const std::uint16_t*> members;
+    for (int d : receivers)
+      if (d / per_node == node) members.push_back(contribution(d));
+    if (step == 0 || members.size() <= 1) {
+      units.insert(units.end(), members.begin(), members.end());
+    } else {
+      storage.push_back(sum_rows(members, c.hidden));
+      units.push_back(storage.back().data());
+    }
+  }
+  return units;
+}
+
 }  // namespace
 
 Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const RankBatch& b) {
@@ -384,7 +410,12 @@ Tensor reference_output(const LayerConfig& c, const ExpertParams& params, const 
       if (master[static_cast<size_t>(d)] >= 0) by_master.push_back({master[static_cast<size_t>(d)], d});
     std::sort(by_master.begin(), by_master.end());
     std::vector<const std::uint16_t*> units;
-    if (c.expand && !c.multi) {
+    if (c.hybrid_ep_order) {
+      std::vector<int> receivers;
+      for (int d = 0; d < c.ranks; ++d)
+        if (master[static_cast<size_t>(d)] >= 0) receivers.push_back(d);
+      units = hybrid_ep_units(c, b.rank, receivers, contribution, storage);
+    } else if (c.expand && !c.multi) {
       for (int j = 0; j < k; ++j)
         if (ids[j] >= 0) units.push_back(lane_rows[static_cast<size_t>(j)].data());
     } else if (nodes > 1 && c.multi) {

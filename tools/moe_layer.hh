@@ -50,12 +50,15 @@ struct LayerConfig {
   // Expanded lanes are bf16(w * bf16(f(x))) (the dispatcher's low-latency format on V2: the
   // experts return unweighted rows, the dispatcher weights them before V2's combine).
   bool lanes_weighted_after_rounding = false;
+  // The combine sums in HybridEP's order (the dispatcher's kHybridEp format; docs/hybrid-ep.md).
+  bool hybrid_ep_order = false;
   std::uint64_t seed = 1;
 
   int tokens_on(int rank) const;  // N of a rank, <= tokens
 };
 
 struct RankBatch {
+  int rank = 0;      // the rank whose tokens these are
   Tensor x;          // bfloat16 [N, H]
   Tensor x_fp8;      // float8_e4m3fn [N, H] (FP8 only)
   Tensor x_scales;   // float32 [N, H/128] (FP8 only)

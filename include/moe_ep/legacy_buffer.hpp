@@ -265,6 +265,13 @@ class Buffer {
   // Collective: resets both slots for (N, hidden, experts). Required after normal-mode use of the
   // scale-out pool, or before low-latency calls with another N, hidden or expert count.
   void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts);
+  // A raw view of this rank's own buffer, a 1-D `dtype` tensor of its bytes from `offset` on:
+  // with use_rdma_buffer the scale-out pool (num_rdma_bytes, where the low-latency slots live:
+  // writing there races with low-latency calls), else the scale-up buffer (num_nvl_bytes of host
+  // memory, zero-filled when first asked for and used by nothing else). The tensor keeps the
+  // memory alive, after destroy() too. InvalidArgument for an offset outside [0, bytes] or not a
+  // multiple of the element size; StateError after destroy().
+  Tensor get_local_buffer_tensor(DType dtype, std::int64_t offset = 0, bool use_rdma_buffer = false);
 
   void barrier();
   void destroy();  // requires explicitly_destroy

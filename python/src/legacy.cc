@@ -267,6 +267,10 @@ void register_legacy(py::module_& m) {
              py::object hook = hook_of(r.hook, keep);
              return py::make_tuple(export_tensor(r.combined_x), event_of(r.event, std::move(keep)), hook);
            })
+      .def("get_local_buffer_tensor",
+           [](LegacyBox& box, std::int64_t offset, bool use_rdma_buffer) {
+             return export_tensor(box.get().get_local_buffer_tensor(DType::kUInt8, offset, use_rdma_buffer));
+           })
       .def("get_next_low_latency_combine_buffer",
            [](std::shared_ptr<LegacyBox> box, std::shared_ptr<LowLatencyHandle> handle) {
              if (!handle) throw py::type_error("handle is None");

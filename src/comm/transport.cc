@@ -54,10 +54,10 @@ void Transport::check_allocation_agreed(std::size_t bytes, const std::vector<int
                     mismatched);
 }
 
-void retire(std::unique_ptr<SymmetricMemory> memory) {
+void retire(std::shared_ptr<SymmetricMemory> memory) {
   if (memory && memory->peers_hold_own_mappings()) return;  // released here; the peers keep theirs
   static std::mutex mutex;
-  static auto* retired = new std::vector<std::unique_ptr<SymmetricMemory>>();  // reachable until exit
+  static auto* retired = new std::vector<std::shared_ptr<SymmetricMemory>>();  // reachable until exit
   std::lock_guard lock(mutex);
   retired->push_back(std::move(memory));
 }

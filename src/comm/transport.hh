@@ -253,7 +253,7 @@ class PeerReads {
 // Keeps symmetric memory mapped until the process exits: for memory peers may still read after a
 // failure left the ranks out of step. Memory whose peers hold their own mappings
 // (peers_hold_own_mappings) is released at once instead.
-void retire(std::unique_ptr<SymmetricMemory> memory);
+void retire(std::shared_ptr<SymmetricMemory> memory);
 
 // Checks a topology against a rank count and fills num_scaleup; throws InvalidArgument.
 Topology resolve_topology(int num_ranks, Topology topology);

@@ -107,6 +107,8 @@ class Engine {
   // Services of the operations.
   comm::Transport& transport() { return *transport_; }
   comm::SymmetricMemory& memory() { return *memory_; }
+  // The pool itself, for views that must keep it mapped after destroy(); null once destroyed.
+  std::shared_ptr<comm::SymmetricMemory> memory_owner() const { return memory_; }
   core::WorkerPool& pool() { return pool_; }
   // Counts one more signal expected from `source`; returns the cumulative target.
   std::uint64_t expect_signal(int source) { return ++signals_expected_[static_cast<size_t>(source)]; }
@@ -130,7 +132,7 @@ class Engine {
   void simple_collective(const char* operation);
 
   std::unique_ptr<comm::Transport> transport_;
-  std::unique_ptr<comm::SymmetricMemory> memory_;
+  std::shared_ptr<comm::SymmetricMemory> memory_;  // shared with views of it (memory_owner)
   core::SerialWorker comm_worker_;
   core::WorkerPool pool_;
   int last_workers_ = 0;  // the count last logged; 0 = none yet

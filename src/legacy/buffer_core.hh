@@ -100,6 +100,9 @@ class BufferCore {
   // The problem with writing into the next slot now (a result still pending there), or empty.
   std::string next_slot_problem() const;
 
+  // The scale-up buffer of get_local_buffer_tensor: num_nvl_bytes, zero-filled, made on first use.
+  std::shared_ptr<void> nvl_buffer();
+
   const BufferConfig config;
   engine::Engine engine;
   // Cleared when the buffer goes away: receive hooks outliving it check it first.
@@ -118,6 +121,7 @@ class BufferCore {
   bool pool_dirty_ = false;
   std::optional<std::array<int, 3>> shape_;  // (N, hidden, experts) since the last clean
   std::atomic<std::int64_t> slot_stride_{0};  // bytes per slot for shape_
+  std::shared_ptr<void> nvl_buffer_;
 };
 
 // Worker threads of a normal-mode call: num_sms / 2 channels, capped by the cores per rank

@@ -12,6 +12,7 @@
 #include "core/failure.hh"
 #include "core/executor.hh"
 #include "core/fabric.hh"
+#include "core/host_allocator.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
 #include "legacy/buffer_core.hh"
@@ -269,6 +270,43 @@ TensorView Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& h
 }
 void Buffer::clean_low_latency_buffer(int max_tokens, int hidden, int num_experts) {
   legacy::clean_low_latency_buffer(*core_, max_tokens, hidden, num_experts);
+}
+
+std::shared_ptr<void> legacy::BufferCore::nvl_buffer() {
+  std::lock_guard lock(mutex_);
+  if (!nvl_buffer_ && config.num_nvl_bytes > 0) {
+    const auto bytes = static_cast<std::size_t>(config.num_nvl_bytes);
+    nvl_buffer_ = core::allocate_host(bytes);
+    core::zero_host_sparse(nvl_buffer_.get(), bytes);
+  }
+  return nvl_buffer_;
+}
+
+Tensor Buffer::get_local_buffer_tensor(DType dtype, std::int64_t offset, bool use_rdma_buffer) {
+  engine::Engine& e = core_->engine;
+  const std::string ctx = e.facts.context("get_local_buffer_tensor");
+  e.check_usable("get_local_buffer_tensor");
+  const char* pool = use_rdma_buffer ? "num_rdma_bytes" : "num_nvl_bytes";
+  const std::int64_t bytes = use_rdma_buffer ? core_->config.num_rdma_bytes : core_->config.num_nvl_bytes;
+  const auto size = static_cast<std::int64_t>(element_size(dtype));
+  if (offset < 0 || offset > bytes)
+    core::fail(ctx, "offset = {} is outside [0, {} = {}]", offset, pool, bytes);
+  if (offset % size != 0)
+    core::fail(ctx, "offset = {} is not a multiple of the {} bytes of {}", offset, size, dtype_name(dtype));
+  std::shared_ptr<void> owner;
+  std::byte* base = nullptr;
+  if (use_rdma_buffer) {
+    std::shared_ptr<comm::SymmetricMemory> memory = e.memory_owner();
+    base = memory->local();
+    owner = std::move(memory);
+  } else {
+    owner = core_->nvl_buffer();
+    base = static_cast<std::byte*>(owner.get());
+  }
+  const std::int64_t count = (bytes - offset) / size;
+  if (!owner) owner = std::make_shared<int>(0);  // no bytes: an empty tensor over nothing
+  Tensor all = Tensor::adopt(owner, base, static_cast<std::size_t>(bytes));
+  return all.with_view(TensorView(base == nullptr ? nullptr : base + offset, dtype, {count}));
 }
 
 void Buffer::barrier() { core_->engine.barrier(); }

@@ -296,3 +296,68 @@ def test_hybrid_ep_signal_refusals_on_every_rank(kwargs, kind, words, monkeypatc
     assert bad[0] == kind and words in bad[1], bad
     assert kind == "TypeError" or bad[1].startswith("[rank 1]"), bad  # conversion errors name no rank
     assert peer[0] == "PeerError" and peer[2] == [1], peer
+
+
+def test_get_local_buffer_tensor_views_the_ranks_own_buffers():
+    """The scale-up buffer (num_nvl_bytes, zero-filled, private to the rank) and the scale-out pool
+    (num_rdma_bytes): 1-D views of the bytes from `offset` on, shaped by `size`, that alias each
+    other and keep the memory after destroy()."""
+    nvl, rdma = 4096, hybrid_ep.Buffer.get_low_latency_rdma_size_hint(CAP, H, 2, E)
+
+    def fn(g):
+        buf = deep_ep.Buffer(g, nvl, rdma, low_latency_mode=True, num_qps_per_rank=E // 2, explicitly_destroy=True)
+        whole = buf.get_local_buffer_tensor(torch.float32)
+        assert whole.dtype == torch.float32 and whole.shape == (nvl // 4,) and bool((whole == 0).all())
+        tail = buf.get_local_buffer_tensor(torch.int64, offset=1024)
+        assert tail.shape == ((nvl - 1024) // 8,)
+        shaped = buf.get_local_buffer_tensor(torch.bfloat16, (3, 5), offset=16)
+        assert shaped.shape == (3, 5) and shaped.dtype == torch.bfloat16
+        # the same bytes, written through one view and read through the others
+        whole[256:258] = torch.tensor([1.5, -2.0])
+        assert tail[:1].view(torch.float32).tolist() == [1.5, -2.0]
+        shaped[0, 0] = 3.0
+        assert whole[4:5].view(torch.bfloat16)[0] == 3.0
+        # odd widths: a float64 view drops the bytes that do not fill an element
+        assert buf.get_local_buffer_tensor(torch.float64, offset=8).shape == ((nvl - 8) // 8,)
+        # the rank's own memory: the other rank's view is another address with its own bytes
+        pool = buf.get_local_buffer_tensor(torch.uint8, use_rdma_buffer=True)
+        assert pool.shape == (rdma,)
+        # the low-latency slots live in the pool: a dispatch writes there
+        before = pool.clone()
+        inputs = ref.make_inputs(g.size(), N, H, E, K, seed=61)
+        x, idx, _ = inputs[g.rank()]
+        buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False)
+        assert not torch.equal(before, pool)
+        ptrs = [whole.data_ptr()]
+        buf.destroy()
+        whole[0] = 7.0  # still mapped
+        assert float(whole[0]) == 7.0
+        with pytest.raises(moe_ep.StateError):
+            buf.get_local_buffer_tensor(torch.float32)
+        return ptrs
+    ptrs = moe_ep.LocalWorld(2).run(fn)
+    assert ptrs[0] != ptrs[1]
+
+
+@pytest.mark.parametrize("call,kind,words", [
+    (lambda b: b.get_local_buffer_tensor(torch.float32, offset=4100), "InvalidArgument",
+     "offset = 4100 is outside [0, num_nvl_bytes = 4096]"),
+    (lambda b: b.get_local_buffer_tensor(torch.float32, offset=-4), "InvalidArgument", "offset = -4 is outside"),
+    (lambda b: b.get_local_buffer_tensor(torch.float32, offset=6), "InvalidArgument",
+     "offset = 6 is not a multiple of the 4 bytes of torch.float32"),
+    (lambda b: b.get_local_buffer_tensor(torch.float32, (33, 32)), "InvalidArgument",
+     "size = (33, 32) needs 1056 elements of torch.float32; the buffer holds 1024"),
+    (lambda b: b.get_local_buffer_tensor(torch.uint8, offset=1, use_rdma_buffer=True, size=(8193,)),
+     "InvalidArgument", "size = (8193,) needs 8193 elements"),
+    (lambda b: b.get_local_buffer_tensor("float32"), "TypeError", "dtype must be a torch.dtype"),
+])
+def test_get_local_buffer_tensor_refusals(call, kind, words):
+    def fn(g):
+        buf = deep_ep.Buffer(g, 4096, 8192)
+        try:
+            call(buf)
+        except Exception as e:  # the test compares the type and message
+            return type(e).__name__, str(e)
+        return "ok", ""
+    name, message = moe_ep.LocalWorld(1).run(fn)[0]
+    assert name == kind and words in message, (name, message)

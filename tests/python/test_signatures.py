@@ -45,6 +45,7 @@ BUFFER = {
                                 ("zero_copy", False), ("async_finish", False), ("return_recv_hook", False),
                                 ("out", None), ("combine_wait_recv_cost_stats", None)),
     "get_next_low_latency_combine_buffer": spec("self", "handle"),
+    "get_local_buffer_tensor": spec("self", "dtype", ("size", None), ("offset", 0), ("use_rdma_buffer", False)),
     "clean_low_latency_buffer": spec("self", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts"),
     "destroy": spec("self"),
 }

@@ -9,7 +9,7 @@ import torch
 
 from ... import _C
 from ..utils import EventHandle, EventOverlap, _native, _overlap
-from ._common import DeferredHandleTuple, HandleTuple, bias_list, group_of, native_handle, not_on_cpu, require_false
+from ._common import DeferredHandleTuple, HandleTuple, bias_list, group_of, native_handle, require_false
 
 Config = _C.Config
 
@@ -73,7 +73,28 @@ class Buffer:
         return torch.cpu.current_stream()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
-        not_on_cpu("get_local_buffer_tensor (raw views of the communication buffer)")
+        """A raw view of this rank's own buffer from byte ``offset`` on: the scale-up buffer
+        (``num_nvl_bytes``, host memory used by nothing else) or, with ``use_rdma_buffer``, the
+        scale-out pool (``num_rdma_bytes``, where the low-latency slots live); 1-D of ``dtype``, or
+        its first ``size.numel()`` elements shaped ``size``. It keeps the memory alive."""
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
+        if not isinstance(offset, int) or isinstance(offset, bool):
+            raise TypeError(f"offset must be an int, not {type(offset).__name__}")
+        item = dtype.itemsize
+        if offset % item != 0:
+            raise _C.InvalidArgument(f"[rank {self.rank}] get_local_buffer_tensor: offset = {offset} is not a multiple "
+                                     f"of the {item} bytes of {dtype}")
+        raw = self._rt().get_local_buffer_tensor(offset, bool(use_rdma_buffer))
+        tensor = raw[:raw.numel() // item * item].view(dtype)
+        if size is None:
+            return tensor
+        size = torch.Size(size)
+        if size.numel() > tensor.numel():
+            raise _C.InvalidArgument(f"[rank {self.rank}] get_local_buffer_tensor: size = {tuple(size)} needs "
+                                     f"{size.numel()} elements of {dtype}; the buffer holds {tensor.numel()} from "
+                                     f"offset {offset}")
+        return tensor[:size.numel()].view(size)
 
     def _rt(self):
         if self.runtime is None:
