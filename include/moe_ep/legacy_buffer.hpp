@@ -63,6 +63,8 @@ struct BufferConfig {
   bool allow_nvlink_for_low_latency_mode = true;  // accepted
   bool allow_mnnvl = false;                       // accepted
   bool explicitly_destroy = false;
+  // Shrink mode (docs/legacy.md §4): each rank keeps a mask of peers its low-latency calls skip.
+  bool enable_shrink = false;
   double num_cpu_timeout_secs = 100;
 };
 
@@ -272,6 +274,14 @@ class Buffer {
   // memory alive, after destroy() too. InvalidArgument for an offset outside [0, bytes] or not a
   // multiple of the element size; StateError after destroy().
   Tensor get_local_buffer_tensor(DType dtype, std::int64_t offset = 0, bool use_rdma_buffer = false);
+  // Shrink mode (requires enable_shrink, else StateError): this rank's mask of peers. A
+  // low-latency dispatch exchanges every rank's mask; a token of rank s and an expert of rank d
+  // are kept apart when either masks the other (s sends nothing to d, d counts 0 rows from s,
+  // s's combine leaves out d's experts), and each rank then masks the ranks that masked it too.
+  // These calls are local; rank_to_mask outside [0, R) is InvalidArgument.
+  void low_latency_update_mask_buffer(int rank_to_mask, bool mask);
+  void low_latency_query_mask_buffer(const TensorView& mask_status);  // int32 [R], 1 where masked
+  void low_latency_clean_mask_buffer();                               // unmasks every rank
 
   void barrier();
   void destroy();  // requires explicitly_destroy

@@ -86,7 +86,7 @@ void register_legacy(py::module_& m) {
   py::class_<LegacyBox, std::shared_ptr<LegacyBox>>(m, "Buffer")
       .def(py::init([](std::shared_ptr<Group> group, std::int64_t nvl, std::int64_t rdma, bool low_latency_mode,
                        int num_qps_per_rank, bool allow_nvlink, bool allow_mnnvl, bool explicitly_destroy,
-                       double timeout) {
+                       bool enable_shrink, double timeout) {
              BufferConfig c;
              c.num_nvl_bytes = nvl;
              c.num_rdma_bytes = rdma;
@@ -95,13 +95,14 @@ void register_legacy(py::module_& m) {
              c.allow_nvlink_for_low_latency_mode = allow_nvlink;
              c.allow_mnnvl = allow_mnnvl;
              c.explicitly_destroy = explicitly_destroy;
+             c.enable_shrink = enable_shrink;
              c.num_cpu_timeout_secs = timeout;
              py::gil_scoped_release release;
              return std::make_shared<LegacyBox>(std::make_unique<Buffer>(*group, c));
            }),
            py::arg("group"), py::arg("num_nvl_bytes"), py::arg("num_rdma_bytes"), py::arg("low_latency_mode"),
            py::arg("num_qps_per_rank"), py::arg("allow_nvlink_for_low_latency_mode"), py::arg("allow_mnnvl"),
-           py::arg("explicitly_destroy"), py::arg("num_cpu_timeout_secs"))
+           py::arg("explicitly_destroy"), py::arg("enable_shrink"), py::arg("num_cpu_timeout_secs"))
       .def_static("set_num_sms", &Buffer::set_num_sms)
       .def_static("num_sms", &Buffer::num_sms)
       .def_static("get_dispatch_config", &Buffer::get_dispatch_config)
@@ -267,6 +268,15 @@ void register_legacy(py::module_& m) {
              py::object hook = hook_of(r.hook, keep);
              return py::make_tuple(export_tensor(r.combined_x), event_of(r.event, std::move(keep)), hook);
            })
+      .def("low_latency_update_mask_buffer",
+           [](LegacyBox& box, int rank_to_mask, bool mask) { box.get().low_latency_update_mask_buffer(rank_to_mask, mask); })
+      .def("low_latency_query_mask_buffer",
+           [](LegacyBox& box, py::handle mask_status) {
+             ArgumentImports in(v1_placement());
+             const Tensor status = in.tensor(mask_status, "mask_status");
+             in.call([&] { box.get().low_latency_query_mask_buffer(status); });
+           })
+      .def("low_latency_clean_mask_buffer", [](LegacyBox& box) { box.get().low_latency_clean_mask_buffer(); })
       .def("get_local_buffer_tensor",
            [](LegacyBox& box, std::int64_t offset, bool use_rdma_buffer) {
              return export_tensor(box.get().get_local_buffer_tensor(DType::kUInt8, offset, use_rdma_buffer));

@@ -105,6 +105,9 @@ class BufferCore {
 
   const BufferConfig config;
   engine::Engine engine;
+  // Shrink mode: this rank's mask, one flag per rank (1: masked). Written by the mask calls and
+  // by low-latency dispatches (the ranks that masked this one); all zero without enable_shrink.
+  std::unique_ptr<std::atomic<std::int32_t>[]> masked;
   // Cleared when the buffer goes away: receive hooks outliving it check it first.
   std::shared_ptr<std::atomic<bool>> alive = std::make_shared<std::atomic<bool>>(true);
   ~BufferCore() { *alive = false; }

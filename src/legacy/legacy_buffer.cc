@@ -135,8 +135,10 @@ BufferCore::BufferCore(Group& group, const BufferConfig& cfg)
                a.field("num_nvl_bytes", cfg.num_nvl_bytes)
                    .field("num_rdma_bytes", cfg.num_rdma_bytes)
                    .field("low_latency_mode", cfg.low_latency_mode)
-                   .field("num_qps_per_rank", cfg.num_qps_per_rank);
-             }) {
+                   .field("num_qps_per_rank", cfg.num_qps_per_rank)
+                   .field("enable_shrink", cfg.enable_shrink);
+             }),
+      masked(std::make_unique<std::atomic<std::int32_t>[]>(static_cast<std::size_t>(group.size()))) {
   core::info(core::Subsys::kInit,
              "Buffer #{}: num_nvl_bytes {}, num_rdma_bytes {} (the symmetric pool), low_latency_mode {}, "
              "num_qps_per_rank {} ({} used)",
@@ -307,6 +309,35 @@ Tensor Buffer::get_local_buffer_tensor(DType dtype, std::int64_t offset, bool us
   if (!owner) owner = std::make_shared<int>(0);  // no bytes: an empty tensor over nothing
   Tensor all = Tensor::adopt(owner, base, static_cast<std::size_t>(bytes));
   return all.with_view(TensorView(base == nullptr ? nullptr : base + offset, dtype, {count}));
+}
+
+namespace {
+std::string shrink_context(legacy::BufferCore& core, const char* operation) {
+  std::string ctx = core.engine.facts.context(operation);
+  core.engine.check_usable(operation);
+  if (!core.config.enable_shrink) throw StateError(fmt::format("{}: the buffer was built with enable_shrink = false", ctx));
+  return ctx;
+}
+}  // namespace
+
+void Buffer::low_latency_update_mask_buffer(int rank_to_mask, bool mask) {
+  const std::string ctx = shrink_context(*core_, "low_latency_update_mask_buffer");
+  if (rank_to_mask < 0 || rank_to_mask >= num_ranks())
+    core::fail(ctx, "rank_to_mask = {} is outside [0, {})", rank_to_mask, num_ranks());
+  core_->masked[static_cast<std::size_t>(rank_to_mask)].store(mask ? 1 : 0, std::memory_order_relaxed);
+}
+
+void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status) {
+  const std::string ctx = shrink_context(*core_, "low_latency_query_mask_buffer");
+  core::expect_tensor(ctx, "mask_status", mask_status, DType::kInt32, {num_ranks()});
+  for (int r = 0; r < num_ranks(); ++r)
+    mask_status.data_as<std::int32_t>()[r * mask_status.stride(0)] =
+        core_->masked[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
+}
+
+void Buffer::low_latency_clean_mask_buffer() {
+  shrink_context(*core_, "low_latency_clean_mask_buffer");
+  for (int r = 0; r < num_ranks(); ++r) core_->masked[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);
 }
 
 void Buffer::barrier() { core_->engine.barrier(); }

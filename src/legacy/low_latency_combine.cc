@@ -366,6 +366,7 @@ void LowLatencyCombine::combine_token(int64_t t) {
     if (id < 0) continue;
     const int d = static_cast<int>(id / El);
     const int64_t local = id % El, row = state_->rows[static_cast<size_t>(t) * k + j];
+    if (row < 0) continue;  // shrink mode: the dispatch kept this token from d
     if (!e.facts.same_node(d)) {
       rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(recv + (id * shape_.max_tokens + t) * L.combine_recv_row_bytes);
       encoded[static_cast<size_t>(n)] = logfmt;

@@ -77,6 +77,9 @@ class LowLatencyDispatch final : public engine::Operation {
   void allocate_received_rows();
   void allocate_handle();
   void take_counts(const std::vector<std::span<const std::byte>>& payloads);
+  void apply_masks(const std::vector<std::span<const std::byte>>& payloads);
+  // Shrink mode: tokens of rank s and experts of rank d are kept apart (either masks the other).
+  bool apart(int s, int d) const { return apart_[static_cast<size_t>(s) * ranks() + d] != 0; }
   void lay_out_slab();
   void assign_combine_rows();
   void stage_and_publish();
@@ -97,6 +100,7 @@ class LowLatencyDispatch final : public engine::Operation {
   core::Nvfp4Cast nvfp4_;
   std::vector<int32_t> counts_;  // [R * E] tokens of each source selecting each expert
   std::vector<int32_t> tokens_;  // [R] tokens of each source
+  std::vector<char> apart_;      // [R * R] (apart(s, d))
   std::shared_ptr<LowLatencyState> state_;
   engine::CountedExchange remote_records_;  // rows of ranks of other nodes, into this rank's receive area
   std::atomic<bool> received_{false};
@@ -247,12 +251,14 @@ void LowLatencyDispatch::allocate_handle() {
   h.state = state_;
 }
 
-// [E + 1]: the tokens selecting each expert, then this rank's token count.
+// [E + 1 + R]: the tokens selecting each expert, this rank's token count, then its mask.
 std::vector<std::byte> LowLatencyDispatch::prepare() {
   core_.engine.limit_inflight(0);  // num_qps_per_rank
   if (!result.recv_x.defined()) allocate_outputs_early();
-  std::vector<int32_t> mine(static_cast<size_t>(shape_.experts) + 1, 0);
+  std::vector<int32_t> mine(static_cast<size_t>(shape_.experts) + 1 + ranks(), 0);
   mine[static_cast<size_t>(shape_.experts)] = shape_.tokens;
+  for (int r = 0; r < ranks(); ++r)
+    mine[static_cast<size_t>(shape_.experts + 1 + r)] = core_.masked[static_cast<size_t>(r)].load(std::memory_order_relaxed);
   const auto* topk = args_.topk_idx.data_as<const int64_t>();
   for (int t = 0; t < shape_.tokens; ++t)
     for (int j = 0; j < shape_.topk; ++j)
@@ -280,6 +286,7 @@ void LowLatencyDispatch::describe(comm::Agreement& agreement) const {
 void LowLatencyDispatch::run(const std::vector<std::span<const std::byte>>& payloads,
                              const std::function<void()>& outputs_ready) {
   take_counts(payloads);
+  apply_masks(payloads);
   lay_out_slab();
   assign_combine_rows();
   stage_and_publish();
@@ -295,11 +302,31 @@ void LowLatencyDispatch::take_counts(const std::vector<std::span<const std::byte
   counts_.resize(static_cast<size_t>(R) * E);
   tokens_.resize(static_cast<size_t>(R));
   for (int s = 0; s < R; ++s) {
-    if (payloads[static_cast<size_t>(s)].size() != sizeof(int32_t) * (E + 1))
+    if (payloads[static_cast<size_t>(s)].size() != sizeof(int32_t) * (E + 1 + R))
       throw StateError(fmt::format("{}: rank {} published {} bytes of counts", ctx_, s, payloads[static_cast<size_t>(s)].size()));
     std::memcpy(&counts_[static_cast<size_t>(s) * E], payloads[static_cast<size_t>(s)].data(), sizeof(int32_t) * E);
     std::memcpy(&tokens_[static_cast<size_t>(s)], payloads[static_cast<size_t>(s)].data() + sizeof(int32_t) * E, sizeof(int32_t));
   }
+}
+
+// Shrink mode: every rank's mask decides which (source, expert rank) pairs are kept apart; their
+// counts become 0, and this rank masks the ranks that masked it (what DeepEP's timeout on a
+// masking peer does). Without masks nothing changes.
+void LowLatencyDispatch::apply_masks(const std::vector<std::span<const std::byte>>& payloads) {
+  const int R = ranks(), E = shape_.experts, El = shape_.local_experts, me = core_.engine.facts.rank;
+  std::vector<int32_t> masks(static_cast<size_t>(R) * R);
+  for (int s = 0; s < R; ++s)
+    std::memcpy(&masks[static_cast<size_t>(s) * R], payloads[static_cast<size_t>(s)].data() + sizeof(int32_t) * (E + 1),
+                sizeof(int32_t) * R);
+  apart_.assign(static_cast<size_t>(R) * R, 0);
+  for (int s = 0; s < R; ++s)
+    for (int d = 0; d < R; ++d) {
+      if (masks[static_cast<size_t>(s) * R + d] == 0 && masks[static_cast<size_t>(d) * R + s] == 0) continue;
+      apart_[static_cast<size_t>(s) * R + d] = 1;
+      std::fill_n(counts_.begin() + static_cast<std::ptrdiff_t>(s) * E + static_cast<std::ptrdiff_t>(d) * El, El, 0);
+    }
+  for (int s = 0; s < R; ++s)
+    if (masks[static_cast<size_t>(s) * R + me] != 0) core_.masked[static_cast<size_t>(s)].store(1, std::memory_order_relaxed);
 }
 
 // Layout: per local expert, one block per source in rank order.
@@ -330,7 +357,8 @@ void LowLatencyDispatch::assign_combine_rows() {
     for (int j = 0; j < k; ++j) {
       const int64_t id = topk[t * args_.topk_idx.stride(0) + j];
       state_->topk.data_as<int64_t>()[t * k + j] = id;
-      if (id >= 0) state_->rows[static_cast<size_t>(t) * k + j] = next[static_cast<size_t>(id)]++;
+      if (id >= 0 && !apart(me, static_cast<int>(id / shape_.local_experts)))
+        state_->rows[static_cast<size_t>(t) * k + j] = next[static_cast<size_t>(id)]++;
     }
 }
 
@@ -391,7 +419,7 @@ void LowLatencyDispatch::put_remote_records() {
   for (int t = 0; t < shape_.tokens; ++t)
     for (int j = 0; j < k; ++j) {
       const int64_t id = topk[t * args_.topk_idx.stride(0) + j];
-      if (id < 0) continue;
+      if (id < 0 || apart(me, static_cast<int>(id / El))) continue;
       const int d = static_cast<int>(id / El);
       const int32_t slot_row = ordinal[static_cast<size_t>(id)]++;
       if (e.facts.same_node(d)) continue;
@@ -447,6 +475,7 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
   const bool with_weights = result.recv_topk_weights.defined();
   const int target = me * shape_.local_experts + static_cast<int>(i);
   for (int s = 0; s < R; ++s) {
+    if (apart(s, me)) continue;  // shrink mode: nothing from s
     int64_t row = range[i * R + s] >> 32;
     if (!e.facts.same_node(s)) {  // arrived in this rank's receive area, in token order
       const int64_t count = range[i * R + s] & 0xffffffff;

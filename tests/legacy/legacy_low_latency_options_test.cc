@@ -5,7 +5,8 @@
 // waited for, untouched when not given or before the hook); and use_logfmt with zero_copy, which
 // is refused (InvalidArgument on the rank that asks, PeerError naming it on the others, the buffer
 // usable afterwards); and the signalled combine (overlap / src_signals): rows handed over only once
-// a producer thread raised each expert's signal, and its argument checks.
+// a producer thread raised each expert's signal, and its argument checks; shrink mode with every
+// rank masking one rank, against the reference of the inputs without the masked pairs.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -402,6 +403,45 @@ TEST(LowLatencyCombine, SignalArgumentsAreChecked) {
       EXPECT_NE(c.message.find(wrong.words), std::string::npos) << c.message;
     }
   });
+}
+
+// ---- shrink mode --------------------------------------------------------------------------------
+
+// Every rank masks the last rank (DeepEP's simulated failure): the slab and the combine match the
+// reference of the inputs without the lanes that pair the last rank with another (either side).
+TEST(LowLatencyShrink, EveryRankMaskingOneLeavesItsPairsOut) {
+  for (int scaleout : {1, 2}) {
+    const CaseSpec s = ll_spec(4, scaleout, 8, 3, 4, 256, 90 + scaleout);
+    const int failed = s.ranks - 1, El = s.num_experts / s.ranks;
+    std::vector<RankInputs> kept = reference::make_all_inputs(s);  // the reference's inputs
+    for (int r = 0; r < s.ranks; ++r)
+      for (std::int64_t& id : kept[static_cast<size_t>(r)].topk)
+        if (id >= 0 && (r == failed || id / El == failed)) id = -1;
+    const auto failures = collect_on_ranks(4, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
+      const int me = g.rank(), N = s.max_tokens;
+      Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .enable_shrink = true,
+                   .num_cpu_timeout_secs = 60});
+      b.low_latency_update_mask_buffer(failed, true);
+      RankCall call(s, me);
+      LowLatencyDispatchResult d = b.low_latency_dispatch({.x = call.x, .topk_idx = call.topk,
+                                                           .num_max_dispatch_tokens_per_rank = N,
+                                                           .num_experts = s.num_experts, .use_fp8 = false});
+      reference::check_slab(s, {.rows_per_expert = std::int64_t{s.ranks} * N}, kept, me, d.recv_x, d.recv_x_scales,
+                            d.packed_recv_count, bad);
+      const Tensor y = reference::slab_expert_outputs(s, kept, me, std::int64_t{s.ranks} * N);
+      const LowLatencyCombineResult c = b.low_latency_combine({.x = y, .topk_idx = call.topk,
+                                                               .topk_weights = call.weights, .handle = d.handle});
+      const auto expected = reference::low_latency_combine_reference(s, kept[static_cast<size_t>(me)], me);
+      if (call.n > 0 && std::memcmp(c.combined_x.data(), expected.data(), expected.size() * 2) != 0)
+        bad.push_back("combined_x differs from the reference without the masked pairs");
+      Tensor status = Tensor::zeros({s.ranks}, DType::kInt32);
+      b.low_latency_query_mask_buffer(status);
+      for (int r = 0; r < s.ranks; ++r)  // the failed rank learned that every rank masked it
+        if (status.data_as<std::int32_t>()[r] != (r == failed || me == failed ? 1 : 0))
+          bad.push_back(fmt::format("mask[{}] = {}", r, status.data_as<std::int32_t>()[r]));
+    });
+    report(failures, fmt::format("{} nodes", scaleout));
+  }
 }
 
 }  // namespace legacy_low_latency_options_test

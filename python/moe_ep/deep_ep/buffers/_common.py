@@ -20,11 +20,6 @@ def not_on_cpu(what):
     raise NotImplementedError(f"{what} has no CPU counterpart in moe-ep (docs/python.md lists the differences)")
 
 
-def require_false(value, name, why):
-    if value:
-        raise NotImplementedError(f"{name}=True is not supported by moe-ep: {why}")
-
-
 # Argument errors must reach every rank of a collective call: the wrappers below do not raise;
 # the extension converts the arguments and, when one cannot be converted on this rank, still
 # takes part in the call as a rejection (peers raise PeerError naming this rank) before raising.

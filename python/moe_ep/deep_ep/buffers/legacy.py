@@ -2,14 +2,15 @@
 
 Signatures, defaults and return tuples are DeepEP's (main, 2.1.0). GPU-only arguments
 (``num_qps_per_rank``, ``allow_nvlink_for_low_latency_mode``, ``allow_mnnvl``, ``allocate_on_comm_stream``,
-``Config`` chunk sizes) are accepted; what cannot be honoured raises NotImplementedError naming it.
+``Config`` chunk sizes) are accepted. ``enable_shrink=True`` keeps a per-rank mask of peers that the
+low-latency calls leave out (docs/legacy.md §4).
 """
 
 import torch
 
 from ... import _C
 from ..utils import EventHandle, EventOverlap, _native, _overlap
-from ._common import DeferredHandleTuple, HandleTuple, bias_list, group_of, native_handle, require_false
+from ._common import DeferredHandleTuple, HandleTuple, bias_list, group_of, native_handle
 
 Config = _C.Config
 
@@ -20,7 +21,6 @@ class Buffer:
     def __init__(self, group, num_nvl_bytes=0, num_rdma_bytes=0, low_latency_mode=False, num_qps_per_rank=24,
                  allow_nvlink_for_low_latency_mode=True, allow_mnnvl=False, explicitly_destroy=False,
                  enable_shrink=False, comm=None):
-        require_false(enable_shrink, "enable_shrink", "failed peers are reported as PeerError instead of masked")
         self.group = group if group is not None else comm
         self._group = group_of(group, comm)
         self.rank = self._group.rank()
@@ -32,7 +32,7 @@ class Buffer:
         self.enable_shrink = enable_shrink
         self.runtime = _C.Buffer(self._group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_qps_per_rank,
                                  allow_nvlink_for_low_latency_mode, allow_mnnvl, explicitly_destroy,
-                                 _C.timeout_from_env())
+                                 bool(enable_shrink), _C.timeout_from_env())
 
     # ---- lifecycle and static helpers -------------------------------------------------------
     def destroy(self):
@@ -71,6 +71,19 @@ class Buffer:
         """The stream communication is ordered on: on CPU every call runs in call order on the host,
         so it is torch's CPU stream (``torch.cpu.current_stream()``)."""
         return torch.cpu.current_stream()
+
+    # ---- shrink mode (enable_shrink=True; docs/legacy.md §4) ---------------------------------
+    def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
+        """Masks (or unmasks) a peer for this rank's low-latency calls; local."""
+        self._rt().low_latency_update_mask_buffer(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status):
+        """Writes this rank's mask into ``mask_status`` (int32 ``[R]``, 1 where masked)."""
+        self._rt().low_latency_query_mask_buffer(mask_status)
+
+    def low_latency_clean_mask_buffer(self):
+        """Unmasks every rank; local."""
+        self._rt().low_latency_clean_mask_buffer()
 
     def get_local_buffer_tensor(self, dtype, size=None, offset=0, use_rdma_buffer=False):
         """A raw view of this rank's own buffer from byte ``offset`` on: the scale-up buffer
