@@ -219,7 +219,7 @@ struct LowLatencyCombineArgs {
   bool return_recv_hook = false;
   TensorView out;                              // optional bfloat16 [N_tokens, H] to write into
   TensorView combine_wait_recv_cost_stats;     // optional int64 [R]
-  // The signalled combine of the hybrid-ep branch (docs/legacy.md §4.1): with src_signals, the
+  // The signalled combine of the hybrid-ep branch (docs/legacy.md §4): with src_signals, the
   // rows of local expert e are handed to the ranks that read them only once src_signals[e], read
   // as an unsigned 32-bit word, is at least src_signal_expect_value (a producer of x, another
   // thread, raises it); overlap = true requires src_signals. The signals are only read.
