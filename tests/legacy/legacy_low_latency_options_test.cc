@@ -298,7 +298,11 @@ TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
       const int me = g.rank(), N = s.max_tokens;
       Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
       RankCall call(s, me);
-      auto& [all, in, n, x, topk, weights] = call;
+      // plain references (lambdas below capture them; some compilers refuse structured bindings there)
+      std::vector<RankInputs>& all = call.all;
+      RankInputs& in = call.in;
+      const std::int64_t n = call.n;
+      const TensorView &x = call.x, &topk = call.topk, &weights = call.weights;
       const auto expected = reference::low_latency_combine_reference(s, in, me);
       auto combine_checked = [&](const std::shared_ptr<LowLatencyHandle>& handle, const char* what) {
         const Tensor y = reference::slab_expert_outputs(s, all, me, std::int64_t{s.ranks} * N);
@@ -342,7 +346,11 @@ TEST(LowLatencyCombine, SignalledCombineWaitsForEachExpertsSignal) {
       const int me = g.rank(), N = s.max_tokens, El = s.num_experts / s.ranks;
       Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
       RankCall call(s, me);
-      auto& [all, in, n, x, topk, weights] = call;
+      // plain references (lambdas below capture them; some compilers refuse structured bindings there)
+      std::vector<RankInputs>& all = call.all;
+      RankInputs& in = call.in;
+      const std::int64_t n = call.n;
+      const TensorView &x = call.x, &topk = call.topk, &weights = call.weights;
       LowLatencyDispatchResult d = b.low_latency_dispatch({.x = x, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
                                                            .num_experts = s.num_experts, .use_fp8 = false});
       const Tensor rows = reference::slab_expert_outputs(s, all, me, std::int64_t{s.ranks} * N);
