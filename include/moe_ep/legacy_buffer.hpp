@@ -262,8 +262,9 @@ class Buffer {
   LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args);
   LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args);
   // A BF16 view [El, R*N, H] (row stride H + 2*H/128) into the slot the next low-latency call
-  // uses; write expert outputs there and pass it to low_latency_combine with zero_copy.
-  TensorView get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
+  // uses; write expert outputs there and pass it to low_latency_combine with zero_copy. The tensor
+  // keeps the pool mapped, after destroy() too.
+  Tensor get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
   // Collective: resets both slots for (N, hidden, experts). Required after normal-mode use of the
   // scale-out pool, or before low-latency calls with another N, hidden or expert count.
   void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts);

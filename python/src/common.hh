@@ -51,8 +51,6 @@ inline Tensor import_optional(py::handle obj, const char* name, std::optional<DT
 }
 // A torch tensor (None for an undefined tensor).
 py::object export_tensor(const Tensor& t);
-// A torch tensor over memory `owner` keeps alive (e.g. a buffer's own memory).
-py::object export_view(const TensorView& view, std::shared_ptr<const void> owner);
 
 // An Event and what must stay alive until it completes (the imported inputs). Dropped before
 // its work completed, it waits for it first (GIL released): the worker may still read the inputs.

@@ -284,8 +284,7 @@ void register_legacy(py::module_& m) {
       .def("get_next_low_latency_combine_buffer",
            [](std::shared_ptr<LegacyBox> box, std::shared_ptr<LowLatencyHandle> handle) {
              if (!handle) throw py::type_error("handle is None");
-             const TensorView v = box->get().get_next_low_latency_combine_buffer(*handle);
-             return export_view(v, box);
+             return export_tensor(box->get().get_next_low_latency_combine_buffer(*handle));
            })
       .def("clean_low_latency_buffer",
            [](LegacyBox& box, int cap, int hidden, int experts) {

@@ -159,34 +159,6 @@ py::object export_tensor(const Tensor& t) {
   return bytes.attr("view")(dtype == DType::kBool ? torch_api().boolean : torch_api().float8);
 }
 
-namespace {
-struct OwnedView {
-  DLManagedTensor managed;
-  std::shared_ptr<const void> owner;
-  std::array<std::int64_t, TensorView::kMaxDims> shape, strides;
-};
-}  // namespace
-
-py::object export_view(const TensorView& view, std::shared_ptr<const void> owner) {
-  auto* e = new OwnedView{};
-  e->owner = std::move(owner);
-  for (int d = 0; d < view.ndim(); ++d) {
-    e->shape[d] = view.size(d);
-    e->strides[d] = view.stride(d);
-  }
-  DLTensor& t = e->managed.dl_tensor;
-  t.data = view.data();
-  t.device = {kDLCPU, 0};
-  t.ndim = view.ndim();
-  // The one dtype exported this way is bfloat16 (the low-latency combine buffer).
-  t.dtype = view.dtype() == DType::kBF16 ? DLDataType{kDLBfloat, 16, 1} : DLDataType{kDLUInt, 8, 1};
-  t.shape = e->shape.data();
-  t.strides = e->strides.data();
-  e->managed.manager_ctx = e;
-  e->managed.deleter = [](DLManagedTensor* self) { delete static_cast<OwnedView*>(self->manager_ctx); };
-  return capsule_to_torch(&e->managed);
-}
-
 PyEvent::~PyEvent() {
   if (keep.empty() || event.query()) return;
   auto finish = [this] {

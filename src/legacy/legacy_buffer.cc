@@ -267,8 +267,12 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
 LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& args) {
   return legacy::low_latency_combine(*core_, args);
 }
-TensorView Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handle) {
-  return legacy::next_combine_buffer(*core_, handle);
+Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handle) {
+  const TensorView view = legacy::next_combine_buffer(*core_, handle);
+  std::shared_ptr<comm::SymmetricMemory> memory = core_->engine.memory_owner();
+  std::byte* base = memory->local();
+  const std::size_t bytes = memory->bytes();
+  return Tensor::adopt(std::move(memory), base, bytes).with_view(view);
 }
 void Buffer::clean_low_latency_buffer(int max_tokens, int hidden, int num_experts) {
   legacy::clean_low_latency_buffer(*core_, max_tokens, hidden, num_experts);

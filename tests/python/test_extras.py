@@ -361,3 +361,18 @@ def test_get_local_buffer_tensor_refusals(call, kind, words):
         return "ok", ""
     name, message = moe_ep.LocalWorld(1).run(fn)[0]
     assert name == kind and words in message, (name, message)
+
+
+def test_next_combine_buffer_outlives_destroy():
+    """get_next_low_latency_combine_buffer's view keeps the pool mapped: written after destroy(),
+    it still holds what was written (nothing else uses the memory any more)."""
+    def fn(g):
+        x, idx, _ = ref.make_inputs(g.size(), N, H, E, K, seed=67)[g.rank()]
+        buf = _hybrid_buffer(g)
+        _, _, handle, _, _ = buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False)
+        view = buf.get_next_low_latency_combine_buffer(handle)
+        assert view.dtype == torch.bfloat16 and view.shape == (E // g.size(), g.size() * CAP, H)
+        buf.destroy()
+        view.fill_(1.5)
+        return bool((view == 1.5).all())
+    assert moe_ep.LocalWorld(2).run(fn) == [True, True]
