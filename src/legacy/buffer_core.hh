@@ -100,7 +100,11 @@ class BufferCore {
   // The problem with writing into the next slot now (a result still pending there), or empty.
   std::string next_slot_problem() const;
 
-  // The scale-up buffer of get_local_buffer_tensor: num_nvl_bytes, zero-filled, made on first use.
+  // This rank's whole scale-out pool as uint8 storage that keeps it mapped (views of it outlive
+  // destroy()).
+  Tensor pool_storage();
+  // The scale-up buffer of get_local_buffer_tensor: num_nvl_bytes, zero-filled, made on first use
+  // (null when num_nvl_bytes is 0).
   std::shared_ptr<void> nvl_buffer();
 
   const BufferConfig config;

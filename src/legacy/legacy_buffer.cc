@@ -269,13 +269,17 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
 }
 Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handle) {
   const TensorView view = legacy::next_combine_buffer(*core_, handle);
-  std::shared_ptr<comm::SymmetricMemory> memory = core_->engine.memory_owner();
-  std::byte* base = memory->local();
-  const std::size_t bytes = memory->bytes();
-  return Tensor::adopt(std::move(memory), base, bytes).with_view(view);
+  return core_->pool_storage().with_view(view);
 }
 void Buffer::clean_low_latency_buffer(int max_tokens, int hidden, int num_experts) {
   legacy::clean_low_latency_buffer(*core_, max_tokens, hidden, num_experts);
+}
+
+Tensor legacy::BufferCore::pool_storage() {
+  std::shared_ptr<comm::SymmetricMemory> memory = engine.memory_owner();
+  std::byte* base = memory->local();
+  const std::size_t bytes = memory->bytes();
+  return Tensor::adopt(std::move(memory), base, bytes);
 }
 
 std::shared_ptr<void> legacy::BufferCore::nvl_buffer() {
@@ -299,20 +303,16 @@ Tensor Buffer::get_local_buffer_tensor(DType dtype, std::int64_t offset, bool us
     core::fail(ctx, "offset = {} is outside [0, {} = {}]", offset, pool, bytes);
   if (offset % size != 0)
     core::fail(ctx, "offset = {} is not a multiple of the {} bytes of {}", offset, size, dtype_name(dtype));
-  std::shared_ptr<void> owner;
-  std::byte* base = nullptr;
+  Tensor storage;
   if (use_rdma_buffer) {
-    std::shared_ptr<comm::SymmetricMemory> memory = e.memory_owner();
-    base = memory->local();
-    owner = std::move(memory);
+    storage = core_->pool_storage();
+  } else if (std::shared_ptr<void> nvl = core_->nvl_buffer()) {
+    storage = Tensor::adopt(nvl, nvl.get(), static_cast<std::size_t>(bytes));
   } else {
-    owner = core_->nvl_buffer();
-    base = static_cast<std::byte*>(owner.get());
+    return Tensor::empty({0}, dtype);  // num_nvl_bytes = 0
   }
   const std::int64_t count = (bytes - offset) / size;
-  if (!owner) owner = std::make_shared<int>(0);  // no bytes: an empty tensor over nothing
-  Tensor all = Tensor::adopt(owner, base, static_cast<std::size_t>(bytes));
-  return all.with_view(TensorView(base == nullptr ? nullptr : base + offset, dtype, {count}));
+  return storage.with_view(TensorView(static_cast<std::byte*>(storage.data()) + offset, dtype, {count}));
 }
 
 namespace {

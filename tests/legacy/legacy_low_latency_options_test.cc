@@ -298,25 +298,20 @@ TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
       const int me = g.rank(), N = s.max_tokens;
       Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
       RankCall call(s, me);
-      // plain references (lambdas below capture them; some compilers refuse structured bindings there)
-      std::vector<RankInputs>& all = call.all;
-      RankInputs& in = call.in;
-      const std::int64_t n = call.n;
-      const TensorView &x = call.x, &topk = call.topk, &weights = call.weights;
-      const auto expected = reference::low_latency_combine_reference(s, in, me);
+      const auto expected = reference::low_latency_combine_reference(s, call.in, me);
       auto combine_checked = [&](const std::shared_ptr<LowLatencyHandle>& handle, const char* what) {
-        const Tensor y = reference::slab_expert_outputs(s, all, me, std::int64_t{s.ranks} * N);
-        const LowLatencyCombineResult c = b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = handle});
-        if (n > 0 && std::memcmp(c.combined_x.data(), expected.data(), expected.size() * 2) != 0)
+        const Tensor y = reference::slab_expert_outputs(s, call.all, me, std::int64_t{s.ranks} * N);
+        const LowLatencyCombineResult c = b.low_latency_combine({.x = y, .topk_idx = call.topk, .topk_weights = call.weights, .handle = handle});
+        if (call.n > 0 && std::memcmp(c.combined_x.data(), expected.data(), expected.size() * 2) != 0)
           bad.push_back(fmt::format("{}: combined_x differs from the reference", what));
       };
       for (int asking : {-1, 2}) {  // every rank asks; only rank 2 asks
-        LowLatencyDispatchResult d = b.low_latency_dispatch({.x = x, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
+        LowLatencyDispatchResult d = b.low_latency_dispatch({.x = call.x, .topk_idx = call.topk, .num_max_dispatch_tokens_per_rank = N,
                                                              .num_experts = s.num_experts, .use_fp8 = false});
-        const Tensor y = reference::slab_expert_outputs(s, all, me, std::int64_t{s.ranks} * N);
+        const Tensor y = reference::slab_expert_outputs(s, call.all, me, std::int64_t{s.ranks} * N);
         const bool asks = asking < 0 || asking == me;
         const Caught c = catch_error([&] {
-          b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights, .handle = d.handle, .use_logfmt = asks, .zero_copy = asks});
+          b.low_latency_combine({.x = y, .topk_idx = call.topk, .topk_weights = call.weights, .handle = d.handle, .use_logfmt = asks, .zero_copy = asks});
         });
         if (asks) {
           if (c.type != "InvalidArgument" || c.message.find("use_logfmt") == std::string::npos)
@@ -326,7 +321,7 @@ TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
         }
         // The rejected call took a slot; the dispatch's handle still combines, then a new round works.
         combine_checked(d.handle, "combine after the rejected one");
-        LowLatencyDispatchResult again = b.low_latency_dispatch({.x = x, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
+        LowLatencyDispatchResult again = b.low_latency_dispatch({.x = call.x, .topk_idx = call.topk, .num_max_dispatch_tokens_per_rank = N,
                                                                  .num_experts = s.num_experts, .use_fp8 = false});
         combine_checked(again.handle, "next round");
       }
@@ -346,14 +341,9 @@ TEST(LowLatencyCombine, SignalledCombineWaitsForEachExpertsSignal) {
       const int me = g.rank(), N = s.max_tokens, El = s.num_experts / s.ranks;
       Buffer b(g, {.num_rdma_bytes = low_latency_rdma_bytes(s), .low_latency_mode = true, .num_cpu_timeout_secs = 60});
       RankCall call(s, me);
-      // plain references (lambdas below capture them; some compilers refuse structured bindings there)
-      std::vector<RankInputs>& all = call.all;
-      RankInputs& in = call.in;
-      const std::int64_t n = call.n;
-      const TensorView &x = call.x, &topk = call.topk, &weights = call.weights;
-      LowLatencyDispatchResult d = b.low_latency_dispatch({.x = x, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
+      LowLatencyDispatchResult d = b.low_latency_dispatch({.x = call.x, .topk_idx = call.topk, .num_max_dispatch_tokens_per_rank = N,
                                                            .num_experts = s.num_experts, .use_fp8 = false});
-      const Tensor rows = reference::slab_expert_outputs(s, all, me, std::int64_t{s.ranks} * N);
+      const Tensor rows = reference::slab_expert_outputs(s, call.all, me, std::int64_t{s.ranks} * N);
       Tensor y = Tensor::zeros({El, std::int64_t{s.ranks} * N, s.hidden}, DType::kBF16);
       Tensor signals = Tensor::zeros({El}, DType::kInt32);
       const std::uint32_t expect = 0xfffffff0u;  // above INT32_MAX: compared unsigned
@@ -367,11 +357,11 @@ TEST(LowLatencyCombine, SignalledCombineWaitsForEachExpertsSignal) {
         }
       });
       const Caught c = catch_error([&] {
-        const LowLatencyCombineResult r = b.low_latency_combine({.x = y, .topk_idx = topk, .topk_weights = weights,
+        const LowLatencyCombineResult r = b.low_latency_combine({.x = y, .topk_idx = call.topk, .topk_weights = call.weights,
                                                                  .handle = d.handle, .overlap = true,
                                                                  .src_signals = signals, .src_signal_expect_value = expect});
-        const auto expected = reference::low_latency_combine_reference(s, in, me);
-        if (n > 0 && std::memcmp(r.combined_x.data(), expected.data(), expected.size() * 2) != 0)
+        const auto expected = reference::low_latency_combine_reference(s, call.in, me);
+        if (call.n > 0 && std::memcmp(r.combined_x.data(), expected.data(), expected.size() * 2) != 0)
           bad.push_back("the signalled combine differs from the reference");
       });
       producer.join();
