@@ -28,14 +28,36 @@ suite() {
   else
     echo "== $name: FAILED after $((SECONDS - start)) s"
     failed+=("$name")
+    recap+=("$name" "$dir")
   fi
+}
+
+# recap: at the very end, the last lines of each failed test's output, then the failed tests'
+# names (CTest printed all of it above, long before the end of the log).
+recap=()
+print_recap() {
+  local i name dir test names=()
+  for ((i = 0; i < ${#recap[@]}; i += 2)); do
+    name=${recap[i]} dir=${recap[i + 1]}
+    [ -f "$dir/Testing/Temporary/LastTestsFailed.log" ] || continue
+    while IFS= read -r test; do
+      test=${test#*:}
+      names+=("$name: $test")
+      echo "== $name: the end of $test's output:"
+      awk -v t="$test" '/^[0-9]+\/[0-9]+ Test: / { on = (substr($0, index($0, ": ") + 2) == t) }
+                        on && /^<end of output>$/ { on = 0 }
+                        on' "$dir/Testing/Temporary/LastTest.log" | tail -n 25 || true
+    done <"$dir/Testing/Temporary/LastTestsFailed.log"
+  done
+  ((${#names[@]})) && printf '== failed test: %s\n' "${names[@]}"
+  return 0
 }
 
 if [ "${MOE_EP_QUICK:-0}" = 1 ]; then
   CMAKE_ARGS="-DMOE_EP_WITH_PYTHON=OFF -DMOE_EP_WITH_MPI=OFF -DMOE_EP_WITH_CUDA=OFF -DMOE_EP_BUILD_BENCH=OFF" \
     "$root/scripts/bootstrap.sh" "$root/build-quick"
   suite quick "$root/build-quick" -E "$big"
-  if ((${#failed[@]})); then echo "FAILED: ${failed[*]}"; exit 1; fi
+  if ((${#failed[@]})); then print_recap; echo "FAILED: ${failed[*]}"; exit 1; fi
   echo "the quick suite passed"
   exit 0
 fi
@@ -89,6 +111,7 @@ if [ "${MOE_EP_SANITIZERS:-1}" != 0 ]; then
 fi
 
 if ((${#failed[@]})); then
+  print_recap
   echo "FAILED: ${failed[*]}"
   exit 1
 fi
