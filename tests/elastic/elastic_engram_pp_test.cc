@@ -309,7 +309,7 @@ TEST(EngramPpErrors, CallsAfterDestroyAreStateErrors) {
 TEST(EngramPpErrors, ReceiveTimeoutNamesThePeerAndClosesPp) {
   std::atomic<bool> rank0_done{false};
   auto caught = testing::results_on_ranks<std::vector<Caught>>(2, {}, [&](Group& g) {
-    ElasticBuffer b(g, {.num_bytes = 2 * kMiB2, .num_cpu_timeout_secs = 0.5});
+    ElasticBuffer b(g, {.num_bytes = 2 * kMiB2, .num_cpu_timeout_secs = 2});
     b.pp_set_config(64, 1);
     std::vector<Caught> c;
     std::vector<std::uint8_t> bytes(32);

@@ -275,7 +275,7 @@ def test_pp_timeouts_name_the_peer(side):
     done = threading.Event()
 
     def fn(g):
-        buf = deep_ep.ElasticBuffer(g, num_bytes=MiB2, num_cpu_timeout_secs=0.5)
+        buf = deep_ep.ElasticBuffer(g, num_bytes=MiB2, num_cpu_timeout_secs=2.0)
         buf.pp_set_config(64, 1)
         caught = None
         if g.rank() == 0:

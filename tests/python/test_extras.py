@@ -278,7 +278,9 @@ SIGNAL_REFUSALS = [
 def test_hybrid_ep_signal_refusals_on_every_rank(kwargs, kind, words, monkeypatch):
     """Rank 1's bad signal arguments: it raises the typed error naming them, rank 0 a PeerError
     naming rank 1, and both buffers still work afterwards."""
-    monkeypatch.setenv("MOE_EP_TIMEOUT_SECS", "4")
+    # Rank 1 gives up on an unraised signal after half the timeout (4 s) and tells rank 0, which
+    # waits the whole timeout in the agreement: the other half is the margin for any load.
+    monkeypatch.setenv("MOE_EP_TIMEOUT_SECS", "8")
 
     experts, topk = 4, 2  # two local experts per rank
 
