@@ -28,7 +28,11 @@ suite() {
   else
     echo "== $name: FAILED after $((SECONDS - start)) s"
     failed+=("$name")
-    recap+=("$name" "$dir")
+    # its logs, before the next suite in the same build folder replaces them
+    local kept
+    kept=$(mktemp -d)
+    cp "$dir"/Testing/Temporary/LastTest*.log "$kept"/ 2>/dev/null || true
+    recap+=("$name" "$kept")
   fi
 }
 
@@ -39,15 +43,15 @@ print_recap() {
   local i name dir test names=()
   for ((i = 0; i < ${#recap[@]}; i += 2)); do
     name=${recap[i]} dir=${recap[i + 1]}
-    [ -f "$dir/Testing/Temporary/LastTestsFailed.log" ] || continue
+    [ -f "$dir/LastTestsFailed.log" ] || continue
     while IFS= read -r test; do
       test=${test#*:}
       names+=("$name: $test")
       echo "== $name: the end of $test's output:"
       awk -v t="$test" '/^[0-9]+\/[0-9]+ Test: / { on = (substr($0, index($0, ": ") + 2) == t) }
                         on && /^<end of output>$/ { on = 0 }
-                        on' "$dir/Testing/Temporary/LastTest.log" | tail -n 25 || true
-    done <"$dir/Testing/Temporary/LastTestsFailed.log"
+                        on' "$dir/LastTest.log" | tail -n 25 || true
+    done <"$dir/LastTestsFailed.log"
   done
   ((${#names[@]})) && printf '== failed test: %s\n' "${names[@]}"
   return 0
