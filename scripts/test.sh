@@ -57,11 +57,19 @@ print_recap() {
   return 0
 }
 
+# exit_if_failed: ends the command, with the recap, if any suite failed.
+exit_if_failed() {
+  ((${#failed[@]})) || return 0
+  print_recap
+  echo "FAILED: ${failed[*]}"
+  exit 1
+}
+
 if [ "${MOE_EP_QUICK:-0}" = 1 ]; then
   CMAKE_ARGS="-DMOE_EP_WITH_PYTHON=OFF -DMOE_EP_WITH_MPI=OFF -DMOE_EP_WITH_CUDA=OFF -DMOE_EP_BUILD_BENCH=OFF" \
     "$root/scripts/bootstrap.sh" "$root/build-quick"
   suite quick "$root/build-quick" -E "$big"
-  if ((${#failed[@]})); then print_recap; echo "FAILED: ${failed[*]}"; exit 1; fi
+  exit_if_failed
   echo "the quick suite passed"
   exit 0
 fi
@@ -114,9 +122,5 @@ if [ "${MOE_EP_SANITIZERS:-1}" != 0 ]; then
   suite tsan "$root/build-tsan" -L '^(comm|elastic|legacy|dispatcher|cuda)$' -E "$later_seeds"
 fi
 
-if ((${#failed[@]})); then
-  print_recap
-  echo "FAILED: ${failed[*]}"
-  exit 1
-fi
+exit_if_failed
 echo "all suites passed"
