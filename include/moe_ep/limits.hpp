@@ -20,6 +20,11 @@ inline constexpr int kMaxTopk = 32;
 // combine, V1 Config), of MOE_EP_NUM_WORKERS and of DispatcherOptions::num_workers.
 inline constexpr int kMaxWorkers = 1024;
 
+// Experts of a V1 low-latency call in shrink mode (Buffer with enable_shrink): every rank's
+// per-expert counts travel in the blocks of the exchange that survives failed ranks, whose
+// mailboxes are sized for this many (docs/legacy.md §4).
+inline constexpr int kMaxShrinkExperts = 16384;
+
 // Elements per row (hidden) of any dispatch or combine, of ElasticBuffer and of the dispatcher;
 // also the byte limit of one V1 packed (NVFP4) row.
 inline constexpr int kMaxHidden = 1 << 24;

@@ -28,8 +28,7 @@ std::string rank_list(const std::vector<int>& ranks) {
 
 }  // namespace
 
-std::vector<std::span<const std::byte>> Agreement::exchange(Transport& transport, Scope scope, const Wait& wait,
-                                                            std::span<const std::byte> payload) {
+void Agreement::build_block(std::span<const std::byte> payload) {
   BlockHeader header{};
   header.ok = error_ ? 0 : 1;
   header.num_fields = static_cast<std::uint32_t>(fields_.size());
@@ -41,17 +40,42 @@ std::vector<std::span<const std::byte>> Agreement::exchange(Transport& transport
   for (std::size_t i = 0; i < fields_.size(); ++i)
     std::memcpy(block_.data() + sizeof header + i * sizeof(std::int64_t), &fields_[i].value, sizeof(std::int64_t));
   if (!payload.empty()) std::memcpy(block_.data() + sizeof header + fields_bytes, payload.data(), payload.size());
+}
 
+std::vector<std::span<const std::byte>> Agreement::exchange(Transport& transport, Scope scope, const Wait& wait,
+                                                            std::span<const std::byte> payload) {
+  build_block(payload);
   gathered_ = transport.all_gather(block_, scope, wait);
   gathered_ok_ = true;
-  const int n = gathered_.size();
+  std::vector<std::span<const std::byte>> blocks;
+  for (int i = 0; i < gathered_.size(); ++i) blocks.push_back(gathered_[i]);
   const int first = scope == Scope::kWorld ? 0 : transport.node_first_rank();
+  return check(blocks, std::vector<char>(blocks.size(), 1), first, transport.rank());
+}
+
+std::vector<std::span<const std::byte>> Agreement::exchange_among(TolerantGather& gather, const std::vector<char>& live,
+                                                                  double timeout_secs,
+                                                                  std::span<const std::byte> payload,
+                                                                  TolerantGather::Result& result, int rank) {
+  build_block(payload);
+  result = gather.gather(block_, operation_, live, timeout_secs);
+  gathered_ok_ = true;
+  std::vector<std::span<const std::byte>> blocks;
+  for (const auto& b : result.blocks) blocks.emplace_back(b.data(), b.size());
+  return check(blocks, result.member, 0, rank);
+}
+
+// Long: the agreement's checks in the order the header states them, each with its message.
+std::vector<std::span<const std::byte>> Agreement::check(const std::vector<std::span<const std::byte>>& blocks,
+                                                         const std::vector<char>& present, int first, int rank) {
+  const int n = static_cast<int>(blocks.size());
+  auto header = [&](int i) { return reinterpret_cast<const BlockHeader*>(blocks[static_cast<size_t>(i)].data()); };
 
   // 0. Every peer is in an agreement too (not in some other collective).
   for (int i = 0; i < n; ++i) {
-    const std::size_t size = gathered_[i].size();
-    if (size < sizeof(BlockHeader) ||
-        size < sizeof(BlockHeader) + gathered_.as<BlockHeader>(i).num_fields * sizeof(std::int64_t))
+    if (!present[static_cast<size_t>(i)]) continue;
+    const std::size_t size = blocks[static_cast<size_t>(i)].size();
+    if (size < sizeof(BlockHeader) || size < sizeof(BlockHeader) + header(i)->num_fields * sizeof(std::int64_t))
       throw PeerError(fmt::format("{}: rank {} is in a different collective call than {}", context_, first + i,
                                   operation_),
                       {first + i});
@@ -61,10 +85,9 @@ std::vector<std::span<const std::byte>> Agreement::exchange(Transport& transport
   std::vector<int> rejected;
   std::string reasons;
   for (int i = 0; i < n; ++i) {
-    const auto& h = gathered_.as<BlockHeader>(i);
-    if (h.ok) continue;
+    if (!present[static_cast<size_t>(i)] || header(i)->ok) continue;
     rejected.push_back(first + i);
-    if (first + i != transport.rank()) reasons += fmt::format("; rank {}: {}", first + i, h.message);
+    if (first + i != rank) reasons += fmt::format("; rank {}: {}", first + i, header(i)->message);
   }
   if (error_) std::rethrow_exception(error_);
   if (!rejected.empty())
@@ -76,32 +99,36 @@ std::vector<std::span<const std::byte>> Agreement::exchange(Transport& transport
     std::string detail;
     for (const auto& [value, ranks] : groups) {
       detail += fmt::format("{}{} on {}", detail.empty() ? "" : ", ", value, rank_list(ranks));
-      const bool mine = std::find(ranks.begin(), ranks.end(), transport.rank()) != ranks.end();
+      const bool mine = std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
       if (!mine) others.insert(others.end(), ranks.begin(), ranks.end());
     }
     throw PeerError(fmt::format("{}: ranks disagree on {}: {}", context_, what, detail), others);
   };
   std::map<std::string, std::vector<int>> operations;
-  for (int i = 0; i < n; ++i) operations[gathered_.as<BlockHeader>(i).operation].push_back(first + i);
+  for (int i = 0; i < n; ++i)
+    if (present[static_cast<size_t>(i)]) operations[header(i)->operation].push_back(first + i);
   if (operations.size() > 1) disagreement("the operation", operations);
   for (int i = 0; i < n; ++i)
-    if (gathered_.as<BlockHeader>(i).num_fields != fields_.size())
+    if (present[static_cast<size_t>(i)] && header(i)->num_fields != fields_.size())
       throw PeerError(fmt::format("{}: rank {} sent {} signature fields, this rank {}", context_, first + i,
-                                  gathered_.as<BlockHeader>(i).num_fields, fields_.size()),
+                                  header(i)->num_fields, fields_.size()),
                       {first + i});
   for (std::size_t f = 0; f < fields_.size(); ++f) {
     std::map<std::string, std::vector<int>> values;
     for (int i = 0; i < n; ++i) {
+      if (!present[static_cast<size_t>(i)]) continue;
       std::int64_t v;
-      std::memcpy(&v, gathered_[i].data() + sizeof(BlockHeader) + f * sizeof(std::int64_t), sizeof v);
+      std::memcpy(&v, blocks[static_cast<size_t>(i)].data() + sizeof(BlockHeader) + f * sizeof(std::int64_t), sizeof v);
       values[fields_[f].is_dtype ? std::string(v < 0 ? "none" : dtype_name(static_cast<DType>(v))) : std::to_string(v)]
           .push_back(first + i);
     }
     if (values.size() > 1) disagreement(fields_[f].name, values);
   }
 
+  const std::size_t skip = sizeof(BlockHeader) + fields_.size() * sizeof(std::int64_t);
   std::vector<std::span<const std::byte>> payloads(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) payloads[static_cast<size_t>(i)] = gathered_[i].subspan(sizeof header + fields_bytes);
+  for (int i = 0; i < n; ++i)
+    if (present[static_cast<size_t>(i)]) payloads[static_cast<size_t>(i)] = blocks[static_cast<size_t>(i)].subspan(skip);
   return payloads;
 }
 

@@ -16,6 +16,7 @@
 #include <string_view>
 #include <vector>
 
+#include "comm/tolerant_gather.hh"
 #include "comm/transport.hh"
 #include "moe_ep/dtype.hpp"
 
@@ -45,6 +46,12 @@ class Agreement {
   // channel out of step: gathered() tells them apart.
   std::vector<std::span<const std::byte>> exchange(Transport& transport, Scope scope, const Wait& wait,
                                                    std::span<const std::byte> payload);
+  // The same over a TolerantGather (shrink mode): the exchange and the checks among the ranks
+  // this rank counts on (`live`); `result` gets who took part (the checks ran over them; the
+  // others' payloads are empty). `rank`: this rank.
+  std::vector<std::span<const std::byte>> exchange_among(TolerantGather& gather, const std::vector<char>& live,
+                                                         double timeout_secs, std::span<const std::byte> payload,
+                                                         TolerantGather::Result& result, int rank);
   bool gathered() const { return gathered_ok_; }
 
  private:
@@ -53,6 +60,11 @@ class Agreement {
     std::int64_t value;
     bool is_dtype;
   };
+  void build_block(std::span<const std::byte> payload);
+  // The checks over the blocks of the ranks `present` marks (`first`: the rank of blocks[0]).
+  std::vector<std::span<const std::byte>> check(const std::vector<std::span<const std::byte>>& blocks,
+                                                const std::vector<char>& present, int first, int rank);
+
   std::string context_;
   std::string operation_;
   std::vector<Field> fields_;

@@ -225,6 +225,18 @@ class LocalTransport final : public Transport, private EpochSlots {
     });
   }
 
+  std::vector<int> wait_signals_tolerant(std::span<const int> peers, std::span<const std::uint64_t> targets,
+                                         const Wait& wait) override {
+    check_in_step(wait);
+    return wait_for_arrivals_or_departures(
+        static_cast<int>(peers.size()), [&](int i) { return peers[static_cast<size_t>(i)]; },
+        [&](int i) {
+          return channel_->signals[rank() * size() + peers[static_cast<size_t>(i)]].value.load(std::memory_order_acquire) >=
+                 targets[static_cast<size_t>(i)];
+        },
+        [&](int r, unsigned) { return gone(r); }, wait.timeout_secs);
+  }
+
   void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
     // Without memory left even for the reason, the peers time out instead.
     bool left_now = false;

@@ -193,6 +193,14 @@ class Transport {
   virtual void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets,
                             const Wait& wait) = 0;
 
+  // Like wait_signals, but a rank that left or is late does not make this rank leave the channel:
+  // waits until each peer reached its target or left (departure()), or the timeout expired, and
+  // returns the peers that did not reach their targets (empty when all did). Throws StateError
+  // only if this rank already left the channel. For protocols that go on without the ranks that
+  // stopped (TolerantGather, shrink mode).
+  virtual std::vector<int> wait_signals_tolerant(std::span<const int> peers, std::span<const std::uint64_t> targets,
+                                                 const Wait& wait) = 0;
+
   // Leaves the channel after a failure (see the top of this file). `culprits`: the ranks the
   // failure names. Idempotent; never throws.
   virtual void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept = 0;

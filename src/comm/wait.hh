@@ -93,4 +93,32 @@ void wait_for_arrivals(const Transport& transport, int count, RankOf rank_of, Ar
   }
 }
 
+// The wait of wait_for_arrivals without its failure: waits until every i < count arrived or its
+// rank left, or the timeout expired, and returns the ranks that did not arrive (empty when all
+// did). For waits that go on without the ranks that stopped (TolerantGather).
+template <class RankOf, class Arrived, class Left>
+std::vector<int> wait_for_arrivals_or_departures(int count, RankOf rank_of, Arrived arrived, Left left,
+                                                 double timeout_secs) {
+  Backoff backoff(timeout_secs);
+  unsigned polls = 0;
+  std::vector<char> out(static_cast<size_t>(count), 0);  // left: not waited for any more
+  for (bool expired = false;;) {
+    bool waiting = false;
+    for (int i = 0; i < count; ++i) {
+      if (out[static_cast<size_t>(i)] || arrived(i)) continue;
+      if (left(rank_of(i), ++polls)) {
+        out[static_cast<size_t>(i)] = 1;
+        continue;
+      }
+      waiting = true;
+    }
+    if (!waiting || expired) break;
+    expired = !backoff.pause();
+  }
+  std::vector<int> missing;
+  for (int i = 0; i < count; ++i)
+    if (!arrived(i)) missing.push_back(rank_of(i));
+  return missing;
+}
+
 }  // namespace moe_ep::comm

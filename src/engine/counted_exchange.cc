@@ -53,11 +53,21 @@ void CountedExchange::signal_written() {
   }
 }
 
-std::int64_t CountedExchange::wait() {
+std::int64_t CountedExchange::wait(bool tolerant) {
   if (waited_) throw StateError(phase_ + ": waited twice");
   waited_ = true;
   const auto start = std::chrono::steady_clock::now();
-  if (!sources_.empty()) engine_.transport().wait_signals(sources_, targets_, engine_.facts.wait(phase_.c_str()));
+  const comm::Wait w = engine_.facts.wait(phase_.c_str());
+  if (!sources_.empty() && tolerant) {
+    comm::Transport& t = engine_.transport();
+    const std::vector<int> missing = t.wait_signals_tolerant(sources_, targets_, w);
+    if (!missing.empty())
+      comm::fail_wait(engine_.facts.rank, w, missing,
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+                      [&](int r) { return t.departure(r); });
+  } else if (!sources_.empty()) {
+    engine_.transport().wait_signals(sources_, targets_, w);
+  }
   if (retained_) finish_retained();
   if (sources_.empty()) return 0;
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();

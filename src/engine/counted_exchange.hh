@@ -47,8 +47,9 @@ class CountedExchange {
   // Signals every peer put() wrote to since the last call, once each, in rank order.
   void signal_written();
   // Waits until every expected signal arrived; returns the nanoseconds it waited. At most once;
-  // nothing to do (0) without expectations.
-  std::int64_t wait();
+  // nothing to do (0) without expectations. tolerant (shrink mode): a source that left or did not
+  // arrive is a PeerError or TimeoutError naming it, and this rank stays on the channel.
+  std::int64_t wait(bool tolerant = false);
 
   bool expects_any() const { return !sources_.empty(); }
   // The sources expected so far, in the order expect() counted them.

@@ -88,7 +88,14 @@ Engine::~Engine() {
   comm_worker_.drain();
   const std::string broken = broken_reason();
   bool keep_memory = !broken.empty();  // peers may still read it
-  if (!destroyed_ && !keep_memory) {
+  if (!destroyed_ && tolerant_) {
+    // Shrink mode: leave the tolerant exchange (every rank that is not gone leaves too, or the
+    // memory stays mapped).
+    if (facts.config.explicitly_destroy)
+      core::warn_always(core::Subsys::kAlloc, "{} #{} on rank {} was not destroyed explicitly", facts.config.name,
+                        facts.id, facts.rank);
+    keep_memory = !leave_tolerant() || keep_memory;
+  } else if (!destroyed_ && !keep_memory) {
     if (facts.config.explicitly_destroy) {
       core::warn_always(core::Subsys::kAlloc, "{} #{} on rank {} was not destroyed explicitly; its memory stays mapped",
                  facts.config.name, facts.id, facts.rank);
@@ -135,7 +142,8 @@ void Engine::check_usable(const char* operation) const {
 void Engine::run_guarded(Operation& op, const std::function<void()>& outputs_ready) {
   const std::exception_ptr error = core::attempt(op.context(), [&] { run_phases(op, outputs_ready); });
   if (!error) return;
-  if (!op.in_step_failure_) leave(error);
+  // A call that counts on some ranks only goes on without those that fail: no failure of it leaves.
+  if (!op.in_step_failure_ && !op.tolerant_) leave(error);
   std::rethrow_exception(error);
 }
 
@@ -149,8 +157,25 @@ void Engine::run_phases(Operation& op, const std::function<void()>& outputs_read
   agreement.local_error(error);
   op.describe(agreement);
   std::vector<std::span<const std::byte>> payloads;
+  const std::vector<char> live = op.counted_on();
+  op.tolerant_ = !live.empty();
+  comm::TolerantGather::Result among;  // the blocks payloads point into (shrink mode)
   const std::exception_ptr failed = core::attempt(op.context(), [&] {
-    payloads = agreement.exchange(*transport_, comm::Scope::kWorld, facts.wait(op.agreement_phase_.c_str()), payload);
+    if (!op.tolerant_) {
+      payloads = agreement.exchange(*transport_, comm::Scope::kWorld, facts.wait(op.agreement_phase_.c_str()), payload);
+      return;
+    }
+    if (!tolerant_)
+      throw StateError(fmt::format("{}: the {} has no tolerant exchange (it was not made for shrink mode)", op.context(),
+                                   facts.config.name));
+    const std::exception_ptr checks = core::attempt(op.context(), [&] {
+      payloads = agreement.exchange_among(*tolerant_, live, facts.config.timeout_secs, payload, among, facts.rank);
+    });
+    if (!among.member.empty()) {  // who took part is known even when the checks failed
+      op.members_ = among.member;
+      op.dropped(among.dropped);
+    }
+    if (checks) std::rethrow_exception(checks);
   });
   if (failed) {
     // The agreement's own checks fail on every rank alike; a failed exchange does not.
@@ -232,7 +257,30 @@ void Engine::simple_collective(const char* operation) {
   run_sync(std::make_shared<NamedCollective>(facts, operation, next_sequence()));
 }
 
+void Engine::make_tolerant(std::size_t block_capacity) {
+  tolerant_ = std::make_unique<comm::TolerantGather>(*transport_, block_capacity,
+                                                      facts.wait("construction: tolerant exchange"));
+}
+
+bool Engine::leave_tolerant() {
+  const bool clear = tolerant_->leave(facts.config.timeout_secs);
+  if (!clear)
+    core::warn(core::Subsys::kAlloc, "{} #{} on rank {}: not every rank left within {} s; its memory stays mapped",
+               facts.config.name, facts.id, facts.rank, facts.config.timeout_secs);
+  return clear;
+}
+
 void Engine::destroy() {
+  if (tolerant_) {
+    // Shrink mode: no collective (a failed rank cannot take part); leave the tolerant exchange.
+    check_usable("destroy");
+    comm_worker_.drain();
+    if (!leave_tolerant()) comm::retire(std::move(memory_));
+    memory_.reset();
+    std::lock_guard lock(state_mutex_);
+    destroyed_ = true;
+    return;
+  }
   simple_collective("destroy");
   memory_.reset();
   std::lock_guard lock(state_mutex_);

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "comm/agreement.hh"
+#include "comm/tolerant_gather.hh"
 #include "comm/transport.hh"
 #include "core/executor.hh"
 #include "engine/operation.hh"
@@ -98,10 +99,20 @@ class Engine {
   // Runs an operation without a result, synchronously.
   void run_sync(const std::shared_ptr<Operation>& op) { submit(op, false); }
   void barrier() { simple_collective("barrier"); }
+  // Collective (every rank, all present): the exchange of the operations that count on some ranks
+  // only (Operation::counted_on, shrink mode), for agreement blocks of up to block_capacity bytes.
+  // With it, destroy() and the destructor leave that exchange instead of running a collective: they
+  // wait (at most the timeout) until every rank that is not gone left too, and keep the memory
+  // mapped if one did not.
+  void make_tolerant(std::size_t block_capacity);
+  comm::TolerantGather* tolerant() { return tolerant_.get(); }
   void destroy();
 
   // Checks before a call: the engine is neither destroyed nor out of step.
   void check_usable(const char* operation) const;
+  // Waits until every operation queued on the communication worker has run (what the calling
+  // thread reads next is then what those operations left).
+  void drain() { comm_worker_.drain(); }
   std::uint64_t next_sequence() { return ++sequence_; }
 
   // Services of the operations.
@@ -130,8 +141,12 @@ class Engine {
   void mark_broken(const std::string& reason);
   std::string broken_reason() const;
   void simple_collective(const char* operation);
+  // Shrink mode's end of the buffer (destroy and the destructor): leaves the TolerantGather;
+  // returns whether the memory may be freed.
+  bool leave_tolerant();
 
   std::unique_ptr<comm::Transport> transport_;
+  std::unique_ptr<comm::TolerantGather> tolerant_;  // shrink mode (make_tolerant)
   std::shared_ptr<comm::SymmetricMemory> memory_;  // shared with views of it (memory_owner)
   core::SerialWorker comm_worker_;
   core::WorkerPool pool_;

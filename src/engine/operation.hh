@@ -44,6 +44,12 @@ class Operation {
   Operation& operator=(const Operation&) = delete;
 
   const std::string& context() const { return context_; }
+  // Shrink mode: the ranks this call counts on (1 each, this rank included), or empty for a call of
+  // every rank. Such a call's agreement runs over the engine's TolerantGather among those ranks
+  // (Engine::make_tolerant): the ranks that stopped are left out of it, members() says who took
+  // part, and no failure of the call leaves the channel (they are reported as in-step failures).
+  virtual std::vector<char> counted_on() const { return {}; }
+  const std::vector<char>& members() const { return members_; }
   // Shapes of the outputs are known without the count exchange (cached, or no CPU sync).
   virtual bool outputs_known_early() const = 0;
   virtual void allocate_outputs_early() = 0;
@@ -66,12 +72,17 @@ class Operation {
     in_step_failure_ = false;
   }
   bool rejected() const { return rejection_ != nullptr; }
+  // Shrink mode: called once the tolerant exchange decided who takes part, before its checks, with
+  // the ranks counted on that did not and why ([rank]: "" for the others).
+  virtual void dropped(const std::vector<std::string>& why) {}
 
  private:
   friend class Engine;
   std::string context_, name_, agreement_phase_;
   std::exception_ptr rejection_;  // the first failure of validate() or prepare()
   bool in_step_failure_ = false;
+  bool tolerant_ = false;         // its agreement ran over the TolerantGather
+  std::vector<char> members_;     // [rank]: took part (shrink mode); empty otherwise
 };
 
 // Every rank's payload read as one T each: throws StateError naming a rank whose block has another size.

@@ -1,16 +1,18 @@
 // Internals of the V1 Buffer: the engine, the low-latency slots and their bookkeeping.
 //
-// Low-latency slot rules (all kept on the calling thread, in call order, so every rank applies
-// them identically): every low-latency call takes the next of the two slots, even when it fails;
-// a call that finds its slot still holding a result whose receive hook has not run is rejected,
-// and that result is lost (its hook then raises StateError). A normal-mode call that uses the
-// scale-out pool, or a low-latency call with another (N, hidden, experts) than the last one,
-// requires clean_low_latency_buffer first; otherwise the next low-latency call is rejected with
-// an error that says so.
+// Low-latency slot rules (all kept on the executing thread, in call order, so every rank applies
+// them identically): a low-latency call plans the next of the two slots before its agreement and
+// takes it only once the agreement let it proceed, so a refused call (its own arguments, a peer's,
+// or ranks that disagree) changes no slot state; a call that finds its slot still holding a result
+// whose receive hook has not run is refused. A normal-mode call that uses the scale-out pool, or a
+// low-latency call with another (N, hidden, experts) than the last one, requires
+// clean_low_latency_buffer first; otherwise the next low-latency call is refused with an error
+// that says so.
 #pragma once
 
 #include <array>
 #include <atomic>
+#include <exception>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -73,15 +75,19 @@ class BufferCore {
  public:
   BufferCore(Group& group, const BufferConfig& config);
 
-  // Slot bookkeeping. take_slot returns the slot for the next low-latency call and the reason to
-  // reject it (empty when fine); it always advances.
+  // Slot bookkeeping. plan_slot returns the slot the next low-latency call would take and the
+  // reason to refuse it (empty when fine), and changes nothing; take_slot takes it (after the
+  // call's agreement), with the (N, hidden, experts) it was planned for.
   struct SlotUse {
-    int slot;
-    std::uint64_t generation;
-    std::uint64_t number;  // low-latency call number
+    int slot = 0;
+    std::uint64_t generation = 0;
+    std::uint64_t number = 0;  // low-latency call number
     std::string problem;
+    int max_tokens = 0, hidden = 0, num_experts = 0;
+    bool hook_pending = false;
   };
-  SlotUse take_slot(int max_tokens, int hidden, int num_experts, bool hook_pending, bool arguments_valid);
+  SlotUse plan_slot(int max_tokens, int hidden, int num_experts, bool hook_pending) const;
+  void take_slot(const SlotUse& use);
   int next_slot() const;
   void hook_done(int slot, std::uint64_t generation);
   // Problem with calling a hook / using a handle of (slot, generation): empty when fine.
@@ -112,6 +118,18 @@ class BufferCore {
   // Shrink mode: this rank's mask, one flag per rank (1: masked). Written by the mask calls and
   // by low-latency dispatches (the ranks that masked this one); all zero without enable_shrink.
   std::unique_ptr<std::atomic<std::int32_t>[]> masked;
+  // Shrink mode: the ranks found failed (gone, silent past the timeout, or in another call; every
+  // one is masked too). Low-latency calls no longer count on them; unmasking a rank (the mask
+  // calls) counts on it again.
+  std::unique_ptr<std::atomic<std::int32_t>[]> failed;
+  // The ranks a low-latency call counts on in shrink mode (1 each: the ranks not failed); empty
+  // without shrink mode (every rank takes part in every call).
+  std::vector<char> counted_on() const;
+  // Masks `rank` as failed; `why` goes to the log.
+  void mark_failed(int rank, const std::string& why);
+  // Shrink mode: marks the ranks a failed wait names (`error`: its PeerError or TimeoutError) as
+  // failed; without shrink mode, leaves the buffer's channel. Then rethrows.
+  [[noreturn]] void fail_wait(const std::exception_ptr& error);
   // Cleared when the buffer goes away: receive hooks outliving it check it first.
   std::shared_ptr<std::atomic<bool>> alive = std::make_shared<std::atomic<bool>>(true);
   ~BufferCore() { *alive = false; }

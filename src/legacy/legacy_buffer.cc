@@ -138,12 +138,39 @@ BufferCore::BufferCore(Group& group, const BufferConfig& cfg)
                    .field("num_qps_per_rank", cfg.num_qps_per_rank)
                    .field("enable_shrink", cfg.enable_shrink);
              }),
-      masked(std::make_unique<std::atomic<std::int32_t>[]>(static_cast<std::size_t>(group.size()))) {
+      masked(std::make_unique<std::atomic<std::int32_t>[]>(static_cast<std::size_t>(group.size()))),
+      failed(std::make_unique<std::atomic<std::int32_t>[]>(static_cast<std::size_t>(group.size()))) {
+  // Shrink mode's exchange: agreement blocks of a header, the signature fields and the largest
+  // payload, a low-latency dispatch's counts (experts + 1 + ranks int32).
+  if (cfg.enable_shrink && cfg.low_latency_mode)
+    engine.make_tolerant(1024 + 4 * (static_cast<std::size_t>(kMaxShrinkExperts) + 1 + static_cast<std::size_t>(group.size())));
   core::info(core::Subsys::kInit,
              "Buffer #{}: num_nvl_bytes {}, num_rdma_bytes {} (the symmetric pool), low_latency_mode {}, "
              "num_qps_per_rank {} ({} used)",
              engine.facts.id, cfg.num_nvl_bytes, cfg.num_rdma_bytes, cfg.low_latency_mode, cfg.num_qps_per_rank,
              engine.facts.config.num_allocated_qps);
+}
+
+std::vector<char> BufferCore::counted_on() const {
+  if (!(config.enable_shrink && config.low_latency_mode)) return {};
+  std::vector<char> live(static_cast<std::size_t>(engine.facts.num_ranks));
+  for (std::size_t r = 0; r < live.size(); ++r) live[r] = failed[r].load(std::memory_order_relaxed) == 0;
+  live[static_cast<std::size_t>(engine.facts.rank)] = 1;
+  return live;
+}
+
+void BufferCore::mark_failed(int rank, const std::string& why) {
+  masked[static_cast<std::size_t>(rank)].store(1, std::memory_order_relaxed);
+  if (failed[static_cast<std::size_t>(rank)].exchange(1, std::memory_order_relaxed) == 0)
+    core::warn(core::Subsys::kP2P, "Buffer #{}: shrink mode masks rank {}: {}", engine.facts.id, rank, why);
+}
+
+void BufferCore::fail_wait(const std::exception_ptr& error) {
+  if (!(config.enable_shrink && config.low_latency_mode)) engine.leave(error);
+  const std::string why = comm::message_of(error);
+  for (int r : comm::culprits_of(error))
+    if (r >= 0 && r < engine.facts.num_ranks && r != engine.facts.rank) mark_failed(r, why);
+  std::rethrow_exception(error);
 }
 
 std::function<int(int, int)> normal_mode_workers(const engine::Engine& e, const Config& config) {
@@ -329,6 +356,7 @@ void Buffer::low_latency_update_mask_buffer(int rank_to_mask, bool mask) {
   if (rank_to_mask < 0 || rank_to_mask >= num_ranks())
     core::fail(ctx, "rank_to_mask = {} is outside [0, {})", rank_to_mask, num_ranks());
   core_->masked[static_cast<std::size_t>(rank_to_mask)].store(mask ? 1 : 0, std::memory_order_relaxed);
+  if (!mask) core_->failed[static_cast<std::size_t>(rank_to_mask)].store(0, std::memory_order_relaxed);
 }
 
 void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status) {
@@ -341,7 +369,10 @@ void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status) {
 
 void Buffer::low_latency_clean_mask_buffer() {
   shrink_context(*core_, "low_latency_clean_mask_buffer");
-  for (int r = 0; r < num_ranks(); ++r) core_->masked[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);
+  for (int r = 0; r < num_ranks(); ++r) {
+    core_->masked[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);
+    core_->failed[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);
+  }
 }
 
 void Buffer::barrier() { core_->engine.barrier(); }

@@ -37,7 +37,7 @@ std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t 
                            {rank});
     }
   });
-  if (error) core.engine.leave(error);
+  if (error) core.fail_wait(error);  // shrink mode: the rank is masked; else the ranks are out of step
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
 }
 
@@ -59,6 +59,8 @@ class CleanLowLatency final : public engine::Operation {
   }
   bool outputs_known_early() const override { return true; }
   void allocate_outputs_early() override {}
+  std::vector<char> counted_on() const override { return core_.counted_on(); }
+  void dropped(const std::vector<std::string>& why) override { mark_dropped(core_, why); }
 
  private:
   void validate() override {
@@ -83,7 +85,12 @@ class CleanLowLatency final : public engine::Operation {
     auto& e = core_.engine;
     core_.cleaned(shape_.max_tokens, shape_.hidden, shape_.experts);
     for (int slot = 0; slot < 2; ++slot) header(core_.slot_base(e.facts.rank, slot))->store(0, std::memory_order_release);
-    e.transport().barrier(comm::Scope::kWorld, e.facts.wait("clean_low_latency_buffer: exit"));
+    if (members().empty()) {
+      e.transport().barrier(comm::Scope::kWorld, e.facts.wait("clean_low_latency_buffer: exit"));
+      return;
+    }
+    // Shrink mode: the exit barrier of the ranks that took part, which goes on without those that fail.
+    mark_dropped(core_, e.tolerant()->barrier("clean_low_latency_buffer: exit", members(), e.facts.config.timeout_secs).dropped);
   }
 
  private:
@@ -143,37 +150,36 @@ TensorView BufferCore::combine_buffer(int slot, const SlotLayout& layout, std::i
   return TensorView(slot_base(engine.facts.rank, slot) + SlotLayout::kHeaderBytes, DType::kBF16, shape, strides);
 }
 
-BufferCore::SlotUse BufferCore::take_slot(int max_tokens, int hidden, int num_experts, bool hook_pending,
-                                          bool arguments_valid) {
+BufferCore::SlotUse BufferCore::plan_slot(int max_tokens, int hidden, int num_experts, bool hook_pending) const {
   std::lock_guard lock(mutex_);
   const int slot = static_cast<int>(calls_ % 2);
-  SlotUse use{slot, 0, ++calls_, {}};
-  Slot& s = slots_[slot];
-  if (!arguments_valid) {
-    // The arguments were rejected: nothing more to say about the slot.
-  } else if (pool_dirty_)
+  const Slot& s = slots_[slot];
+  SlotUse use{slot, s.generation + 1, calls_ + 1, {}, max_tokens, hidden, num_experts, hook_pending};
+  if (pool_dirty_)
     use.problem = "a normal-mode call used the scale-out pool since the last low-latency call: call "
                   "clean_low_latency_buffer first";
-  else if (shape_ && (*shape_)[0] == max_tokens && (*shape_)[1] == hidden && (*shape_)[2] == num_experts)
-    ;
-  else if (shape_)
+  else if (shape_ && ((*shape_)[0] != max_tokens || (*shape_)[1] != hidden || (*shape_)[2] != num_experts))
     use.problem = fmt::format("N, hidden or num_experts changed from ({}, {}, {}) to ({}, {}, {}): call "
                               "clean_low_latency_buffer({}, {}, {}) first",
                               (*shape_)[0], (*shape_)[1], (*shape_)[2], max_tokens, hidden, num_experts, max_tokens,
                               hidden, num_experts);
-  if (use.problem.empty() && s.hook_pending)
+  else if (s.hook_pending)
     use.problem = fmt::format("slot {} still holds the result of low-latency call {}, whose receive hook has not run; at "
                               "most two low-latency results can be live", slot, s.owner);
-  // The call takes the slot whatever happens to it (every rank does the same).
-  ++s.generation;
-  s.hook_pending = use.problem.empty() && arguments_valid && hook_pending;
-  s.owner = use.number;
-  use.generation = s.generation;
-  if (use.problem.empty() && arguments_valid && !shape_) {
-    shape_ = std::array<int, 3>{max_tokens, hidden, num_experts};
-    slot_stride_ = SlotLayout::pool_bytes(max_tokens, hidden, engine.facts.num_ranks, num_experts) / 2;
-  }
   return use;
+}
+
+void BufferCore::take_slot(const SlotUse& use) {
+  std::lock_guard lock(mutex_);
+  Slot& s = slots_[use.slot];
+  calls_ = use.number;
+  s.generation = use.generation;
+  s.hook_pending = use.hook_pending;
+  s.owner = use.number;
+  if (!shape_) {
+    shape_ = std::array<int, 3>{use.max_tokens, use.hidden, use.num_experts};
+    slot_stride_ = SlotLayout::pool_bytes(use.max_tokens, use.hidden, engine.facts.num_ranks, use.num_experts) / 2;
+  }
 }
 
 int BufferCore::next_slot() const {
@@ -230,6 +236,7 @@ void BufferCore::cleaned(int max_tokens, int hidden, int num_experts) {
 TensorView next_combine_buffer(BufferCore& core, const LowLatencyHandle& handle) {
   auto& e = core.engine;
   e.check_usable("get_next_low_latency_combine_buffer");
+  e.drain();  // the slots as the low-latency calls queued so far left them
   const std::string ctx = e.facts.context("get_next_low_latency_combine_buffer");
   if (!handle.state || handle.state->engine_id != e.facts.id) core::fail(ctx, "handle was created by another buffer");
   const LowLatencyState& s = *handle.state;

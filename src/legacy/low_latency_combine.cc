@@ -61,17 +61,17 @@ class LowLatencyCombine final : public engine::Operation {
   int ranks() const { return core_.engine.facts.num_ranks; }
   int64_t slab_rows() const { return static_cast<int64_t>(ranks()) * shape_.max_tokens; }
   // The phases (engine/operation.hh).
-  void validate() override {
-    const auto* state = args_.handle ? args_.handle->state.get() : nullptr;
-    take_slot(core_, ctx_, state ? state->max_tokens : 0, state ? state->hidden : 0, state ? state->num_experts : 0,
-              args_.return_recv_hook, use, [&] { check_arguments(); });
-    read_combine_buffer();
-  }
+  std::vector<char> counted_on() const override { return core_.counted_on(); }
+  void dropped(const std::vector<std::string>& why) override { mark_dropped(core_, why); }
+  void validate() override { check_arguments(); }
+  // Shrink mode: whether rank r takes part in this call (every rank otherwise).
+  bool member(int r) const { return members().empty() || members()[static_cast<size_t>(r)] != 0; }
   std::vector<std::byte> prepare() override;
   void describe(comm::Agreement& agreement) const override;
   void run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) override;
 
   void check_arguments();
+  void check_dispatch_state();
   void check_tensors();
   void check_signals();
   void wait_for_signals() const;
@@ -108,10 +108,6 @@ void LowLatencyCombine::check_arguments() {
   if (!a.handle || !a.handle->state || a.handle->state->engine_id != e.facts.id)
     core::fail(ctx_, "handle is missing or was created by another buffer");
   state_ = a.handle->state.get();
-  const std::string stale = core_.slot_problem(state_->slot, state_->slot_generation, "handle");
-  if (!stale.empty()) core::fail(ctx_, "{}", stale);
-  if (state_->src_info.empty())
-    core::fail(ctx_, "the handle's dispatch has not received its tokens yet: call its receive hook first");
   if (a.use_logfmt && a.zero_copy)
     core::fail(ctx_, "use_logfmt = true cannot be combined with zero_copy = true (LogFMT rows are encoded while "
                "they are sent, zero-copy rows are not sent)");
@@ -127,10 +123,29 @@ void LowLatencyCombine::check_arguments() {
                shape_.hidden);
   layout_.emplace(shape_.max_tokens, shape_.hidden, ranks(), shape_.experts, shape_.topk, RowFormat{});
   check_tensors();
-  staged_ = a.zero_copy || a.return_recv_hook;
+  // Shrink mode stages too: peers then read this rank's slot, never its x, so no exit barrier (which
+  // would need every rank) has to keep x alive for them.
+  staged_ = a.zero_copy || a.return_recv_hook || shrinks(core_);
 }
 
-// x, topk_idx (the dispatched one), topk_weights, out and the wait statistics.
+// What the handle's dispatch left, read on the executing thread (an asynchronous dispatch may still
+// run while the combine is validated): its slot, its receive, and the top-k ids it dispatched.
+void LowLatencyCombine::check_dispatch_state() {
+  const std::string stale = core_.slot_problem(state_->slot, state_->slot_generation, "handle");
+  if (!stale.empty()) core::fail(ctx_, "{}", stale);
+  if (state_->src_info.empty())
+    core::fail(ctx_, "the handle's dispatch has not received its tokens yet: call its receive hook first");
+  const int n = shape_.tokens, k = shape_.topk;
+  const auto* given = args_.topk_idx.data_as<const int64_t>();
+  const auto* dispatched = state_->topk.data_as<const int64_t>();
+  for (int t = 0; t < n; ++t)
+    for (int j = 0; j < k; ++j)
+      if (given[t * args_.topk_idx.stride(0) + j] != dispatched[t * k + j])
+        core::fail(ctx_, "topk_idx[{}, {}] = {} differs from the dispatched {}", t, j,
+                   given[t * args_.topk_idx.stride(0) + j], dispatched[t * k + j]);
+}
+
+// x, topk_idx (its shape), topk_weights, out and the wait statistics.
 void LowLatencyCombine::check_tensors() {
   const auto& a = args_;
   const int n = shape_.tokens, k = shape_.topk;
@@ -138,11 +153,6 @@ void LowLatencyCombine::check_tensors() {
   core::expect_rows_contiguous(ctx_, "x", a.x);
   core::expect_tensor(ctx_, "topk_idx", a.topk_idx, DType::kInt64, {n, k});
   core::expect_rows_contiguous(ctx_, "topk_idx", a.topk_idx);
-  for (int t = 0; t < n; ++t)
-    for (int j = 0; j < k; ++j)
-      if (a.topk_idx.data_as<const int64_t>()[t * a.topk_idx.stride(0) + j] != state_->topk.data_as<const int64_t>()[t * k + j])
-        core::fail(ctx_, "topk_idx[{}, {}] = {} differs from the dispatched {}", t, j,
-                   a.topk_idx.data_as<const int64_t>()[t * a.topk_idx.stride(0) + j], state_->topk.data_as<const int64_t>()[t * k + j]);
   core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {n, k});
   core::expect_rows_contiguous(ctx_, "topk_weights", a.topk_weights);
   if (a.out.defined()) {
@@ -200,6 +210,9 @@ void LowLatencyCombine::read_combine_buffer() {
 // This rank's slab: without staging, node peers read x itself, so it is shared (Transport::share).
 std::vector<std::byte> LowLatencyCombine::prepare() {
   auto& e = core_.engine;
+  use = plan_slot(core_, ctx_, shape_.max_tokens, shape_.hidden, shape_.experts, args_.return_recv_hook);
+  check_dispatch_state();
+  read_combine_buffer();
   wait_for_signals();
   e.limit_inflight(0);  // num_qps_per_rank
   if (!result.combined_x.defined()) allocate_outputs_early();
@@ -225,6 +238,7 @@ void LowLatencyCombine::describe(comm::Agreement& agreement) const {
 void LowLatencyCombine::run(const std::vector<std::span<const std::byte>>& payloads,
                             const std::function<void()>& outputs_ready) {
   auto& e = core_.engine;
+  core_.take_slot(use);  // the agreement let the call proceed (a refused call changes nothing)
   take_slabs(payloads);
   stage_and_publish();
   expect_remote_rows();
@@ -244,8 +258,12 @@ void LowLatencyCombine::run(const std::vector<std::span<const std::byte>>& paylo
 // Every rank's slab (peers_), the node peers' mapped here.
 void LowLatencyCombine::take_slabs(const std::vector<std::span<const std::byte>>& payloads) {
   auto& e = core_.engine;
-  peers_ = engine::payload_per_rank<Slab>(payloads, ctx_);
+  peers_.assign(payloads.size(), Slab{});
   for (std::size_t r = 0; r < peers_.size(); ++r) {
+    if (!member(static_cast<int>(r))) continue;  // shrink mode: took no part, publishes nothing
+    if (payloads[r].size() != sizeof(Slab))
+      throw StateError(fmt::format("{}: rank {} published {} bytes, expected {}", ctx_, r, payloads[r].size(), sizeof(Slab)));
+    std::memcpy(&peers_[r], payloads[r].data(), sizeof(Slab));
     if (static_cast<int>(r) == e.facts.rank)
       peers_[r] = mine_;
     else if (!staged_ && e.facts.same_node(static_cast<int>(r)))
@@ -283,7 +301,7 @@ int32_t LowLatencyCombine::rows_from(int expert_rank) const {
 
 // Expectations, in call order: one signal from each rank of another node with rows for this one.
 void LowLatencyCombine::expect_remote_rows() {
-  expect_other_nodes(core_.engine, remote_rows_, [&](int d) { return rows_from(d) > 0; });
+  expect_other_nodes(core_.engine, remote_rows_, [&](int d) { return member(d) && rows_from(d) > 0; });
 }
 
 // Rows for tokens of other nodes' ranks: one put per (token, expert) into the token's rank's
@@ -296,7 +314,7 @@ void LowLatencyCombine::put_remote_rows() {
   const auto* src_info = state_->src_info.data();
   const int64_t rows = slab_rows();
   for (int src = 0; src < R; ++src) {
-    if (e.facts.same_node(src)) continue;
+    if (e.facts.same_node(src) || !member(src)) continue;
     for (int i = 0; i < El; ++i) {
       const int64_t begin = ranges[i * R + src] >> 32, count = ranges[i * R + src] & 0xffffffff;
       for (int64_t c = 0; c < count; ++c) {
@@ -341,8 +359,9 @@ std::vector<int64_t> LowLatencyCombine::wait_for_experts() {
   auto& e = core_.engine;
   std::vector<int64_t> waited(static_cast<size_t>(ranks()), 0);
   for (int d = 0; d < ranks() && staged_; ++d)
-    if (e.facts.same_node(d)) waited[static_cast<size_t>(d)] = wait_published(core_, d, use.slot, use.number, "combine receive");
-  const std::int64_t ns = remote_rows_.wait();
+    if (e.facts.same_node(d) && member(d))
+      waited[static_cast<size_t>(d)] = wait_published(core_, d, use.slot, use.number, "low_latency_combine: receive");
+  const std::int64_t ns = wait_remote(core_, remote_rows_);
   for (int d : remote_rows_.sources()) waited[static_cast<size_t>(d)] = ns;
   return waited;
 }
@@ -366,7 +385,7 @@ void LowLatencyCombine::combine_token(int64_t t) {
     if (id < 0) continue;
     const int d = static_cast<int>(id / El);
     const int64_t local = id % El, row = state_->rows[static_cast<size_t>(t) * k + j];
-    if (row < 0) continue;  // shrink mode: the dispatch kept this token from d
+    if (row < 0 || !member(d)) continue;  // shrink mode: the dispatch kept this token from d, or d failed since
     if (!e.facts.same_node(d)) {
       rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(recv + (id * shape_.max_tokens + t) * L.combine_recv_row_bytes);
       encoded[static_cast<size_t>(n)] = logfmt;

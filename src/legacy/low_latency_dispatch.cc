@@ -63,11 +63,11 @@ class LowLatencyDispatch final : public engine::Operation {
  private:
   int ranks() const { return core_.engine.facts.num_ranks; }
   // The phases (engine/operation.hh).
-  void validate() override {
-    take_slot(core_, ctx_, args_.num_max_dispatch_tokens_per_rank,
-              args_.x.ndim() == 2 ? static_cast<int>(args_.x.size(1)) : 0, args_.num_experts,
-              args_.return_recv_hook, use, [&] { check_arguments(); });
-  }
+  std::vector<char> counted_on() const override { return core_.counted_on(); }
+  void dropped(const std::vector<std::string>& why) override { mark_dropped(core_, why); }
+  void validate() override { check_arguments(); }
+  // Shrink mode: whether rank r takes part in this call (every rank otherwise).
+  bool member(int r) const { return members().empty() || members()[static_cast<size_t>(r)] != 0; }
   std::vector<std::byte> prepare() override;
   void describe(comm::Agreement& agreement) const override;
   void run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) override;
@@ -142,6 +142,9 @@ void LowLatencyDispatch::check_arguments() {
   if (s.experts <= 0 || s.experts % R != 0)
     core::fail(ctx_, "num_experts = {} must be a positive multiple of the {} ranks", s.experts, R);
   s.local_experts = s.experts / R;
+  if (shrinks(core_) && s.experts > kMaxShrinkExperts)
+    core::fail(ctx_, "num_experts = {} is above {}, the most a shrink-mode buffer's exchange carries", s.experts,
+               kMaxShrinkExperts);
   if (a.cumulative_local_expert_recv_stats.defined()) {
     core::expect_tensor(ctx_, "cumulative_local_expert_recv_stats", a.cumulative_local_expert_recv_stats, DType::kInt32,
                         {s.local_experts});
@@ -240,9 +243,6 @@ void LowLatencyDispatch::allocate_handle() {
   h.num_experts = shape_.experts;
   state_ = std::make_shared<LowLatencyState>();
   state_->engine_id = core_.engine.facts.id;
-  state_->dispatch_number = use.number;
-  state_->slot = use.slot;
-  state_->slot_generation = use.generation;
   state_->max_tokens = shape_.max_tokens;
   state_->hidden = shape_.hidden;
   state_->num_experts = shape_.experts;
@@ -253,6 +253,7 @@ void LowLatencyDispatch::allocate_handle() {
 
 // [E + 1 + R]: the tokens selecting each expert, this rank's token count, then its mask.
 std::vector<std::byte> LowLatencyDispatch::prepare() {
+  use = plan_slot(core_, ctx_, shape_.max_tokens, shape_.hidden, shape_.experts, args_.return_recv_hook);
   core_.engine.limit_inflight(0);  // num_qps_per_rank
   if (!result.recv_x.defined()) allocate_outputs_early();
   std::vector<int32_t> mine(static_cast<size_t>(shape_.experts) + 1 + ranks(), 0);
@@ -285,6 +286,11 @@ void LowLatencyDispatch::describe(comm::Agreement& agreement) const {
 
 void LowLatencyDispatch::run(const std::vector<std::span<const std::byte>>& payloads,
                              const std::function<void()>& outputs_ready) {
+  // The agreement let the call proceed: now it takes its slot (a refused call changes nothing).
+  core_.take_slot(use);
+  state_->dispatch_number = use.number;
+  state_->slot = use.slot;
+  state_->slot_generation = use.generation;
   take_counts(payloads);
   apply_masks(payloads);
   lay_out_slab();
@@ -302,6 +308,7 @@ void LowLatencyDispatch::take_counts(const std::vector<std::span<const std::byte
   counts_.resize(static_cast<size_t>(R) * E);
   tokens_.resize(static_cast<size_t>(R));
   for (int s = 0; s < R; ++s) {
+    if (!member(s)) continue;  // shrink mode: a rank that did not take part sends nothing
     if (payloads[static_cast<size_t>(s)].size() != sizeof(int32_t) * (E + 1 + R))
       throw StateError(fmt::format("{}: rank {} published {} bytes of counts", ctx_, s, payloads[static_cast<size_t>(s)].size()));
     std::memcpy(&counts_[static_cast<size_t>(s) * E], payloads[static_cast<size_t>(s)].data(), sizeof(int32_t) * E);
@@ -314,19 +321,23 @@ void LowLatencyDispatch::take_counts(const std::vector<std::span<const std::byte
 // masking peer does). Without masks nothing changes.
 void LowLatencyDispatch::apply_masks(const std::vector<std::span<const std::byte>>& payloads) {
   const int R = ranks(), E = shape_.experts, El = shape_.local_experts, me = core_.engine.facts.rank;
-  std::vector<int32_t> masks(static_cast<size_t>(R) * R);
+  // A rank that did not take part (shrink mode) is apart from every rank, as if it masked them all.
+  std::vector<int32_t> masks(static_cast<size_t>(R) * R, 1);
   for (int s = 0; s < R; ++s)
-    std::memcpy(&masks[static_cast<size_t>(s) * R], payloads[static_cast<size_t>(s)].data() + sizeof(int32_t) * (E + 1),
-                sizeof(int32_t) * R);
+    if (member(s))
+      std::memcpy(&masks[static_cast<size_t>(s) * R], payloads[static_cast<size_t>(s)].data() + sizeof(int32_t) * (E + 1),
+                  sizeof(int32_t) * R);
   apart_.assign(static_cast<size_t>(R) * R, 0);
   for (int s = 0; s < R; ++s)
     for (int d = 0; d < R; ++d) {
-      if (masks[static_cast<size_t>(s) * R + d] == 0 && masks[static_cast<size_t>(d) * R + s] == 0) continue;
+      if (member(s) && member(d) && masks[static_cast<size_t>(s) * R + d] == 0 && masks[static_cast<size_t>(d) * R + s] == 0)
+        continue;
       apart_[static_cast<size_t>(s) * R + d] = 1;
       std::fill_n(counts_.begin() + static_cast<std::ptrdiff_t>(s) * E + static_cast<std::ptrdiff_t>(d) * El, El, 0);
     }
   for (int s = 0; s < R; ++s)
-    if (masks[static_cast<size_t>(s) * R + me] != 0) core_.masked[static_cast<size_t>(s)].store(1, std::memory_order_relaxed);
+    if (member(s) && masks[static_cast<size_t>(s) * R + me] != 0)
+      core_.masked[static_cast<size_t>(s)].store(1, std::memory_order_relaxed);
 }
 
 // Layout: per local expert, one block per source in rank order.
@@ -459,8 +470,9 @@ std::vector<int64_t> LowLatencyDispatch::wait_for_sources() {
   auto& e = core_.engine;
   std::vector<int64_t> waited(static_cast<size_t>(ranks()), 0);
   for (int s = 0; s < ranks(); ++s)
-    if (e.facts.same_node(s)) waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "dispatch receive");
-  const std::int64_t ns = remote_records_.wait();
+    if (e.facts.same_node(s) && member(s))
+      waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "low_latency_dispatch: receive");
+  const std::int64_t ns = wait_remote(core_, remote_records_);
   for (int s : remote_records_.sources()) waited[static_cast<size_t>(s)] = ns;
   return waited;
 }

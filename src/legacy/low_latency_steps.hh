@@ -29,7 +29,8 @@ inline std::atomic<std::uint64_t>* header(std::byte* slot) {
 
 // Waits until `rank`'s slot header shows call `number`; returns the nanoseconds waited. A rank
 // that left or gave up is reported at once; a failed wait leaves the ranks out of step (also in a
-// receive hook, outside any operation), so the buffer leaves its channel.
+// receive hook, outside any operation), so the buffer leaves its channel, except in shrink mode,
+// where the rank is masked as failed and the buffer stays usable (BufferCore::fail_wait).
 std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t number, const char* phase);
 
 inline void publish(BufferCore& core, int slot, std::uint64_t number) {
@@ -69,16 +70,36 @@ auto run_low_latency(BufferCore& core, const char* name, const Args& args) {
   return result;
 }
 
-// A low-latency operation's validation: runs `check` (the arguments), then takes the call's slot
-// into `use` whether or not the arguments passed (every rank's slots stay in step), then throws the
-// first failure: the arguments', or the slot's.
-template <class Check>
-void take_slot(BufferCore& core, const std::string& context, int max_tokens, int hidden, int num_experts, bool hook,
-               BufferCore::SlotUse& use, Check&& check) {
-  const std::exception_ptr rejected = core::attempt(context, check);
-  use = core.take_slot(max_tokens, hidden, num_experts, hook, rejected == nullptr);
-  if (rejected) std::rethrow_exception(rejected);
+// Shrink mode (docs/legacy.md §4): whether the buffer's low-latency calls go on without the
+// ranks that fail.
+inline bool shrinks(const BufferCore& core) { return core.config.enable_shrink && core.config.low_latency_mode; }
+
+// Shrink mode: the ranks the tolerant exchange of a call dropped ([rank]: why, "" for the others)
+// are masked as failed.
+inline void mark_dropped(BufferCore& core, const std::vector<std::string>& why) {
+  for (int r = 0; r < static_cast<int>(why.size()); ++r)
+    if (!why[static_cast<std::size_t>(r)].empty()) core.mark_failed(r, why[static_cast<std::size_t>(r)]);
+}
+
+// Waits for the signals of `exchange`; in shrink mode a source that failed is masked as failed and
+// named by the error, and the buffer stays usable (BufferCore::fail_wait).
+inline std::int64_t wait_remote(BufferCore& core, engine::CountedExchange& exchange) {
+  if (!shrinks(core)) return exchange.wait();
+  std::int64_t ns = 0;
+  const std::exception_ptr error =
+      core::attempt(core.engine.facts.context("low-latency"), [&] { ns = exchange.wait(true); });
+  if (error) core.fail_wait(error);
+  return ns;
+}
+
+// A low-latency operation's slot, planned before its agreement (on the executing thread, in call
+// order): refuses the call, on this rank, if the slot cannot be used now. The slot is taken only
+// after the agreement (BufferCore::take_slot), so a refused call changes nothing.
+inline BufferCore::SlotUse plan_slot(const BufferCore& core, const std::string& context, int max_tokens, int hidden,
+                                     int num_experts, bool hook) {
+  BufferCore::SlotUse use = core.plan_slot(max_tokens, hidden, num_experts, hook);
   if (!use.problem.empty()) core::fail(context, "{}", use.problem);
+  return use;
 }
 
 }  // namespace moe_ep::legacy

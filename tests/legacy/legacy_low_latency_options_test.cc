@@ -33,6 +33,7 @@ using testing::catch_error;
 using testing::Caught;
 using testing::collect_on_ranks;
 using testing::low_latency_rdma_bytes;
+using testing::RankCall;
 using testing::RankProblems;
 using testing::report_problems;
 
@@ -275,22 +276,6 @@ TEST(LowLatencyStats, ShapeAndDtypeAreChecked) {
 // ---- use_logfmt ----------------------------------------------------------------------------------
 
 // Every rank's inputs of a case, and this rank's with their views.
-struct RankCall {
-  RankCall(const CaseSpec& s, int me)
-      : all(reference::make_all_inputs(s)),
-        in(all[static_cast<size_t>(me)]),
-        n(in.num_tokens),
-        x(in.x.data(), DType::kBF16, {n, s.hidden}),
-        topk(in.topk.data(), DType::kInt64, {n, s.k}),
-        weights(in.weights.data(), DType::kFP32, {n, s.k}) {}
-  RankCall(const RankCall&) = delete;
-  RankCall& operator=(const RankCall&) = delete;
-  std::vector<RankInputs> all;
-  RankInputs& in;
-  std::int64_t n;
-  TensorView x, topk, weights;
-};
-
 TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
   for (int scaleout : {1, 2}) {
     const CaseSpec s = ll_spec(4, scaleout, 8, 3, 4, 256, 70 + scaleout);
@@ -319,7 +304,7 @@ TEST(LowLatencyCombine, LogFmtWithZeroCopyIsRejectedAndTheBufferStaysUsable) {
         } else if (c.type != "PeerError" || c.ranks != std::vector<int>{asking} || c.message.find("use_logfmt") == std::string::npos) {
           bad.push_back(fmt::format("a peer's use_logfmt: {}: {}", c.type, c.message));
         }
-        // The rejected call took a slot; the dispatch's handle still combines, then a new round works.
+        // The rejected call changed nothing: the dispatch's handle still combines, then a new round works.
         combine_checked(d.handle, "combine after the rejected one");
         LowLatencyDispatchResult again = b.low_latency_dispatch({.x = call.x, .topk_idx = call.topk, .num_max_dispatch_tokens_per_rank = N,
                                                                  .num_experts = s.num_experts, .use_fp8 = false});

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "moe_ep/dtype.hpp"
+#include "moe_ep/tensor.hpp"
 #include "moe_ep/group.hpp"
 #include "reference/dense_reference.hh"
 #include "support/rank_runner.hh"
@@ -53,5 +54,23 @@ void expect_legacy_case(const reference::CaseSpec& spec, const LegacyRunOptions&
 std::int64_t low_latency_rdma_bytes(const reference::CaseSpec& s);
 
 std::string describe(const reference::CaseSpec& spec, const LegacyRunOptions& options);
+
+// One rank's inputs of a low-latency case as the views a call takes: every rank's inputs (the
+// reference needs them all), this rank's, its token count, and x, topk and weights over them.
+struct RankCall {
+  RankCall(const reference::CaseSpec& s, int me)
+      : all(reference::make_all_inputs(s)),
+        in(all[static_cast<size_t>(me)]),
+        n(in.num_tokens),
+        x(in.x.data(), DType::kBF16, {n, s.hidden}),
+        topk(in.topk.data(), DType::kInt64, {n, s.k}),
+        weights(in.weights.data(), DType::kFP32, {n, s.k}) {}
+  RankCall(const RankCall&) = delete;
+  RankCall& operator=(const RankCall&) = delete;
+  std::vector<reference::RankInputs> all;
+  reference::RankInputs& in;
+  std::int64_t n;
+  TensorView x, topk, weights;
+};
 
 }  // namespace moe_ep::testing

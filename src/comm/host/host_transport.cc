@@ -296,6 +296,18 @@ class HostTransport final : public Transport, private EpochSlots {
     });
   }
 
+  std::vector<int> wait_signals_tolerant(std::span<const int> peers, std::span<const std::uint64_t> targets,
+                                         const Wait& wait) override {
+    check_in_step(wait);
+    const PaddedCounter* mine = own_->signals();
+    return wait_for_arrivals_or_departures(
+        static_cast<int>(peers.size()), [&](int i) { return peers[static_cast<size_t>(i)]; },
+        [&](int i) {
+          return mine[peers[static_cast<size_t>(i)]].value.load(std::memory_order_acquire) >= targets[static_cast<size_t>(i)];
+        },
+        [&](int r, unsigned poll) { return left(r, poll); }, wait.timeout_secs);
+  }
+
   void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
     if (!own_ || !own_->control.page().abandon(reason, culprits)) return;
     // Sections are bounded work; a peer whose process is gone reads nothing any more.

@@ -457,4 +457,21 @@ void Messenger::wait_signals(std::span<const int> peers, std::span<const std::ui
       });
 }
 
+std::vector<int> Messenger::wait_signals_tolerant(std::span<const int> peers, std::span<const std::uint64_t> targets,
+                                                 const Wait& wait) {
+  // Progress is driven while waiting, under the MPI lock, as in every wait of this messenger.
+  return wait_for_arrivals_or_departures(
+      static_cast<int>(peers.size()), [&](int i) { return peers[static_cast<size_t>(i)]; },
+      [&](int i) {
+        std::lock_guard lock(mpi_mutex());
+        progress();
+        return sources_[static_cast<size_t>(peers[static_cast<size_t>(i)])].signals >= targets[static_cast<size_t>(i)];
+      },
+      [&](int r, unsigned) {
+        std::lock_guard lock(mpi_mutex());
+        return departure_locked(r).has_value();
+      },
+      wait.timeout_secs);
+}
+
 }  // namespace moe_ep::comm::mpi

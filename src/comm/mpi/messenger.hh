@@ -136,6 +136,10 @@ class Messenger {
   void finish_retained(const Wait& wait);
   void signal(int peer);
   void wait_signals(std::span<const int> peers, std::span<const std::uint64_t> targets, const Wait& wait);
+  // Transport::wait_signals_tolerant: the peers that did not reach their targets before they left
+  // (a notice, or a process of this host that is gone) or the timeout expired; never throws for them.
+  std::vector<int> wait_signals_tolerant(std::span<const int> peers, std::span<const std::uint64_t> targets,
+                                         const Wait& wait);
 
   // No notice (abandon(), queries and answers) was sent or received on this channel: once its
   // members are done with it, no message of it can still be in flight.

@@ -285,6 +285,12 @@ class MpiTransport final : public Transport {
     leave_on_failure([&] { messenger_.wait_signals(peers, targets, wait); });
   }
 
+  std::vector<int> wait_signals_tolerant(std::span<const int> peers, std::span<const std::uint64_t> targets,
+                                         const Wait& wait) override {
+    check_in_step(wait);
+    return messenger_.wait_signals_tolerant(peers, targets, wait);
+  }
+
   void abandon(const std::string& reason, const std::vector<int>& culprits) noexcept override {
     // Either a node peer opening a section sees the flag, or the loop below sees its section open
     // and waits for it to close.
