@@ -135,14 +135,18 @@ void LowLatencyCombine::check_dispatch_state() {
   if (!stale.empty()) core::fail(ctx_, "{}", stale);
   if (state_->src_info.empty())
     core::fail(ctx_, "the handle's dispatch has not received its tokens yet: call its receive hook first");
+  // -1 may replace a dispatched id (the lane is left out of the sum, as DeepEP's combine skips
+  // it); any other difference would read rows of another expert.
   const int n = shape_.tokens, k = shape_.topk;
   const auto* given = args_.topk_idx.data_as<const int64_t>();
   const auto* dispatched = state_->topk.data_as<const int64_t>();
   for (int t = 0; t < n; ++t)
-    for (int j = 0; j < k; ++j)
-      if (given[t * args_.topk_idx.stride(0) + j] != dispatched[t * k + j])
-        core::fail(ctx_, "topk_idx[{}, {}] = {} differs from the dispatched {}", t, j,
-                   given[t * args_.topk_idx.stride(0) + j], dispatched[t * k + j]);
+    for (int j = 0; j < k; ++j) {
+      const int64_t id = given[t * args_.topk_idx.stride(0) + j];
+      if (id != dispatched[t * k + j] && id != -1)
+        core::fail(ctx_, "topk_idx[{}, {}] = {} differs from the dispatched {} (only -1, which leaves the lane out, may "
+                   "replace a dispatched id)", t, j, id, dispatched[t * k + j]);
+    }
 }
 
 // x, topk_idx (its shape), topk_weights, out and the wait statistics.
@@ -372,7 +376,8 @@ void LowLatencyCombine::combine_token(int64_t t) {
   const SlotLayout& L = *layout_;
   const int k = shape_.topk, El = shape_.local_experts, H = shape_.hidden;
   const std::byte* recv = core_.slot_base(e.facts.rank, use.slot) + L.recv_offset;
-  const auto* ids = state_->topk.data_as<const int64_t>();
+  const auto* ids = args_.topk_idx.data_as<const int64_t>();  // the dispatched ids, or -1 (lane left out)
+  const int64_t id_row = args_.topk_idx.stride(0);
   const auto* weights = args_.topk_weights.data_as<const float>();
   auto* out = result.combined_x.data_as<std::uint16_t>();
   const bool logfmt = args_.use_logfmt;
@@ -381,7 +386,7 @@ void LowLatencyCombine::combine_token(int64_t t) {
   std::array<bool, kMaxTopk> encoded{};  // LogFMT rows that arrived encoded
   int n = 0;
   for (int j = 0; j < k; ++j) {
-    const int64_t id = ids[t * k + j];
+    const int64_t id = ids[t * id_row + j];
     if (id < 0) continue;
     const int d = static_cast<int>(id / El);
     const int64_t local = id % El, row = state_->rows[static_cast<size_t>(t) * k + j];

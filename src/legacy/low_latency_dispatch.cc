@@ -389,6 +389,8 @@ void LowLatencyDispatch::stage_and_publish() {
     if (args_.use_nvfp4) {
       core::cast_row_nvfp4(x, H, nvfp4_, reinterpret_cast<std::uint8_t*>(row), reinterpret_cast<std::uint8_t*>(row + L.payload_bytes));
     } else if (args_.use_fp8) {
+      // Packed UE8M0 words past the last block (H not a multiple of 512) hold zero bytes.
+      if (args_.use_ue8m0) std::memset(row + L.payload_bytes, 0, static_cast<size_t>(L.scales_bytes));
       core::cast_row_fp8(x, H, args_.round_scale, args_.use_ue8m0, reinterpret_cast<std::uint8_t*>(row), row + L.payload_bytes);
     } else {
       std::memcpy(row, x, static_cast<size_t>(L.payload_bytes));

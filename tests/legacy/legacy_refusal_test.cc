@@ -1,7 +1,8 @@
 // A refused low-latency call changes nothing (docs/legacy.md §4, "Slots"): refused combines leave
 // the dispatch's handle combinable, a refused dispatch between two dispatches leaves both handles
-// valid, and a dispatch refused because the ranks disagree on N latches no shape. Every result
-// is checked against the low-latency reference of tests/reference.
+// valid, and a dispatch refused because the ranks disagree on N latches no shape. And the
+// combine's topk_idx: -1 may replace a dispatched id (the lane is left out), no other id may.
+// Every result is checked against the low-latency reference of tests/reference.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -122,6 +123,46 @@ TEST(LowLatencyRefusal, DisagreementOnNLatchesNoShape) {
     if (!again.type.empty()) bad.push_back(fmt::format("dispatch with the agreed N: {}: {}", again.type, again.message));
   });
   testing::report_problems(failures, {.context = "disagreement on N", .name_rank = true});
+}
+
+// The combine's topk_idx may have -1 where the dispatch had an expert (the lane is left out of the
+// sum); another id there is refused.
+TEST(LowLatencyCombineIds, MinusOneLeavesALaneOutAndAnotherIdIsRefused) {
+  const CaseSpec s = refusal_spec(2, 140);
+  const auto failures = collect_on_ranks(4, {.num_scaleout = 2}, [&](Group& g, std::vector<std::string>& bad) {
+    const int me = g.rank();
+    Buffer b = make_buffer(g, s);
+    RankCall call(s, me);
+    const LowLatencyDispatchResult d = dispatch(b, s, call, s.max_tokens);
+    reference::RankInputs dropped = call.in;  // every third valid lane left out
+    int valid = 0;
+    for (std::int64_t& id : dropped.topk)
+      if (id >= 0 && valid++ % 3 == 0) id = -1;
+    const Tensor y = reference::slab_expert_outputs(s, call.all, me, std::int64_t{s.ranks} * s.max_tokens);
+    const Caught c = catch_error([&] {
+      const LowLatencyCombineResult r = b.low_latency_combine(
+          {.x = y, .topk_idx = TensorView(dropped.topk.data(), DType::kInt64, {call.n, s.k}), .topk_weights = call.weights,
+           .handle = d.handle});
+      const auto expected = reference::low_latency_combine_reference(s, dropped, me);
+      if (call.n > 0 && std::memcmp(r.combined_x.data(), expected.data(), expected.size() * 2) != 0)
+        bad.push_back("combined_x differs from the reference without the lanes set to -1");
+    });
+    if (!c.type.empty()) bad.push_back(fmt::format("combine with lanes set to -1: {}: {}", c.type, c.message));
+    std::vector<std::int64_t> other = call.in.topk;  // a valid id replaced by another valid id (on rank 2)
+    for (std::int64_t& id : other)
+      if (me == 2 && id >= 0) {
+        id = (id + 1) % s.num_experts;
+        break;
+      }
+    const Caught refused = catch_error([&] {
+      b.low_latency_combine({.x = y, .topk_idx = TensorView(other.data(), DType::kInt64, {call.n, s.k}),
+                             .topk_weights = call.weights, .handle = d.handle});
+    });
+    expect_refused(refused, me, 2, "another id in topk_idx", bad);
+    if (me == 2 && refused.message.find("differs from the dispatched") == std::string::npos)
+      bad.push_back("the refusal does not name the differing id: " + refused.message);
+  });
+  testing::report_problems(failures, {.context = "combine ids", .name_rank = true});
 }
 
 }  // namespace legacy_refusal_test
