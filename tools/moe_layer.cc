@@ -132,7 +132,7 @@ RankBatch make_batch(const LayerConfig& c, int rank) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
   b.x = Tensor::empty({n, c.hidden}, DType::kBF16);
   for (std::int64_t i = 0; i < b.x.numel(); ++i) b.x.data_as<std::uint16_t>()[i] = reference::bf16_from_float(normal(rng));
-  if (c.fp8) {  // per-128 scales amax / 448, as the library's default FP8 cast (moe_ep/convert.hpp)
+  if (c.fp8) {  // per-128 scales amax * fp32(1/448), as the library's FP8 cast (moe_ep/convert.hpp)
     b.x_fp8 = Tensor::empty({n, c.hidden}, DType::kFP8E4M3);
     b.x_scales = Tensor::empty({n, c.hidden / 128}, DType::kFP32);
     for (int t = 0; t < n; ++t) {

@@ -1,12 +1,14 @@
 // Tensor-level dtype conversions: BF16 <-> FP32 and FP8 E4M3 per-block quantization.
 //
 // FP8 quantization works per token row in blocks of 128 consecutive elements (the hidden size
-// must be a multiple of 128). For each block:
+// must be a multiple of 128), with DeepEP's low-latency dispatch formula, one FP32 operation at a
+// time (docs/quantized-formats.md, "Scale formulas"). For each block:
 //   amax      = max(|x|) over the block, NaN ignored, floored at 1e-4
-//   scale_inv = amax / 448                       (FP32; stored in the scales tensor)
-//   q         = fp8_e4m3(x * (448 / amax))       (saturating, round to nearest even)
-// With round_scale, scale_inv is rounded up to a power of two, 2^ceil(log2(amax / 448)), and
-// q = fp8_e4m3(x / scale_inv) (exact division by a power of two).
+//   scale_inv = amax * fp32(1/448)               (one FP32 product, not amax / 448; stored)
+//   q         = fp8_e4m3(x * (448 / amax))       (FP32 quotient, then product; saturating,
+//                                                 round to nearest even)
+// With round_scale, e = ceil(log2(amax * fp32(1/448))) (the exponent of the FP32 product, plus
+// one when any mantissa bit is set), scale_inv = 2^e and q = fp8_e4m3(x * 2^-e).
 // Scales are FP32 [N, H/128], or with use_ue8m0 (requires round_scale) the 8-bit exponent of
 // scale_inv packed four per int32, [N, ceil(H/512)]: byte b of int j (little-endian) holds block
 // 4j+b; bytes past the last block are 0. Dequantization multiplies q by its block's scale_inv.

@@ -15,17 +15,7 @@ constexpr std::string_view kQuantize = "quantize_fp8";
 
 }  // namespace
 
-float fp8_block_scale_inv(float amax, bool round_scale) {
-  if (!(amax >= kFp8AmaxFloor)) amax = std::isnan(amax) ? kFp8AmaxFloor : std::max(amax, kFp8AmaxFloor);
-  float scale_inv = amax / kFp8E4M3Max;
-  if (round_scale && std::isfinite(scale_inv)) {
-    // Round up to a power of two: clear the mantissa, bump the exponent if any bit was set.
-    std::uint32_t u = float_bits(scale_inv);
-    if (u & 0x7fffffu) u = (u & 0xff800000u) + 0x800000u;
-    scale_inv = bits_float(u);
-  }
-  return scale_inv;
-}
+float fp8_block_scale_inv(float amax, bool round_scale) { return core::fp8_block_scales(amax, round_scale).scale_inv; }
 
 Fp8Tensor quantize_fp8(const TensorView& x, Fp8Options options) {
   if (x.dtype() != DType::kBF16 && x.dtype() != DType::kFP32)

@@ -1,6 +1,7 @@
 #include "core/fp8_rows.hh"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/cpu_features.hh"
@@ -9,6 +10,13 @@
 
 namespace moe_ep::core {
 namespace {
+
+// DeepEP's FP32 constant 1 / 448 (0x3B124925): the scale is amax times it, not amax / 448, which
+// differs in the last bit for about half of the BF16 values.
+constexpr float kFp8E4M3MaxInv = 1.0f / kFp8E4M3Max;
+
+// 2^e as an FP32 from its exponent field; e in [-126, 127].
+inline float power_of_two(int e) { return bits_float(static_cast<std::uint32_t>(e + 127) << 23); }
 
 // |x| as ordered integer bits, NaN as zero (ignored by the maximum).
 inline std::uint32_t magnitude_bits(std::uint16_t b) {
@@ -22,15 +30,8 @@ inline std::uint32_t magnitude_bits(float f) {
 inline float widen(std::uint16_t b) { return bf16_to_float(b); }
 inline float widen(float f) { return f; }
 
-struct BlockScale {
-  float scale_inv;  // stored
-  float scale;      // applied
-};
-
-inline BlockScale block_scale(std::uint32_t amax_bits, bool round_scale) {
-  const float amax = bits_float(amax_bits);
-  const float scale_inv = fp8_block_scale_inv(amax, round_scale);
-  return {scale_inv, round_scale ? 1.0f / scale_inv : kFp8E4M3Max / std::max(amax, kFp8AmaxFloor)};
+inline Fp8BlockScales block_scale(std::uint32_t amax_bits, bool round_scale) {
+  return fp8_block_scales(bits_float(amax_bits), round_scale);
 }
 
 inline void store_scale(std::byte* scales, std::int64_t b, float scale_inv, bool ue8m0) {
@@ -48,7 +49,7 @@ void cast_generic(const T* x, std::int64_t hidden, bool round_scale, bool ue8m0,
     std::uint8_t* out = q + b * kFp8BlockSize;
     std::uint32_t amax_bits = 0;
     for (int i = 0; i < kFp8BlockSize; ++i) amax_bits = std::max(amax_bits, magnitude_bits(in[i]));
-    const BlockScale s = block_scale(amax_bits, round_scale);
+    const Fp8BlockScales s = block_scale(amax_bits, round_scale);
     for (int i = 0; i < kFp8BlockSize; ++i) out[i] = float_to_fp8_e4m3(widen(in[i]) * s.scale);
     store_scale(scales, b, s.scale_inv, ue8m0);
   }
@@ -89,7 +90,7 @@ __attribute__((target("avx2"))) void cast_bf16_avx2(const std::uint16_t* x, std:
     alignas(32) std::uint16_t lanes[16];
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), amax);
     const std::uint32_t amax_bits = static_cast<std::uint32_t>(*std::max_element(lanes, lanes + 16)) << 16;
-    const BlockScale s = block_scale(amax_bits, round_scale);
+    const Fp8BlockScales s = block_scale(amax_bits, round_scale);
     const __m256 scale = _mm256_set1_ps(s.scale);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int i = 0; i < kFp8BlockSize; i += 32) {
@@ -106,6 +107,19 @@ __attribute__((target("avx2"))) void cast_bf16_avx2(const std::uint16_t* x, std:
 #endif
 
 }  // namespace
+
+Fp8BlockScales fp8_block_scales(float amax, bool round_scale) {
+  const float a = amax >= kFp8AmaxFloor ? amax : kFp8AmaxFloor;  // the floor; NaN gives the floor too
+  const float product = a * kFp8E4M3MaxInv;
+  // An infinite amax (an infinity in the block) is outside DeepEP's power-of-two helper, whose
+  // exponents stay within -126..127: both paths store +inf and multiply the values by 0.
+  if (!round_scale || !std::isfinite(product)) return {product, kFp8E4M3Max / a};
+  // ceil(log2(product)) from the bits: the exponent field, plus one when any mantissa bit is set
+  // (product >= 1e-4 / 448 is normal, so e lies in [-22, 120]).
+  const std::uint32_t u = float_bits(product);
+  const int e = static_cast<int>((u >> 23) & 0xffu) - 127 + ((u & 0x7fffffu) != 0 ? 1 : 0);
+  return {power_of_two(e), power_of_two(-e)};
+}
 
 void cast_row_fp8(const std::uint16_t* bf16, std::int64_t hidden, bool round_scale, bool ue8m0, std::uint8_t* q,
                   std::byte* scales) {

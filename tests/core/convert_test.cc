@@ -39,7 +39,7 @@ TEST(Fp8Quantize, ScalesAndCodesFollowTheDefinition) {
       for (int i = 0; i < 128; ++i)
         amax = std::max(amax, std::fabs(bf16_to_float(x.data_as<std::uint16_t>()[t * 512 + b * 128 + i])));
       const float floored = std::max(amax, 1e-4f);
-      ASSERT_EQ(q.scales.data_as<float>()[t * 4 + b], floored / 448.0f);
+      ASSERT_EQ(q.scales.data_as<float>()[t * 4 + b], floored * (1.0f / 448.0f));  // DeepEP: times fp32(1/448)
       for (int i = 0; i < 128; ++i) {
         const int k = t * 512 + b * 128 + i;
         const float v = bf16_to_float(x.data_as<std::uint16_t>()[k]);
@@ -86,7 +86,8 @@ TEST(Fp8Quantize, RoundScaleGivesPowersOfTwoAndUe8m0PacksExponents) {
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0);
   EXPECT_EQ(fp8_block_scale_inv(448.0f, true), 1.0f);
   EXPECT_EQ(fp8_block_scale_inv(449.0f, true), 2.0f);
-  EXPECT_EQ(fp8_block_scale_inv(0.0f, false), 1e-4f / 448.0f);
+  EXPECT_EQ(fp8_block_scale_inv(0.0f, false), 1e-4f * (1.0f / 448.0f));
+  EXPECT_EQ(fp8_block_scale_inv(3.0f, false), 3.0f * (1.0f / 448.0f));  // not 3.0f / 448.0f, one ulp below
 }
 
 // Blocks with NaN, infinities, subnormals and signed zeros, in BF16 and FP32, against the

@@ -135,9 +135,10 @@ def e4m3_encode(v):
 
 
 def fp8_block_cast(x, round_scale=False):
-    """Per-token, per-128-channel cast of BF16 rows x [n, H] (H % 128 == 0), DeepEP's rule:
-    amax = max(1e-4, max |x|) per block; scale_inv = amax / 448 (FP32), q = e4m3(x * (448 / amax));
-    round_scale: scale_inv = 2^ceil(log2(amax / 448)), q = e4m3(x / scale_inv).
+    """Per-token, per-128-channel cast of BF16 rows x [n, H] (H % 128 == 0), DeepEP's low-latency
+    formula: amax = max(1e-4, max |x|) per block; scale_inv = amax * fp32(1/448) (one FP32 product,
+    not the quotient amax / 448), q = e4m3(x * (448 / amax)); round_scale: e = ceil(log2(amax *
+    fp32(1/448))), scale_inv = 2^e, q = e4m3(x * 2^-e).
     Returns (dequantizable values q as float64 [n, H], scale_inv float32 [n, H/128])."""
     # numpy FP32 arithmetic: every operation is one IEEE FP32 operation (torch's scalar / tensor
     # is a reciprocal and a product, which is not the same)
@@ -145,16 +146,16 @@ def fp8_block_cast(x, round_scale=False):
     n, h = xf.shape
     blocks = xf.reshape(n, h // 128, 128)
     amax = np.maximum(np.abs(blocks).max(axis=2), np.float32(1e-4)).astype(np.float32)
+    product = (amax * (np.float32(1.0) / np.float32(448.0))).astype(np.float32)
     if round_scale:
-        ratio = (amax / np.float32(448.0)).astype(np.float32)
-        e = np.ceil(np.log2(ratio.astype(np.float64)))
-        scale_inv = np.ldexp(np.float64(1.0), e.astype(np.int64))
-        scale_inv = np.where(scale_inv < ratio, scale_inv * 2, scale_inv).astype(np.float32)
-        scaled = (blocks / scale_inv[:, :, None]).astype(np.float32)
+        mant, exp = np.frexp(product)  # product = mant * 2^exp, mant in [0.5, 1)
+        e = np.where(mant == 0.5, exp - 1, exp).astype(np.int64)  # ceil(log2(product))
+        scale_inv = np.ldexp(np.float32(1.0), e).astype(np.float32)
+        mult = np.ldexp(np.float32(1.0), -e).astype(np.float32)
     else:
-        scale_inv = (amax / np.float32(448.0)).astype(np.float32)
+        scale_inv = product
         mult = (np.float32(448.0) / amax).astype(np.float32)
-        scaled = (blocks * mult[:, :, None]).astype(np.float32)
+    scaled = (blocks * mult[:, :, None]).astype(np.float32)
     q = e4m3_round(scaled.astype(np.float64)).reshape(n, h)
     scale_inv = torch.from_numpy(np.ascontiguousarray(scale_inv))
     return q, scale_inv

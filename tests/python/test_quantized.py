@@ -1,7 +1,7 @@
 """The quantized low-latency wire formats from Python (hybrid-ep's signature): NVFP4 dispatch
 checked through DeepEP's permuted views against the numpy cast of reference.py, the 7-tuple's
-weights and ranks, the argument rules, and the LogFMT combine within DeepEP's tolerance of the
-unquantized combine."""
+weights and ranks, the argument rules, the FP8 dispatch's scales against DeepEP's formula
+written out here, and the LogFMT combine within DeepEP's tolerance of the unquantized combine."""
 
 import numpy as np
 import pytest
@@ -75,6 +75,48 @@ def test_nvfp4_argument_rules():
         (values, scales), count, _, _, _ = buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=False, use_nvfp4=True,
                                                                   use_ue8m0_for_sf=True)
         assert scales.dtype == torch.int32 and values.shape[1] == H // 2
+        buf.destroy()
+        return True
+    assert moe_ep.LocalWorld(2).run(fn) == [True, True]
+
+
+def _spread(inputs):
+    """The inputs with each 128-channel block scaled by its own power of two in 2^-20 .. 2^19 (exact)."""
+    out = []
+    for r, (x, idx, w) in enumerate(inputs):
+        t, b = np.meshgrid(np.arange(x.shape[0]), np.arange(H // 128), indexing="ij")
+        e = torch.from_numpy(((3 * t + 7 * b + r) % 40 - 20).astype(np.float32))
+        out.append(((x.float().view(x.shape[0], -1, 128) * torch.exp2(e)[:, :, None]).view(x.shape)
+                    .to(torch.bfloat16), idx, w))
+    return out
+
+
+@pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False), (True, True)])
+def test_fp8_dispatch_scales_are_amax_times_the_float_reciprocal(round_scale, use_ue8m0):
+    def fn(g):
+        inputs = _spread(ref.make_inputs(g.size(), N, H, E, K, seed=41))
+        x, idx, _ = inputs[g.rank()]
+        buf = _buffer(g)
+        (_, scales), count, _, _, _ = buf.low_latency_dispatch(x, idx, CAP, E, use_fp8=True, round_scale=round_scale,
+                                                               use_ue8m0=use_ue8m0)
+        differ = 0
+        for le, rows in enumerate(ref.ll_expert_tokens(inputs, g.rank(), E)):
+            assert int(count[le]) == len(rows)
+            for row, (s, t) in enumerate(rows):
+                blocks = inputs[s][0][t].float().numpy().reshape(-1, 128)
+                amax = np.maximum(np.abs(blocks).max(axis=1), np.float32(1e-4)).astype(np.float32)
+                product = (amax * (np.float32(1.0) / np.float32(448.0))).astype(np.float32)  # DeepEP's kernel
+                differ += int(((amax / np.float32(448.0)).astype(np.float32) != product).sum())
+                mant, exp = np.frexp(product)
+                e = np.where(mant == 0.5, exp - 1, exp)  # ceil(log2(product))
+                if use_ue8m0:
+                    got = scales[le, row].contiguous().numpy().view(np.uint8)[:H // 128].astype(np.int64)
+                    assert got.tolist() == (e + 127).tolist(), (le, row)
+                else:
+                    want = np.ldexp(np.float32(1.0), e).astype(np.float32) if round_scale else product
+                    got = scales[le, row].contiguous().numpy()
+                    assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), (le, row)
+        assert round_scale or differ > 0  # amax / 448 would not pass
         buf.destroy()
         return True
     assert moe_ep.LocalWorld(2).run(fn) == [True, True]

@@ -1,5 +1,6 @@
 """The reference checks itself: its E4M3 rounding against an exhaustive nearest-code search, its
-decoder against the format's definition, the block cast's scale rule, and the combine order."""
+decoder against the format's definition, the block cast's scale rule (amax times the FP32
+reciprocal of 448), and the combine order."""
 
 import numpy as np
 import torch
@@ -41,11 +42,13 @@ def test_block_cast_rule():
     x[0, :128] = torch.linspace(-3, 3, 128).to(torch.bfloat16)
     q, s = ref.fp8_block_cast(x)
     amax = float(x[0, :128].float().abs().max())
-    assert float(s[0, 0]) == np.float32(np.float32(amax) / np.float32(448))
-    assert float(s[0, 1]) == np.float32(np.float32(1e-4) / np.float32(448))  # amax floor
+    inv448 = np.float32(1) / np.float32(448)  # DeepEP's FP32 constant
+    assert amax == 3.0 and np.float32(3) / np.float32(448) != np.float32(3) * inv448  # the quotient is another float
+    assert float(s[0, 0]) == np.float32(np.float32(amax) * inv448)
+    assert float(s[0, 1]) == np.float32(np.float32(1e-4) * inv448)  # amax floor
     assert np.abs(q).max() == 448
     q2, s2 = ref.fp8_block_cast(x, round_scale=True)
-    assert float(s2[0, 0]) == 2.0 ** np.ceil(np.log2(amax / 448))
+    assert float(s2[0, 0]) == 2.0 ** np.ceil(np.log2(np.float32(amax) * inv448))
     packed = ref.ue8m0_pack(torch.tensor([[2.0 ** -3, 2.0 ** 0, 2.0 ** 1, 2.0 ** -127 * 2, 1.0]], dtype=torch.float32))
     v = packed.numpy().view(np.uint32)
     assert v.shape == (1, 2)

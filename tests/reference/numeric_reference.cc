@@ -75,15 +75,8 @@ namespace {
 
 constexpr int kBlock = 128;
 constexpr float kE4M3Max = 448.0f;
+constexpr float kE4M3MaxInv = 1.0f / 448.0f;  // DeepEP's FP32 constant kFP8AmaxInv
 constexpr float kAmaxFloor = 1e-4f;
-
-// The smallest power of two >= s (s positive and finite); infinities and NaN pass.
-float power_of_two_at_or_above(float s) {
-  if (!std::isfinite(s)) return s;
-  int e = 0;
-  const float m = std::frexp(s, &e);  // s = m * 2^e, m in [0.5, 1)
-  return m == 0.5f ? s : std::ldexp(1.0f, e);
-}
 
 }  // namespace
 
@@ -97,13 +90,17 @@ Fp8Row quantize_row_fp8(const float* x, int hidden, bool round_scale, bool ue8m0
     for (int i = b * kBlock; i < (b + 1) * kBlock; ++i)
       if (!std::isnan(x[i]) && std::fabs(x[i]) > amax) amax = std::fabs(x[i]);
     if (amax < kAmaxFloor) amax = kAmaxFloor;
-    float scale_inv = amax / kE4M3Max;
-    if (round_scale) scale_inv = power_of_two_at_or_above(scale_inv);
-    const float multiplier = kE4M3Max / amax;
-    for (int i = b * kBlock; i < (b + 1) * kBlock; ++i) {
-      const float scaled = round_scale ? x[i] / scale_inv : x[i] * multiplier;
-      out.codes[static_cast<std::size_t>(i)] = fp8_e4m3_from_float(scaled);
+    const float product = amax * kE4M3MaxInv;  // one FP32 product, as DeepEP's kernel
+    float scale_inv = product, multiplier = kE4M3Max / amax;
+    if (round_scale && std::isfinite(product)) {
+      int e = 0;
+      const float m = std::frexp(product, &e);  // product = m * 2^e, m in [0.5, 1)
+      const int up = m == 0.5f ? e - 1 : e;     // ceil(log2(product))
+      scale_inv = std::ldexp(1.0f, up);
+      multiplier = std::ldexp(1.0f, -up);
     }
+    for (int i = b * kBlock; i < (b + 1) * kBlock; ++i)
+      out.codes[static_cast<std::size_t>(i)] = fp8_e4m3_from_float(x[i] * multiplier);
     if (ue8m0) {
       const std::uint32_t exponent_byte = (bits_of(scale_inv) >> 23) & 0xffu;
       out.scales[static_cast<std::size_t>(b / 4)] |= exponent_byte << (8 * (b % 4));

@@ -48,10 +48,12 @@ struct Nvfp4Row {
 };
 Nvfp4Row quantize_row_nvfp4(const std::uint16_t* bf16, int hidden, float global_scale, bool ue8m0, bool sm90);
 
-// One token row cast to FP8 with per-128-element block scales:
+// One token row cast to FP8 with per-128-element block scales, DeepEP's low-latency formula:
 //   amax = max |x| over the block (NaN ignored), floored at 1e-4;
-//   scale_inv = amax / 448 in FP32; with round_scale, 2^ceil(log2(scale_inv));
-//   code = e4m3(x * (448 / amax)), or e4m3(x / scale_inv) with round_scale (FP32 products);
+//   scale_inv = amax * fp32(1/448), one FP32 product (not the quotient amax / 448); with
+//   round_scale 2^ceil(log2(scale_inv)) (an infinite product stays infinite);
+//   code = e4m3(x * (448 / amax)), or e4m3(x * 2^-ceil(log2(amax * fp32(1/448)))) with round_scale
+//   (FP32 products; an infinite amax multiplies by 0);
 //   scales: one FP32 word per block, or with ue8m0 the exponent byte of scale_inv packed four per
 //   32-bit word (byte b of word j = block 4j + b, little-endian; unused bytes 0).
 struct Fp8Row {

@@ -52,18 +52,22 @@ def f32_to_e4m3(f):
 
 
 def cast_fp8(x_bits, round_scale=False):
-    """Per-128 FP8 cast of BF16 rows (moe_ep/convert.hpp): codes [N, H] and scale_inv [N, H/128]."""
+    """Per-128 FP8 cast of BF16 rows (moe_ep/convert.hpp): codes [N, H] and scale_inv [N, H/128].
+    scale_inv = amax * fp32(1/448), one FP32 product (DeepEP's formula, not amax / 448)."""
     n, h = x_bits.shape
     x = bf16_to_f32(x_bits).reshape(n, h // 128, 128)
     mag = np.abs(x)
     amax = np.where(np.isnan(mag), F32(0), mag).max(axis=2) if n else np.zeros((0, h // 128), np.float32)
     floored = np.maximum(amax, F32(1e-4))
-    scale_inv = (floored / F32(448)).astype(np.float32)
+    scale_inv = (floored * (F32(1) / F32(448))).astype(np.float32)
     if round_scale:
+        # 2^e with e = ceil(log2(scale_inv)): the exponent field, plus one if any mantissa bit is set
         u = scale_inv.view(np.uint32)
-        u = np.where(u & np.uint32(0x7FFFFF), (u & np.uint32(0xFF800000)) + np.uint32(0x800000), u)
-        scale_inv = np.where(np.isfinite(scale_inv), u.view(np.float32), scale_inv)
-        scale = (F32(1) / scale_inv).astype(np.float32)
+        e = ((u >> np.uint32(23)) & np.uint32(0xFF)).astype(np.int32) - 127 + (u & np.uint32(0x7FFFFF) != 0)
+        finite = np.isfinite(scale_inv)
+        e = np.where(finite, e, 0)
+        scale_inv = np.where(finite, ((e + 127).astype(np.uint32) << np.uint32(23)).view(np.float32), scale_inv)
+        scale = np.where(finite, ((127 - e).astype(np.uint32) << np.uint32(23)).view(np.float32), F32(0))
     else:
         scale = (F32(448) / floored).astype(np.float32)
     q = f32_to_e4m3(x * scale[:, :, None]).reshape(n, h)
