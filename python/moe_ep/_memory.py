@@ -30,4 +30,11 @@ def zeros(*size, dtype=torch.bfloat16):
 
 
 def empty_like(t):
+    """``empty`` of ``t``'s shape and dtype: ``t`` is a dense torch tensor (layout torch.strided; its
+    device does not matter, only its shape and dtype are read)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, not {type(t).__name__}")
+    if t.layout != torch.strided or t.is_nested:
+        what = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise TypeError(f"t has {what}; empty_like takes dense tensors (layout torch.strided)")
     return empty(t.shape, dtype=t.dtype)

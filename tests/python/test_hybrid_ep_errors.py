@@ -215,6 +215,17 @@ def test_combine_arguments():
            "pad_multiple = 16 differs")
 
 
+def test_tensors_torch_does_not_export():
+    expect(dispatch_case(0, "dispatch", lambda k: k.update(hidden=k["hidden"].to("meta"))), 0, "InvalidArgument",
+           "hidden is on meta")
+    expect(dispatch_case(1, "dispatch", lambda k: k.update(hidden=k["hidden"].to_sparse())), 1, "InvalidArgument",
+           "hidden has layout torch.sparse_coo", "dense tensors (layout torch.strided)")
+    expect(dispatch_case(0, "dispatch", lambda k: k.update(routing_map=k["routing_map"].to_sparse())), 0,
+           "InvalidArgument", "routing_map has layout torch.sparse_coo")
+    expect(combine_case(1, "combine", lambda k: k.update(hidden=k["hidden"].to_sparse_csr())), 1, "InvalidArgument",
+           "hidden has layout torch.sparse_csr")
+
+
 def test_cached_permute_needs_num_permuted_tokens():
     def fn(g, r):
         buf = HybridEPBuffer(g, H, N, EL)
