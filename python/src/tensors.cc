@@ -216,6 +216,25 @@ std::optional<Event> to_event(py::handle obj, const char* name) {
                                    type_name(obj)));
 }
 
+std::int64_t to_integer(py::handle obj, const char* name, std::int64_t low, std::int64_t high) {
+  // bool is an int to Python, and a float or a float tensor has no exact integer value.
+  const auto not_an_int = [&] {
+    return py::type_error(fmt::format("{} must be an int, not {}", name, type_name(obj)));
+  };
+  if (PyBool_Check(obj.ptr()) || !PyIndex_Check(obj.ptr())) throw not_an_int();
+  const py::object value = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
+  if (!value) {
+    PyErr_Clear();
+    throw not_an_int();
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+  if (overflow == 0 && v >= low && v <= high) return v;
+  const bool above = overflow > 0 || (overflow == 0 && v > high);
+  throw InvalidArgument(fmt::format("{} = {} is out of range (must be at {} {})", name,
+                                    py::str(value).cast<std::string>(), above ? "most" : "least", above ? high : low));
+}
+
 double& last_native_seconds() {
   thread_local double seconds = 0;
   return seconds;
@@ -259,28 +278,11 @@ std::optional<Event> ArgumentImports::event(py::handle obj, const char* name) {
 }
 
 int ArgumentImports::integer(py::handle obj, const char* name) {
-  return guarded(
-      [&] {
-        if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr())) throw py::type_error(type_message(obj, name, "an int"));
-        const long long v = obj.cast<long long>();
-        if (v < INT32_MIN || v > INT32_MAX)
-          throw InvalidArgument(fmt::format("{} = {} is outside the 32-bit range [{}, {}]", name, v, INT32_MIN, INT32_MAX));
-        return static_cast<int>(v);
-      },
-      0);
+  return guarded([&] { return to_int(obj, name); }, 0);
 }
 
 std::int64_t ArgumentImports::integer64(py::handle obj, const char* name) {
-  return guarded(
-      [&]() -> std::int64_t {
-        if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr())) throw py::type_error(type_message(obj, name, "an int"));
-        int overflow = 0;
-        const long long v = PyLong_AsLongLongAndOverflow(obj.ptr(), &overflow);
-        if (overflow != 0)
-          throw InvalidArgument(fmt::format("{} = {} is outside the 64-bit range", name, py::str(obj).cast<std::string>()));
-        return v;
-      },
-      std::int64_t{0});
+  return guarded([&] { return to_int64(obj, name); }, std::int64_t{0});
 }
 
 bool ArgumentImports::boolean(py::handle obj, const char* name) {

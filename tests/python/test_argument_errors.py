@@ -1,8 +1,8 @@
 """Arguments the Python layer cannot convert (docs/python.md, "Errors"): tensors torch does not
-export through DLPack (meta device, sparse layouts, nested and quantized tensors) and a non-tensor
-given to empty_like. Each is the documented class naming the argument; in a collective call the
-rank that passed it raises it and its peers PeerError naming that rank, after which the buffer
-still works (ranks as threads)."""
+export through DLPack (meta device, sparse layouts, nested and quantized tensors), integers out of
+range or not integers, and a non-tensor given to empty_like. Each is the documented class naming
+the argument; in a collective call the rank that passed it raises it and its peers PeerError
+naming that rank, after which the buffer still works (ranks as threads)."""
 
 import pytest
 import torch
@@ -12,7 +12,10 @@ from moe_ep import deep_ep
 
 from scenarios import v1_buffer
 from test_dispatcher import check_round, make_dispatcher
-from test_errors import E, H, check_v1_works, check_v2_works, inputs_of, v2_buffer
+from test_errors import E, H, K, T, check_v1_works, check_v2_works, inputs_of, v2_buffer
+
+BIG = 2 ** 64  # fits no C++ integer
+INT_LIMIT = "must be at most 2147483647"
 
 # What torch will not export through DLPack, and the words naming it in the refusal.
 UNEXPORTABLE = {
@@ -134,4 +137,128 @@ def test_empty_like_takes_dense_torch_tensors():
         assert words in str(info.value), str(info.value)
     like = moe_ep.empty_like(torch.zeros(3, 4, dtype=torch.float16, device="meta"))  # shape and dtype only
     assert (like.shape, like.dtype, like.device.type) == ((3, 4), torch.float16, "cpu")
+
+
+# ---- integers --------------------------------------------------------------------------------
+
+
+def test_collective_integer_out_of_range_is_a_rejection():
+    """num_experts = 2**64 on rank 0: InvalidArgument (a ValueError) naming the argument, the value
+    and the limit there, PeerError naming rank 0 on rank 1; the buffer still works."""
+    def fn(g):
+        buf = v2_buffer(g)
+        _, (x, idx, w) = inputs_of(g)
+        calls = [lambda e: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=e),
+                 lambda e: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E, expert_alignment=e),
+                 lambda e: buf.pp_set_config(e, 2), lambda e: buf.agrs_set_config(e, 2)]
+        bad = (BIG, -BIG, BIG, BIG)
+        got = [outcome(lambda: call(b if g.rank() == 0 else E)) for call, b in zip(calls, bad)]
+        got.append(outcome(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=16.0 if g.rank() == 0
+                                                else E)))
+        check_v2_works(buf, g)
+        buf.destroy()
+        return got
+    results = list(zip(*moe_ep.LocalWorld(2).run(fn)))
+    expect_refused(results[0], "InvalidArgument", f"num_experts = {BIG} is out of range ({INT_LIMIT})")
+    expect_refused(results[1], "InvalidArgument",
+                   f"expert_alignment = {-BIG} is out of range (must be at least -2147483648)")
+    expect_refused(results[2], "InvalidArgument",
+                   f"num_max_tensor_bytes = {BIG} is out of range (must be at most {2 ** 63 - 1})")
+    expect_refused(results[3], "InvalidArgument", f"num_max_session_bytes = {BIG} is out of range")
+    expect_refused(results[4], "TypeError", "num_experts must be an int, not float")
+    assert issubclass(moe_ep.InvalidArgument, ValueError)
+
+
+def test_constructor_integers_are_rejections():
+    """A buffer's size that fits no integer on one rank refuses the construction on every rank."""
+    def fn(g):
+        bad = g.rank() == 1
+        v2 = outcome(lambda: deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=T, hidden=BIG if bad else H,
+                                                   num_topk=K))
+        v1 = outcome(lambda: deep_ep.Buffer(g, (1 << 22) if not bad else 1.5, 0))
+        ll = v1_buffer(g, deep_ep, low_latency_mode=True)
+        clean = outcome(lambda: ll.clean_low_latency_buffer(16, -BIG if bad else H, E))
+        ll.clean_low_latency_buffer(16, H, E)  # the group goes on
+        ll.destroy()
+        return v2, v1, clean
+    v2, v1, clean = zip(*moe_ep.LocalWorld(2).run(fn))
+    expect_refused(v2, "InvalidArgument", f"hidden = {BIG} is out of range ({INT_LIMIT})", bad_rank=1)
+    expect_refused(v1, "TypeError", "num_nvl_bytes must be an int, not float", bad_rank=1)
+    expect_refused(clean, "InvalidArgument", f"hidden = {-BIG} is out of range (must be at least -2147483648)",
+                   bad_rank=1)
+
+
+def local_calls(g):
+    """Calls that involve no other rank, each with one integer argument that fits no C++ int:
+    (the argument's name, the call)."""
+    v2 = v2_buffer(g)
+    v1 = v1_buffer(g, deep_ep, low_latency_mode=True)
+    cache = moe_ep.BufferCache(g)
+    d = moe_ep.TokenDispatcher(cache, H, E, K)
+    idx = inputs_of(g)[1][1]
+    Buffer, Elastic = deep_ep.Buffer, deep_ep.ElasticBuffer
+    calls = [
+        ("num_max_tokens_per_rank", lambda: Elastic.get_buffer_size_hint(g, BIG, H)),
+        ("num_experts", lambda: v2.get_theoretical_num_sms(BIG, K)),
+        ("num_sms", lambda: v2.get_theoretical_num_qps(BIG)),
+        ("num_entries", lambda: Elastic.get_engram_storage_size_hint(BIG, H, T)),
+        ("num_qps", lambda: v2.engram_fetch(torch.zeros(1, 1, dtype=torch.int32), num_qps=BIG)),
+        ("num_max_inflight_tensors", lambda: Elastic.get_pp_buffer_size_hint(1024, BIG)),
+        ("dst_rank_idx", lambda: v2.pp_send(torch.zeros(8), BIG)),
+        ("src_rank_idx", lambda: v2.pp_recv(torch.zeros(8), BIG)),
+        ("num_max_session_bytes", lambda: Elastic.get_agrs_buffer_size_hint(g, BIG)),
+        ("shapes[1]", lambda: Elastic.get_agrs_num_max_session_bytes(g, (4, BIG), torch.bfloat16)),
+        ("num_sms", lambda: deep_ep.Config(num_sms=BIG)),
+        ("hidden_bytes", lambda: deep_ep.Config().get_nvl_buffer_size_hint(BIG, 2)),
+        ("new_num_sms", lambda: Buffer.set_num_sms(BIG)),
+        ("num_ranks", lambda: Buffer.get_dispatch_config(BIG)),
+        ("num_experts", lambda: Buffer.get_low_latency_rdma_size_hint(16, H, 2, BIG)),
+        ("num_experts", lambda: v1.get_dispatch_layout(idx, BIG)),
+        ("rank_to_mask", lambda: v1.low_latency_update_mask_buffer(BIG)),
+        ("offset", lambda: v1.get_local_buffer_tensor(torch.uint8, offset=BIG)),
+        ("hidden", lambda: moe_ep.TokenDispatcher(cache, BIG, E, K)),
+        ("num_max_dispatch_tokens_per_rank", lambda: moe_ep.TokenDispatcher(cache, H, E, K,
+                                                                            num_max_dispatch_tokens_per_rank=BIG)),
+        ("micro_batch", lambda: d.dispatch_b(BIG)),
+        ("size[1]", lambda: moe_ep.empty(2, BIG)),
+        ("num_ranks", lambda: moe_ep.LocalWorld(BIG)),
+    ]
+    return calls, lambda: (v2.destroy(), v1.destroy(), cache.destroy())
+
+
+def test_local_integer_out_of_range():
+    def fn(g):
+        calls, done = local_calls(g)
+        for name, call in calls:
+            with pytest.raises(moe_ep.InvalidArgument) as info:
+                call()
+            assert f"{name} = {BIG} is out of range (must be at most " in str(info.value), (name, str(info.value))
+        done()
+        return len(calls)
+    assert moe_ep.LocalWorld(1).run(fn) == [23]
+
+
+def test_local_integer_limits_and_types():
+    with pytest.raises(moe_ep.InvalidArgument, match=r"size\[0\] = -1 is out of range \(must be at least 0\)"):
+        moe_ep.empty(-1, 4)
+    with pytest.raises(TypeError, match=r"size\[0\] must be an int, not float"):
+        moe_ep.empty(1.5)
+    with pytest.raises(moe_ep.InvalidArgument, match=r"num_ranks = 0 is out of range \(must be at least 1\)"):
+        moe_ep.LocalWorld(0)
+    with pytest.raises(TypeError, match="num_ranks must be an int, not str"):
+        moe_ep.LocalWorld("2")
+    with pytest.raises(TypeError, match="num_max_dispatch_tokens_per_rank must be an int, not bool"):
+        deep_ep.Buffer.get_low_latency_rdma_size_hint(True, H, 2, E)
+
+    def fn(g):
+        buf = v2_buffer(g)
+        # num_sms of dispatch is at most kMaxWorkers; so is the num_sms the QP model is asked about.
+        with pytest.raises(moe_ep.InvalidArgument, match=r"num_sms = -1 is out of range \(must be at least 0\)"):
+            buf.get_theoretical_num_qps(-1)
+        with pytest.raises(moe_ep.InvalidArgument, match=r"num_sms = 1025 is out of range \(must be at most 1024\)"):
+            buf.get_theoretical_num_qps(1025)
+        same = buf.get_theoretical_num_qps(torch.tensor(2)) == buf.get_theoretical_num_qps(2)  # 0-d integer tensors
+        buf.destroy()
+        return same
+    assert moe_ep.LocalWorld(1).run(fn) == [True]
 
