@@ -1,14 +1,15 @@
 """Arguments the Python layer cannot convert (docs/python.md, "Errors"): tensors torch does not
 export through DLPack (meta device, sparse layouts, nested and quantized tensors), integers out of
-range or not integers, and a non-tensor given to empty_like. Each is the documented class naming
-the argument; in a collective call the rank that passed it raises it and its peers PeerError
-naming that rank, after which the buffer still works (ranks as threads)."""
+range or not integers, a non-tensor given to empty_like, and calls on a destroyed buffer. Each is the
+documented class naming the argument; in a collective call the rank that passed it raises it and
+its peers PeerError naming that rank, after which the buffer still works (ranks as threads)."""
 
 import pytest
 import torch
 
 import moe_ep
 from moe_ep import deep_ep
+from moe_ep.deep_ep import hybrid_ep
 
 from scenarios import v1_buffer
 from test_dispatcher import check_round, make_dispatcher
@@ -262,3 +263,95 @@ def test_local_integer_limits_and_types():
         return same
     assert moe_ep.LocalWorld(1).run(fn) == [True]
 
+
+# ---- calls on a destroyed buffer -------------------------------------------------------------
+
+
+def public_methods(cls):
+    return {n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n)) and n not in ("group",)}
+
+
+def v1_after_destroy(x, idx, w, layout, handle, ll_handle):
+    per_rank, per_expert, in_rank = layout
+    return {
+        "destroy": lambda b: b.destroy(),
+        "get_dispatch_layout": lambda b: b.get_dispatch_layout(idx, E),
+        "dispatch": lambda b: b.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                         num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w),
+        "combine": lambda b: b.combine(x, handle),
+        "clean_low_latency_buffer": lambda b: b.clean_low_latency_buffer(16, H, E),
+        "low_latency_dispatch": lambda b: b.low_latency_dispatch(x, idx, 16, E, use_fp8=False),
+        "low_latency_combine": lambda b: b.low_latency_combine(x, idx, w, ll_handle),
+        "get_next_low_latency_combine_buffer": lambda b: b.get_next_low_latency_combine_buffer(ll_handle),
+        "low_latency_update_mask_buffer": lambda b: b.low_latency_update_mask_buffer(1, True),
+        "low_latency_query_mask_buffer": lambda b: b.low_latency_query_mask_buffer(torch.zeros(2, dtype=torch.int32)),
+        "low_latency_clean_mask_buffer": lambda b: b.low_latency_clean_mask_buffer(),
+        "get_local_buffer_tensor": lambda b: b.get_local_buffer_tensor(torch.uint8),
+    }
+
+
+# Methods that do not use the buffer's state (static, or answers fixed at construction): they still work.
+V1_STATELESS = {"capture", "get_comm_stream", "get_combine_config", "get_dispatch_config",
+                "get_low_latency_rdma_size_hint", "is_sm90_compiled", "set_num_sms"}
+
+
+@pytest.mark.parametrize("cls", [deep_ep.Buffer, hybrid_ep.Buffer], ids=["v1", "hybrid_ep_v1"])
+def test_v1_calls_after_destroy_are_state_errors(cls):
+    def fn(g):
+        buf = cls(g, 1 << 22, 1 << 24, low_latency_mode=True, explicitly_destroy=True, enable_shrink=True)
+        _, (x, idx, w) = inputs_of(g)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        buf.clean_low_latency_buffer(16, H, E)
+        _, _, ll_handle, _, _ = buf.low_latency_dispatch(x, idx, 16, E, use_fp8=False)
+        buf.destroy()
+        calls = v1_after_destroy(x, idx, w, (per_rank, per_expert, in_rank), handle, ll_handle)
+        assert public_methods(cls) == set(calls) | V1_STATELESS, public_methods(cls) ^ (set(calls) | V1_STATELESS)
+        for name, call in calls.items():
+            with pytest.raises(moe_ep.StateError, match=rf"\[rank {g.rank()}\] the buffer was destroyed"):
+                call(buf)
+        assert buf.get_dispatch_config(2).num_sms > 0 and not buf.is_sm90_compiled()
+        return len(calls)
+    assert moe_ep.LocalWorld(2).run(fn) == [12, 12]
+
+
+V2_STATELESS = {"capture", "get_comm_stream", "get_buffer_size_hint", "get_engram_storage_size_hint",
+                "get_pp_buffer_size_hint", "get_agrs_num_max_session_bytes", "get_agrs_buffer_size_hint"}
+
+
+def test_v2_calls_after_destroy_are_state_errors():
+    def fn(g):
+        buf = v2_buffer(g)
+        _, (x, idx, w) = inputs_of(g)
+        _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
+        buf.destroy()
+        t = torch.zeros(8)
+        calls = {
+            "destroy": lambda: buf.destroy(),
+            "dispatch": lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E),
+            "combine": lambda: buf.combine(x, handle),
+            "barrier": lambda: buf.barrier(),
+            "get_physical_domain_size": lambda: buf.get_physical_domain_size(),
+            "get_logical_domain_size": lambda: buf.get_logical_domain_size(),
+            "get_theoretical_num_sms": lambda: buf.get_theoretical_num_sms(E, K),
+            "get_theoretical_num_qps": lambda: buf.get_theoretical_num_qps(2),
+            "engram_write": lambda: buf.engram_write(torch.zeros(4, H, dtype=torch.bfloat16)),
+            "engram_fetch": lambda: buf.engram_fetch(torch.zeros(1, 1, dtype=torch.int32)),
+            "pp_set_config": lambda: buf.pp_set_config(1024, 2),
+            "pp_send": lambda: buf.pp_send(t, 1),
+            "pp_recv": lambda: buf.pp_recv(t, 1),
+            "agrs_set_config": lambda: buf.agrs_set_config(1 << 20, 2),
+            "create_agrs_session": lambda: buf.create_agrs_session(),
+            "destroy_agrs_session": lambda: buf.destroy_agrs_session(),
+            "agrs_new_session": lambda: buf.agrs_new_session().__enter__(),
+            "agrs_get_inplace_tensor": lambda: buf.agrs_get_inplace_tensor((4, 4), torch.float32),
+            "all_gather": lambda: buf.all_gather(t),
+        }
+        names = public_methods(deep_ep.ElasticBuffer)
+        assert names == set(calls) | V2_STATELESS, names ^ (set(calls) | V2_STATELESS)
+        for name, call in calls.items():
+            with pytest.raises(moe_ep.StateError, match=rf"\[rank {g.rank()}\] the buffer was destroyed"):
+                call()
+        return len(calls)
+    assert moe_ep.LocalWorld(2).run(fn) == [19, 19]

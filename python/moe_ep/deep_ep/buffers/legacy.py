@@ -44,7 +44,7 @@ class Buffer:
     # ---- lifecycle and static helpers -------------------------------------------------------
     def destroy(self):
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
-        self.runtime.destroy()
+        self._rt().destroy()
         self.runtime = None
 
     @staticmethod
