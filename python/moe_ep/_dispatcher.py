@@ -2,6 +2,7 @@
 mode per batch, split dispatch/combine halves, hooks; outputs as torch tensors."""
 
 from . import _C
+from ._arguments import int32, optional_int32
 from ._groups import resolve_group
 
 
@@ -64,11 +65,17 @@ class TokenDispatcher:
             raise TypeError(f"cache must be a moe_ep.BufferCache, not {type(cache).__name__}")
         self.cache = cache
         layout = _normal_layout(v2_normal_layout, v2_expanded_normal_layout)
-        self._native = _C.TokenDispatcher(cache._native, hidden, num_experts, num_topk, use_v2, mode,
-                                          num_max_dispatch_tokens_per_rank, num_max_prefill_tokens_per_rank,
-                                          dispatch_dtype, num_workers, allow_hybrid_mode, allow_multiple_reduction,
-                                          layout, timeout_secs, provider_path, round_scale,
-                                          use_ue8m0, expert_alignment, nvfp4_global_scale, nvfp4_use_ue8m0)
+        self._native = _C.TokenDispatcher(cache._native, int32(hidden, "hidden"), int32(num_experts, "num_experts"),
+                                          int32(num_topk, "num_topk"), use_v2, mode,
+                                          optional_int32(num_max_dispatch_tokens_per_rank,
+                                                         "num_max_dispatch_tokens_per_rank"),
+                                          optional_int32(num_max_prefill_tokens_per_rank,
+                                                         "num_max_prefill_tokens_per_rank"),
+                                          dispatch_dtype, optional_int32(num_workers, "num_workers"),
+                                          allow_hybrid_mode, allow_multiple_reduction, layout, timeout_secs,
+                                          provider_path, round_scale, use_ue8m0,
+                                          int32(expert_alignment, "expert_alignment"), nvfp4_global_scale,
+                                          nvfp4_use_ue8m0)
 
     @property
     def generation(self):
@@ -89,21 +96,22 @@ class TokenDispatcher:
         self._native.add_hook(point, hook)
 
     def dispatch_a(self, hidden_states, topk_idx, topk_weights, kind="prefill", micro_batch=0):
-        self._native.dispatch_a(hidden_states, topk_idx, topk_weights, kind, micro_batch)
+        self._native.dispatch_a(hidden_states, topk_idx, topk_weights, kind, int32(micro_batch, "micro_batch"))
 
     def dispatch_b(self, micro_batch=0):
-        return DispatchOutput(self._native.dispatch_b(micro_batch))
+        return DispatchOutput(self._native.dispatch_b(int32(micro_batch, "micro_batch")))
 
     def dispatch(self, hidden_states, topk_idx, topk_weights, kind="prefill", micro_batch=0):
         """dispatch_a, the "after_dispatch_a" hooks, dispatch_b."""
-        return DispatchOutput(self._native.dispatch(hidden_states, topk_idx, topk_weights, kind, micro_batch))
+        return DispatchOutput(self._native.dispatch(hidden_states, topk_idx, topk_weights, kind,
+                                                    int32(micro_batch, "micro_batch")))
 
     def combine_a(self, hidden_states, micro_batch=0):
-        self._native.combine_a(hidden_states, micro_batch)
+        self._native.combine_a(hidden_states, int32(micro_batch, "micro_batch"))
 
     def combine_b(self, micro_batch=0):
-        return self._native.combine_b(micro_batch)
+        return self._native.combine_b(int32(micro_batch, "micro_batch"))
 
     def combine(self, hidden_states, micro_batch=0):
         """combine_a, the "after_combine_a" hooks, combine_b."""
-        return self._native.combine(hidden_states, micro_batch)
+        return self._native.combine(hidden_states, int32(micro_batch, "micro_batch"))

@@ -10,6 +10,7 @@
 import threading
 
 from . import _C
+from ._arguments import int32, optional_int32
 
 _lock = threading.Lock()
 _cache = {}  # id(process group or communicator) -> (the object, its moe_ep.Group)
@@ -28,10 +29,10 @@ class LocalWorld:
     """
 
     def __init__(self, num_ranks, num_scaleout=1):
-        if not isinstance(num_ranks, int) or isinstance(num_ranks, bool) or num_ranks < 1:
-            raise ValueError(f"num_ranks = {num_ranks!r}; expected an int >= 1")
-        if not isinstance(num_scaleout, int) or num_scaleout < 1 or num_ranks % num_scaleout:
-            raise ValueError(f"num_scaleout = {num_scaleout!r} must be an int >= 1 dividing num_ranks = {num_ranks}")
+        num_ranks = int32(num_ranks, "num_ranks", 1)
+        num_scaleout = int32(num_scaleout, "num_scaleout", 1)
+        if num_ranks % num_scaleout:
+            raise _C.InvalidArgument(f"num_scaleout = {num_scaleout} must divide num_ranks = {num_ranks}")
         self.num_ranks = num_ranks
         self.num_scaleout = num_scaleout
 
@@ -100,7 +101,7 @@ def resolve_group(group, name="group", ranks_per_node=None, timeout_secs=0.0):
         hit = _cache.get(key)
         if hit is not None and hit[0] is group:
             return hit[1]
-    made = make(group, ranks_per_node, timeout_secs)
+    made = make(group, optional_int32(ranks_per_node, "ranks_per_node"), timeout_secs)
     with _lock:
         _cache[key] = (group, made)
     return made

@@ -10,6 +10,7 @@ because another process cannot map it (docs/python.md, "Zero copy"). Allocate wi
 import torch
 
 from . import _C
+from ._arguments import int64
 
 # torch dtype -> its name, for every dtype moe-ep moves (the library's table: _C.dtype_names()).
 _NAMES = {getattr(torch, name): name for name in _C.dtype_names()}
@@ -21,7 +22,7 @@ def empty(*size, dtype=torch.bfloat16):
         size = tuple(size[0])
     if dtype not in _NAMES:
         raise TypeError(f"dtype must be one of {', '.join(str(d) for d in _NAMES)}, not {dtype}")
-    return _C.empty([int(s) for s in size], _NAMES[dtype])
+    return _C.empty([int64(s, f"size[{i}]", 0) for i, s in enumerate(size)], _NAMES[dtype])
 
 
 def zeros(*size, dtype=torch.bfloat16):
@@ -30,4 +31,11 @@ def zeros(*size, dtype=torch.bfloat16):
 
 
 def empty_like(t):
+    """``empty`` of ``t``'s shape and dtype: ``t`` is a dense torch tensor (layout torch.strided; its
+    device does not matter, only its shape and dtype are read)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"t must be a torch.Tensor, not {type(t).__name__}")
+    if t.layout != torch.strided or t.is_nested:
+        what = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise TypeError(f"t has {what}; empty_like takes dense tensors (layout torch.strided)")
     return empty(t.shape, dtype=t.dtype)

@@ -16,6 +16,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -88,6 +89,15 @@ struct Box {
 
 std::optional<Event> to_event(py::handle obj, const char* name);
 
+// An integer argument in [low, high]: a Python int or an object with __index__ (numpy integers,
+// integer 0-d tensors); a bool, a float or anything else is a TypeError naming the argument, a
+// value outside the range InvalidArgument naming the argument, the value and the limit it passes.
+std::int64_t to_integer(py::handle obj, const char* name, std::int64_t low, std::int64_t high);
+inline int to_int(py::handle obj, const char* name) {
+  return static_cast<int>(to_integer(obj, name, INT32_MIN, INT32_MAX));
+}
+inline std::int64_t to_int64(py::handle obj, const char* name) { return to_integer(obj, name, INT64_MIN, INT64_MAX); }
+
 // Seconds the calling thread's last buffer call spent in C++ (inside ArgumentImports::call): what
 // the Python layer adds is the rest of the call's time (python3 -m moe_ep.bench reports it).
 double& last_native_seconds();
@@ -105,8 +115,8 @@ class ArgumentImports {
   // x or (x_fp8, scales): the data and the scales (undefined for a plain tensor).
   std::pair<Tensor, Tensor> x_or_pair(py::handle x, const char* scales_name);
   std::optional<Event> event(py::handle obj, const char* name);
-  int integer(py::handle obj, const char* name);
-  std::int64_t integer64(py::handle obj, const char* name);  // an int in the 64-bit range
+  int integer(py::handle obj, const char* name);              // to_int
+  std::int64_t integer64(py::handle obj, const char* name);  // to_int64
   bool boolean(py::handle obj, const char* name);
   std::optional<bool> optional_boolean(py::handle obj, const char* name);
   // An object of a bound class; None gives null unless `required` (then a TypeError).

@@ -31,14 +31,7 @@ class Integers {
   std::int64_t get(py::handle obj, const char* name, std::int64_t low, std::int64_t high) {
     if (error_) return 0;
     try {
-      if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr()))
-        throw py::type_error(fmt::format("{} must be an int, not {}", name,
-                                         py::str(py::type::of(obj).attr("__name__")).cast<std::string>()));
-      int overflow = 0;
-      const long long v = PyLong_AsLongLongAndOverflow(obj.ptr(), &overflow);
-      if (overflow != 0 || v < low || v > high)
-        throw InvalidArgument(fmt::format("{} = {} is outside [{}, {}]", name, py::str(obj).cast<std::string>(), low, high));
-      return v;
+      return to_integer(obj, name, low, high);
     } catch (const std::exception& e) {
       error_ = std::current_exception();
       message_ = e.what();

@@ -50,7 +50,14 @@ py::object hook_of(const ReceiveHook& hook, std::vector<Tensor> keep) {
 // Long: the declarative table of this module's Python classes and functions (one statement per binding).
 void register_legacy(py::module_& m) {
   py::class_<Config, std::shared_ptr<Config>>(m, "Config")
-      .def(py::init(&Config::make), py::arg("num_sms") = 20, py::arg("num_max_nvl_chunked_send_tokens") = 6,
+      .def(py::init([](py::handle sms, py::handle nvl_send, py::handle nvl_recv, py::handle rdma_send,
+                       py::handle rdma_recv) {
+             return Config::make(to_int(sms, "num_sms"), to_int(nvl_send, "num_max_nvl_chunked_send_tokens"),
+                                 to_int(nvl_recv, "num_max_nvl_chunked_recv_tokens"),
+                                 to_int(rdma_send, "num_max_rdma_chunked_send_tokens"),
+                                 to_int(rdma_recv, "num_max_rdma_chunked_recv_tokens"));
+           }),
+           py::arg("num_sms") = 20, py::arg("num_max_nvl_chunked_send_tokens") = 6,
            py::arg("num_max_nvl_chunked_recv_tokens") = 256, py::arg("num_max_rdma_chunked_send_tokens") = 6,
            py::arg("num_max_rdma_chunked_recv_tokens") = 256)
       .def_readonly("num_sms", &Config::num_sms)
@@ -58,8 +65,18 @@ void register_legacy(py::module_& m) {
       .def_readonly("num_max_nvl_chunked_recv_tokens", &Config::num_max_nvl_chunked_recv_tokens)
       .def_readonly("num_max_rdma_chunked_send_tokens", &Config::num_max_rdma_chunked_send_tokens)
       .def_readonly("num_max_rdma_chunked_recv_tokens", &Config::num_max_rdma_chunked_recv_tokens)
-      .def("get_nvl_buffer_size_hint", &Config::get_nvl_buffer_size_hint, py::arg("hidden_bytes"), py::arg("num_ranks"))
-      .def("get_rdma_buffer_size_hint", &Config::get_rdma_buffer_size_hint, py::arg("hidden_bytes"), py::arg("num_ranks"))
+      .def(
+          "get_nvl_buffer_size_hint",
+          [](const Config& c, py::handle hidden_bytes, py::handle num_ranks) {
+            return c.get_nvl_buffer_size_hint(to_int64(hidden_bytes, "hidden_bytes"), to_int(num_ranks, "num_ranks"));
+          },
+          py::arg("hidden_bytes"), py::arg("num_ranks"))
+      .def(
+          "get_rdma_buffer_size_hint",
+          [](const Config& c, py::handle hidden_bytes, py::handle num_ranks) {
+            return c.get_rdma_buffer_size_hint(to_int64(hidden_bytes, "hidden_bytes"), to_int(num_ranks, "num_ranks"));
+          },
+          py::arg("hidden_bytes"), py::arg("num_ranks"))
       .def("__repr__", [](const Config& c) {
         return fmt::format("Config(num_sms={}, nvl_send={}, nvl_recv={}, rdma_send={}, rdma_recv={})", c.num_sms,
                            c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,

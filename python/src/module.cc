@@ -87,6 +87,9 @@ PYBIND11_MODULE(_C, m) {
       .def(py::init([] { return std::make_shared<mp::PyEvent>(); }), "An already complete event.")
       .def("wait", &mp::PyEvent::wait, "Blocks until the work is done; raises its error.")
       .def("query", &mp::PyEvent::query);
+  m.def("integer", &mp::to_integer, py::arg("value"), py::arg("name"), py::arg("low"), py::arg("high"),
+        "value as an int in [low, high]: TypeError naming the argument unless it is an int (bool excluded), "
+        "InvalidArgument naming it, the value and the limit outside the range.");
   m.def("last_native_seconds", [] { return mp::last_native_seconds(); },
         "Seconds this thread's last buffer call spent in C++ (the rest of its time is the Python layer's).");
   mp::register_groups(m);

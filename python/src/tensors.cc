@@ -82,10 +82,42 @@ DType movable_dtype(py::handle tensor, const char* name) {
   throw py::type_error(fmt::format("{} is on {}, but {}: pass CPU tensors", name, where, why));
 }
 
+// A torch tensor torch will not export through DLPack, refused by what it is: a layout other than
+// torch.strided (sparse COO, CSR, CSC, BSR, BSC, mkldnn, jagged), a nested tensor, or one on the
+// meta device (shape and dtype without data). TypeError naming the argument, what it is and what
+// moe-ep takes.
+void expect_exportable(py::handle tensor, const char* name) {
+  const std::string layout = py::str(tensor.attr("layout")).cast<std::string>();
+  if (layout != "torch.strided")
+    throw py::type_error(fmt::format("{} has layout {}, which moe-ep does not take: it takes dense tensors (layout "
+                                     "torch.strided; Tensor.to_dense() makes one)",
+                                     name, layout));
+  if (py::hasattr(tensor, "is_nested") && py::cast<bool>(tensor.attr("is_nested")))
+    throw py::type_error(fmt::format(
+        "{} is a nested tensor, which moe-ep does not take: it takes dense tensors (layout torch.strided)", name));
+  const std::string device = py::str(tensor.attr("device")).cast<std::string>();
+  if (device == "meta")
+    throw py::type_error(fmt::format("{} is on device meta (a shape and dtype without data), but moe-ep moves host and "
+                                     "CUDA tensors only: pass CPU tensors",
+                                     name));
+}
+
+// obj.__dlpack__(): a failure is a TypeError naming the argument and what the exporter said.
+py::object exported(py::handle source, py::handle obj, const char* name) {
+  PyObject* capsule = PyObject_CallMethod(source.ptr(), "__dlpack__", nullptr);
+  if (capsule != nullptr) return py::reinterpret_steal<py::object>(capsule);
+  const py::error_already_set error;  // fetches (and clears) the exporter's exception
+  throw py::type_error(fmt::format("{} ({}) cannot be exported through DLPack: {}: {}; moe-ep takes dense host "
+                                   "tensors (torch.Tensor or numpy.ndarray)",
+                                   name, type_name(obj), py::str(error.type().attr("__name__")).cast<std::string>(),
+                                   py::str(error.value()).cast<std::string>()));
+}
+
 // The DLPack capsule of `obj`. The common case (a CPU tensor torch or numpy can export) is one
-// call (CUDA tensors included: the callee checks their device). The slow path: tensors that require
-// grad (only their data is read), and 1-byte dtypes a torch's DLPack cannot name (bool,
-// float8_e4m3fn), which travel as uint8 and are re-tagged (*retag).
+// call (CUDA tensors included: the callee checks their device). The slow path: tensors torch does
+// not export (refused by what they are), tensors that require grad (only their data is read), and
+// 1-byte dtypes a torch's DLPack cannot name (bool, float8_e4m3fn), which travel as uint8 and are
+// re-tagged (*retag).
 py::object dlpack_capsule(py::handle obj, const char* name, std::optional<DType>* retag) {
   const Torch& torch = torch_api();
   const bool is_torch = PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(torch.tensor_type.ptr()));
@@ -95,6 +127,7 @@ py::object dlpack_capsule(py::handle obj, const char* name, std::optional<DType>
     PyErr_Clear();
   }
   if (is_torch) {
+    expect_exportable(obj, name);
     const DType dtype = movable_dtype(obj, name);  // refused here with the torch dtype's name
     py::object source = py::reinterpret_borrow<py::object>(obj);
     if (py::cast<bool>(source.attr("requires_grad"))) source = source.attr("detach")();
@@ -105,17 +138,10 @@ py::object dlpack_capsule(py::handle obj, const char* name, std::optional<DType>
       *retag = dtype;
       source = source.attr("view")(torch.uint8);
     }
-    return source.attr("__dlpack__")();
+    return exported(source, obj, name);
   }
-  PyObject* method = PyObject_GetAttrString(obj.ptr(), "__dlpack__");
-  if (method == nullptr) {
-    PyErr_Clear();
-    not_a_tensor(obj, name);
-  }
-  PyObject* capsule = PyObject_CallNoArgs(method);
-  Py_DECREF(method);
-  if (capsule == nullptr) throw py::error_already_set();
-  return py::reinterpret_steal<py::object>(capsule);
+  if (!py::hasattr(obj, "__dlpack__")) not_a_tensor(obj, name);
+  return exported(obj, obj, name);
 }
 
 }  // namespace
@@ -190,6 +216,25 @@ std::optional<Event> to_event(py::handle obj, const char* name) {
                                    type_name(obj)));
 }
 
+std::int64_t to_integer(py::handle obj, const char* name, std::int64_t low, std::int64_t high) {
+  // bool is an int to Python, and a float or a float tensor has no exact integer value.
+  const auto not_an_int = [&] {
+    return py::type_error(fmt::format("{} must be an int, not {}", name, type_name(obj)));
+  };
+  if (PyBool_Check(obj.ptr()) || !PyIndex_Check(obj.ptr())) throw not_an_int();
+  const py::object value = py::reinterpret_steal<py::object>(PyNumber_Index(obj.ptr()));
+  if (!value) {
+    PyErr_Clear();
+    throw not_an_int();
+  }
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(value.ptr(), &overflow);
+  if (overflow == 0 && v >= low && v <= high) return v;
+  const bool above = overflow > 0 || (overflow == 0 && v > high);
+  throw InvalidArgument(fmt::format("{} = {} is out of range (must be at {} {})", name,
+                                    py::str(value).cast<std::string>(), above ? "most" : "least", above ? high : low));
+}
+
 double& last_native_seconds() {
   thread_local double seconds = 0;
   return seconds;
@@ -233,28 +278,11 @@ std::optional<Event> ArgumentImports::event(py::handle obj, const char* name) {
 }
 
 int ArgumentImports::integer(py::handle obj, const char* name) {
-  return guarded(
-      [&] {
-        if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr())) throw py::type_error(type_message(obj, name, "an int"));
-        const long long v = obj.cast<long long>();
-        if (v < INT32_MIN || v > INT32_MAX)
-          throw InvalidArgument(fmt::format("{} = {} is outside the 32-bit range [{}, {}]", name, v, INT32_MIN, INT32_MAX));
-        return static_cast<int>(v);
-      },
-      0);
+  return guarded([&] { return to_int(obj, name); }, 0);
 }
 
 std::int64_t ArgumentImports::integer64(py::handle obj, const char* name) {
-  return guarded(
-      [&]() -> std::int64_t {
-        if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr())) throw py::type_error(type_message(obj, name, "an int"));
-        int overflow = 0;
-        const long long v = PyLong_AsLongLongAndOverflow(obj.ptr(), &overflow);
-        if (overflow != 0)
-          throw InvalidArgument(fmt::format("{} = {} is outside the 64-bit range", name, py::str(obj).cast<std::string>()));
-        return v;
-      },
-      std::int64_t{0});
+  return guarded([&] { return to_int64(obj, name); }, std::int64_t{0});
 }
 
 bool ArgumentImports::boolean(py::handle obj, const char* name) {

@@ -215,6 +215,26 @@ def test_combine_arguments():
            "pad_multiple = 16 differs")
 
 
+def test_tensors_torch_does_not_export():
+    expect(dispatch_case(0, "dispatch", lambda k: k.update(hidden=k["hidden"].to("meta"))), 0, "InvalidArgument",
+           "hidden is on meta")
+    expect(dispatch_case(1, "dispatch", lambda k: k.update(hidden=k["hidden"].to_sparse())), 1, "InvalidArgument",
+           "hidden has layout torch.sparse_coo", "dense tensors (layout torch.strided)")
+    expect(dispatch_case(0, "dispatch", lambda k: k.update(routing_map=k["routing_map"].to_sparse())), 0,
+           "InvalidArgument", "routing_map has layout torch.sparse_coo")
+    expect(combine_case(1, "combine", lambda k: k.update(hidden=k["hidden"].to_sparse_csr())), 1, "InvalidArgument",
+           "hidden has layout torch.sparse_csr")
+
+
+def test_integers_out_of_range():
+    results = run(2, 1, lambda g, r: outcome(lambda: HybridEPBuffer(g, 2 ** 64 if r == 1 else H, N, EL)))
+    expect(results, 1, "InvalidArgument", "hidden_dim = 18446744073709551616 is out of range (must be at most "
+           "2147483647)")
+    # 2**31 - 1 tokens fit an int, their capacity T (rounded up to 64) does not.
+    results = run(2, 1, lambda g, r: outcome(lambda: HybridEPBuffer(g, H, 2 ** 31 - 1 if r == 1 else N, EL)))
+    expect(results, 1, "InvalidArgument", "T = 2147483648 tokens per rank", "must be at most 2147483647")
+
+
 def test_cached_permute_needs_num_permuted_tokens():
     def fn(g, r):
         buf = HybridEPBuffer(g, H, N, EL)

@@ -8,6 +8,7 @@ import pickle
 import torch
 
 from .. import _C
+from .._arguments import INT32_MAX
 
 LANE_LIMIT = 32  # moe_ep/limits.hpp kMaxTopk: the routed experts of one token
 DOMAIN_VARIABLE = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
@@ -63,6 +64,9 @@ class HybridEpConfigInstance:
             problems.append(f"num_local_experts * ranks per NVLink domain = {el} * {self.num_of_ranks_per_node} is "
                             f"not a multiple of 4")
         t = self.max_num_of_tokens_per_rank
+        if t > INT32_MAX:
+            problems.append(f"T = {t} tokens per rank (max_num_of_tokens_per_rank rounded up) is out of range (must "
+                            f"be at most {INT32_MAX})")
         if nodes > 1 and 3 * t + 1 >= 65536:
             problems.append(f"with {nodes} NVLink domains, 3 * T + 1 = {3 * t + 1} (T = {t} tokens per rank) must be "
                             f"below 65536")
@@ -107,7 +111,7 @@ def nvlink_domain_size(group, rank):
 
 
 def check_int(name, value, low=None, allow_none=False):
-    """A problem phrase when value is not an int (bool excluded) >= low, else None."""
+    """A problem phrase when value is not an int (bool excluded) in [low, 2**31 - 1], else None."""
     if value is None and allow_none:
         return None
     if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point:
@@ -116,6 +120,8 @@ def check_int(name, value, low=None, allow_none=False):
         return f"{name} = {value!r} is not an integer"
     if low is not None and value < low:
         return f"{name} = {value} is below {low}"
+    if value > INT32_MAX:
+        return f"{name} = {value} is out of range (must be at most {INT32_MAX})"
     return None
 
 

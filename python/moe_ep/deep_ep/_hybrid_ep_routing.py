@@ -14,6 +14,9 @@ def _tensor_problem(name, t, dtypes, shape):
         return f"{name} is a {type(t).__name__}, expected a torch tensor"
     if t.device.type != "cpu":
         return f"{name} is on {t.device}; HybridEPBuffer on moe-ep moves CPU tensors"
+    if t.layout != torch.strided or t.is_nested:
+        what = "is a nested tensor" if t.is_nested else f"has layout {t.layout}"
+        return f"{name} {what}; HybridEPBuffer on moe-ep moves dense tensors (layout torch.strided)"
     if t.dtype not in dtypes:
         return f"{name} has dtype {t.dtype}, expected {' or '.join(str(d) for d in dtypes)}"
     if t.dim() != len(shape) or any(want >= 0 and have != want for have, want in zip(t.shape, shape)):

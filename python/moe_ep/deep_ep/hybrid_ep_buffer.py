@@ -90,7 +90,8 @@ class HybridEPBuffer(PermuteMixin):
         if not refusal:
             num_bytes = _C.ElasticBuffer.get_buffer_size_hint(self._group, capacity, hidden, k, False, True, True)
         self._capacity, self._sized_hidden = capacity, hidden
-        return _C.ElasticBuffer(self._group, num_bytes, capacity, 0, k, False, True, True, True, True, 0, 300.0, False,
+        # A refused configuration's capacity may fit no int; the refusal is all the buffer needs.
+        return _C.ElasticBuffer(self._group, num_bytes, 0 if refusal else capacity, 0, k, False, True, True, True, True, 0, 300.0, False,
                                 False, -1, "HybridEPBuffer moves host tensors", refusal, "")
 
     def _grow(self, num_tokens, hidden):

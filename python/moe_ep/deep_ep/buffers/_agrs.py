@@ -12,14 +12,16 @@ import operator
 import torch
 
 from ... import _C
+from ..._arguments import int64
 from ._common import group_of
 
 
 def _one_shape(shape, name):
     try:
-        return [operator.index(size) for size in shape]
+        sizes = [operator.index(size) for size in shape]
     except TypeError:
         raise TypeError(f"{name} must be a shape (a tuple of ints or a torch.Size), not {shape!r}") from None
+    return [int64(size, f"{name}[{i}]") for i, size in enumerate(sizes)]
 
 
 def _shapes(shapes):
@@ -55,7 +57,8 @@ class AgrsMixin:
 
     @staticmethod
     def get_agrs_buffer_size_hint(group, num_max_session_bytes):
-        return _C.ElasticBuffer.get_agrs_buffer_size_hint(group_of(group, None), num_max_session_bytes)
+        return _C.ElasticBuffer.get_agrs_buffer_size_hint(group_of(group, None),
+                                                          int64(num_max_session_bytes, "num_max_session_bytes"))
 
     def agrs_set_config(self, num_max_session_bytes, num_max_all_gathers_per_session):
         self._agrs("agrs_set_config").agrs_set_config(num_max_session_bytes, num_max_all_gathers_per_session)

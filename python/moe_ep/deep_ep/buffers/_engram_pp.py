@@ -12,6 +12,7 @@ so a rank whose arguments it cannot convert still takes part and its peers raise
 import torch
 
 from ... import _C
+from ..._arguments import int32, int64
 from ._common import not_on_cpu
 
 
@@ -27,7 +28,8 @@ class EngramPPMixin:
     def get_engram_storage_size_hint(num_entries, hidden, num_max_tokens_per_rank, dtype=torch.bfloat16):
         """(gpu, cpu) bytes: the fetch output of ``num_max_tokens_per_rank`` rows and the storage of
         ``num_entries`` rows, each row ``hidden`` elements rounded up to 32 bytes, both 2 MiB aligned."""
-        return _C.ElasticBuffer.get_engram_storage_size_hint(num_entries, hidden, num_max_tokens_per_rank,
+        return _C.ElasticBuffer.get_engram_storage_size_hint(int64(num_entries, "num_entries"), int64(hidden, "hidden"),
+                                                             int64(num_max_tokens_per_rank, "num_max_tokens_per_rank"),
                                                              str(dtype).split(".")[-1])
 
     def engram_write(self, storage, sf=None):
@@ -42,7 +44,7 @@ class EngramPPMixin:
         """Rows by global index (``indices`` int32 ``[T, K]``); returns a hook returning
         ``(data [T, K * hidden], sf_out [T, K * P] or None)``."""
         _on_cpu_provider(self, "engram_fetch")
-        data, sf_out = self._rt().engram_fetch(indices, num_qps, use_tma_aligned_col_major_sf)
+        data, sf_out = self._rt().engram_fetch(indices, int32(num_qps, "num_qps"), use_tma_aligned_col_major_sf)
 
         def hook():
             return data, sf_out
@@ -50,7 +52,8 @@ class EngramPPMixin:
 
     @staticmethod
     def get_pp_buffer_size_hint(num_max_tensor_bytes, num_max_inflight_tensors):
-        return _C.ElasticBuffer.get_pp_buffer_size_hint(num_max_tensor_bytes, num_max_inflight_tensors)
+        return _C.ElasticBuffer.get_pp_buffer_size_hint(int64(num_max_tensor_bytes, "num_max_tensor_bytes"),
+                                                        int64(num_max_inflight_tensors, "num_max_inflight_tensors"))
 
     def pp_set_config(self, num_max_tensor_bytes, num_max_inflight_tensors):
         """Collective: messages of at most ``num_max_tensor_bytes`` (rounded up to 32), at most
@@ -61,12 +64,12 @@ class EngramPPMixin:
     def pp_send(self, t, dst_rank_idx, num_sms=0):
         """Sends ``t`` (contiguous, a multiple of 32 bytes) to a ring neighbour."""
         _on_cpu_provider(self, "pp_send")
-        self._rt().pp_send(t, dst_rank_idx, num_sms)
+        self._rt().pp_send(t, int32(dst_rank_idx, "dst_rank_idx"), int32(num_sms, "num_sms"))
 
     def pp_recv(self, t, src_rank_idx, num_sms=0):
         """Receives the next message from a ring neighbour into ``t`` (of the message's size)."""
         _on_cpu_provider(self, "pp_recv")
-        self._rt().pp_recv(t, src_rank_idx, num_sms)
+        self._rt().pp_recv(t, int32(src_rank_idx, "src_rank_idx"), int32(num_sms, "num_sms"))
 
     def barrier(self, use_comm_stream=True, with_cpu_sync=False, sequential=True):
         """Collective: a full barrier over every rank, whatever the flags."""

@@ -15,6 +15,7 @@ failure raises in the call (docs/python.md, "CUDA tensors").
 import torch
 
 from ... import _C
+from ..._arguments import Conversions, int32
 from ..utils import EventHandle, _native, _overlap
 from . import _provider
 from ._agrs import AgrsMixin
@@ -25,6 +26,7 @@ from ._engram_pp import EngramPPMixin
 # bandwidths it measured on this machine.
 _DEFAULT_SM_READ_GBS = 200
 _DEFAULT_SM_WRITE_GBS = 50
+MAX_WORKERS = 1024  # moe_ep/limits.hpp kMaxWorkers: num_sms of dispatch and combine is at most this
 
 
 class EPHandle:
@@ -77,12 +79,25 @@ class ElasticBuffer(EngramPPMixin, AgrsMixin):
         self.deterministic = deterministic
         self.explicitly_destroy = explicitly_destroy
         choice = _provider.choose(self._group)
-        self.runtime = _C.ElasticBuffer(self._group, 0 if num_bytes is None else num_bytes, num_max_tokens_per_rank,
-                                        hidden, num_topk, use_fp8_dispatch, deterministic, allow_hybrid_mode,
-                                        allow_multiple_reduction, prefer_overlap_with_compute, num_allocated_qps,
-                                        num_cpu_timeout_secs, explicitly_destroy, choice.cuda, choice.device,
-                                        choice.why_host, choice.refusal, choice.provider_path,
-                                        num_cpu_bytes=num_cpu_bytes)
+        # Collective: a rank whose sizes are not integers it can take is refused in the
+        # construction's agreement (its own error here, PeerError naming it on the others).
+        sizes = Conversions()
+        num_bytes = sizes.int64(0 if num_bytes is None else num_bytes, "num_bytes")
+        num_cpu_bytes = sizes.int64(num_cpu_bytes, "num_cpu_bytes")
+        shape = [sizes.int32(value, name) for value, name in ((num_max_tokens_per_rank, "num_max_tokens_per_rank"),
+                                                              (hidden, "hidden"), (num_topk, "num_topk"))]
+        num_allocated_qps = sizes.int32(num_allocated_qps, "num_allocated_qps")
+        refusal = choice.refusal or (f"[rank {self.rank_idx}] ElasticBuffer: {sizes.rejection}" if sizes.error else "")
+        try:
+            self.runtime = _C.ElasticBuffer(self._group, num_bytes, *shape, use_fp8_dispatch, deterministic,
+                                            allow_hybrid_mode, allow_multiple_reduction, prefer_overlap_with_compute,
+                                            num_allocated_qps, num_cpu_timeout_secs, explicitly_destroy, choice.cuda,
+                                            choice.device, choice.why_host, refusal, choice.provider_path,
+                                            num_cpu_bytes=num_cpu_bytes)
+        except _C.Error:
+            if sizes.error is not None:
+                raise sizes.error from None
+            raise
         rt = self.runtime
         self._provider, self._device = rt.provider, rt.device
         self.num_bytes = rt.num_bytes
@@ -95,8 +110,9 @@ class ElasticBuffer(EngramPPMixin, AgrsMixin):
     @staticmethod
     def get_buffer_size_hint(group, num_max_tokens_per_rank, hidden, num_topk=0, use_fp8_dispatch=False,
                              allow_hybrid_mode=True, allow_multiple_reduction=True):
-        return _C.ElasticBuffer.get_buffer_size_hint(group_of(group, None), num_max_tokens_per_rank, hidden, num_topk,
-                                                     use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
+        return _C.ElasticBuffer.get_buffer_size_hint(
+            group_of(group, None), int32(num_max_tokens_per_rank, "num_max_tokens_per_rank"), int32(hidden, "hidden"),
+            int32(num_topk, "num_topk"), use_fp8_dispatch, allow_hybrid_mode, allow_multiple_reduction)
 
     @property
     def provider(self):
@@ -142,11 +158,12 @@ class ElasticBuffer(EngramPPMixin, AgrsMixin):
                                 sm_read_gbs=200, sm_write_gbs=50):
         read = 0 if sm_read_gbs == _DEFAULT_SM_READ_GBS else sm_read_gbs
         write = 0 if sm_write_gbs == _DEFAULT_SM_WRITE_GBS else sm_write_gbs
-        return self._rt().get_theoretical_num_sms(num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs,
+        return self._rt().get_theoretical_num_sms(int32(num_experts, "num_experts"), int32(num_topk, "num_topk"),
+                                                  int32(num_scaleout_topk, "num_scaleout_topk"), rdma_gbs, nvlink_gbs,
                                                   read, write)
 
     def get_theoretical_num_qps(self, num_sms):
-        return self._rt().get_theoretical_num_qps(num_sms)
+        return self._rt().get_theoretical_num_qps(int32(num_sms, "num_sms", 0, MAX_WORKERS))
 
     def dispatch(self, x, topk_idx=None, topk_weights=None, cumulative_local_expert_recv_stats=None, num_experts=None,
                  num_max_tokens_per_rank=None, expert_alignment=None, num_sms=0, num_qps=0, previous_event=None,

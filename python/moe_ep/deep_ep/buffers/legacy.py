@@ -9,6 +9,7 @@ low-latency calls leave out (docs/legacy.md §4).
 import torch
 
 from ... import _C
+from ..._arguments import Conversions, int32, int64
 from ..utils import EventHandle, EventOverlap, _native, _overlap
 from ._common import DeferredHandleTuple, HandleTuple, bias_list, group_of, native_handle
 
@@ -25,6 +26,12 @@ class Buffer:
         self._group = group_of(group, comm)
         self.rank = self._group.rank()
         self.group_size = self._group.size()
+        # Collective: every rank learns whether some rank's sizes are not integers it can take.
+        sizes = Conversions()
+        num_nvl_bytes = sizes.int64(num_nvl_bytes, "num_nvl_bytes")
+        num_rdma_bytes = sizes.int64(num_rdma_bytes, "num_rdma_bytes")
+        num_qps_per_rank = sizes.int32(num_qps_per_rank, "num_qps_per_rank")
+        sizes.agree(self._group, f"[rank {self.rank}] Buffer")
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
@@ -37,7 +44,7 @@ class Buffer:
     # ---- lifecycle and static helpers -------------------------------------------------------
     def destroy(self):
         assert self.explicitly_destroy, "`explicitly_destroy` flag must be set"
-        self.runtime.destroy()
+        self._rt().destroy()
         self.runtime = None
 
     @staticmethod
@@ -46,6 +53,7 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms):
+        new_num_sms = int32(new_num_sms, "new_num_sms")
         assert new_num_sms % 2 == 0, "The SM count must be even"
         _C.Buffer.set_num_sms(new_num_sms)
         Buffer.num_sms = new_num_sms
@@ -56,16 +64,17 @@ class Buffer:
 
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts):
-        return _C.Buffer.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
-                                                        num_experts)
+        return _C.Buffer.get_low_latency_rdma_size_hint(
+            int32(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank"), int32(hidden, "hidden"),
+            int32(num_ranks, "num_ranks"), int32(num_experts, "num_experts"))
 
     @staticmethod
     def get_dispatch_config(num_ranks):
-        return _C.Buffer.get_dispatch_config(num_ranks)
+        return _C.Buffer.get_dispatch_config(int32(num_ranks, "num_ranks"))
 
     @staticmethod
     def get_combine_config(num_ranks):
-        return _C.Buffer.get_combine_config(num_ranks)
+        return _C.Buffer.get_combine_config(int32(num_ranks, "num_ranks"))
 
     def get_comm_stream(self):
         """The stream communication is ordered on: on CPU every call runs in call order on the host,
@@ -75,7 +84,7 @@ class Buffer:
     # ---- shrink mode (enable_shrink=True; docs/legacy.md §4) ---------------------------------
     def low_latency_update_mask_buffer(self, rank_to_mask, mask=False):
         """Masks (or unmasks) a peer for this rank's low-latency calls; local."""
-        self._rt().low_latency_update_mask_buffer(rank_to_mask, mask)
+        self._rt().low_latency_update_mask_buffer(int32(rank_to_mask, "rank_to_mask"), mask)
 
     def low_latency_query_mask_buffer(self, mask_status):
         """Writes this rank's mask into ``mask_status`` (int32 ``[R]``, 1 where masked)."""
@@ -92,8 +101,7 @@ class Buffer:
         its first ``size.numel()`` elements shaped ``size``. It keeps the memory alive."""
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, not {type(dtype).__name__}")
-        if not isinstance(offset, int) or isinstance(offset, bool):
-            raise TypeError(f"offset must be an int, not {type(offset).__name__}")
+        offset = int64(offset, "offset")
         item = dtype.itemsize
         if offset % item != 0:
             raise _C.InvalidArgument(f"[rank {self.rank}] get_local_buffer_tensor: offset = {offset} is not a multiple "
@@ -118,7 +126,8 @@ class Buffer:
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None, async_finish=False,
                             allocate_on_comm_stream=False):
         per_rank, per_rdma, per_expert, in_rank, ev = self._rt().get_dispatch_layout(
-            topk_idx, num_experts, _native(previous_event, "previous_event"), async_finish, allocate_on_comm_stream)
+            topk_idx, int32(num_experts, "num_experts"), _native(previous_event, "previous_event"), async_finish,
+            allocate_on_comm_stream)
         return per_rank, per_rdma, per_expert, in_rank, _overlap(ev, async_finish)
 
     def _handle_tuple(self, native, event):
@@ -161,7 +170,13 @@ class Buffer:
 
     # ---- low-latency mode ----------------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        self._rt().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        runtime = self._rt()
+        # Collective: a rank whose arguments are not integers it can take is refused on every rank.
+        shape = Conversions()
+        n = shape.int32(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
+        h, e = shape.int32(hidden, "hidden"), shape.int32(num_experts, "num_experts")
+        shape.agree(self._group, f"[rank {self.rank}] clean_low_latency_buffer")
+        runtime.clean_low_latency_buffer(n, h, e)
 
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
