@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "moe_ep/dtype.hpp"
@@ -267,7 +268,10 @@ class Buffer {
   Tensor get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
   // Collective: resets both slots for (N, hidden, experts). Required after normal-mode use of the
   // scale-out pool, or before low-latency calls with another N, hidden or expert count.
-  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts);
+  // `rejection`: as DispatchArgs::rejection (the caller refused the arguments; the call still takes
+  // part, so that every rank refuses it).
+  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts,
+                                const std::string& rejection = {});
   // A raw view of this rank's own buffer, a 1-D `dtype` tensor of its bytes from `offset` on:
   // with use_rdma_buffer the scale-out pool (num_rdma_bytes, where the low-latency slots live:
   // writing there races with low-latency calls), else the scale-up buffer (num_nvl_bytes of host

@@ -304,9 +304,9 @@ void register_legacy(py::module_& m) {
              return export_tensor(box->get().get_next_low_latency_combine_buffer(*handle));
            })
       .def("clean_low_latency_buffer",
-           [](LegacyBox& box, int cap, int hidden, int experts) {
+           [](LegacyBox& box, int cap, int hidden, int experts, const std::string& rejection) {
              py::gil_scoped_release release;
-             box.get().clean_low_latency_buffer(cap, hidden, experts);
+             box.get().clean_low_latency_buffer(cap, hidden, experts, rejection);
            })
       .def("barrier", [](LegacyBox& b) {
         py::gil_scoped_release release;

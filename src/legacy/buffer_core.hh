@@ -162,7 +162,7 @@ void check_comm_stream_flags(const std::string& ctx, bool allocate_on_comm_strea
 // clean in low_latency.cc).
 LowLatencyDispatchResult low_latency_dispatch(BufferCore& core, const LowLatencyDispatchArgs& args);
 LowLatencyCombineResult low_latency_combine(BufferCore& core, const LowLatencyCombineArgs& args);
-void clean_low_latency_buffer(BufferCore& core, int max_tokens, int hidden, int num_experts);
+void clean_low_latency_buffer(BufferCore& core, int max_tokens, int hidden, int num_experts, const std::string& rejection);
 TensorView next_combine_buffer(BufferCore& core, const LowLatencyHandle& handle);
 
 }  // namespace moe_ep::legacy

@@ -298,8 +298,8 @@ Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handl
   const TensorView view = legacy::next_combine_buffer(*core_, handle);
   return core_->pool_storage().with_view(view);
 }
-void Buffer::clean_low_latency_buffer(int max_tokens, int hidden, int num_experts) {
-  legacy::clean_low_latency_buffer(*core_, max_tokens, hidden, num_experts);
+void Buffer::clean_low_latency_buffer(int max_tokens, int hidden, int num_experts, const std::string& rejection) {
+  legacy::clean_low_latency_buffer(*core_, max_tokens, hidden, num_experts, rejection);
 }
 
 Tensor legacy::BufferCore::pool_storage() {

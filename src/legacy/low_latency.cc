@@ -47,10 +47,11 @@ using std::int64_t;
 
 class CleanLowLatency final : public engine::Operation {
  public:
-  CleanLowLatency(BufferCore& core, int N, int H, int E, std::uint64_t sequence)
+  CleanLowLatency(BufferCore& core, int N, int H, int E, std::string rejection, std::uint64_t sequence)
       : Operation(core.engine.facts.context("clean_low_latency_buffer"), "clean_low_latency_buffer",
                   "clean_low_latency_buffer: agreement"),
         core_(core),
+        rejection_(std::move(rejection)),
         sequence_(sequence),
         ctx_(context()) {
     shape_.max_tokens = N;
@@ -64,6 +65,7 @@ class CleanLowLatency final : public engine::Operation {
 
  private:
   void validate() override {
+    if (!rejection_.empty()) core::fail(ctx_, "{}", rejection_);
     const int N = shape_.max_tokens, H = shape_.hidden, E = shape_.experts, R = core_.engine.facts.num_ranks;
     if (!core_.config.low_latency_mode) core::fail(ctx_, "the buffer was built with low_latency_mode = false");
     if (N <= 0 || H <= 0 || E <= 0 || E % R != 0)
@@ -95,6 +97,7 @@ class CleanLowLatency final : public engine::Operation {
 
  private:
   BufferCore& core_;
+  std::string rejection_;
   engine::CallShape shape_;  // max_tokens, hidden and experts of the slots to clean
   std::uint64_t sequence_;
   std::string ctx_;
@@ -249,10 +252,10 @@ TensorView next_combine_buffer(BufferCore& core, const LowLatencyHandle& handle)
                              static_cast<std::int64_t>(e.facts.num_ranks) * s.max_tokens, s.hidden);
 }
 
-void clean_low_latency_buffer(BufferCore& core, int max_tokens, int hidden, int num_experts) {
+void clean_low_latency_buffer(BufferCore& core, int max_tokens, int hidden, int num_experts, const std::string& rejection) {
   auto& e = core.engine;
   e.check_usable("clean_low_latency_buffer");
-  e.run_sync(std::make_shared<CleanLowLatency>(core, max_tokens, hidden, num_experts, e.next_sequence()));
+  e.run_sync(std::make_shared<CleanLowLatency>(core, max_tokens, hidden, num_experts, rejection, e.next_sequence()));
 }
 
 }  // namespace moe_ep::legacy

@@ -171,12 +171,18 @@ class Buffer:
     # ---- low-latency mode ----------------------------------------------------------------------
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         runtime = self._rt()
-        # Collective: a rank whose arguments are not integers it can take is refused on every rank.
+        # Collective: a rank whose arguments are not integers it can take takes part as a rejection
+        # (its peers raise PeerError naming it), then raises its own error. No exchange of its own:
+        # in shrink mode the call goes on without failed ranks, which no other collective could.
         shape = Conversions()
         n = shape.int32(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank")
         h, e = shape.int32(hidden, "hidden"), shape.int32(num_experts, "num_experts")
-        shape.agree(self._group, f"[rank {self.rank}] clean_low_latency_buffer")
-        runtime.clean_low_latency_buffer(n, h, e)
+        try:
+            runtime.clean_low_latency_buffer(n, h, e, shape.rejection)
+        except _C.InvalidArgument:
+            if shape.error is not None:
+                raise shape.error from None
+            raise
 
     def _low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                               cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8, round_scale,
