@@ -157,6 +157,7 @@ def test_uninstall_restores_what_install_replaced():
         names = ("get_device_properties", "current_stream", "Stream", "Event", "synchronize", "set_device", "device")
         before = {n: getattr(torch.cuda, n) for n in names}
         init, new_group, default = dist.init_process_group, dist.new_group, torch.set_default_device
+        gather = dist.all_gather_into_tensor
         record = torch.Tensor.record_stream
         from moe_ep.deep_ep import cpu_compat
         with cpu_compat.enabled():
@@ -164,6 +165,7 @@ def test_uninstall_restores_what_install_replaced():
             assert torch.Tensor.record_stream is not record
         assert {n: getattr(torch.cuda, n) for n in names} == before
         assert (dist.init_process_group, dist.new_group, torch.set_default_device) == (init, new_group, default)
+        assert dist.all_gather_into_tensor is gather
         assert torch.Tensor.record_stream is record
         print("ok")
     """
@@ -188,6 +190,26 @@ def test_nccl_process_groups_are_gloo():
     rc, out, err = run_python(code)
     assert rc == 0, err
     assert out.strip() == "gloo gloo [1.0, 1.0, 1.0] 2"
+
+
+def test_stacked_all_gather_into_tensor_works_on_gloo():
+    """NCCL's stacked output form ([world, n, ...]), which gloo refuses, gathers through the
+    concatenated view; the concatenated form is unchanged."""
+    code = """
+        import tempfile, torch, torch.distributed as dist
+        from moe_ep.deep_ep import cpu_compat
+        cpu_compat.install()
+        dist.init_process_group("nccl", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+        x = torch.arange(6, device="cuda").view(2, 3)
+        stacked, flat = torch.zeros(1, 2, 3, dtype=x.dtype), torch.zeros(2, 3, dtype=x.dtype)
+        dist.all_gather_into_tensor(stacked, x)
+        dist.all_gather_into_tensor(flat, x)
+        print(stacked.tolist(), flat.tolist(), cpu_compat.calls()["stacked all_gather_into_tensor"])
+        dist.destroy_process_group()
+    """
+    rc, out, err = run_python(code)
+    assert rc == 0, err
+    assert out.strip() == "[[[0, 1, 2], [3, 4, 5]]] [[0, 1, 2], [3, 4, 5]] 1"
 
 
 def test_the_environment_variable_installs_it_at_import():

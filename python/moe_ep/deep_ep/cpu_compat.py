@@ -23,7 +23,9 @@ installed:
   default device, this applies on the thread that installed the layer and on the ranks of
   ``moe_ep.LocalWorld``; other threads call ``enter_thread()``.
 - ``torch.distributed.init_process_group`` and ``new_group`` with the ``nccl`` backend use
-  ``gloo`` (and ignore ``device_id``).
+  ``gloo`` (and ignore ``device_id``). ``all_gather_into_tensor`` into the stacked form
+  (``[world, n, ...]`` for an input ``[n, ...]``, which NCCL takes and DeepEP's tests use, gloo
+  does not) gathers through the concatenated view ``[world * n, ...]`` of the same storage.
 
 ``torch.cuda.is_available()`` still answers False: code that asks gets the truth. Install before
 the engine imports names from ``torch.cuda`` (``from torch.cuda import current_stream`` keeps
@@ -349,6 +351,17 @@ def _wrap_new_group(original):
     return new_group
 
 
+def _wrap_all_gather_into_tensor(original):
+    def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+        if (input_tensor.dim() >= 1 and output_tensor.dim() == input_tensor.dim() + 1
+                and tuple(output_tensor.shape[1:]) == tuple(input_tensor.shape) and output_tensor.is_contiguous()):
+            _count("stacked all_gather_into_tensor")
+            output_tensor = output_tensor.view(-1, *input_tensor.shape[1:])
+        return original(output_tensor, input_tensor, group=group, async_op=async_op)
+    all_gather_into_tensor.__wrapped__ = original
+    return all_gather_into_tensor
+
+
 # ---- what was used --------------------------------------------------------------------------------
 
 def _counted(name, fn):
@@ -410,6 +423,8 @@ def install(device_count=8, multi_processor_count=132, capability=(9, 0)):
         dist.init_process_group = _wrap_init_process_group(dist.init_process_group)
         replaced[("dist", "new_group")] = dist.new_group
         dist.new_group = _wrap_new_group(dist.new_group)
+        replaced[("dist", "all_gather_into_tensor")] = dist.all_gather_into_tensor
+        dist.all_gather_into_tensor = _wrap_all_gather_into_tensor(dist.all_gather_into_tensor)
         _state = state
         _calls.clear()
         _groups.rank_thread_wrappers.append(_on_rank_threads)
