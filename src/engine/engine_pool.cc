@@ -41,7 +41,8 @@ void Engine::grow_pool(std::int64_t need, const std::string& context) {
              context, facts.config.name, facts.id, old_bytes, bytes, need);
   // Ranks in one address space release the old pool when its last view goes. Elsewhere a
   // release can be collective (an MPI window), which a view living on one rank would put out of
-  // step: the old pool is retired instead (comm::retire).
+  // step: the old pool is retired (comm::retire: released now where peers map it themselves,
+  // host memfds; kept until exit otherwise).
   if (!transport_->ranks_share_address_space()) comm::retire(std::move(old));
 }
 
