@@ -51,14 +51,18 @@ struct Config {
   // multiple of the RDMA send size, as DeepEP does.
   static Config make(int num_sms, int nvl_send, int nvl_recv, int rdma_send, int rdma_recv);
   void validate(const std::string& context) const;
-  // DeepEP's formulas (docs/legacy.md).
+  // DeepEP's formulas (docs/legacy.md). The RDMA hint is 0 for up to 8 ranks, which DeepEP runs in
+  // one node; where moe-ep's topology makes several nodes of them, the Buffer provides the pool
+  // normal mode needs itself.
   std::int64_t get_nvl_buffer_size_hint(std::int64_t hidden_bytes, int num_ranks) const;
   std::int64_t get_rdma_buffer_size_hint(std::int64_t hidden_bytes, int num_ranks) const;
 };
 
 struct BufferConfig {
   std::int64_t num_nvl_bytes = 0;   // scale-up pool (multiple of 128)
-  std::int64_t num_rdma_bytes = 0;  // scale-out and low-latency pool (multiple of 128)
+  // Scale-out and low-latency pool (multiple of 128). Across nodes on up to 8 ranks a normal-mode
+  // call that needs more grows it (docs/legacy.md §1); elsewhere it is a CapacityError.
+  std::int64_t num_rdma_bytes = 0;
   bool low_latency_mode = false;
   int num_qps_per_rank = 24;
   bool allow_nvlink_for_low_latency_mode = true;  // accepted
@@ -274,9 +278,9 @@ class Buffer {
                                 const std::string& rejection = {});
   // A raw view of this rank's own buffer, a 1-D `dtype` tensor of its bytes from `offset` on:
   // with use_rdma_buffer the scale-out pool (num_rdma_bytes, where the low-latency slots live:
-  // writing there races with low-latency calls), else the scale-up buffer (num_nvl_bytes of host
-  // memory, zero-filled when first asked for and used by nothing else). The tensor keeps the
-  // memory alive, after destroy() too. InvalidArgument for an offset outside [0, bytes] or not a
+  // writing there races with low-latency calls; a view taken before the pool grew shows the pool
+  // it replaced), else the scale-up buffer (num_nvl_bytes of host memory, zero-filled when first
+  // asked for and used by nothing else). The tensor keeps the memory alive, after destroy() too. InvalidArgument for an offset outside [0, bytes] or not a
   // multiple of the element size; StateError after destroy().
   Tensor get_local_buffer_tensor(DType dtype, std::int64_t offset = 0, bool use_rdma_buffer = false);
   // Shrink mode (requires enable_shrink, else StateError): this rank's mask of peers. A

@@ -145,11 +145,14 @@ void Combine::validate() {
   engine_.facts.check_num_qps(ctx_, a.num_qps);
   record_ = CombineRecord(shape_.hidden, shape_.topk);
   const RegionSizes need = region_sizes(engine_.facts.paths, shape_.max_tokens, shape_.hidden, 0, 0, shape_.topk, multi_);
-  if (need.combine_bytes > engine_.facts.config.pool_bytes) {
+  // With EngineConfig::grow_pool the pool grows after the agreement (run) instead.
+  pool_need_ = need.combine_bytes;
+  const std::int64_t holds = engine_.pool_bytes();
+  if (!engine_.facts.config.grow_pool && need.combine_bytes > holds) {
     const std::int64_t bytes = align_to(need.combine_bytes, engine_.facts.config.pool_alignment);
     throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer ({} tokens per rank, hidden = {}, k = {}), "
-                                    "the buffer holds {}", ctx_, bytes, shape_.max_tokens, shape_.hidden, shape_.topk, engine_.facts.config.pool_bytes),
-                        bytes, engine_.facts.config.pool_bytes);
+                                    "the buffer holds {}", ctx_, bytes, shape_.max_tokens, shape_.hidden, shape_.topk, holds),
+                        bytes, holds);
   }
 }
 
@@ -199,6 +202,9 @@ void Combine::describe(comm::Agreement& agreement) const {
 void Combine::run(const std::vector<std::span<const std::byte>>& payloads, const std::function<void()>& outputs_ready) {
   peers_ = payload_per_rank<PeerTensors>(payloads, ctx_);
   resolve_tensors(engine_, peers_, mine_);
+  // The need is the same on every rank (the handle's shape and the agreed hidden size); the
+  // handle's dispatch grew the pool for rows of its own hidden size already.
+  if (engine_.facts.config.grow_pool) engine_.grow_pool(pool_need_, ctx_);
   outputs_ready();
   engine_.wait_for_event(req_.previous_event_before_epilogue, ctx_, "previous_event_before_epilogue");
   CountedExchange contributions(engine_, "combine: scale-out contributions");

@@ -149,6 +149,7 @@ class Combine final : public CombineOperation {
   CallShape shape_;
   std::array<float, kMaxTopk> send_weights_{};
   CombineRecord record_{1, 1};
+  std::int64_t pool_need_ = 0;  // bytes of pool the call needs (validate)
   routing::Geometry geo_;
   std::vector<PeerTensors> peers_;
   std::vector<Presum> presums_;  // [tokens], empty unless presum_tokens() ran

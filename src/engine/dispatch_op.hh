@@ -46,7 +46,7 @@ class Dispatch final : public DispatchOperation {
   void check_payload();
   void check_routing();
   void check_options();
-  void check_capacity(int tokens_bound) const;
+  std::int64_t check_capacity(int tokens_bound) const;
   void check_gathered(const std::vector<PeerTensors>& peers);
   std::int64_t worst_rows() const;
   std::int64_t worst_expanded_rows() const;
@@ -95,6 +95,7 @@ class Dispatch final : public DispatchOperation {
   int handle_hidden_ = 0;  // the handle's hidden: shape_.hidden, or the request's handle_hidden
   DType x_dtype_ = DType::kBF16, scale_dtype_ = DType::kFP32;
   std::int64_t row_bytes_ = 0;
+  std::int64_t pool_need_ = 0;  // bytes of pool this call needs (check_capacity)
   routing::Geometry geo_;
   const HandleState* cached_state_ = nullptr;
   core::v2::CachedCall cached_call_;  // a cached dispatch's arguments, checked against its handle

@@ -97,7 +97,7 @@ void Dispatch::check_options() {
   if (a.worst_rows < 0) core::fail(ctx_, "the worst-case row count {} is negative", a.worst_rows);
   engine_.facts.check_num_qps(ctx_, a.num_qps);
   geo_ = routing::Geometry{engine_.facts.num_ranks, shape_.experts, engine_.facts.logical_scaleout};
-  if (shape_.max_tokens > 0) check_capacity(shape_.max_tokens);
+  if (shape_.max_tokens > 0) pool_need_ = check_capacity(shape_.max_tokens);
 
   // The routing of a new dispatch is checked here, before anything moves.
   if (!cached_)
@@ -106,19 +106,25 @@ void Dispatch::check_options() {
         shape_.experts);
 }
 
-// The row indices (int32) and the buffer must hold `tokens_bound` tokens per source.
-void Dispatch::check_capacity(int tokens_bound) const {
+// The row indices (int32) and the buffer must hold `tokens_bound` tokens per source. Returns the
+// bytes the pool must hold: with EngineConfig::grow_pool, for this dispatch and for the combine
+// of its handle (check_gathered grows the pool to it); otherwise a shortfall is a CapacityError.
+std::int64_t Dispatch::check_capacity(int tokens_bound) const {
   const int k = shape_.topk, El = shape_.local_experts, H = shape_.hidden;
   core::v2::check_row_capacity(ctx_, tokens_bound, engine_.facts.num_ranks, k, El, shape_.alignment, stride_);
   const std::int64_t scale_bytes = std::int64_t{shape_.scale_columns} * 4;
-  const RegionSizes need = region_sizes(engine_.facts.paths, tokens_bound, H, row_bytes_, scale_bytes, k,
+  // Combine rows have the handle's hidden size.
+  const RegionSizes need = region_sizes(engine_.facts.paths, tokens_bound, handle_hidden_, row_bytes_, scale_bytes, k,
                                         engine_.facts.config.allow_multiple_reduction);
-  if (need.dispatch_bytes > engine_.facts.config.pool_bytes) {
+  if (engine_.facts.config.grow_pool) return need.total();
+  const std::int64_t holds = engine_.pool_bytes();
+  if (need.dispatch_bytes > holds) {
     const std::int64_t bytes = align_to(need.dispatch_bytes, engine_.facts.config.pool_alignment);
     throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer ({} tokens per rank, hidden = {}, k = {}), "
-                                    "the buffer holds {}", ctx_, bytes, tokens_bound, H, k, engine_.facts.config.pool_bytes),
-                        bytes, engine_.facts.config.pool_bytes);
+                                    "the buffer holds {}", ctx_, bytes, tokens_bound, H, k, holds),
+                        bytes, holds);
   }
+  return need.dispatch_bytes;
 }
 
 // Checks of what the agreement gathered: every rank computes the same answer, so a failure here is
@@ -128,7 +134,7 @@ void Dispatch::check_gathered(const std::vector<PeerTensors>& peers) {
   if (shape_.max_tokens == 0) {
     for (const PeerTensors& p : peers) shape_.max_tokens = std::max(shape_.max_tokens, p.num_tokens);
     shape_.max_tokens = std::max(shape_.max_tokens, 1);
-    check_capacity(shape_.max_tokens);
+    pool_need_ = check_capacity(shape_.max_tokens);
   }
   if (!cached_) {
     const int e = plan_->layout.expert_over_stride();
@@ -143,6 +149,8 @@ void Dispatch::check_gathered(const std::vector<PeerTensors>& peers) {
                                           ctx_, d, plan_->layout.rows_at(d), req_.worst_rows));
   }
   });
+  // Outside in_step: a failed growth may leave the ranks out of step (the engine then breaks).
+  if (engine_.facts.config.grow_pool) engine_.grow_pool(pool_need_, ctx_);
 }
 
 std::int64_t Dispatch::worst_rows() const {

@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <array>
+#include <atomic>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -45,7 +46,10 @@ inline constexpr std::int64_t kPrefaultLimit = std::int64_t{256} << 20;
 // Facts every rank of a buffer shares (agreed at construction).
 struct EngineConfig {
   std::string name;              // "ElasticBuffer", "Buffer": names the buffer in messages
-  std::int64_t pool_bytes = 0;   // symmetric memory per rank
+  std::int64_t pool_bytes = 0;   // symmetric memory per rank, at construction
+  // A dispatch or combine that needs more symmetric memory than the pool holds grows it after its
+  // agreement (Engine::grow_pool) instead of raising CapacityError.
+  bool grow_pool = false;
   std::int64_t pool_alignment = 1;  // sizes in capacity errors are rounded up to this
   int fixed_hidden = 0;          // 0: any hidden size per call
   bool allow_hybrid_mode = true;
@@ -119,7 +123,12 @@ class Engine {
   comm::Transport& transport() { return *transport_; }
   comm::SymmetricMemory& memory() { return *memory_; }
   // The pool itself, for views that must keep it mapped after destroy(); null once destroyed.
-  std::shared_ptr<comm::SymmetricMemory> memory_owner() const { return memory_; }
+  std::shared_ptr<comm::SymmetricMemory> memory_owner() const;
+  // The pool's size: config.pool_bytes, or what grow_pool made it.
+  std::int64_t pool_bytes() const { return pool_bytes_.load(std::memory_order_acquire); }
+  // Collective, with the same `need` on every rank (after an operation's agreement): replaces the
+  // pool by a new one of a(max(need, 2 x pool_bytes()), kBufferAlignment) bytes (engine_pool.cc).
+  void grow_pool(std::int64_t need, const std::string& context);
   core::WorkerPool& pool() { return pool_; }
   // Counts one more signal expected from `source`; returns the cumulative target.
   std::uint64_t expect_signal(int source) { return ++signals_expected_[static_cast<size_t>(source)]; }
@@ -148,6 +157,7 @@ class Engine {
   std::unique_ptr<comm::Transport> transport_;
   std::unique_ptr<comm::TolerantGather> tolerant_;  // shrink mode (make_tolerant)
   std::shared_ptr<comm::SymmetricMemory> memory_;  // shared with views of it (memory_owner)
+  std::atomic<std::int64_t> pool_bytes_{facts.config.pool_bytes};
   core::SerialWorker comm_worker_;
   core::WorkerPool pool_;
   int last_workers_ = 0;  // the count last logged; 0 = none yet

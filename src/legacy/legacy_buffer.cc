@@ -43,10 +43,18 @@ std::exception_ptr check_config(const std::string& context, const BufferConfig& 
   });
 }
 
-engine::EngineConfig engine_config(const BufferConfig& c) {
+// DeepEP runs up to this many ranks within one node, where normal mode needs no RDMA buffer (its
+// size hint is 0 there).
+constexpr int kDeepEPNodeRanks = 8;
+
+engine::EngineConfig engine_config(const BufferConfig& c, const Group& group) {
   engine::EngineConfig e;
   e.name = "Buffer";
   e.pool_bytes = std::max<std::int64_t>(c.num_rdma_bytes, 0);
+  // moe-ep's topology spans nodes (MOE_EP_RANKS_PER_NODE, two hosts) where DeepEP would keep every
+  // rank in one node: engines size num_rdma_bytes by DeepEP's hints (0), so the Buffer provides
+  // the scale-out pool of normal mode itself (docs/legacy.md §1).
+  e.grow_pool = group.transport().topology().num_scaleout > 1 && group.size() <= kDeepEPNodeRanks;
   e.pool_alignment = 128;
   e.allow_hybrid_mode = true;  // across nodes V1 always sends each token once per node
   e.allow_multiple_reduction = true;
@@ -112,7 +120,7 @@ std::int64_t Config::get_nvl_buffer_size_hint(std::int64_t hidden_bytes, int num
 }
 
 std::int64_t Config::get_rdma_buffer_size_hint(std::int64_t hidden_bytes, int num_ranks) const {
-  if (num_ranks <= 8) return 0;
+  if (num_ranks <= kDeepEPNodeRanks) return 0;
   const std::int64_t C = num_sms / 2, Nr = num_ranks / 8, T = num_max_rdma_chunked_recv_tokens;
   const std::int64_t bytes =
       C * Nr * (8 * 2 + 2) * 2 * 4 + 2 * C * Nr * T * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4 + 16);
@@ -130,7 +138,7 @@ namespace legacy {
 
 BufferCore::BufferCore(Group& group, const BufferConfig& cfg)
     : config(cfg),
-      engine(group, engine_config(cfg), check_config(fmt::format("[rank {}] Buffer", group.rank()), cfg),
+      engine(group, engine_config(cfg, group), check_config(fmt::format("[rank {}] Buffer", group.rank()), cfg),
              [&](comm::Agreement& a) {
                a.field("num_nvl_bytes", cfg.num_nvl_bytes)
                    .field("num_rdma_bytes", cfg.num_rdma_bytes)

@@ -32,6 +32,9 @@ struct LLOptions {
   // zero_copy: combine is given another tensor of the slab's shape (NaN-filled); the rows must be
   // read from the combine buffer, x gives only the shape.
   bool zero_copy_shape_only = false;
+  // Before the low-latency calls, a normal-mode call that needs more than the low-latency pool
+  // (across logical nodes the Buffer grows it), then clean_low_latency_buffer.
+  bool normal_call_first = false;
 };
 
 CaseSpec ll_spec(int ranks, int scaleout, int experts, int k, int N, int hidden, std::uint64_t seed) {
@@ -69,6 +72,21 @@ void fill_expert_outputs(const CaseSpec& s, const std::vector<RankInputs>& all, 
   }
 }
 
+// A normal-mode call of the topology of `s` with 32 tokens of hidden 512 per rank, checked against
+// the dense reference (2 x 32 x 1056 B across 2 nodes, more than the low-latency pools of the tests
+// that use it), then the clean low-latency mode requires after it.
+void normal_call_then_clean(Buffer& b, Group& g, const CaseSpec& s, std::vector<std::string>& bad) {
+  CaseSpec normal = s;
+  normal.seed = s.seed + 1000;
+  normal.max_tokens = 32;
+  normal.hidden = 512;
+  normal.fp8 = false;
+  normal.scale_cols = 0;
+  normal.tokens.assign(static_cast<size_t>(s.ranks), 32);
+  for (const auto& p : testing::run_legacy_case_on(b, g, normal, {})) bad.push_back("normal call: " + p);
+  b.clean_low_latency_buffer(s.max_tokens, s.hidden, s.num_experts);
+}
+
 std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o, int rounds) {
   std::vector<std::string> bad;
   const int me = g.rank(), H = s.hidden, k = s.k, El = s.experts_per_rank(), N = s.max_tokens;
@@ -80,6 +98,7 @@ std::vector<std::string> run_ll(Group& g, const CaseSpec& s, const LLOptions& o,
   TensorView topk(in.topk.data(), DType::kInt64, {n, k});
   TensorView weights(in.weights.data(), DType::kFP32, {n, k});
   Tensor stats = Tensor::zeros({El}, DType::kInt32);
+  if (o.normal_call_first) normal_call_then_clean(b, g, s, bad);
   for (int round = 0; round < rounds; ++round) {
     LowLatencyDispatchResult d = b.low_latency_dispatch({.x = x, .topk_idx = topk, .num_max_dispatch_tokens_per_rank = N,
                                                          .num_experts = s.num_experts,
@@ -169,6 +188,12 @@ TEST(LowLatency, AcrossNodes) {
   run(ll_spec(8, 2, 16, 4, 5, 128, 9), {});
   run(ll_spec(8, 4, 16, 5, 5, 128, 10), {.fp8 = true, .hook = true, .combine_hook = true});
   run(ll_spec(4, 2, 8, 2, 4, 128, 11), {.zero_copy = true});
+}
+// Low-latency mode after a normal-mode call grew the pool (2 logical nodes of 4 ranks: DeepEP's
+// hints leave normal mode no pool there, docs/legacy.md §1).
+TEST(LowLatency, AfterANormalCallGrewThePool) {
+  run(ll_spec(4, 2, 8, 2, 4, 128, 15), {.normal_call_first = true});
+  run(ll_spec(4, 2, 8, 2, 4, 128, 16), {.hook = true, .zero_copy = true, .normal_call_first = true});
 }
 TEST(LowLatency, RandomShapes) {
   std::mt19937 rng(12);

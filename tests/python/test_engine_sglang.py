@@ -4,8 +4,12 @@ installed (SGLang sizes its V1 buffer with torch.cuda.get_device_properties):
 
 - sglang.srt.layers.moe.token_dispatcher.deepep.DeepEPDispatcher (V1 Buffer) in auto mode over a
   sequence of prefill ("extend") and decode batches — normal mode, low-latency mode, the
-  normal -> low-latency buffer cleaning — with async_finish and the receive hook, BF16; and in
-  low-latency mode with FP8 (moe-ep casts to E4M3 with per-128 scales);
+  normal -> low-latency buffer cleaning — with async_finish and the receive hook, BF16; in
+  low-latency mode with FP8 (moe-ep casts to E4M3 with per-128 scales); and in normal mode, whose
+  buffer SGLang sizes with DeepEP's hints alone (num_rdma_bytes = 0 on up to 8 ranks, also where
+  MOE_EP_RANKS_PER_NODE=2 makes two logical nodes of the 4 ranks: the Buffer then provides its
+  scale-out pool itself, docs/legacy.md §1). Each V1 plan builds its own buffer, sized for its
+  mode as a deployment with that mode sizes it;
 - sglang.srt.layers.moe.token_dispatcher.deepep_v2.DeepEPv2Dispatcher (V2 ElasticBuffer, SGLang's
   deepep_v2 backend): expanded prefill with CPU sync, masked decode without, compact prefill
   (SGLANG_DEEPEP_V2_ENABLE_PREFILL_EXPAND=0), and a rank without tokens; direct mode on 2
@@ -56,6 +60,8 @@ PLANS = {
                      [(True, ()), (False, ()), (False, ()), (True, ()), (False, ())]),
     "v1_low_latency_fp8": ("v1", dict(deepep_mode="low_latency", async_finish=False, return_recv_hook=False,
                                       output_dtype="fp8"), [(False, ()), (False, ())]),
+    "v1_normal_bf16": ("v1", dict(deepep_mode="normal", async_finish=True, return_recv_hook=False),
+                       [(True, ()), (True, ())]),
     "v2_expanded": ("v2", dict(prefill_expand=True), [(True, ()), (False, ()), (True, (1,)), (False, (1,))]),
     "v2_compact": ("v2", dict(prefill_expand=False), [(True, ()), (True, (0,)), (False, ())]),
 }
@@ -99,6 +105,15 @@ def _dequantize(data, scales):
     return (values.reshape(*values.shape[:-1], -1, 128) * scales.float()[..., None]).reshape(values.shape)
 
 
+def _fresh_v1_buffer():
+    """Drops SGLang's process-wide V1 buffer, so that the next dispatcher sizes its own for its mode.
+    Every rank drops it at the same point (its destruction is collective)."""
+    from sglang.srt.runtime_context import get_resources
+    state = get_resources().buffers.pop("deepep_ep_state", None)
+    if state is not None:
+        state.buffer = None
+
+
 def _run_v1(rank, world, group, settings, batches):
     import deep_ep
     import moe_ep
@@ -109,6 +124,7 @@ def _run_v1(rank, world, group, settings, batches):
     assert sg.use_deepep and sg.Buffer is moe_ep.deep_ep.Buffer is deep_ep.Buffer
     _publish("deepep", deepep_mode=settings["deepep_mode"],
              deepep_dispatcher_output_dtype=settings.get("output_dtype", "bf16"))
+    _fresh_v1_buffer()
     deep_gemm_wrapper.ENABLE_JIT_DEEPGEMM = True
     El = E // world
     dispatcher = sg.DeepEPDispatcher(group=group, router_topk=K, num_experts=E, num_local_experts=El, hidden_size=H,

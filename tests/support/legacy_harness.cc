@@ -369,7 +369,25 @@ CaseSpec legacy_reference_spec(CaseSpec spec) {
   return spec;
 }
 
+BufferConfig deepep_hint_config(std::int64_t hidden_bytes, int num_ranks) {
+  BufferConfig config{.num_cpu_timeout_secs = 60};
+  for (const Config& c : {Buffer::get_dispatch_config(num_ranks), Buffer::get_combine_config(num_ranks)}) {
+    config.num_nvl_bytes = std::max(config.num_nvl_bytes, c.get_nvl_buffer_size_hint(hidden_bytes, num_ranks));
+    config.num_rdma_bytes = std::max(config.num_rdma_bytes, c.get_rdma_buffer_size_hint(hidden_bytes, num_ranks));
+  }
+  return config;
+}
+
 std::vector<std::string> run_legacy_case(Group& g, const CaseSpec& case_spec, const LegacyRunOptions& opt) {
+  // DeepEP sizes rows of at least 2 bytes per element (its tests: hidden x max(element size, 2)).
+  const std::int64_t hidden_bytes = std::int64_t{case_spec.hidden} * std::max(case_spec.row_bytes() / case_spec.hidden, 2);
+  Buffer buffer(g, opt.deepep_hints ? deepep_hint_config(hidden_bytes, case_spec.ranks)
+                                    : BufferConfig{.num_rdma_bytes = 4 << 20, .num_cpu_timeout_secs = 60});
+  return run_legacy_case_on(buffer, g, case_spec, opt);
+}
+
+std::vector<std::string> run_legacy_case_on(Buffer& buffer, Group& g, const CaseSpec& case_spec,
+                                            const LegacyRunOptions& opt) {
   Failures fail(g.rank());
   const CaseSpec spec = legacy_reference_spec(case_spec);
   const int me = g.rank(), R = spec.ranks, k = spec.k, H = spec.hidden;
@@ -379,7 +397,6 @@ std::vector<std::string> run_legacy_case(Group& g, const CaseSpec& case_spec, co
                      dtype_name(x_dtype)));
     return std::move(fail.list());
   }
-  Buffer buffer(g, {.num_rdma_bytes = 4 << 20, .num_cpu_timeout_secs = 60});
   std::vector<RankInputs> all = reference::make_all_inputs(spec);
   RankInputs& in = all[static_cast<size_t>(me)];
   const std::int64_t n = in.num_tokens;
@@ -439,11 +456,12 @@ std::int64_t low_latency_rdma_bytes(const CaseSpec& s) {
 std::string describe(const CaseSpec& s, const LegacyRunOptions& o) {
   return fmt::format(
       "V1 seed {} ranks {} topology {}x{} E {} k {} H {} fp8 {} P {} align {} weights {} bias {} mask {} skew {} "
-      "routing {} tokens [{}] async {} cached {} cached_new_inputs {} worst {} with_topk {} num_sms {} payload {}",
+      "routing {} tokens [{}] async {} cached {} cached_new_inputs {} worst {} with_topk {} num_sms {} payload {} "
+      "deepep_hints {}",
       s.seed, s.ranks, s.scaleout, s.ranks / s.scaleout, s.num_experts, s.k, s.hidden, s.fp8, s.scale_cols, s.alignment,
       s.weights, s.num_bias, s.mask_ratio, s.skew, s.fixed_topk.empty() ? std::to_string(s.routing_style) : std::string("fixed"),
       fmt::join(s.tokens, ","), o.async, o.cached, o.cached_new_inputs, o.num_worst_tokens, o.with_topk, o.num_sms,
-      o.payload_dtype ? dtype_name(*o.payload_dtype) : "default");
+      o.payload_dtype ? dtype_name(*o.payload_dtype) : "default", o.deepep_hints);
 }
 
 }  // namespace moe_ep::testing

@@ -18,6 +18,7 @@
 #include "moe_ep/dtype.hpp"
 #include "moe_ep/tensor.hpp"
 #include "moe_ep/group.hpp"
+#include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
 #include "support/rank_runner.hh"
 
@@ -34,7 +35,15 @@ struct LegacyRunOptions {
   int num_sms = 0;        // Config::num_sms of dispatch and combine (channels = num_sms / 2); 0: default config
   // x's dtype when it is neither bfloat16 nor FP8; its size must be spec.payload_element_bytes.
   std::optional<DType> payload_dtype;
+  // The Buffer sized as engines size it with DeepEP's hints (deepep_hint_config) instead of with a
+  // 4 MiB scale-out pool.
+  bool deepep_hints = false;
 };
+
+// The pools an engine asks for when it sizes a normal-mode Buffer with DeepEP's hints for rows of
+// `hidden_bytes`: the largest get_nvl_buffer_size_hint and get_rdma_buffer_size_hint of the
+// default dispatch and combine configs of `num_ranks`.
+BufferConfig deepep_hint_config(std::int64_t hidden_bytes, int num_ranks);
 
 // The reference a V1 case is checked against: V1 has no expanded layout and, across nodes,
 // always reduces per node at the forwarder (hybrid path with multiple reduction).
@@ -42,6 +51,9 @@ reference::CaseSpec legacy_reference_spec(reference::CaseSpec spec);
 
 // Returns the mismatches found on `group`'s rank (empty when everything matched).
 std::vector<std::string> run_legacy_case(Group& group, const reference::CaseSpec& spec, const LegacyRunOptions& options);
+// The same on a given Buffer of `group` (options.deepep_hints is ignored).
+std::vector<std::string> run_legacy_case_on(Buffer& buffer, Group& group, const reference::CaseSpec& spec,
+                                            const LegacyRunOptions& options);
 
 // The case on LocalWorld(spec.ranks, spec.scaleout nodes): every rank's mismatches.
 RankProblems run_legacy_case_in_process(const reference::CaseSpec& spec, const LegacyRunOptions& options);
