@@ -8,10 +8,12 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "core/cpu_features.hh"
+#include "core/failure.hh"
 #include "core/log.hh"
 #include "core/reduce.hh"
 
@@ -96,56 +98,114 @@ void write_all(char* p, std::size_t bytes, char value) {
 
 enum class Pass { kCopy, kStream, kRead, kWrite };
 
-// `threads` threads each run the pass over their own pre-faulted buffers, all starting together,
-// `repetitions` times after a warm-up; returns the bytes per second of the best repetition.
-double measure_pass(Pass pass, int threads, std::size_t bytes_per_thread, int repetitions) {
-  threads = std::max(threads, 1);
-  repetitions = std::max(repetitions, 1);
-  std::atomic<bool> failed{false};
-  std::atomic<std::uint64_t> sink{0};
-  std::atomic<int> arrived{0};
-  std::atomic<int> round{-1};
-  std::vector<std::atomic<int>> finished_count(static_cast<size_t>(repetitions + 1));
-  std::vector<std::thread> pool;
-  std::vector<std::chrono::steady_clock::time_point> thread_end(static_cast<size_t>(threads) * (repetitions + 1));
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      // First touch by the thread that uses them; the read pass needs no destination, the write
-      // pass no source.
-      Mapping src(pass == Pass::kWrite ? 4096 : bytes_per_thread), dst(pass == Pass::kRead ? 4096 : bytes_per_thread);
-      const bool mapped = src.data && dst.data;
-      if (!mapped) failed = true;
-      if (mapped) std::memset(src.data, t + 1, src.bytes);
-      std::uint64_t folded = 0;
-      for (int r = 0; r <= repetitions; ++r) {
-        ++arrived;
-        while (round.load() < r) std::this_thread::yield();
-        if (mapped && pass == Pass::kCopy) std::memcpy(dst.data, src.data, bytes_per_thread);
-        if (mapped && pass == Pass::kStream) {
-          copy_bytes_streaming(dst.data, src.data, bytes_per_thread);
-          streaming_fence();
-        }
-        if (mapped && pass == Pass::kRead) folded ^= read_all(src.data, bytes_per_thread);
-        if (mapped && pass == Pass::kWrite) write_all(dst.data, bytes_per_thread, static_cast<char>(r + 1));
-        thread_end[static_cast<size_t>(t) * (repetitions + 1) + r] = std::chrono::steady_clock::now();
-        ++finished_count[static_cast<size_t>(r)];
+std::string_view pass_name(Pass pass) {
+  switch (pass) {
+    case Pass::kCopy:
+      return "memcpy bandwidth probe";
+    case Pass::kStream:
+      return "streaming copy bandwidth probe";
+    case Pass::kRead:
+      return "read bandwidth probe";
+    case Pass::kWrite:
+      return "write bandwidth probe";
+  }
+  return "bandwidth probe";
+}
+
+// One measurement: `threads` threads each run the pass over their own pre-faulted buffers, all
+// starting together, `repetitions` times after a warm-up. The measuring thread opens each round
+// once every thread arrived and times it to the last thread's end.
+class Probe {
+ public:
+  Probe(Pass pass, int threads, std::size_t bytes, int repetitions)
+      : pass_(pass), threads_(threads), bytes_(bytes), rounds_(repetitions + 1),
+        finished_(static_cast<std::size_t>(rounds_)), thread_end_(static_cast<std::size_t>(threads) * rounds_) {}
+
+  // Bytes per second of the best repetition; 0 when a buffer could not be mapped. A thread that
+  // cannot be started is a ResourceError, after the threads already started have been joined.
+  double run() {
+    std::vector<std::thread> pool;
+    try {
+      pool.reserve(static_cast<std::size_t>(threads_));
+      for (int t = 0; t < threads_; ++t)
+        pool.push_back(start_thread(pass_name(pass_), t, threads_, [this, t] { thread_body(t); }));
+    } catch (...) {
+      abandoned_ = true;  // the started threads leave their first wait
+      for (auto& th : pool) th.join();
+      throw;
+    }
+    double best_seconds = 1e30;
+    for (int r = 0; r < rounds_; ++r) {
+      while (arrived_.load() < threads_ * (r + 1)) std::this_thread::yield();
+      const auto t0 = std::chrono::steady_clock::now();
+      round_.store(r);
+      while (finished_[static_cast<std::size_t>(r)].load() < threads_) std::this_thread::yield();
+      auto t1 = t0;
+      for (int t = 0; t < threads_; ++t) t1 = std::max(t1, end_of(t, r));
+      if (r > 0) best_seconds = std::min(best_seconds, std::chrono::duration<double>(t1 - t0).count());
+    }
+    for (auto& th : pool) th.join();
+    if (failed_) return 0.0;
+    return static_cast<double>(bytes_) * threads_ / best_seconds / 1e9;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point& end_of(int t, int r) {
+    return thread_end_[static_cast<std::size_t>(t) * rounds_ + r];
+  }
+
+  void thread_body(int t) {
+    // First touch by the thread that uses them; the read pass needs no destination, the write
+    // pass no source.
+    Mapping src(pass_ == Pass::kWrite ? 4096 : bytes_), dst(pass_ == Pass::kRead ? 4096 : bytes_);
+    const bool mapped = src.data && dst.data;
+    if (!mapped) failed_ = true;
+    if (mapped) std::memset(src.data, t + 1, src.bytes);
+    std::uint64_t folded = 0;
+    for (int r = 0; r < rounds_; ++r) {
+      ++arrived_;
+      while (round_.load() < r) {
+        if (abandoned_.load()) return;
+        std::this_thread::yield();
       }
-      sink.fetch_xor(folded, std::memory_order_relaxed);  // the reads are used
-    });
+      if (mapped) folded ^= pass_once(src.data, dst.data, r);
+      end_of(t, r) = std::chrono::steady_clock::now();
+      ++finished_[static_cast<std::size_t>(r)];
+    }
+    sink_.fetch_xor(folded, std::memory_order_relaxed);  // the reads are used
   }
-  double best_seconds = 1e30;
-  for (int r = 0; r <= repetitions; ++r) {
-    while (arrived.load() < threads * (r + 1)) std::this_thread::yield();
-    const auto t0 = std::chrono::steady_clock::now();
-    round.store(r);
-    while (finished_count[static_cast<size_t>(r)].load() < threads) std::this_thread::yield();
-    auto t1 = t0;
-    for (int t = 0; t < threads; ++t) t1 = std::max(t1, thread_end[static_cast<size_t>(t) * (repetitions + 1) + r]);
-    if (r > 0) best_seconds = std::min(best_seconds, std::chrono::duration<double>(t1 - t0).count());
+
+  std::uint64_t pass_once(char* src, char* dst, int r) const {
+    switch (pass_) {
+      case Pass::kCopy:
+        std::memcpy(dst, src, bytes_);
+        break;
+      case Pass::kStream:
+        copy_bytes_streaming(dst, src, bytes_);
+        streaming_fence();
+        break;
+      case Pass::kRead:
+        return read_all(src, bytes_);
+      case Pass::kWrite:
+        write_all(dst, bytes_, static_cast<char>(r + 1));
+        break;
+    }
+    return 0;
   }
-  for (auto& th : pool) th.join();
-  if (failed) return 0.0;
-  return static_cast<double>(bytes_per_thread) * threads / best_seconds / 1e9;
+
+  const Pass pass_;
+  const int threads_;
+  const std::size_t bytes_;
+  const int rounds_;
+  std::atomic<bool> failed_{false}, abandoned_{false};
+  std::atomic<std::uint64_t> sink_{0};
+  std::atomic<int> arrived_{0}, round_{-1};
+  std::vector<std::atomic<int>> finished_;
+  std::vector<std::chrono::steady_clock::time_point> thread_end_;
+};
+
+double measure_pass(Pass pass, int threads, std::size_t bytes_per_thread, int repetitions) {
+  return Probe(pass, std::max(threads, 1), bytes_per_thread, std::max(repetitions, 1)).run();
 }
 
 }  // namespace

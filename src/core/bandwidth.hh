@@ -5,7 +5,9 @@
 // `bytes_per_thread` bytes (source and destination distinct), `repetitions` times after one
 // warm-up pass, all threads starting together; it returns payload bytes copied per second
 // (GB/s, 1e9) over the best repetition's wall time. Buffers larger than the last-level cache
-// measure DRAM; smaller ones measure caches.
+// measure DRAM; smaller ones measure caches. A thread the system does not start is a
+// ResourceError naming the probe and the thread count, raised after the threads already started
+// have been joined (core::start_thread).
 #pragma once
 
 #include <algorithm>
