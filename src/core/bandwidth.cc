@@ -1,12 +1,16 @@
 #include "core/bandwidth.hh"
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <string_view>
 #include <thread>
@@ -226,15 +230,69 @@ double measure_write_bandwidth(int threads, std::size_t bytes_per_thread, int re
   return measure_pass(Pass::kWrite, threads, bytes_per_thread, repetitions);
 }
 
+std::size_t probe_bytes_per_thread(std::size_t wanted, int threads, std::uint64_t available_bytes) {
+  const std::uint64_t buffers = 2 * static_cast<std::uint64_t>(std::max(threads, 1));
+  std::uint64_t bytes = std::min<std::uint64_t>(wanted, kProbeBudgetBytes / buffers);
+  bytes = std::max<std::uint64_t>(bytes, std::min<std::uint64_t>(wanted, kProbeMinBytes));
+  bytes = std::min<std::uint64_t>(bytes, available_bytes / kProbeAvailableShare / buffers);
+  return static_cast<std::size_t>(std::max<std::uint64_t>(bytes / 4096 * 4096, 4096));
+}
+
 namespace {
+
+// MemAvailable of /proc/meminfo (bytes); the free pages where it cannot be read; none known: 0.
+std::uint64_t system_available_bytes() {
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kib = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, f)) found = std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+    std::fclose(f);
+    if (found) return std::uint64_t{kib} * 1024;
+  }
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+// The address space left under RLIMIT_AS (its limit less the process's size, /proc/self/statm),
+// less `threads` stacks of the default size; no limit: the largest value.
+std::uint64_t address_space_room(int threads) {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return UINT64_MAX;
+  unsigned long long pages = 0;
+  if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%llu", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  std::size_t stack = 0;
+  pthread_attr_t attr;
+  if (pthread_getattr_default_np(&attr) == 0) {
+    pthread_attr_getstacksize(&attr, &stack);
+    pthread_attr_destroy(&attr);
+  }
+  const std::uint64_t used = pages * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE)) +
+                             static_cast<std::uint64_t>(std::max(threads, 0)) * (stack + 4096);
+  return limit.rlim_cur > used ? limit.rlim_cur - used : 0;
+}
+
 std::atomic<bool> g_measured{false};
+
 }  // namespace
+
+std::uint64_t available_memory_bytes(int threads) {
+  const std::uint64_t system = system_available_bytes();
+  return std::min(system > 0 ? system : UINT64_MAX, address_space_room(threads));
+}
+
+std::size_t probe_bytes(std::size_t wanted, int threads) {
+  return probe_bytes_per_thread(wanted, threads, available_memory_bytes(threads));
+}
 
 const MachineBandwidth& machine_bandwidth() {
   static const MachineBandwidth measured = [] {
     const int cores = available_cores();
-    const std::size_t bytes = std::size_t{64} << 20;
-    MachineBandwidth m{measure_copy_bandwidth(1, bytes, 2), measure_copy_bandwidth(cores, bytes, 2), cores};
+    MachineBandwidth m{measure_copy_bandwidth(1, probe_bytes(kProbeWantedBytes, 1), 2),
+                       measure_copy_bandwidth(cores, probe_bytes(kProbeWantedBytes, cores), 2), cores};
     g_measured = true;
     if (m.single_thread_gbs <= 0 || m.all_cores_gbs <= 0)
       warn(Subsys::kInit, "copy bandwidth: the measurement failed ({} GB/s on one thread, {} GB/s on {} cores): the "
