@@ -88,10 +88,12 @@ struct Ceiling {
   int threads = 0;
   void measure(Launch& launch, int workers);
 };
-// Each thread's buffer for a bandwidth sample: its share of `traffic` bytes (all ranks), 1 to 64 MiB.
+// Each thread's buffer for a bandwidth sample: its share of `traffic` bytes (all ranks), 1 to 64 MiB
+// (sample_memory then maps no more than the machine holds: core::probe_bytes).
 std::size_t bandwidth_working_set(double traffic, int threads);
-// One sample of the memory bandwidth (rank 0 measures with the threads of its host's ranks while
-// the others wait; collective): r.memory keeps the best copy and read seen.
+// One sample of the memory bandwidth (rank 0 measures with the threads of its host's ranks, each
+// with core::probe_bytes(bytes, threads), while the others wait; collective): r.memory keeps the
+// best copy and read seen.
 void sample_memory(Group& g, int workers, std::size_t bytes, ShapeResult& r);
 // Five more samples after r's rounds, at r's working set (the largest traffic of its operations).
 void measure_memory(Launch& launch, ShapeResult& r);

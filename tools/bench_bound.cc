@@ -58,6 +58,7 @@ void sample_memory(Group& g, int workers, std::size_t bytes, ShapeResult& r) {
   if (g.rank() == 0) {
     const int on_host = std::min(g.transport().ranks_on_host(), g.size());
     const int hosts = g.size() / on_host;
+    bytes = core::probe_bytes(bytes, on_host * workers);  // what the machine holds (core/bandwidth.hh)
     r.memory_bytes_per_thread = bytes;
     r.memory.copy_gbs =
         std::max(r.memory.copy_gbs, core::measure_streaming_copy_bandwidth(on_host * workers, bytes, 1) * hosts);

@@ -223,7 +223,9 @@ void Ceiling::measure(Launch& launch, int workers) {
     threads = g.size() * workers;
     if (g.rank() == 0) progress::show("memcpy ceiling");
     if (g.rank() == 0)
-      gbs = std::max(gbs, core::measure_copy_bandwidth(on_host * workers, std::size_t{64} << 20, 5) * (g.size() / on_host));
+      gbs = std::max(gbs, core::measure_copy_bandwidth(on_host * workers, core::probe_bytes(core::kProbeWantedBytes,
+                                                                                             on_host * workers),
+                                                       5) * (g.size() / on_host));
     g.barrier();
   });
 }
@@ -329,7 +331,8 @@ void print_formulas(const BenchOptions& o, bool v1, bool mpi, int threads, bool 
                "outputs (N(0, 0.1) values)\n",
                o.hidden + 4 * (o.hidden / 128) + 16, 2 * o.hidden);
   fmt::print("memory: {} threads each copying (memcpy; then with non-temporal stores), then reading, then writing (non-temporal\n"
-             "  stores) its own buffer (the shape's traffic shared among them, 1 to 64 MiB), "
+             "  stores) its own buffer (the shape's traffic shared among them, 1 to 64 MiB, less where the machine cannot\n"
+             "  hold that many: docs/performance.md), "
              "best of 5, {}{}.\n", threads,
              sweep ? "measured after each point at its thread count" : "measured after each shape of this run (the higher kept)",
              mpi ? " (by one process per host, with the threads of that host's ranks)" : "");
@@ -385,9 +388,9 @@ int bench_command(const BenchOptions& options, Launch& launch) {
              launch.describe(), o.nodes, o.ranks / o.nodes, results.front().workers, o.hidden, o.experts, o.topk);
   for (const auto& r : results) {
     if (r.memory.usable()) {
-      fmt::print("{}: {} threads, {} MiB each: streaming copy {:.2f} GB/s, read {:.2f} GB/s, write {:.2f} GB/s (a byte read "
+      fmt::print("{}: {} threads, {} each: streaming copy {:.2f} GB/s, read {:.2f} GB/s, write {:.2f} GB/s (a byte read "
                  "{:.3f} ns, a byte written {:.3f} ns); one barrier round {:.1f} us\n",
-                 r.shape, ceiling.threads, r.memory_bytes_per_thread >> 20, r.memory.copy_gbs, r.memory.read_gbs,
+                 r.shape, ceiling.threads, mib_text(r.memory_bytes_per_thread), r.memory.copy_gbs, r.memory.read_gbs,
                  r.memory.write_gbs,
                  r.memory.seconds_per_read_byte() * 1e9, r.memory.seconds_per_written_byte() * 1e9,
                  r.barrier_seconds * 1e6);

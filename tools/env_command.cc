@@ -20,14 +20,17 @@ namespace {
 
 constexpr std::size_t kDefaultWidth = 100, kMinWidth = 60, kMinValueWidth = 12;
 
-// "0 to 1024", "0 or more": the accepted range of a number variable.
+// "0 to 1024", "0 or more", "more than 0, finite": the accepted range of a number variable.
 std::string range(const env::Variable& v) {
   if (v.type == env::Type::kInt)
     return v.int_range.max == std::numeric_limits<std::int64_t>::max()
                ? fmt::format("{} or more", v.int_range.min)
                : fmt::format("{} to {}", v.int_range.min, v.int_range.max);
-  return std::isinf(v.float_range.max) ? fmt::format("{} or more", v.float_range.min)
-                                       : fmt::format("{} to {}", v.float_range.min, v.float_range.max);
+  const env::FloatRange& r = v.float_range;
+  const std::string from = r.min_exclusive ? fmt::format("more than {}", r.min) : fmt::format("{} or more", r.min);
+  if (std::isinf(r.max)) return from;
+  if (r.max == std::numeric_limits<double>::max()) return from + ", finite";
+  return fmt::format("{}, up to {}", from, r.max);
 }
 
 std::size_t output_width() {
@@ -138,7 +141,7 @@ int env_command(bool markdown) {
   fmt::print("\n");
   for (const auto& r : rows) {
     std::string text = fmt::format("{}: {}", r.v->name, r.v->doc);
-    if (r.v->type != env::Type::kString && r.v->type != env::Type::kBool)
+    if (r.v->type != env::Type::kBool && (r.v->type != env::Type::kString || !r.v->syntax.accepts.empty()))
       text += fmt::format(" Accepts {}.", env::accepted_values(*r.v));
     fmt::print("{}\n", wrap(text, width, "    "));
     if (r.value.size() > value_width) fmt::print("  {}\n", wrap("value: " + r.value, width - 2, "    "));

@@ -1,9 +1,11 @@
-// A plain-text table with right-aligned columns (first column left-aligned).
+// What the reports share: a plain-text table with right-aligned columns (first column
+// left-aligned), and buffer sizes in MiB.
 #pragma once
 
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -28,5 +30,11 @@ class Table {
  private:
   std::vector<std::vector<std::string>> rows_;
 };
+
+// "64 MiB", "0.25 MiB": whole MiB without decimals, anything else with two.
+inline std::string mib_text(std::size_t bytes) {
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  return bytes % kMiB == 0 ? fmt::format("{} MiB", bytes / kMiB) : fmt::format("{:.2f} MiB", double(bytes) / kMiB);
+}
 
 }  // namespace moe_ep::tools

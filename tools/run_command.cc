@@ -197,7 +197,8 @@ void print_phases(const RunOptions& options, const LayerConfig& c, const std::ve
   const std::int64_t combine_bytes_per_row = combine_row_bytes(options.api, c);
   const int threads = c.ranks * outcomes.front().workers;
   progress::show("memcpy ceiling");
-  const double ceiling = core::measure_copy_bandwidth(threads, std::size_t{64} << 20, 3);
+  const std::size_t bytes = core::probe_bytes(core::kProbeWantedBytes, threads);
+  const double ceiling = core::measure_copy_bandwidth(threads, bytes, 3);
   progress::clear();
   Table table({"phase", "time (ms)", "bytes (MB)", "GB/s", "x memcpy"});
   const double d = best_of_slowest(outcomes, options.iterations, &RankOutcome::dispatch_s),
@@ -218,7 +219,7 @@ void print_phases(const RunOptions& options, const LayerConfig& c, const std::ve
   fmt::print("dispatch bytes = received rows ({}) x {} B  [{}]\n", rows, dispatch_bytes_per_row,
              dispatch_row_formula(options.api, c));
   fmt::print("combine bytes  = rows ({}) x {} B  [{}]\n", rows, combine_bytes_per_row, combine_row_formula(options.api, c));
-  fmt::print("memcpy = {} threads each copying its own 64 MiB buffer, measured in this run\n\n", threads);
+  fmt::print("memcpy = {} threads each copying its own {} buffer, measured in this run\n\n", threads, mib_text(bytes));
 }
 
 // The report of rank 0; returns the exit status (0: every token verified).

@@ -3,13 +3,16 @@
 // Every environment variable moe-ep reads is declared once in a registry (name, type, default,
 // accepted values, one-line doc). Integer and float variables declare the range they accept;
 // it is the one limit of the quantity (a call argument that sets the same quantity is checked
-// against it too). Reads go through the typed getters below, which parse and validate the
-// current value on every read; a bad value raises InvalidArgument naming the variable, the value
-// exactly as given and the accepted values (the range for numbers). ScopedOverride replaces a
-// value for the lifetime of the object (process-wide, restored on destruction) so tests can
-// change configuration without touching the process environment; it validates the value when it
-// is made, as the reads do. Reading an undeclared name is a programming error (StateError).
-// A kChoice variable accepts the empty value only where its choices include it.
+// against it too). A string variable with a syntax of its own (a list of names or indexes)
+// declares it too, and its reader parses with the same rule: what the registry (and `moe-ep env`)
+// accepts is what the readers accept. Reads go through the typed getters below, which parse and
+// validate the current value on every read; a bad value raises InvalidArgument naming the
+// variable, the value exactly as given and the accepted values (the range for numbers).
+// ScopedOverride replaces a value for the lifetime of the object (process-wide, restored on
+// destruction) so tests can change configuration without touching the process environment; it
+// validates the value when it is made, as the reads do. Reading an undeclared name is a
+// programming error (StateError). A kChoice variable accepts the empty value only where its
+// choices include it.
 #pragma once
 
 #include <cstdint>
@@ -27,10 +30,22 @@ struct IntRange {
   std::int64_t min = 0;
   std::int64_t max = std::numeric_limits<std::int64_t>::max();
 };
-// Accepted values of a kFloat variable, inclusive (NaN is never accepted).
+// Accepted values of a kFloat variable: from min (above it when min_exclusive) to max inclusive.
+// NaN is never accepted; infinity only where max is infinity (a max of the largest double
+// accepts the finite numbers).
 struct FloatRange {
   double min = 0;
   double max = std::numeric_limits<double>::infinity();
+  bool min_exclusive = false;
+  bool contains(double x) const { return (min_exclusive ? x > min : x >= min) && x <= max; }
+};
+
+// The syntax of a kString variable, where it has one beyond "no NUL byte": `accepts` says in words
+// what it accepts; `problem` returns what is wrong with a value, "" when nothing is. A refusal reads
+// "environment variable NAME="value" is invalid: <problem>; accepted values are <accepts>".
+struct Syntax {
+  std::string_view accepts;
+  std::string (*problem)(std::string_view value) = nullptr;
 };
 
 struct Variable {
@@ -41,6 +56,7 @@ struct Variable {
   std::string_view doc;
   IntRange int_range{};      // kInt
   FloatRange float_range{};  // kFloat
+  Syntax syntax{};           // kString (none: any text without NUL bytes)
 };
 
 enum class Source { kDefault, kEnvironment, kOverride };
@@ -61,7 +77,7 @@ double get_float(std::string_view name);
 std::string get_string(std::string_view name);  // kChoice and kString
 
 std::string_view type_name(Type t);
-// What a variable accepts, in words: "integers from 0 to 1024", "a non-negative number",
+// What a variable accepts, in words: "integers from 0 to 1024", "a positive, finite number",
 // "normal | low_latency | auto"...
 std::string accepted_values(const Variable& v);
 std::string_view source_name(Source s);

@@ -1,17 +1,23 @@
 #include "core/bandwidth.hh"
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <string_view>
 #include <thread>
 #include <vector>
 
 #include "core/cpu_features.hh"
+#include "core/failure.hh"
 #include "core/log.hh"
 #include "core/reduce.hh"
 
@@ -96,56 +102,114 @@ void write_all(char* p, std::size_t bytes, char value) {
 
 enum class Pass { kCopy, kStream, kRead, kWrite };
 
-// `threads` threads each run the pass over their own pre-faulted buffers, all starting together,
-// `repetitions` times after a warm-up; returns the bytes per second of the best repetition.
-double measure_pass(Pass pass, int threads, std::size_t bytes_per_thread, int repetitions) {
-  threads = std::max(threads, 1);
-  repetitions = std::max(repetitions, 1);
-  std::atomic<bool> failed{false};
-  std::atomic<std::uint64_t> sink{0};
-  std::atomic<int> arrived{0};
-  std::atomic<int> round{-1};
-  std::vector<std::atomic<int>> finished_count(static_cast<size_t>(repetitions + 1));
-  std::vector<std::thread> pool;
-  std::vector<std::chrono::steady_clock::time_point> thread_end(static_cast<size_t>(threads) * (repetitions + 1));
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      // First touch by the thread that uses them; the read pass needs no destination, the write
-      // pass no source.
-      Mapping src(pass == Pass::kWrite ? 4096 : bytes_per_thread), dst(pass == Pass::kRead ? 4096 : bytes_per_thread);
-      const bool mapped = src.data && dst.data;
-      if (!mapped) failed = true;
-      if (mapped) std::memset(src.data, t + 1, src.bytes);
-      std::uint64_t folded = 0;
-      for (int r = 0; r <= repetitions; ++r) {
-        ++arrived;
-        while (round.load() < r) std::this_thread::yield();
-        if (mapped && pass == Pass::kCopy) std::memcpy(dst.data, src.data, bytes_per_thread);
-        if (mapped && pass == Pass::kStream) {
-          copy_bytes_streaming(dst.data, src.data, bytes_per_thread);
-          streaming_fence();
-        }
-        if (mapped && pass == Pass::kRead) folded ^= read_all(src.data, bytes_per_thread);
-        if (mapped && pass == Pass::kWrite) write_all(dst.data, bytes_per_thread, static_cast<char>(r + 1));
-        thread_end[static_cast<size_t>(t) * (repetitions + 1) + r] = std::chrono::steady_clock::now();
-        ++finished_count[static_cast<size_t>(r)];
+std::string_view pass_name(Pass pass) {
+  switch (pass) {
+    case Pass::kCopy:
+      return "memcpy bandwidth probe";
+    case Pass::kStream:
+      return "streaming copy bandwidth probe";
+    case Pass::kRead:
+      return "read bandwidth probe";
+    case Pass::kWrite:
+      return "write bandwidth probe";
+  }
+  return "bandwidth probe";
+}
+
+// One measurement: `threads` threads each run the pass over their own pre-faulted buffers, all
+// starting together, `repetitions` times after a warm-up. The measuring thread opens each round
+// once every thread arrived and times it to the last thread's end.
+class Probe {
+ public:
+  Probe(Pass pass, int threads, std::size_t bytes, int repetitions)
+      : pass_(pass), threads_(threads), bytes_(bytes), rounds_(repetitions + 1),
+        finished_(static_cast<std::size_t>(rounds_)), thread_end_(static_cast<std::size_t>(threads) * rounds_) {}
+
+  // Bytes per second of the best repetition; 0 when a buffer could not be mapped. A thread that
+  // cannot be started is a ResourceError, after the threads already started have been joined.
+  double run() {
+    std::vector<std::thread> pool;
+    try {
+      pool.reserve(static_cast<std::size_t>(threads_));
+      for (int t = 0; t < threads_; ++t)
+        pool.push_back(start_thread(pass_name(pass_), t, threads_, [this, t] { thread_body(t); }));
+    } catch (...) {
+      abandoned_ = true;  // the started threads leave their first wait
+      for (auto& th : pool) th.join();
+      throw;
+    }
+    double best_seconds = 1e30;
+    for (int r = 0; r < rounds_; ++r) {
+      while (arrived_.load() < threads_ * (r + 1)) std::this_thread::yield();
+      const auto t0 = std::chrono::steady_clock::now();
+      round_.store(r);
+      while (finished_[static_cast<std::size_t>(r)].load() < threads_) std::this_thread::yield();
+      auto t1 = t0;
+      for (int t = 0; t < threads_; ++t) t1 = std::max(t1, end_of(t, r));
+      if (r > 0) best_seconds = std::min(best_seconds, std::chrono::duration<double>(t1 - t0).count());
+    }
+    for (auto& th : pool) th.join();
+    if (failed_) return 0.0;
+    return static_cast<double>(bytes_) * threads_ / best_seconds / 1e9;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point& end_of(int t, int r) {
+    return thread_end_[static_cast<std::size_t>(t) * rounds_ + r];
+  }
+
+  void thread_body(int t) {
+    // First touch by the thread that uses them; the read pass needs no destination, the write
+    // pass no source.
+    Mapping src(pass_ == Pass::kWrite ? 4096 : bytes_), dst(pass_ == Pass::kRead ? 4096 : bytes_);
+    const bool mapped = src.data && dst.data;
+    if (!mapped) failed_ = true;
+    if (mapped) std::memset(src.data, t + 1, src.bytes);
+    std::uint64_t folded = 0;
+    for (int r = 0; r < rounds_; ++r) {
+      ++arrived_;
+      while (round_.load() < r) {
+        if (abandoned_.load()) return;
+        std::this_thread::yield();
       }
-      sink.fetch_xor(folded, std::memory_order_relaxed);  // the reads are used
-    });
+      if (mapped) folded ^= pass_once(src.data, dst.data, r);
+      end_of(t, r) = std::chrono::steady_clock::now();
+      ++finished_[static_cast<std::size_t>(r)];
+    }
+    sink_.fetch_xor(folded, std::memory_order_relaxed);  // the reads are used
   }
-  double best_seconds = 1e30;
-  for (int r = 0; r <= repetitions; ++r) {
-    while (arrived.load() < threads * (r + 1)) std::this_thread::yield();
-    const auto t0 = std::chrono::steady_clock::now();
-    round.store(r);
-    while (finished_count[static_cast<size_t>(r)].load() < threads) std::this_thread::yield();
-    auto t1 = t0;
-    for (int t = 0; t < threads; ++t) t1 = std::max(t1, thread_end[static_cast<size_t>(t) * (repetitions + 1) + r]);
-    if (r > 0) best_seconds = std::min(best_seconds, std::chrono::duration<double>(t1 - t0).count());
+
+  std::uint64_t pass_once(char* src, char* dst, int r) const {
+    switch (pass_) {
+      case Pass::kCopy:
+        std::memcpy(dst, src, bytes_);
+        break;
+      case Pass::kStream:
+        copy_bytes_streaming(dst, src, bytes_);
+        streaming_fence();
+        break;
+      case Pass::kRead:
+        return read_all(src, bytes_);
+      case Pass::kWrite:
+        write_all(dst, bytes_, static_cast<char>(r + 1));
+        break;
+    }
+    return 0;
   }
-  for (auto& th : pool) th.join();
-  if (failed) return 0.0;
-  return static_cast<double>(bytes_per_thread) * threads / best_seconds / 1e9;
+
+  const Pass pass_;
+  const int threads_;
+  const std::size_t bytes_;
+  const int rounds_;
+  std::atomic<bool> failed_{false}, abandoned_{false};
+  std::atomic<std::uint64_t> sink_{0};
+  std::atomic<int> arrived_{0}, round_{-1};
+  std::vector<std::atomic<int>> finished_;
+  std::vector<std::chrono::steady_clock::time_point> thread_end_;
+};
+
+double measure_pass(Pass pass, int threads, std::size_t bytes_per_thread, int repetitions) {
+  return Probe(pass, std::max(threads, 1), bytes_per_thread, std::max(repetitions, 1)).run();
 }
 
 }  // namespace
@@ -166,15 +230,69 @@ double measure_write_bandwidth(int threads, std::size_t bytes_per_thread, int re
   return measure_pass(Pass::kWrite, threads, bytes_per_thread, repetitions);
 }
 
+std::size_t probe_bytes_per_thread(std::size_t wanted, int threads, std::uint64_t available_bytes) {
+  const std::uint64_t buffers = 2 * static_cast<std::uint64_t>(std::max(threads, 1));
+  std::uint64_t bytes = std::min<std::uint64_t>(wanted, kProbeBudgetBytes / buffers);
+  bytes = std::max<std::uint64_t>(bytes, std::min<std::uint64_t>(wanted, kProbeMinBytes));
+  bytes = std::min<std::uint64_t>(bytes, available_bytes / kProbeAvailableShare / buffers);
+  return static_cast<std::size_t>(std::max<std::uint64_t>(bytes / 4096 * 4096, 4096));
+}
+
 namespace {
+
+// MemAvailable of /proc/meminfo (bytes); the free pages where it cannot be read; none known: 0.
+std::uint64_t system_available_bytes() {
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[256];
+    unsigned long long kib = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, f)) found = std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1;
+    std::fclose(f);
+    if (found) return std::uint64_t{kib} * 1024;
+  }
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
+// The address space left under RLIMIT_AS (its limit less the process's size, /proc/self/statm),
+// less `threads` stacks of the default size; no limit: the largest value.
+std::uint64_t address_space_room(int threads) {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_AS, &limit) != 0 || limit.rlim_cur == RLIM_INFINITY) return UINT64_MAX;
+  unsigned long long pages = 0;
+  if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%llu", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  std::size_t stack = 0;
+  pthread_attr_t attr;
+  if (pthread_getattr_default_np(&attr) == 0) {
+    pthread_attr_getstacksize(&attr, &stack);
+    pthread_attr_destroy(&attr);
+  }
+  const std::uint64_t used = pages * static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE)) +
+                             static_cast<std::uint64_t>(std::max(threads, 0)) * (stack + 4096);
+  return limit.rlim_cur > used ? limit.rlim_cur - used : 0;
+}
+
 std::atomic<bool> g_measured{false};
+
 }  // namespace
+
+std::uint64_t available_memory_bytes(int threads) {
+  const std::uint64_t system = system_available_bytes();
+  return std::min(system > 0 ? system : UINT64_MAX, address_space_room(threads));
+}
+
+std::size_t probe_bytes(std::size_t wanted, int threads) {
+  return probe_bytes_per_thread(wanted, threads, available_memory_bytes(threads));
+}
 
 const MachineBandwidth& machine_bandwidth() {
   static const MachineBandwidth measured = [] {
     const int cores = available_cores();
-    const std::size_t bytes = std::size_t{64} << 20;
-    MachineBandwidth m{measure_copy_bandwidth(1, bytes, 2), measure_copy_bandwidth(cores, bytes, 2), cores};
+    MachineBandwidth m{measure_copy_bandwidth(1, probe_bytes(kProbeWantedBytes, 1), 2),
+                       measure_copy_bandwidth(cores, probe_bytes(kProbeWantedBytes, cores), 2), cores};
     g_measured = true;
     if (m.single_thread_gbs <= 0 || m.all_cores_gbs <= 0)
       warn(Subsys::kInit, "copy bandwidth: the measurement failed ({} GB/s on one thread, {} GB/s on {} cores): the "

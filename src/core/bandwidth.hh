@@ -5,11 +5,14 @@
 // `bytes_per_thread` bytes (source and destination distinct), `repetitions` times after one
 // warm-up pass, all threads starting together; it returns payload bytes copied per second
 // (GB/s, 1e9) over the best repetition's wall time. Buffers larger than the last-level cache
-// measure DRAM; smaller ones measure caches.
+// measure DRAM; smaller ones measure caches. A thread the system does not start is a
+// ResourceError naming the probe and the thread count, raised after the threads already started
+// have been joined (core::start_thread).
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 
 namespace moe_ep::core {
 
@@ -49,8 +52,28 @@ struct MemoryBandwidth {
   }
 };
 
-// Measured once per process (single-thread and all-core copy bandwidth, 64 MiB per thread, about
-// a second), on first use. Every buffer's construction makes that first use, so the measurement
+// How much a probe of `threads` threads maps: two buffers per thread (source and destination) of
+// probe_bytes_per_thread bytes each, which is
+//  - `wanted` (kProbeWantedBytes for the memcpy ceiling), but no more than an equal share of
+//    kProbeBudgetBytes among the 2 x threads buffers, so that more threads share a fixed total;
+//  - yet no less than kProbeMinBytes (or `wanted`, when that is smaller): a thread's buffers then
+//    outgrow its core's private caches, and many threads' together the shared cache;
+//  - and never more than a share of 1 / kProbeAvailableShare of `available_bytes` in all;
+// rounded down to a multiple of 4096 bytes, at least 4096 (docs/performance.md).
+inline constexpr std::size_t kProbeWantedBytes = std::size_t{64} << 20;
+inline constexpr std::uint64_t kProbeBudgetBytes = std::uint64_t{4} << 30;
+inline constexpr std::size_t kProbeMinBytes = std::size_t{1} << 20;
+inline constexpr std::uint64_t kProbeAvailableShare = 4;
+std::size_t probe_bytes_per_thread(std::size_t wanted, int threads, std::uint64_t available_bytes);
+// The memory this process can still map for `threads` new threads: MemAvailable (/proc/meminfo;
+// the free pages where it cannot be read) and, under an address-space limit (RLIMIT_AS), no more
+// than the room left below it less the threads' stacks.
+std::uint64_t available_memory_bytes(int threads);
+// probe_bytes_per_thread(wanted, threads, available_memory_bytes(threads)).
+std::size_t probe_bytes(std::size_t wanted, int threads);
+
+// Measured once per process (single-thread and all-core copy bandwidth, probe_bytes of 64 MiB per
+// thread, about a second), on first use. Every buffer's construction makes that first use, so the measurement
 // never falls into a dispatch or combine (docs/semantics.md, worker counts).
 struct MachineBandwidth {
   double single_thread_gbs;

@@ -21,11 +21,12 @@ namespace {
 #define MOE_EP_ENV_BOOL(constant, name, default_value, doc) {name, Type::kBool, default_value, {}, doc},
 #define MOE_EP_ENV_INT(constant, name, default_value, min, max, doc) \
   {name, Type::kInt, default_value, {}, doc, IntRange{min, max}},
-#define MOE_EP_ENV_FLOAT(constant, name, default_value, min, max, doc) \
-  {name, Type::kFloat, default_value, {}, doc, {}, FloatRange{min, max}},
+#define MOE_EP_ENV_FLOAT(constant, name, default_value, min, max, min_exclusive, doc) \
+  {name, Type::kFloat, default_value, {}, doc, {}, FloatRange{min, max, min_exclusive}},
 #define MOE_EP_ENV_CHOICE(constant, name, default_value, doc, ...) \
   {name, Type::kChoice, default_value, {__VA_ARGS__}, doc},
-#define MOE_EP_ENV_STRING(constant, name, default_value, doc) {name, Type::kString, default_value, {}, doc},
+#define MOE_EP_ENV_STRING(constant, name, default_value, syntax, doc) \
+  {name, Type::kString, default_value, {}, doc, {}, {}, syntax},
 const std::vector<Variable>& variables() {
   static const std::vector<Variable> vars = {
 #include "core/env_table.inc"
@@ -60,6 +61,12 @@ std::string lower(std::string_view s) {
                                     accepted_values(v)));
 }
 
+// A value that breaks the variable's syntax: what is wrong with it, then what it accepts.
+[[noreturn]] void bad_syntax(const Variable& v, std::string_view value, const std::string& problem) {
+  throw InvalidArgument(fmt::format("environment variable {}={:?} is invalid: {}; accepted values are {}", v.name, value,
+                                    problem, accepted_values(v)));
+}
+
 // The environment cannot hold a NUL byte; an override that holds one is refused, not cut short.
 bool has_nul(std::string_view value) { return value.find('\0') != std::string_view::npos; }
 
@@ -88,8 +95,7 @@ double parse_float(const Variable& v, std::string_view value) {
   errno = 0;
   char* end = nullptr;
   const double x = std::strtod(s.c_str(), &end);
-  if (end != s.c_str() + s.size() || errno != 0 || !(x >= v.float_range.min && x <= v.float_range.max))
-    bad_value(v, value);
+  if (end != s.c_str() + s.size() || errno != 0 || !v.float_range.contains(x)) bad_value(v, value);
   return x;
 }
 
@@ -109,8 +115,20 @@ void validate(const Variable& v, std::string_view value) {
       break;
     case Type::kString:
       if (has_nul(value)) bad_value(v, value);
+      if (v.syntax.problem != nullptr)
+        if (const std::string problem = v.syntax.problem(value); !problem.empty()) bad_syntax(v, value, problem);
       break;
   }
+}
+
+// "a positive, finite number", "numbers from 2 up", "numbers above 0 to 1"...
+std::string float_values(const FloatRange& r) {
+  const bool finite = r.max == std::numeric_limits<double>::max();
+  if (r.min == 0 && (finite || std::isinf(r.max)))
+    return fmt::format("a {}{} number", r.min_exclusive ? "positive" : "non-negative", finite ? ", finite" : "");
+  const std::string from = fmt::format("{} {}", r.min_exclusive ? "above" : "from", r.min);
+  if (finite) return fmt::format("finite numbers {}", from);
+  return std::isinf(r.max) ? fmt::format("numbers {} up", from) : fmt::format("numbers {} to {}", from, r.max);
 }
 
 }  // namespace
@@ -171,17 +189,14 @@ std::string accepted_values(const Variable& v) {
                                     : fmt::format("integers from {} up", v.int_range.min);
       return fmt::format("integers from {} to {}", v.int_range.min, v.int_range.max);
     case Type::kFloat:
-      if (std::isinf(v.float_range.max))
-        return v.float_range.min == 0 ? std::string("a non-negative number")
-                                      : fmt::format("numbers from {} up", v.float_range.min);
-      return fmt::format("numbers from {} to {}", v.float_range.min, v.float_range.max);
+      return float_values(v.float_range);
     case Type::kChoice: {
       std::vector<std::string> shown;
       for (const auto c : v.choices) shown.push_back(c.empty() ? std::string("(empty)") : std::string(c));
       return fmt::format("{}", fmt::join(shown, " | "));
     }
     case Type::kString:
-      return "any text without NUL bytes";
+      return v.syntax.accepts.empty() ? std::string("any text without NUL bytes") : std::string(v.syntax.accepts);
   }
   return "?";
 }

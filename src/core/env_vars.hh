@@ -6,6 +6,8 @@
 // variable's type (BoolVar -> bool, IntVar -> int64, FloatVar -> double, ChoiceVar and StringVar ->
 // std::string) with the validation of the string getters of moe_ep/env.hpp. kDeclared lists every
 // constant's name and type in registry order; the env tests compare it with env::registry().
+// The string variables with a syntax of their own name it here (core::k...Syntax), defined beside
+// the parser that reads the variable, which applies the same rule.
 #pragma once
 
 #include <array>
@@ -15,6 +17,14 @@
 
 #include "moe_ep/env.hpp"
 #include "moe_ep/limits.hpp"  // the ranges of env_table.inc
+
+namespace moe_ep::core {
+
+// MOE_EP_DEBUG_SUBSYS (log.cc, parse_subsys) and MOE_EP_NUMA_NODES (placement.cc, parse_numa_nodes).
+extern const env::Syntax kDebugSubsysSyntax;
+extern const env::Syntax kNumaNodesSyntax;
+
+}  // namespace moe_ep::core
 
 namespace moe_ep::env {
 

@@ -22,12 +22,13 @@ SerialWorker::~SerialWorker() {
 void SerialWorker::submit(std::function<void()> task) {
   {
     std::lock_guard lock(mutex_);
+    if (!thread_.joinable())
+      thread_ = start_thread("serial worker", 0, 1, [this, rank = thread_rank(), placement = thread_placement()] {
+        set_thread_rank(rank);  // the lines of the rank's worker show its rank
+        place_worker_thread(placement, 0);  // the rank's first worker core (or its share)
+        loop();
+      });  // not started: nothing was queued
     tasks_.push_back(std::move(task));
-    if (!thread_.joinable()) thread_ = std::thread([this, rank = thread_rank(), placement = thread_placement()] {
-      set_thread_rank(rank);  // the lines of the rank's worker show its rank
-      place_worker_thread(placement, 0);  // the rank's first worker core (or its share)
-      loop();
-    });
   }
   wake_.notify_one();
 }
@@ -74,13 +75,21 @@ void WorkerPool::resize(int size) {
     throw InvalidArgument(fmt::format("worker pool: {} workers requested, the limit is {}", size, kMaxWorkers));
   if (size == size_ && static_cast<int>(helpers_.size()) == size - 1) return;
   stop_helpers();
+  size_ = 1;
+  try {
+    helpers_.reserve(static_cast<std::size_t>(size - 1));
+    for (int i = 1; i < size; ++i)
+      helpers_.push_back(
+          start_thread("worker pool", i - 1, size - 1, [this, i, rank = thread_rank(), placement = thread_placement()] {
+            set_thread_rank(rank);
+            place_worker_thread(placement, i - 1);  // helper i on worker core i - 1 (or the rank's share)
+            helper_loop(i);
+          }));
+  } catch (...) {
+    stop_helpers();  // joins the helpers that started; the pool is left with its caller's thread alone
+    throw;
+  }
   size_ = size;
-  for (int i = 1; i < size_; ++i)
-    helpers_.emplace_back([this, i, rank = thread_rank(), placement = thread_placement()] {
-      set_thread_rank(rank);
-      place_worker_thread(placement, i - 1);  // helper i on worker core i - 1 (or the rank's share)
-      helper_loop(i);
-    });
 }
 
 void WorkerPool::run_items() {

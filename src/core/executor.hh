@@ -6,6 +6,9 @@
 // WorkerPool::parallel_for(n, fn) calls fn(i) for every i in [0, n) on the calling thread plus
 // up to size()-1 helpers and returns when all calls returned; the first exception is rethrown
 // after all calls finished. Effects of the calls are visible to the caller afterwards.
+// A thread the system does not start is a ResourceError naming the executor and the thread count
+// (core::start_thread): submit() then queues nothing, resize() leaves a pool of size 1 (the
+// caller's thread alone) with the helpers it had started joined.
 #pragma once
 
 #include <condition_variable>

@@ -5,6 +5,7 @@
 #include <new>
 #include <system_error>
 
+#include "core/log.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::core {
@@ -27,6 +28,13 @@ std::exception_ptr typed_error(const std::exception_ptr& error, const std::strin
   } catch (...) {
     return std::current_exception();  // the translation (or, out of memory for it, bad_alloc)
   }
+}
+
+void thread_not_started(std::string_view what, int index, int count, const std::system_error& e) {
+  const int rank = current_rank();
+  throw ResourceError(fmt::format("{}{}: thread {} of {} could not be started: {}",
+                                  rank >= 0 ? fmt::format("[rank {}] ", rank) : std::string(), what, index + 1, count,
+                                  e.what()));
 }
 
 }  // namespace moe_ep::core

@@ -145,30 +145,51 @@ Level parse_level(std::string_view value) {
                                     env::accepted_values(env::lookup(env::kDebug))));
 }
 
-unsigned parse_subsys(std::string_view value) {
+namespace {
+
+// Reads the subsystem list `value` into `mask`; returns what is wrong with it ("" when nothing is).
+std::string read_subsys(std::string_view value, unsigned& mask) {
   std::string_view list = trim(value);
-  if (list.empty()) return kDefaultSubsys;
+  mask = kDefaultSubsys;
+  if (list.empty()) return "";
   const bool exclude = list.front() == '^';
   if (exclude) list.remove_prefix(1);
-  unsigned mask = 0;
+  unsigned named = 0;
   for (;;) {
     const std::size_t comma = std::min(list.find(','), list.size());
     const std::string name = upper(trim(list.substr(0, comma)));
     if (name == "ALL") {
-      mask |= kAllSubsys;
+      named |= kAllSubsys;
     } else if (!name.empty()) {
       const auto* it = std::find(std::begin(kSubsysNames), std::end(kSubsysNames), name);
-      if (it == std::end(kSubsysNames))
-        throw InvalidArgument(fmt::format(
-            "environment variable MOE_EP_DEBUG_SUBSYS={:?} is invalid: {:?} is not a subsystem; accepted values are "
-            "a comma-separated list of INIT, COLL, P2P, NET, ALLOC, ENV, ALL, optionally after ^ (all but those)",
-            value, name));
-      mask |= 1u << (it - std::begin(kSubsysNames));
+      if (it == std::end(kSubsysNames)) return fmt::format("{:?} is not a subsystem", name);
+      named |= 1u << (it - std::begin(kSubsysNames));
     }
     if (comma >= list.size()) break;
     list.remove_prefix(comma + 1);
   }
-  return exclude ? kAllSubsys & ~mask : mask;
+  mask = exclude ? kAllSubsys & ~named : named;
+  return "";
+}
+
+std::string subsys_problem(std::string_view value) {
+  unsigned mask = 0;
+  return read_subsys(value, mask);
+}
+
+}  // namespace
+
+// The registry's rule of MOE_EP_DEBUG_SUBSYS: the parse below.
+constinit const env::Syntax kDebugSubsysSyntax{
+    "a comma-separated list of INIT, COLL, P2P, NET, ALLOC, ENV, ALL, optionally after ^ (all but those)",
+    &subsys_problem};
+
+unsigned parse_subsys(std::string_view value) {
+  unsigned mask = 0;
+  if (const std::string problem = read_subsys(value, mask); !problem.empty())
+    throw InvalidArgument(fmt::format("environment variable MOE_EP_DEBUG_SUBSYS={:?} is invalid: {}; accepted values are {}",
+                                      value, problem, kDebugSubsysSyntax.accepts));
+  return mask;
 }
 
 std::string expand_file_name(std::string_view pattern) {

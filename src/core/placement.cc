@@ -4,6 +4,8 @@
 
 #include <charconv>
 #include <mutex>
+#include <optional>
+#include <string_view>
 
 #include "core/env_vars.hh"
 #include "core/log.hh"
@@ -36,25 +38,50 @@ std::string Placement::describe() const {
   return s;
 }
 
-std::vector<int> parse_numa_nodes(const std::string& text, int ranks_on_host, int num_nodes) {
-  std::vector<int> nodes;
-  if (text.empty()) return nodes;
+namespace {
+
+// The indexes of a MOE_EP_NUMA_NODES list (empty: none) into `nodes`; returns the first item that
+// is no index (not a non-negative decimal int), or nothing when every item is one.
+std::optional<std::string> read_numa_nodes(std::string_view text, std::vector<int>& nodes) {
+  nodes.clear();
+  if (text.empty()) return std::nullopt;
   std::size_t start = 0;
   while (true) {
     const std::size_t comma = text.find(',', start);
-    const std::string item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    const std::string_view item = text.substr(start, comma == std::string_view::npos ? text.npos : comma - start);
     int value = 0;
     const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
-    if (item.empty() || ec != std::errc{} || end != item.data() + item.size())
-      throw InvalidArgument(fmt::format("MOE_EP_NUMA_NODES=\"{}\": \"{}\" is not a NUMA node index (0 to {})", text,
-                                        item, num_nodes - 1));
-    if (value < 0 || value >= num_nodes)
-      throw InvalidArgument(fmt::format("MOE_EP_NUMA_NODES=\"{}\": node {} is out of range: this host has {} NUMA "
-                                        "nodes (0 to {})", text, value, num_nodes, num_nodes - 1));
+    if (item.empty() || ec != std::errc{} || end != item.data() + item.size() || value < 0) return std::string(item);
     nodes.push_back(value);
-    if (comma == std::string::npos) break;
+    if (comma == std::string_view::npos) return std::nullopt;
     start = comma + 1;
   }
+}
+
+std::string numa_nodes_problem(std::string_view text) {
+  std::vector<int> nodes;
+  const std::optional<std::string> bad = read_numa_nodes(text, nodes);
+  return bad ? fmt::format("{:?} is not a NUMA node index", *bad) : std::string();
+}
+
+}  // namespace
+
+// The registry's rule of MOE_EP_NUMA_NODES: the syntax parse_numa_nodes reads (the count and the
+// node range depend on the host, and are checked there).
+constinit const env::Syntax kNumaNodesSyntax{
+    "a comma-separated list of NUMA node indexes (0, 1, ...), one per rank of the host; empty = the block mapping",
+    &numa_nodes_problem};
+
+std::vector<int> parse_numa_nodes(const std::string& text, int ranks_on_host, int num_nodes) {
+  std::vector<int> nodes;
+  if (text.empty()) return nodes;  // the block mapping
+  if (const std::optional<std::string> bad = read_numa_nodes(text, nodes))
+    throw InvalidArgument(fmt::format("MOE_EP_NUMA_NODES=\"{}\": \"{}\" is not a NUMA node index (0 to {})", text,
+                                      *bad, num_nodes - 1));
+  for (const int node : nodes)
+    if (node >= num_nodes)
+      throw InvalidArgument(fmt::format("MOE_EP_NUMA_NODES=\"{}\": node {} is out of range: this host has {} NUMA "
+                                        "nodes (0 to {})", text, node, num_nodes, num_nodes - 1));
   if (static_cast<int>(nodes.size()) != ranks_on_host)
     throw InvalidArgument(fmt::format("MOE_EP_NUMA_NODES=\"{}\": {} entries, but the host has {} ranks (one entry "
                                       "per rank)", text, nodes.size(), ranks_on_host));

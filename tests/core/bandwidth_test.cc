@@ -1,7 +1,9 @@
 // Memory bandwidth (core/bandwidth.hh): how MemoryBandwidth prices a byte read and a byte written
-// (expected values worked out by hand from the rule in the header), and that each measured pass
-// returns a rate.
+// and how much memory a probe maps for a count of threads (expected values worked out by hand
+// from the rules in the header), and that each measured pass returns a rate.
 #include <gtest/gtest.h>
+
+#include <cstdint>
 
 #include "core/bandwidth.hh"
 
@@ -36,6 +38,45 @@ TEST(MemoryBandwidth, MeasurementsThatMakeNoCostAreNotUsable) {
   EXPECT_FALSE((MemoryBandwidth{.copy_gbs = 20, .read_gbs = 20, .write_gbs = 30}.usable()));  // copy as fast as reading
   EXPECT_FALSE((MemoryBandwidth{.copy_gbs = 10, .read_gbs = 20, .write_gbs = -1}.usable()));
   EXPECT_FALSE(MemoryBandwidth{}.usable());
+}
+
+constexpr std::size_t kKiB = std::size_t{1} << 10, kMiB = std::size_t{1} << 20;
+constexpr std::uint64_t kGiB = std::uint64_t{1} << 30, kPlenty = std::uint64_t{1} << 50;
+
+TEST(ProbeSizing, FewThreadsGetWhatTheyWant) {
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 1, kPlenty), 64 * kMiB);
+  // 32 threads x 2 buffers x 64 MiB = 4 GiB: the whole budget.
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 32, kPlenty), 64 * kMiB);
+  // A smaller wish stands (a shape whose traffic fits the caches).
+  EXPECT_EQ(probe_bytes_per_thread(512 * kKiB, 8, kPlenty), 512 * kKiB);
+}
+
+TEST(ProbeSizing, MoreThreadsShareTheBudget) {
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 64, kPlenty), 32 * kMiB);  // 4 GiB / 128 buffers
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 1024, kPlenty), 2 * kMiB);  // 4 GiB / 2048 buffers
+  // 4 GiB / 8192 buffers would be 512 KiB: the 1 MiB minimum holds (8 GiB in all).
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 4096, kPlenty), 1 * kMiB);
+}
+
+TEST(ProbeSizing, NeverMoreThanAQuarterOfTheAvailableMemory) {
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 16, 1 * kGiB), 8 * kMiB);  // 256 MiB / 32 buffers
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 1024, 16 * kGiB), 2 * kMiB);  // the budget is smaller
+  // 512 MiB / 2048 buffers = 256 KiB: below the minimum, the machine wins.
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 1024, 2 * kGiB), 256 * kKiB);
+  // 256 MiB / 6 buffers = 44739242 bytes, rounded down to 4096: 10922 pages.
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 3, 1 * kGiB), std::size_t{10922} * 4096);
+  // Nothing available: one page each.
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 1024, 0), 4096u);
+  // A thread count below 1 counts as 1.
+  EXPECT_EQ(probe_bytes_per_thread(64 * kMiB, 0, 1 * kGiB), 64 * kMiB);
+}
+
+TEST(ProbeSizing, ThisMachineHasMemoryToOffer) {
+  EXPECT_GT(available_memory_bytes(1), 0u);
+  const std::size_t bytes = probe_bytes(64 * kMiB, 4);
+  EXPECT_GE(bytes, 4096u);
+  EXPECT_LE(bytes, 64 * kMiB);
+  EXPECT_EQ(bytes % 4096, 0u);
 }
 
 TEST(MemoryBandwidth, EveryPassMeasuresARate) {

@@ -1,5 +1,6 @@
 // Environment values outside the declared range of their variable: every read refuses them with
-// an InvalidArgument naming the variable, the value exactly as given and the accepted range.
+// an InvalidArgument naming the variable, the value exactly as given and the accepted range. The
+// registry (what `moe-ep env` shows) and the variables' own readers accept the same values.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -7,10 +8,14 @@
 #include <string>
 
 #include "core/host_allocator.hh"
+#include "core/log.hh"
+#include "core/placement.hh"
+#include "core/timeout.hh"
 #include "moe_ep/env.hpp"
 #include "moe_ep/error.hpp"
 #include "moe_ep/tensor.hpp"
 #include "support/env_scope.hh"
+#include "support/errors.hh"
 #include "support/text.hh"
 
 namespace moe_ep {
@@ -58,6 +63,59 @@ TEST(EnvRange, TokenCapsAndByteCountsHaveLimits) {
 TEST(EnvRange, TheTimeoutStaysUnboundedAbove) {
   testing::ScopedEnvironment set("MOE_EP_TIMEOUT_SECS", "1e300");
   EXPECT_EQ(env::get_float("MOE_EP_TIMEOUT_SECS"), 1e300);
+}
+
+TEST(EnvRange, TheTimeoutIsPositiveAndFiniteForTheRegistryAsForItsReaders) {
+  using testing::error_of;
+  for (const char* value : {"0", "-0", "inf", "INF", "-inf", "nan", "-1", "1e400"}) {
+    testing::ScopedEnvironment set("MOE_EP_TIMEOUT_SECS", value);
+    const std::string expected = std::string("environment variable MOE_EP_TIMEOUT_SECS=\"") + value +
+                                 "\" is invalid: accepted values are a positive, finite number";
+    // The registry (moe-ep env reads env::current) and every reader of the timeout say the same.
+    EXPECT_EQ(error_of([] { env::current("MOE_EP_TIMEOUT_SECS"); }), expected);
+    EXPECT_EQ(error_of([] { env::get_float("MOE_EP_TIMEOUT_SECS"); }), expected);
+    EXPECT_EQ(error_of([] { core::timeout_from_env(); }), expected);
+    EXPECT_EQ(error_of([] { core::timeout_or_env("barrier", 0); }), expected);
+    EXPECT_THROW(env::ScopedOverride("MOE_EP_TIMEOUT_SECS", value), InvalidArgument) << value;
+  }
+  for (const char* value : {"1e-300", "0.5", "300", "1e9", "1e300"}) {
+    testing::ScopedEnvironment set("MOE_EP_TIMEOUT_SECS", value);
+    EXPECT_EQ(core::timeout_from_env(), std::strtod(value, nullptr)) << value;
+  }
+  EXPECT_EQ(env::accepted_values(env::lookup("MOE_EP_TIMEOUT_SECS")), "a positive, finite number");
+  // Arguments follow the same rule.
+  EXPECT_TRUE(contains(error_of([] { core::checked_timeout("call", "timeout_secs", 0.0); }),
+                       "call: timeout_secs = 0 is not a valid timeout"));
+  EXPECT_FALSE(error_of([] { core::checked_timeout("call", "timeout_secs", 1 / 0.0); }).empty());
+  EXPECT_EQ(core::checked_timeout("call", "timeout_secs", 1e-300), 1e-300);
+}
+
+TEST(EnvRange, ListsAreCheckedByTheRegistryAsByTheirParsers) {
+  using testing::error_of;
+  const std::string subsys_error =
+      "environment variable MOE_EP_DEBUG_SUBSYS=\"INIT,BOGUS\" is invalid: \"BOGUS\" is not a subsystem; accepted "
+      "values are a comma-separated list of INIT, COLL, P2P, NET, ALLOC, ENV, ALL, optionally after ^ (all but those)";
+  {
+    testing::ScopedEnvironment set("MOE_EP_DEBUG_SUBSYS", "INIT,BOGUS");
+    EXPECT_EQ(error_of([] { env::current("MOE_EP_DEBUG_SUBSYS"); }), subsys_error);
+  }
+  EXPECT_EQ(error_of([] { core::parse_subsys("INIT,BOGUS"); }), subsys_error);
+  EXPECT_THROW(env::ScopedOverride("MOE_EP_DEBUG_SUBSYS", "INIT,BOGUS"), InvalidArgument);
+  for (const char* value : {"x", "0,x", "0,-1", "0,,1", "0, 1", "+1", "99999999999"}) {
+    testing::ScopedEnvironment set("MOE_EP_NUMA_NODES", value);
+    const std::string m = error_of([] { env::current("MOE_EP_NUMA_NODES"); });
+    EXPECT_TRUE(contains(m, std::string("environment variable MOE_EP_NUMA_NODES=\"") + value + "\" is invalid: "))
+        << m;
+    EXPECT_TRUE(contains(m, "is not a NUMA node index; accepted values are a comma-separated list")) << m;
+    // The parser refuses it too, whatever the host.
+    EXPECT_TRUE(contains(error_of([&] { core::parse_numa_nodes(value, 2, 4); }), "is not a NUMA node index")) << value;
+  }
+  for (const char* value : {"", "0", "1,0", "3,3,2"}) {
+    testing::ScopedEnvironment subsys("MOE_EP_DEBUG_SUBSYS", "^init, coll");
+    testing::ScopedEnvironment nodes("MOE_EP_NUMA_NODES", value);
+    EXPECT_EQ(env::get_string("MOE_EP_DEBUG_SUBSYS"), "^init, coll");
+    EXPECT_EQ(env::get_string("MOE_EP_NUMA_NODES"), value);
+  }
 }
 
 TEST(EnvRange, OverridesAreCheckedWhenMade) {
