@@ -459,7 +459,8 @@ std::vector<int64_t> LowLatencyDispatch::wait_for_sources() {
   auto& e = core_.engine;
   std::vector<int64_t> waited(static_cast<size_t>(ranks()), 0);
   for (int s = 0; s < ranks(); ++s)
-    if (e.facts.same_node(s)) waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "dispatch receive");
+    if (e.facts.same_node(s))
+      waited[static_cast<size_t>(s)] = wait_published(core_, s, use.slot, use.number, "low_latency_dispatch: receive");
   const std::int64_t ns = remote_records_.wait();
   for (int s : remote_records_.sources()) waited[static_cast<size_t>(s)] = ns;
   return waited;
