@@ -99,10 +99,17 @@ foreach(mode kill stop exit absent)
   endforeach()
 endforeach()
 # A rank stopped in the middle of the tool's run loop, on either host: every other rank names it,
-# also those that waited for a live rank waiting for it (stopped_rank_check.sh).
+# also those that waited for a live rank waiting for it. A rank killed there in V1 low-latency
+# mode (node peers' slots and slabs read in place, other nodes' rows as messages): every other rank
+# names it in a message that starts with the operation, without waiting for the timeout (60 s)
+# (tool_failure_check.sh).
 foreach(victim 1 2)
-  add_test(NAME hosts.stopped_rank${victim} COMMAND ${moe_ep_hosts_dir}/stopped_rank_check.sh ${set_2} 2 2 ${victim}
+  add_test(NAME hosts.stopped_rank${victim} COMMAND ${moe_ep_hosts_dir}/tool_failure_check.sh ${set_2} 2 2 ${victim} stop
            $<TARGET_FILE:moe-ep> --tokens 32 --hidden 256)
-  set_tests_properties(hosts.stopped_rank${victim} PROPERTIES LABELS hosts TIMEOUT 300
-                       FIXTURES_REQUIRED "hosts_2;hosts_shm" SKIP_RETURN_CODE 77 ENVIRONMENT "${MOE_EP_MPI_ENV}")
+  add_test(NAME hosts.killed_rank${victim}_v1_low_latency COMMAND ${moe_ep_hosts_dir}/tool_failure_check.sh ${set_2} 2 2
+           ${victim} kill $<TARGET_FILE:moe-ep> --tokens 32 --hidden 256 --api v1 --low-latency --fp8)
+  foreach(name stopped_rank${victim} killed_rank${victim}_v1_low_latency)
+    set_tests_properties(hosts.${name} PROPERTIES LABELS hosts TIMEOUT 300 FIXTURES_REQUIRED "hosts_2;hosts_shm"
+                         SKIP_RETURN_CODE 77 ENVIRONMENT "${MOE_EP_MPI_ENV}")
+  endforeach()
 endforeach()
