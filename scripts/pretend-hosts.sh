@@ -17,9 +17,15 @@
 # namespace of each command run there). Open MPI launches into a host through this script's agent
 # instead of ssh, and is told to use only the set's network for its own traffic and for TCP.
 #
+# Each job that `mpirun` starts keeps Open MPI's files (its session directory and its shared-memory
+# segments) in a folder of its own, /dev/shm/moeep-SET/job.XXXXXX, which `mpirun` removes once the
+# launcher is gone, however it ended: a job killed by pid (SIGKILL never lets Open MPI unlink its
+# segments) leaves nothing once the launcher's processes are dead.
+#
 # `up` first removes what an earlier, interrupted run of the same SET left behind. `down` kills
-# every process still in the set's namespaces. Needs root, `ip` (iproute2), `unshare`, `nsenter`;
-# `check` says which is missing. SET: letters, digits and '-', at most 20 characters.
+# every process still in the set's namespaces and removes the set's folders. Needs root, `ip`
+# (iproute2), `unshare`, `nsenter`; `check` says which is missing. SET: letters, digits and '-', at
+# most 20 characters.
 set -euo pipefail
 
 prefix=moeep
@@ -55,6 +61,9 @@ valid_set() {
 
 host_name() { echo "${prefix}-$1-h$2"; }
 
+# The folder of the set's jobs' Open MPI files (memory, like Open MPI's own default).
+jobs_root() { echo "/dev/shm/${prefix}-$1"; }
+
 down() {
   local set=$1 dir="$run_root/$1" ns
   valid_set "$set"
@@ -77,6 +86,7 @@ down() {
     done
     rm -rf "$dir"
   fi
+  rm -rf "$(jobs_root "$set")"
 }
 
 up() {
@@ -86,8 +96,8 @@ up() {
   local reason
   if ! reason=$(check); then die "${reason#pretend-hosts: }"; fi
   down "$set"  # what an interrupted run left
-  mkdir -p "$dir"
-  chmod 0700 "$dir"
+  mkdir -p "$dir" "$(jobs_root "$set")"
+  chmod 0700 "$dir" "$(jobs_root "$set")"
   echo "$count" >"$dir/count"
   local bridge="${prefix}-${set}-br"
   ip netns add "$bridge"
@@ -148,13 +158,30 @@ agent() {
   die "agent: '$host' is not a host of set '$set'"
 }
 
-# mpirun SET ARGS...: mpirun on host 0; the hostfile names every host of the set.
+# mpirun SET ARGS...: mpirun on host 0; the hostfile names every host of the set. Open MPI's files
+# go to the job's own folder, removed when mpirun has exited or was killed; INT, TERM and HUP are
+# passed on to mpirun. Exits with mpirun's status.
 mpirun_on() {
   local set=$1 dir="$run_root/$1"
   shift
   [ -d "$dir" ] || die "set '$set' is not up"
-  run_on "$dir" 0 mpirun --mca plm_rsh_agent "$dir/agent" --mca orte_launch_agent orted \
-    --mca oob_tcp_if_include "$subnet.0/24" --mca btl_tcp_if_include "$subnet.0/24" "$@"
+  local job launcher status=0
+  mkdir -p "$(jobs_root "$set")"
+  job=$(mktemp -d "$(jobs_root "$set")/job.XXXXXX")
+  # Explicit stdin: an asynchronous command would otherwise read /dev/null.
+  (run_on "$dir" 0 mpirun --mca plm_rsh_agent "$dir/agent" --mca orte_launch_agent orted \
+    --mca oob_tcp_if_include "$subnet.0/24" --mca btl_tcp_if_include "$subnet.0/24" \
+    --mca orte_tmpdir_base "$job" --mca btl_vader_backing_directory "$job" "$@") <&0 &
+  launcher=$!
+  trap 'kill -TERM "$launcher" 2>/dev/null' INT TERM HUP
+  # A trapped signal ends `wait` early: wait again until mpirun itself is gone.
+  while :; do
+    status=0
+    wait "$launcher" 2>/dev/null || status=$?
+    kill -0 "$launcher" 2>/dev/null || break
+  done
+  rm -rf "$job"
+  exit "$status"
 }
 
 command=${1:-}

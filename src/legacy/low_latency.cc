@@ -25,15 +25,15 @@ std::int64_t wait_published(BufferCore& core, int rank, int slot, std::uint64_t 
   if (h->load(std::memory_order_acquire) >= number) return 0;
   comm::Backoff backoff(core.engine.facts.config.timeout_secs);
   const auto start = std::chrono::steady_clock::now();
-  const std::string context = core.engine.facts.context("low-latency");
+  const std::string context = core.engine.facts.context(phase);
   long polls = 0;
   const std::exception_ptr error = core::attempt(context, [&] {
     while (h->load(std::memory_order_acquire) < number) {
       if (++polls % 256 == 0) core.engine.transport().check_peer(rank, phase);
       if (!backoff.pause())
-        throw TimeoutError(fmt::format("{}: {}: timed out after {:.1f} s (timeout {:g} s) waiting for rank {} to "
-                                       "publish its data",
-                                       context, phase, backoff.elapsed_secs(), core.engine.facts.config.timeout_secs, rank),
+        throw TimeoutError(fmt::format("{}: timed out after {:.1f} s (timeout {:g} s) waiting for rank {} to publish "
+                                       "its data",
+                                       context, backoff.elapsed_secs(), core.engine.facts.config.timeout_secs, rank),
                            {rank});
     }
   });

@@ -249,12 +249,7 @@ void LowLatencyCombine::run(const std::vector<std::span<const std::byte>>& paylo
   put_remote_rows();
   outputs_ready();
   if (args_.return_recv_hook) return;
-  {
-    // Without staging, the rows of node peers are read straight from their x.
-    std::optional<comm::PeerReads> reads;
-    if (!staged_) reads.emplace(e.transport(), "low_latency_combine: reduction");
-    receive(true);
-  }
+  receive(true);
   // Without staging, peers read this rank's x directly: keep it until they are done.
   if (!staged_) e.transport().barrier(comm::Scope::kNode, e.facts.wait("low_latency_combine: exit"));
 }
@@ -268,10 +263,17 @@ void LowLatencyCombine::take_slabs(const std::vector<std::span<const std::byte>>
     if (payloads[r].size() != sizeof(Slab))
       throw StateError(fmt::format("{}: rank {} published {} bytes, expected {}", ctx_, r, payloads[r].size(), sizeof(Slab)));
     std::memcpy(&peers_[r], payloads[r].data(), sizeof(Slab));
-    if (static_cast<int>(r) == e.facts.rank)
+    if (static_cast<int>(r) == e.facts.rank) {
       peers_[r] = mine_;
-    else if (!staged_ && e.facts.same_node(static_cast<int>(r)))
-      peers_[r].data = static_cast<const std::byte*>(e.transport().node_address(static_cast<int>(r), peers_[r].data));
+    } else if (!staged_ && e.facts.same_node(static_cast<int>(r))) {
+      try {
+        peers_[r].data = static_cast<const std::byte*>(e.transport().node_address(static_cast<int>(r), peers_[r].data));
+      } catch (const PeerError&) {
+        // A node peer whose process is gone: named under this step, as a wait on it names it.
+        e.transport().check_peer(static_cast<int>(r), "low_latency_combine: node peers' slabs");
+        throw;
+      }
+    }
   }
 }
 
@@ -347,10 +349,16 @@ void LowLatencyCombine::receive(bool parallel) {
   const std::string problem = core_.slot_problem(use.slot, use.generation, "receive hook");
   if (!problem.empty()) throw StateError(fmt::format("{}: {}", ctx_, problem));
   const std::vector<int64_t> waited = wait_for_experts();
-  if (parallel) {
-    core_.engine.pool().parallel_for(shape_.tokens, [&](int64_t t) { combine_token(t); });
-  } else {
-    for (int64_t t = 0; t < shape_.tokens; ++t) combine_token(t);
+  {
+    // Without staging, the rows of node peers are read straight from their x. The section opens
+    // after the wait: one that held a wait on other ranks would hold up node peers that leave.
+    std::optional<comm::PeerReads> reads;
+    if (!staged_) reads.emplace(core_.engine.transport(), "low_latency_combine: reduction");
+    if (parallel) {
+      core_.engine.pool().parallel_for(shape_.tokens, [&](int64_t t) { combine_token(t); });
+    } else {
+      for (int64_t t = 0; t < shape_.tokens; ++t) combine_token(t);
+    }
   }
   if (args_.combine_wait_recv_cost_stats.defined())
     for (int d = 0; d < ranks(); ++d) args_.combine_wait_recv_cost_stats.data_as<int64_t>()[d] += waited[static_cast<size_t>(d)];

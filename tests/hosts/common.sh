@@ -36,14 +36,21 @@ descendants() {
   done
 }
 
-# end_job PID: SIGKILL to PID and everything it started (the launcher, its agents, the remote
-# daemons and every rank on every host): Open MPI 4.1 with --enable-recovery does not exit its
-# launcher after a remote rank died, so a test ends what it started itself, by pid.
+# end_job PID: SIGKILL to everything PID started (the launcher, its agents, the remote daemons and
+# every rank on every host): Open MPI 4.1 with --enable-recovery does not exit its launcher after a
+# remote rank died, so a test ends what it started itself, by pid. PID itself, `pretend-hosts.sh
+# mpirun`, then removes the job's folder (Open MPI's segments, which killed processes never
+# unlink) and exits; it is killed too if it has not exited within 10 s.
 end_job() {
   local pids
-  pids="$1 $(descendants "$1")"
+  pids=$(descendants "$1")
   # shellcheck disable=SC2086
-  kill -KILL $pids 2>/dev/null || true
+  [ -z "$pids" ] || kill -KILL $pids 2>/dev/null || true
+  for _ in $(seq 100); do
+    running "$1" || break
+    sleep 0.1
+  done
+  kill -KILL "$1" 2>/dev/null || true
   wait "$1" 2>/dev/null || true
 }
 

@@ -10,13 +10,23 @@ set(moe_ep_hosts_script ${PROJECT_SOURCE_DIR}/scripts/pretend-hosts.sh)
 set(moe_ep_hosts_dir ${CMAKE_CURRENT_SOURCE_DIR}/hosts)
 # Each rank's environment (pretend hosts inherit the launcher's).
 set(moe_ep_hosts_env "${MOE_EP_MPI_ENV};MOE_EP_TIMEOUT_SECS=60")
+# Nothing left behind in /dev/shm, nor as Open MPI session directories: hosts.shm_before lists the
+# names there that the tests could create (those of this build tree's sets) before the first of
+# them, hosts.shm_after fails for every such name that is new after the last, after the sets were
+# taken down (fixture hosts_shm, which every test below requires, up and down included).
+set(moe_ep_hosts_shm_list ${CMAKE_CURRENT_BINARY_DIR}/hosts_shm_before.txt)
+add_test(NAME hosts.shm_before COMMAND ${moe_ep_hosts_dir}/shm_check.sh before ${moe_ep_hosts_shm_list} ${moe_ep_hosts_id})
+set_tests_properties(hosts.shm_before PROPERTIES LABELS hosts FIXTURES_SETUP hosts_shm TIMEOUT 60)
+add_test(NAME hosts.shm_after COMMAND ${moe_ep_hosts_dir}/shm_check.sh after ${moe_ep_hosts_shm_list} ${moe_ep_hosts_id})
+set_tests_properties(hosts.shm_after PROPERTIES LABELS hosts FIXTURES_CLEANUP hosts_shm SKIP_RETURN_CODE 77 TIMEOUT 60)
 foreach(count 2 4)
   set(set_${count} ${moe_ep_hosts_id}-${count})
   add_test(NAME hosts.up_${count} COMMAND ${moe_ep_hosts_script} up ${set_${count}} ${count})
   set_tests_properties(hosts.up_${count} PROPERTIES LABELS hosts FIXTURES_SETUP hosts_${count} SKIP_RETURN_CODE 77
-                       TIMEOUT 60)
+                       TIMEOUT 60 FIXTURES_REQUIRED hosts_shm)
   add_test(NAME hosts.down_${count} COMMAND ${moe_ep_hosts_script} down ${set_${count}})
-  set_tests_properties(hosts.down_${count} PROPERTIES LABELS hosts FIXTURES_CLEANUP hosts_${count} TIMEOUT 60)
+  set_tests_properties(hosts.down_${count} PROPERTIES LABELS hosts FIXTURES_CLEANUP hosts_${count} TIMEOUT 60
+                       FIXTURES_REQUIRED hosts_shm)
 endforeach()
 
 # moe_ep_hosts_test(NAME HOSTS PER_HOST COMMAND...): COMMAND as an MPI job across the pretend hosts.
@@ -26,7 +36,7 @@ function(moe_ep_hosts_test name hosts per_host)
     set(count 4)
   endif()
   add_test(NAME hosts.${name} COMMAND ${moe_ep_hosts_dir}/run_on_hosts.sh ${set_${count}} ${hosts} ${per_host} 240 ${ARGN})
-  set_tests_properties(hosts.${name} PROPERTIES LABELS hosts TIMEOUT 300 FIXTURES_REQUIRED hosts_${count}
+  set_tests_properties(hosts.${name} PROPERTIES LABELS hosts TIMEOUT 300 FIXTURES_REQUIRED "hosts_${count};hosts_shm"
                        SKIP_RETURN_CODE 77 ENVIRONMENT "${moe_ep_hosts_env}")
 endfunction()
 
@@ -83,15 +93,23 @@ foreach(mode kill stop exit absent)
   foreach(victim 1 2)
     add_test(NAME hosts.failure_${mode}_rank${victim} COMMAND ${moe_ep_hosts_dir}/failure_check.sh ${set_2} 2 2 ${mode}
              ${victim} $<TARGET_FILE:mpi_failure_probe>)
-    set_tests_properties(hosts.failure_${mode}_rank${victim} PROPERTIES LABELS hosts TIMEOUT 300 FIXTURES_REQUIRED hosts_2
-                         SKIP_RETURN_CODE 77 ENVIRONMENT "${MOE_EP_MPI_ENV};MOE_EP_TIMEOUT_SECS=4")
+    set_tests_properties(hosts.failure_${mode}_rank${victim} PROPERTIES LABELS hosts TIMEOUT 300
+                         FIXTURES_REQUIRED "hosts_2;hosts_shm" SKIP_RETURN_CODE 77
+                         ENVIRONMENT "${MOE_EP_MPI_ENV};MOE_EP_TIMEOUT_SECS=4")
   endforeach()
 endforeach()
 # A rank stopped in the middle of the tool's run loop, on either host: every other rank names it,
-# also those that waited for a live rank waiting for it (stopped_rank_check.sh).
+# also those that waited for a live rank waiting for it. A rank killed there in V1 low-latency
+# mode (node peers' slots and slabs read in place, other nodes' rows as messages): every other rank
+# names it in a message that starts with the operation, without waiting for the timeout (60 s)
+# (tool_failure_check.sh).
 foreach(victim 1 2)
-  add_test(NAME hosts.stopped_rank${victim} COMMAND ${moe_ep_hosts_dir}/stopped_rank_check.sh ${set_2} 2 2 ${victim}
+  add_test(NAME hosts.stopped_rank${victim} COMMAND ${moe_ep_hosts_dir}/tool_failure_check.sh ${set_2} 2 2 ${victim} stop
            $<TARGET_FILE:moe-ep> --tokens 32 --hidden 256)
-  set_tests_properties(hosts.stopped_rank${victim} PROPERTIES LABELS hosts TIMEOUT 300 FIXTURES_REQUIRED hosts_2
-                       SKIP_RETURN_CODE 77 ENVIRONMENT "${MOE_EP_MPI_ENV}")
+  add_test(NAME hosts.killed_rank${victim}_v1_low_latency COMMAND ${moe_ep_hosts_dir}/tool_failure_check.sh ${set_2} 2 2
+           ${victim} kill $<TARGET_FILE:moe-ep> --tokens 32 --hidden 256 --api v1 --low-latency --fp8)
+  foreach(name stopped_rank${victim} killed_rank${victim}_v1_low_latency)
+    set_tests_properties(hosts.${name} PROPERTIES LABELS hosts TIMEOUT 300 FIXTURES_REQUIRED "hosts_2;hosts_shm"
+                         SKIP_RETURN_CODE 77 ENVIRONMENT "${MOE_EP_MPI_ENV}")
+  endforeach()
 endforeach()
