@@ -357,8 +357,8 @@ void LocalWorld::run(const std::function<void(Group&)>& fn) {
   std::vector<std::exception_ptr> errors(static_cast<size_t>(num_ranks_));
   std::vector<std::thread> threads;
   threads.reserve(static_cast<size_t>(num_ranks_));
-  for (int r = 0; r < num_ranks_; ++r) {
-    threads.emplace_back([&, r] {
+  auto rank_thread = [&](int r) {
+    return core::start_thread("LocalWorld (rank threads)", r, num_ranks_, [&, r] {
       core::ScopedThreadRank as_rank(r);
       std::exception_ptr& error = errors[static_cast<size_t>(r)];
       error = core::capture([&] {
@@ -373,6 +373,14 @@ void LocalWorld::run(const std::function<void(Group&)>& fn) {
       });
       if (error) world->departures.leave(r, {comm::describe(error), comm::culprits_of(error)});
     });
+  };
+  for (int r = 0; r < num_ranks_; ++r) {
+    const std::exception_ptr not_started = core::capture([&] { threads.push_back(rank_thread(r)); });
+    if (!not_started) continue;
+    // The ranks that could not start have left: the started ones' waits on them end at once.
+    for (int q = r; q < num_ranks_; ++q) world->departures.leave(q, {"its thread could not be started", {}});
+    for (auto& t : threads) t.join();
+    std::rethrow_exception(not_started);
   }
   for (auto& t : threads) t.join();
   std::exception_ptr first, root_cause;

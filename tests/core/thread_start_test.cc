@@ -1,6 +1,7 @@
 // Threads the system does not start (core::start_thread and its users): a bandwidth probe, a
-// worker pool and a serial worker each raise ResourceError naming what they were starting and how
-// many threads, after joining the threads already started, and stay usable; nothing aborts.
+// worker pool, a serial worker and LocalWorld's rank threads each raise ResourceError naming what
+// they were starting and how many threads, after joining the threads already started, and stay
+// usable; nothing aborts.
 //
 // Each case runs in a child process (a gtest exit test, re-executed: single-threaded when it
 // starts) whose address space is limited to its size plus a little: thread stacks are address
@@ -21,6 +22,7 @@
 #include "core/bandwidth.hh"
 #include "core/executor.hh"
 #include "moe_ep/error.hpp"
+#include "moe_ep/group.hpp"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define MOE_EP_THREAD_START_SANITIZED 1
@@ -112,6 +114,13 @@ TEST_F(ThreadStart, AWorkerPoolRaisesResourceErrorAndKeepsTheCallersThread) {
                           }),
               ::testing::ExitedWithCode(0),
               "caught ResourceError: size 1, sum 4950 after: worker pool: thread [0-9]+ of 63 could not be started");
+}
+
+TEST_F(ThreadStart, ALocalWorldWhoseRankThreadsCannotStartRaisesResourceError) {
+  // The ranks that started wait in a barrier for those that could not: they fail at once, are
+  // joined, and the world raises the ResourceError.
+  EXPECT_EXIT(run_limited(3.5, [] { LocalWorld(64).run([](Group& g) { g.barrier(30); }); }), ::testing::ExitedWithCode(0),
+              "caught ResourceError: LocalWorld \\(rank threads\\): thread ([2-9]|[1-9][0-9]+) of 64 could not be started: ");
 }
 
 TEST_F(ThreadStart, ASerialWorkerThatCannotStartQueuesNothing) {
