@@ -17,6 +17,7 @@
 
 #include "moe_ep/dtype.hpp"
 #include "moe_ep/group.hpp"
+#include "moe_ep/legacy_buffer.hpp"
 #include "reference/dense_reference.hh"
 #include "support/rank_runner.hh"
 
@@ -53,5 +54,27 @@ void expect_legacy_case(const reference::CaseSpec& spec, const LegacyRunOptions&
 std::int64_t low_latency_rdma_bytes(const reference::CaseSpec& s);
 
 std::string describe(const reference::CaseSpec& spec, const LegacyRunOptions& options);
+
+// The calls of run_legacy_case one at a time, for threads that share one buffer: the layout and
+// dispatch of this rank's inputs of the case (num_worst_tokens 0), and the combine of a dispatch's
+// result, each checked as run_legacy_case checks it. One object per thread (it holds that
+// thread's copy of the inputs); the calls throw what the buffer throws.
+class LegacyCalls {
+ public:
+  struct Dispatched {
+    DispatchLayout layout;
+    LegacyDispatchResult result;
+  };
+  LegacyCalls(const reference::CaseSpec& spec, const LegacyRunOptions& options, int rank);
+  Dispatched dispatch(Buffer& buffer, std::vector<std::string>& problems);
+  void combine(Buffer& buffer, const Dispatched& dispatched, std::vector<std::string>& problems);
+
+ private:
+  reference::CaseSpec spec_;
+  LegacyRunOptions options_;
+  int rank_;
+  std::vector<reference::RankInputs> all_;
+  reference::RefDispatch ref_;
+};
 
 }  // namespace moe_ep::testing
