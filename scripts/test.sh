@@ -115,7 +115,7 @@ if [ "${MOE_EP_SANITIZERS:-1}" != 0 ]; then
   CC=clang-14 CXX=clang++-14 BUILD_TYPE=Debug \
     CMAKE_ARGS="-DMOE_EP_SANITIZE=thread -DMOE_EP_WITH_MPI=OFF -DMOE_EP_BUILD_BENCH=OFF -DMOE_EP_WITH_PYTHON=OFF" \
     TARGETS="comm_test elastic_test legacy_test dispatcher_test cuda_host_test" "$root/scripts/bootstrap.sh" "$root/build-tsan"
-  suite_env=("${common[@]}" TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1)
+  suite_env=("${common[@]}" "TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$root/tests/sanitizers/tsan.supp")
   # The randomized cases differ in shapes and routings, not in how threads meet: under TSan the
   # first 8 of V2's 30 seeds and 4 of V1's 12 (all of them run in the two suites above).
   later_seeds='^Seeds/(RandomCases\.MatchReference/([89]|[1-9][0-9])|LegacyRandom\.NormalModeMatchesReference/([4-9]|1[0-9]))$'

@@ -9,6 +9,10 @@
 // generation ran. Dispatch and combine are split into a/b halves guarded by a per-micro-batch
 // stage machine; every call is collective, and every failure reaches every rank as an error
 // that names the ranks involved. A TokenDispatcher must not outlive its BufferCache.
+// Threads: a BufferCache and every TokenDispatcher on it serialise their calls with one lock
+// (recursive), held for each whole call: the halves, the fused calls with their hooks (run on the
+// calling thread), add_hook, stats, destroy and the destructors; the option getters take none.
+// Every rank must still make the same sequence of calls (docs/semantics.md, "Concurrent calls").
 #pragma once
 
 #include <cstdint>

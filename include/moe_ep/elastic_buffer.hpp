@@ -13,10 +13,18 @@
 // tensors (the all-gather sessions' results are views of their session region instead: agrs.hpp,
 // docs/agrs.md). With async_with_compute_stream the call returns at once with an Event; inputs must
 // stay unchanged and outputs must not be read until the event completes.
+// Threads: the calls of one buffer are serialised, like kernels on one CUDA stream. Every method
+// that can change or use the buffer's state holds the buffer's call lock for its whole duration
+// (an asynchronous call: its validation and queueing, so the communication worker runs calls in
+// the order the threads got the lock); the getters of facts fixed at construction (rank(),
+// num_ranks(), the domain sizes, num_bytes(), ...) take no lock. Any thread may call at any time;
+// ranks pair their calls in the order each rank's threads got its buffer, so every rank must still
+// make the same sequence of collective calls (docs/semantics.md, "Concurrent calls").
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -145,6 +153,9 @@ class ElasticBuffer {
   friend class elastic::ExtrasAccess;
   // Frees (or, when peers may still read them, keeps) the Engram and PP memory.
   void release_extras() noexcept;
+  // Serialises the calls of this buffer (held by every method that uses its state, and by the
+  // internal entry points of elastic::Access, ExtrasAccess and AgrsAccess); first, so it goes last.
+  std::recursive_mutex calls_;
   ElasticBufferConfig config_;
   std::unique_ptr<engine::Engine> engine_;
   std::unique_ptr<elastic::EngramStore> engram_;  // always; memory only with num_cpu_bytes > 0

@@ -15,6 +15,13 @@
 // only); combine reduces bfloat16.
 // Every call is collective; bad arguments are typed errors on the rank that made them and
 // PeerErrors naming that rank on the others.
+// Threads: the calls of one buffer are serialised, like kernels on one CUDA stream. Every method
+// that uses the buffer's state, and every call of one of its receive hooks (from any thread), holds
+// the buffer's call lock for its whole duration (an asynchronous call: its validation and
+// queueing); rank(), num_ranks(), get_physical_domain_size() and config() read facts fixed at
+// construction and take no lock. Ranks pair their calls in the order each rank's threads got its
+// buffer, so every rank must still make the same sequence of collective calls (docs/semantics.md,
+// "Concurrent calls").
 #pragma once
 
 #include <cstdint>
@@ -153,7 +160,8 @@ struct LegacyCombineArgs {
   std::string rejection;  // as DispatchArgs::rejection
 };
 
-// A receive hook: call it exactly once, before its slot is used again.
+// A receive hook: call it exactly once, before its slot is used again, from any thread (it takes its
+// buffer's call lock; after the buffer is gone it raises StateError).
 class ReceiveHook {
  public:
   ReceiveHook() = default;

@@ -8,7 +8,9 @@
 // uint8 and are viewed back as torch.bool / torch.float8_e4m3fn (any torch 2.x, whatever DLPack
 // codes it knows); a torch dtype moe-ep does not move is a TypeError naming the argument and the
 // dtype. Every C++ error becomes the Python class of the same name (moe_ep.Error and its
-// subclasses) with the same message. Calls that wait or move data release the GIL.
+// subclasses) with the same message. Calls that wait or move data release the GIL, and so does
+// every call that may wait for a buffer's call lock (docs/semantics.md, "Concurrent calls"): the
+// thread holding the lock may need the GIL to finish (a Python hook, another rank's thread).
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -76,7 +76,12 @@ void register_dispatcher(py::module_& m) {
         c.get().destroy();
       })
       .def("stats", [](const CacheBox& c) {
-        const BufferCacheStats s = c.get().stats();
+        const BufferCache& cache = c.get();
+        BufferCacheStats s;
+        {
+          py::gil_scoped_release release;  // the cache's call lock may be held by a thread that needs the GIL
+          s = cache.stats();
+        }
         py::dict d;
         d["builds"] = s.builds;
         d["reuses"] = s.reuses;
@@ -186,14 +191,16 @@ void register_dispatcher(py::module_& m) {
                throw InvalidArgument(fmt::format("point = '{}' is not one of after_dispatch_a | after_combine_a", point));
              d.hooks.push_back(fn);
              PyObject* callable = fn.ptr();
-             d.dispatcher->add_hook(p, [callable, point](const HookInfo& info) {
+             auto hook = [callable, point](const HookInfo& info) {
                py::gil_scoped_acquire acquire;
                py::dict i;
                i["point"] = point;
                i["micro_batch"] = info.micro_batch;
                i["mode"] = mode_name(info.mode);
                py::reinterpret_borrow<py::object>(callable)(i);
-             });
+             };
+             py::gil_scoped_release release;  // the cache's call lock may be held by a thread that needs the GIL
+             d.dispatcher->add_hook(p, std::move(hook));
            })
       .def_property_readonly("generation", [](const PyDispatcher& d) { return generation_name(d.dispatcher->generation()); })
       .def_property_readonly("mode", [](const PyDispatcher& d) { return mode_name(d.dispatcher->mode()); })

@@ -81,7 +81,7 @@ py::tuple all_gather(ElasticBox& box, py::handle t, bool batched) {
   const std::vector<TensorView> views(tensors.begin(), tensors.end());
   AllGatherResult result;
   try {
-    result = in.call([&] { return elastic::AgrsAccess::state(buffer).all_gather(views, rejection); });
+    result = in.call([&] { return elastic::AgrsAccess::all_gather(buffer, views, rejection); });
   } catch (...) {
     if (shape_error && !in.failed()) std::rethrow_exception(shape_error);
     throw;
@@ -119,10 +119,15 @@ void register_elastic_agrs(py::module_& m) {
             Integers in;
             const std::int64_t s = in.get(bytes, "num_max_session_bytes", INT64_MIN, INT64_MAX);
             const auto q = static_cast<int>(in.get(count, "num_max_all_gathers_per_session", INT32_MIN, INT32_MAX));
-            in.call([&] { elastic::AgrsAccess::state(buffer).set_config(s, q, in.rejection()); });
+            in.call([&] { elastic::AgrsAccess::set_config(buffer, s, q, in.rejection()); });
           },
           py::arg("num_max_session_bytes"), py::arg("num_max_all_gathers_per_session"))
-      .def("create_agrs_session", [](ElasticBox& box) { host_buffer(box, "create_agrs_session").create_agrs_session(); })
+      .def("create_agrs_session",
+           [](ElasticBox& box) {
+             ElasticBuffer& buffer = host_buffer(box, "create_agrs_session");
+             py::gil_scoped_release release;  // the buffer's call lock may be held by a thread that needs the GIL
+             buffer.create_agrs_session();
+           })
       .def("destroy_agrs_session",
            [](ElasticBox& box) {
              ElasticBuffer& buffer = host_buffer(box, "destroy_agrs_session");
@@ -134,8 +139,14 @@ void register_elastic_agrs(py::module_& m) {
           [](ElasticBox& box, const std::vector<AgrsShape>& shapes, const std::string& dtype) {
             ElasticBuffer& buffer = host_buffer(box, "agrs_get_inplace_tensor");
             const std::string ctx = fmt::format("[rank {}] agrs_get_inplace_tensor", buffer.rank());
+            const DType type = parse_dtype(dtype, ctx);
+            std::vector<Tensor> tensors;
+            {
+              py::gil_scoped_release release;
+              tensors = buffer.agrs_get_inplace_tensor(shapes, type);
+            }
             py::list out;
-            for (const Tensor& t : buffer.agrs_get_inplace_tensor(shapes, parse_dtype(dtype, ctx))) out.append(export_tensor(t));
+            for (const Tensor& t : tensors) out.append(export_tensor(t));
             return out;
           },
           py::arg("shapes"), py::arg("dtype"))

@@ -86,12 +86,17 @@ ElasticRuntime::ElasticRuntime(std::shared_ptr<Group> group, const ElasticBuffer
 
 ElasticRuntime::~ElasticRuntime() = default;
 
+// The built-in buffer serialises its calls itself; the provider's backend is serialised here.
 DispatchResult ElasticRuntime::dispatch(const DispatchArgs& args) {
-  return cpu_ ? cpu_->dispatch(args) : cuda_->dispatch(args);
+  if (cpu_) return cpu_->dispatch(args);
+  std::lock_guard lock(cuda_calls_);
+  return cuda_->dispatch(args);
 }
 
 CombineResult ElasticRuntime::combine(const CombineArgs& args) {
-  return cpu_ ? cpu_->combine(args) : cuda_->combine(args);
+  if (cpu_) return cpu_->combine(args);
+  std::lock_guard lock(cuda_calls_);
+  return cuda_->combine(args);
 }
 
 // The CUDA provider sizes its launches itself: 0 (= its choice) for SMs and queue pairs.
@@ -106,11 +111,13 @@ int ElasticRuntime::get_theoretical_num_qps(int num_sms) const {
 
 void ElasticRuntime::barrier() {
   if (cpu_) return cpu_->barrier();
+  std::lock_guard lock(cuda_calls_);
   group_->barrier(config_.num_cpu_timeout_secs);
 }
 
 void ElasticRuntime::destroy() {
   if (cpu_) return cpu_->destroy();
+  std::lock_guard lock(cuda_calls_);
   cuda_->destroy();
 }
 

@@ -2,10 +2,13 @@
 // CUDA provider's backend (device tensors), chosen at construction (docs/python.md, "CUDA
 // tensors"). The choice is made in Python (torch knows whether CUDA is usable and which device is
 // current) and agreed by every rank before a buffer is built: ranks that would use different
-// providers, or a rank that cannot use the one chosen, fail on every rank.
+// providers, or a rank that cannot use the one chosen, fail on every rank. Calls are serialised as
+// ElasticBuffer's are (docs/semantics.md, "Concurrent calls"): the built-in buffer by its own call
+// lock, the CUDA provider's backend by this object's.
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -62,6 +65,7 @@ class ElasticRuntime {
   ElasticBufferConfig config_;
   std::unique_ptr<ElasticBuffer> cpu_;
   std::unique_ptr<provider::ElasticBackend> cuda_;
+  std::mutex cuda_calls_;  // serialises the calls of cuda_
   int device_ = -1;
   Placement placement_;
 };

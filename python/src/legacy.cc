@@ -286,22 +286,43 @@ void register_legacy(py::module_& m) {
              return py::make_tuple(export_tensor(r.combined_x), event_of(r.event, std::move(keep)), hook);
            })
       .def("low_latency_update_mask_buffer",
-           [](LegacyBox& box, int rank_to_mask, bool mask) { box.get().low_latency_update_mask_buffer(rank_to_mask, mask); })
+           [](LegacyBox& box, int rank_to_mask, bool mask) {
+             Buffer& buffer = box.get();
+             py::gil_scoped_release release;  // the buffer's call lock may be held by a thread that needs the GIL
+             buffer.low_latency_update_mask_buffer(rank_to_mask, mask);
+           })
       .def("low_latency_query_mask_buffer",
            [](LegacyBox& box, py::handle mask_status) {
              ArgumentImports in(v1_placement());
              const Tensor status = in.tensor(mask_status, "mask_status");
              in.call([&] { box.get().low_latency_query_mask_buffer(status); });
            })
-      .def("low_latency_clean_mask_buffer", [](LegacyBox& box) { box.get().low_latency_clean_mask_buffer(); })
+      .def("low_latency_clean_mask_buffer",
+           [](LegacyBox& box) {
+             Buffer& buffer = box.get();
+             py::gil_scoped_release release;
+             buffer.low_latency_clean_mask_buffer();
+           })
       .def("get_local_buffer_tensor",
            [](LegacyBox& box, std::int64_t offset, bool use_rdma_buffer) {
-             return export_tensor(box.get().get_local_buffer_tensor(DType::kUInt8, offset, use_rdma_buffer));
+             Buffer& buffer = box.get();
+             Tensor view;
+             {
+               py::gil_scoped_release release;
+               view = buffer.get_local_buffer_tensor(DType::kUInt8, offset, use_rdma_buffer);
+             }
+             return export_tensor(view);
            })
       .def("get_next_low_latency_combine_buffer",
            [](std::shared_ptr<LegacyBox> box, std::shared_ptr<LowLatencyHandle> handle) {
              if (!handle) throw py::type_error("handle is None");
-             return export_tensor(box->get().get_next_low_latency_combine_buffer(*handle));
+             Buffer& buffer = box->get();
+             Tensor view;
+             {
+               py::gil_scoped_release release;
+               view = buffer.get_next_low_latency_combine_buffer(*handle);
+             }
+             return export_tensor(view);
            })
       .def("clean_low_latency_buffer",
            [](LegacyBox& box, int cap, int hidden, int experts, const std::string& rejection) {

@@ -244,6 +244,7 @@ BufferCache::~BufferCache() {
 }
 
 void BufferCache::destroy() {
+  std::lock_guard lock(state_->calls);
   if (!state_->key) return;
   if (state_->holders > 0)
     throw StateError(fmt::format("BufferCache::destroy: {} micro-batch(es) still hold handles of the buffer (combine "
@@ -256,7 +257,10 @@ void BufferCache::destroy() {
   state_->destroy_buffer();
 }
 
-BufferCacheStats BufferCache::stats() const { return state_->stats; }
+BufferCacheStats BufferCache::stats() const {
+  std::lock_guard lock(state_->calls);
+  return state_->stats;
+}
 Group& BufferCache::group() const { return state_->group; }
 
 }  // namespace moe_ep

@@ -4,6 +4,7 @@
 
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -61,6 +62,9 @@ class CacheState {
   void check_usable(const char* call) const;
 
   Group& group;
+  // Serialises the calls of the cache and of every TokenDispatcher on it (docs/semantics.md,
+  // "Concurrent calls"): they share this state and its buffer.
+  std::recursive_mutex calls;
   std::unique_ptr<comm::Transport> channel;  // the cache's own collective sequence
   std::optional<BufferKey> key;
   BufferCacheStats stats;

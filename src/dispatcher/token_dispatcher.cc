@@ -344,11 +344,13 @@ TokenDispatcher::TokenDispatcher(BufferCache& cache, const DispatcherOptions& op
     : state_(std::make_unique<dispatcher::DispatcherState>(cache, *cache.state_, options)) {}
 
 TokenDispatcher::~TokenDispatcher() {
+  std::lock_guard lock(state_->shared.calls);
   for (auto& s : state_->slots) state_->release(s);
 }
 
 void TokenDispatcher::dispatch_a(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights, BatchKind kind,
                                  int micro_batch) {
+  std::lock_guard lock(state_->shared.calls);
   auto& st = *state_;
   const bool at_once = std::exchange(st.at_once, false);
   dispatcher::Slot& s = st.slot(micro_batch, "dispatch_a");
@@ -398,6 +400,7 @@ void TokenDispatcher::dispatch_a(const Tensor& x, const Tensor& topk_idx, const 
 }
 
 DispatchOutput TokenDispatcher::dispatch_b(int micro_batch) {
+  std::lock_guard lock(state_->shared.calls);
   auto& st = *state_;
   dispatcher::Slot& s = st.slot(micro_batch, "dispatch_b");
   st.expect_stage(s, micro_batch, dispatcher::Stage::kDispatching, "dispatch_b");
@@ -408,6 +411,7 @@ DispatchOutput TokenDispatcher::dispatch_b(int micro_batch) {
 }
 
 void TokenDispatcher::combine_a(const Tensor& expert_output, int micro_batch) {
+  std::lock_guard lock(state_->shared.calls);
   auto& st = *state_;
   const bool at_once = std::exchange(st.at_once, false);
   dispatcher::Slot& s = st.slot(micro_batch, "combine_a");
@@ -428,6 +432,7 @@ void TokenDispatcher::combine_a(const Tensor& expert_output, int micro_batch) {
 }
 
 Tensor TokenDispatcher::combine_b(int micro_batch) {
+  std::lock_guard lock(state_->shared.calls);
   auto& st = *state_;
   dispatcher::Slot& s = st.slot(micro_batch, "combine_b");
   st.expect_stage(s, micro_batch, dispatcher::Stage::kCombining, "combine_b");
@@ -439,6 +444,7 @@ Tensor TokenDispatcher::combine_b(int micro_batch) {
 
 DispatchOutput TokenDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx, const Tensor& topk_weights,
                                          BatchKind kind, int micro_batch) {
+  std::lock_guard lock(state_->shared.calls);  // the halves and the hooks, as one call
   state_->at_once = !state_->hooked(HookPoint::kAfterDispatchA);
   dispatch_a(x, topk_idx, topk_weights, kind, micro_batch);
   if (const std::exception_ptr error = dispatcher::hooks_failure(*state_, HookPoint::kAfterDispatchA, micro_batch)) {
@@ -452,6 +458,7 @@ DispatchOutput TokenDispatcher::dispatch(const Tensor& x, const Tensor& topk_idx
 }
 
 Tensor TokenDispatcher::combine(const Tensor& expert_output, int micro_batch) {
+  std::lock_guard lock(state_->shared.calls);
   state_->at_once = !state_->hooked(HookPoint::kAfterCombineA);
   combine_a(expert_output, micro_batch);
   if (const std::exception_ptr error = dispatcher::hooks_failure(*state_, HookPoint::kAfterCombineA, micro_batch)) {
@@ -463,6 +470,7 @@ Tensor TokenDispatcher::combine(const Tensor& expert_output, int micro_batch) {
 
 void TokenDispatcher::add_hook(HookPoint point, std::function<void(const HookInfo&)> hook) {
   if (!hook) throw InvalidArgument("dispatcher: add_hook: the hook is empty");
+  std::lock_guard lock(state_->shared.calls);
   state_->hooks.emplace_back(point, std::move(hook));
 }
 

@@ -453,7 +453,20 @@ AgrsState& AgrsAccess::state(ElasticBuffer& buffer) {
 }
 
 void AgrsAccess::release(ElasticBuffer& buffer, bool collective, const char* operation) {
+  std::lock_guard lock(buffer.calls_);
   if (buffer.agrs_) buffer.agrs_->release(collective, operation);
+}
+
+void AgrsAccess::set_config(ElasticBuffer& buffer, std::int64_t num_max_session_bytes,
+                            int num_max_all_gathers_per_session, const std::string& rejection) {
+  std::lock_guard lock(buffer.calls_);
+  state(buffer).set_config(num_max_session_bytes, num_max_all_gathers_per_session, rejection);
+}
+
+AllGatherResult AgrsAccess::all_gather(ElasticBuffer& buffer, std::span<const TensorView> tensors,
+                                       const std::string& rejection) {
+  std::lock_guard lock(buffer.calls_);
+  return state(buffer).all_gather(tensors, rejection);
 }
 
 }  // namespace moe_ep::elastic
@@ -488,19 +501,26 @@ std::int64_t ElasticBuffer::get_agrs_buffer_size_hint(const Group& group, std::i
 }
 
 void ElasticBuffer::agrs_set_config(std::int64_t num_max_session_bytes, int num_max_all_gathers_per_session) {
-  elastic::AgrsAccess::state(*this).set_config(num_max_session_bytes, num_max_all_gathers_per_session);
+  elastic::AgrsAccess::set_config(*this, num_max_session_bytes, num_max_all_gathers_per_session, {});
 }
 
-void ElasticBuffer::create_agrs_session() { elastic::AgrsAccess::state(*this).create_session(); }
+void ElasticBuffer::create_agrs_session() {
+  std::lock_guard lock(calls_);
+  elastic::AgrsAccess::state(*this).create_session();
+}
 
-void ElasticBuffer::destroy_agrs_session() { elastic::AgrsAccess::state(*this).destroy_session(); }
+void ElasticBuffer::destroy_agrs_session() {
+  std::lock_guard lock(calls_);
+  elastic::AgrsAccess::state(*this).destroy_session();
+}
 
 std::vector<Tensor> ElasticBuffer::agrs_get_inplace_tensor(std::span<const AgrsShape> shapes, DType dtype) {
+  std::lock_guard lock(calls_);
   return elastic::AgrsAccess::state(*this).inplace_tensors(shapes, dtype);
 }
 
 AllGatherResult ElasticBuffer::all_gather(std::span<const TensorView> tensors) {
-  return elastic::AgrsAccess::state(*this).all_gather(tensors, {});
+  return elastic::AgrsAccess::all_gather(*this, tensors, {});
 }
 
 }  // namespace moe_ep

@@ -97,6 +97,7 @@ ElasticBuffer::ElasticBuffer(Group& group, const ElasticBufferConfig& config) : 
 // engine's destruction is collective (a rank whose buffer is unusable, or not destroyed
 // explicitly, releases it alone).
 ElasticBuffer::~ElasticBuffer() {
+  std::lock_guard lock(calls_);  // a call still running on another thread of this rank ends first
   release_extras();
   if (!agrs_) return;
   const bool collective =
@@ -193,6 +194,7 @@ CombineResult ElasticBuffer::combine(const CombineArgs& args) { return elastic::
 
 DispatchResult elastic::Access::dispatch(ElasticBuffer& buffer, const DispatchArgs& args,
                                          const DispatchExtras& extras) {
+  std::lock_guard lock(buffer.calls_);
   engine::Engine& e = *buffer.engine_;
   e.check_usable("dispatch");
   engine::DispatchRequest r = dispatch_request(e, buffer.config_, args);
@@ -201,6 +203,7 @@ DispatchResult elastic::Access::dispatch(ElasticBuffer& buffer, const DispatchAr
 }
 
 CombineResult elastic::Access::combine(ElasticBuffer& buffer, const CombineArgs& args, const CombineExtras& extras) {
+  std::lock_guard lock(buffer.calls_);
   engine::Engine& e = *buffer.engine_;
   e.check_usable("combine");
   engine::CombineRequest r = combine_request(e, args);
@@ -228,6 +231,7 @@ std::pair<int, int> ElasticBuffer::get_logical_domain_size() const {
   return {engine_->facts.logical_scaleout, engine_->facts.logical_scaleup};
 }
 void ElasticBuffer::destroy() {
+  std::lock_guard lock(calls_);
   if (!config_.explicitly_destroy)
     throw StateError(fmt::format("{}: destroy() requires explicitly_destroy = true", engine_->facts.context("destroy")));
   elastic::AgrsAccess::release(*this, true, "destroy");

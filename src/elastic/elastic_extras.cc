@@ -40,6 +40,7 @@ void ElasticBuffer::engram_write(const TensorView& storage, const Tensor& sf) {
 
 EngramFetchResult ElasticBuffer::engram_fetch(const TensorView& indices, int num_qps,
                                               bool use_tma_aligned_col_major_sf) {
+  std::lock_guard lock(calls_);
   return part_of(*engine_, engram_, "engram_fetch").fetch(indices, num_qps, use_tma_aligned_col_major_sf);
 }
 
@@ -53,10 +54,12 @@ void ElasticBuffer::pp_set_config(std::int64_t num_max_tensor_bytes, std::int64_
 }
 
 void ElasticBuffer::pp_send(const TensorView& t, int dst_rank_idx, int num_sms) {
+  std::lock_guard lock(calls_);
   part_of(*engine_, pp_, "pp_send").send(t, dst_rank_idx, num_sms);
 }
 
 void ElasticBuffer::pp_recv(const TensorView& t, int src_rank_idx, int num_sms) {
+  std::lock_guard lock(calls_);
   part_of(*engine_, pp_, "pp_recv").recv(t, src_rank_idx, num_sms);
 }
 
@@ -68,16 +71,19 @@ void ElasticBuffer::barrier(bool use_comm_stream, bool with_cpu_sync, bool seque
 
 void ExtrasAccess::engram_write(ElasticBuffer& buffer, const TensorView& storage, const Tensor& sf,
                                 const std::string& rejection) {
+  std::lock_guard lock(buffer.calls_);
   part_of(*buffer.engine_, buffer.engram_, "engram_write").write(storage, sf, rejection);
 }
 
 void ExtrasAccess::pp_set_config(ElasticBuffer& buffer, std::int64_t num_max_tensor_bytes,
                                  std::int64_t num_max_inflight_tensors, const std::string& rejection) {
+  std::lock_guard lock(buffer.calls_);
   part_of(*buffer.engine_, buffer.pp_, "pp_set_config")
       .set_config(num_max_tensor_bytes, num_max_inflight_tensors, buffer.num_bytes(), rejection);
 }
 
 void ExtrasAccess::barrier(ElasticBuffer& buffer, const std::string& rejection) {
+  std::lock_guard lock(buffer.calls_);
   elastic::CollectiveCall call;
   call.rejection = rejection;
   elastic::run_collective(*buffer.engine_, "barrier", std::move(call));

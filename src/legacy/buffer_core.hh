@@ -132,6 +132,9 @@ class BufferCore {
   [[noreturn]] void fail_wait(const std::exception_ptr& error);
   // Cleared when the buffer goes away: receive hooks outliving it check it first.
   std::shared_ptr<std::atomic<bool>> alive = std::make_shared<std::atomic<bool>>(true);
+  // Serialises the calls of the Buffer and of its receive hooks (docs/semantics.md, "Concurrent
+  // calls"); shared with the hooks, which may outlive the buffer.
+  const std::shared_ptr<std::recursive_mutex> calls = std::make_shared<std::recursive_mutex>();
   ~BufferCore() { *alive = false; }
 
  private:

@@ -199,7 +199,13 @@ void check_comm_stream_flags(const std::string& ctx, bool allocate_on_comm_strea
 // ---- Buffer ------------------------------------------------------------------------------------
 
 Buffer::Buffer(Group& group, const BufferConfig& config) : core_(std::make_unique<legacy::BufferCore>(group, config)) {}
-Buffer::~Buffer() = default;
+// Under the call lock: a call or receive hook still running on another thread ends first, and a
+// hook called later finds the buffer gone.
+Buffer::~Buffer() {
+  const std::shared_ptr<std::recursive_mutex> calls = core_->calls;
+  std::lock_guard lock(*calls);
+  core_.reset();
+}
 
 void Buffer::set_num_sms(int num_sms) {
   check_num_sms_value("Buffer::set_num_sms", num_sms);
@@ -238,6 +244,7 @@ std::int64_t Buffer::get_low_latency_rdma_size_hint(int N, int H, int R, int E) 
 DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
                                            std::optional<Event> previous_event, bool async_finish,
                                            bool allocate_on_comm_stream) {
+  std::lock_guard lock(*core_->calls);
   auto& e = core_->engine;
   e.check_usable("get_dispatch_layout");
   const std::string ctx = e.facts.context("get_dispatch_layout");
@@ -275,6 +282,7 @@ DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_e
 }
 
 CombineResult Buffer::combine(const LegacyCombineArgs& args) {
+  std::lock_guard lock(*core_->calls);
   auto& e = core_->engine;
   e.check_usable("combine");
   const Config config = args.config.value_or(get_combine_config(e.facts.num_ranks));
@@ -297,16 +305,20 @@ CombineResult Buffer::combine(const LegacyCombineArgs& args) {
 }
 
 LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& args) {
+  std::lock_guard lock(*core_->calls);
   return legacy::low_latency_dispatch(*core_, args);
 }
 LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& args) {
+  std::lock_guard lock(*core_->calls);
   return legacy::low_latency_combine(*core_, args);
 }
 Tensor Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& handle) {
+  std::lock_guard lock(*core_->calls);
   const TensorView view = legacy::next_combine_buffer(*core_, handle);
   return core_->pool_storage().with_view(view);
 }
 void Buffer::clean_low_latency_buffer(int max_tokens, int hidden, int num_experts, const std::string& rejection) {
+  std::lock_guard lock(*core_->calls);
   legacy::clean_low_latency_buffer(*core_, max_tokens, hidden, num_experts, rejection);
 }
 
@@ -328,6 +340,7 @@ std::shared_ptr<void> legacy::BufferCore::nvl_buffer() {
 }
 
 Tensor Buffer::get_local_buffer_tensor(DType dtype, std::int64_t offset, bool use_rdma_buffer) {
+  std::lock_guard lock(*core_->calls);
   engine::Engine& e = core_->engine;
   const std::string ctx = e.facts.context("get_local_buffer_tensor");
   e.check_usable("get_local_buffer_tensor");
@@ -360,6 +373,7 @@ std::string shrink_context(legacy::BufferCore& core, const char* operation) {
 }  // namespace
 
 void Buffer::low_latency_update_mask_buffer(int rank_to_mask, bool mask) {
+  std::lock_guard lock(*core_->calls);
   const std::string ctx = shrink_context(*core_, "low_latency_update_mask_buffer");
   if (rank_to_mask < 0 || rank_to_mask >= num_ranks())
     core::fail(ctx, "rank_to_mask = {} is outside [0, {})", rank_to_mask, num_ranks());
@@ -368,6 +382,7 @@ void Buffer::low_latency_update_mask_buffer(int rank_to_mask, bool mask) {
 }
 
 void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status) {
+  std::lock_guard lock(*core_->calls);
   const std::string ctx = shrink_context(*core_, "low_latency_query_mask_buffer");
   core::expect_tensor(ctx, "mask_status", mask_status, DType::kInt32, {num_ranks()});
   for (int r = 0; r < num_ranks(); ++r)
@@ -376,6 +391,7 @@ void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status) {
 }
 
 void Buffer::low_latency_clean_mask_buffer() {
+  std::lock_guard lock(*core_->calls);
   shrink_context(*core_, "low_latency_clean_mask_buffer");
   for (int r = 0; r < num_ranks(); ++r) {
     core_->masked[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);
@@ -383,8 +399,12 @@ void Buffer::low_latency_clean_mask_buffer() {
   }
 }
 
-void Buffer::barrier() { core_->engine.barrier(); }
+void Buffer::barrier() {
+  std::lock_guard lock(*core_->calls);
+  core_->engine.barrier();
+}
 void Buffer::destroy() {
+  std::lock_guard lock(*core_->calls);
   if (!core_->config.explicitly_destroy)
     throw StateError(fmt::format("{}: destroy() requires explicitly_destroy = true", core_->engine.facts.context("destroy")));
   core_->engine.destroy();

@@ -402,6 +402,7 @@ LegacyDispatchResult v1_result(const DispatchResult& done, const Nvfp4Dispatch* 
 }  // namespace
 
 LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& given) {
+  std::lock_guard lock(*core_->calls);
   auto& e = core_->engine;
   e.check_usable("dispatch");
   const Config config = given.config.value_or(get_dispatch_config(e.facts.num_ranks));

@@ -63,7 +63,8 @@ auto run_low_latency(BufferCore& core, const char* name, const Args& args) {
   e.check_usable(name);
   auto op = std::make_shared<Op>(core, args, e.next_sequence());
   auto result = e.execute(op, args.async_finish);
-  if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive, name] {
+  if (args.return_recv_hook) result.hook = ReceiveHook([op, alive = core.alive, calls = core.calls, name] {
+    std::lock_guard lock(*calls);
     if (!*alive) throw StateError(std::string(name) + ": the receive hook was called after its buffer was destroyed");
     op->receive(false);
   });

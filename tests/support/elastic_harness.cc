@@ -370,6 +370,36 @@ std::uint64_t outputs_digest(const CaseSpec& spec, const reference::RefDispatch&
   return d;
 }
 
+// The first dispatch of a case: this rank's inputs as views, and the call's arguments.
+struct FirstDispatch {
+  TensorView x, scales, topk, weights;
+  DispatchArgs args;
+};
+
+FirstDispatch first_dispatch(const CaseSpec& spec, const RunOptions& opt, RankInputs& in, DType x_dtype,
+                             const TensorView& stats) {
+  const std::int64_t n = in.num_tokens;
+  FirstDispatch f{.x = TensorView(in.x.data(), x_dtype, {n, spec.hidden}),
+                  .scales = TensorView(in.scales.data(), DType::kFP32, {n, spec.scale_cols}),
+                  .topk = TensorView(in.topk.data(), DType::kInt64, {n, spec.k}),
+                  .weights = TensorView(in.weights.data(), DType::kFP32, {n, spec.k})};
+  f.args = DispatchArgs{.x = f.x,
+                        .topk_idx = f.topk,
+                        .cumulative_local_expert_recv_stats = stats,
+                        .num_experts = spec.num_experts,
+                        .expert_alignment = spec.alignment,
+                        .num_sms = opt.num_sms,
+                        .async_with_compute_stream = opt.async,
+                        .do_handle_copy = opt.handle_copy,
+                        .do_cpu_sync = opt.cpu_sync,
+                        .do_expand = spec.expand,
+                        .do_zero_padding = opt.zero_padding,
+                        .use_tma_aligned_col_major_sf = opt.col_major_scales};
+  if (spec.fp8) f.args.x_scales = f.scales;
+  if (spec.weights) f.args.topk_weights = f.weights;
+  return f;
+}
+
 }  // namespace
 
 std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, const RunOptions& opt) {
@@ -398,26 +428,10 @@ std::vector<std::string> run_elastic_case(Group& group, const CaseSpec& spec, co
   std::vector<RankInputs> all = reference::make_all_inputs(spec);
   RankInputs& in = all[static_cast<size_t>(me)];
   const std::int64_t n = in.num_tokens;
-  TensorView x(in.x.data(), x_dtype, {n, H});
-  TensorView scales(in.scales.data(), DType::kFP32, {n, spec.scale_cols});
-  TensorView topk(in.topk.data(), DType::kInt64, {n, k});
-  TensorView weights(in.weights.data(), DType::kFP32, {n, k});
   Tensor stats = Tensor::zeros({spec.experts_per_rank()}, DType::kInt32);
-
-  DispatchArgs args{.x = x,
-                    .topk_idx = topk,
-                    .cumulative_local_expert_recv_stats = stats,
-                    .num_experts = spec.num_experts,
-                    .expert_alignment = spec.alignment,
-                    .num_sms = opt.num_sms,
-                    .async_with_compute_stream = opt.async,
-                    .do_handle_copy = opt.handle_copy,
-                    .do_cpu_sync = opt.cpu_sync,
-                    .do_expand = spec.expand,
-                    .do_zero_padding = opt.zero_padding,
-                    .use_tma_aligned_col_major_sf = opt.col_major_scales};
-  if (spec.fp8) args.x_scales = scales;
-  if (spec.weights) args.topk_weights = weights;
+  const FirstDispatch first = first_dispatch(spec, opt, in, x_dtype, stats);
+  const TensorView &x = first.x, &scales = first.scales, &topk = first.topk, &weights = first.weights;
+  const DispatchArgs& args = first.args;
   DispatchResult res = buffer.dispatch(args);
   res.event.wait();
   if (res.recv_x.dtype() != x_dtype)
@@ -500,6 +514,27 @@ CaseSpec random_case(std::uint64_t seed, int ranks, int scaleout, RunOptions* op
   o.num_sms = chance(0.3) ? pick(1, 3) : 0;
   *options = o;
   return s;
+}
+
+ElasticCalls::ElasticCalls(const CaseSpec& spec, const RunOptions& options, int rank)
+    : spec_(spec), options_(options), rank_(rank), all_(reference::make_all_inputs(spec)),
+      ref_(reference::reference_dispatch(spec, all_, rank)) {}
+
+DispatchResult ElasticCalls::dispatch(ElasticBuffer& buffer, std::vector<std::string>& problems) {
+  Mismatches bad(rank_);
+  const FirstDispatch first =
+      first_dispatch(spec_, options_, all_[static_cast<size_t>(rank_)], spec_.fp8 ? DType::kFP8E4M3 : DType::kBF16, {});
+  DispatchResult res = buffer.dispatch(first.args);
+  res.event.wait();
+  verify_dispatch(spec_, options_, all_, ref_, res, rank_, bad);
+  problems.insert(problems.end(), bad.list().begin(), bad.list().end());
+  return res;
+}
+
+void ElasticCalls::combine(ElasticBuffer& buffer, const DispatchResult& dispatched, std::vector<std::string>& problems) {
+  Mismatches bad(rank_);
+  check_combine(buffer, spec_, options_, all_, rank_, ref_, dispatched, bad);
+  problems.insert(problems.end(), bad.list().begin(), bad.list().end());
 }
 
 std::string describe(const CaseSpec& s, const RunOptions& o) {

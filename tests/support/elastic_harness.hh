@@ -58,4 +58,22 @@ reference::CaseSpec random_case(std::uint64_t seed, int ranks, int scaleout, Run
 
 std::string describe(const reference::CaseSpec& spec, const RunOptions& options);
 
+// The calls of run_elastic_case one at a time, for threads that share one buffer: a dispatch of
+// this rank's inputs of the case (new routing, no statistics) and the combine of a dispatch's
+// result, each checked against the reference as run_elastic_case checks it. One object per thread
+// (it holds that thread's copy of the inputs); the calls throw what the buffer throws.
+class ElasticCalls {
+ public:
+  ElasticCalls(const reference::CaseSpec& spec, const RunOptions& options, int rank);
+  DispatchResult dispatch(ElasticBuffer& buffer, std::vector<std::string>& problems);
+  void combine(ElasticBuffer& buffer, const DispatchResult& dispatched, std::vector<std::string>& problems);
+
+ private:
+  reference::CaseSpec spec_;
+  RunOptions options_;
+  int rank_;
+  std::vector<reference::RankInputs> all_;
+  reference::RefDispatch ref_;
+};
+
 }  // namespace moe_ep::testing

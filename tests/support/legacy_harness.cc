@@ -72,6 +72,30 @@ struct LegacyCase {
   std::optional<Config> dispatch_config, combine_config;
 };
 
+LegacyCase make_case(const CaseSpec& spec, const LegacyRunOptions& opt, int me, DType x_dtype,
+                     std::vector<RankInputs>& all) {
+  RankInputs& in = all[static_cast<size_t>(me)];
+  const std::int64_t n = in.num_tokens;
+  LegacyCase c{.spec = spec,
+               .opt = opt,
+               .me = me,
+               .x_dtype = x_dtype,
+               .all = all,
+               .in = in,
+               .n = n,
+               .x = TensorView(in.x.data(), x_dtype, {n, spec.hidden}),
+               .scales = TensorView(in.scales.data(), DType::kFP32, {n, spec.scale_cols}),
+               .topk = TensorView(in.topk.data(), DType::kInt64, {n, spec.k}),
+               .weights = TensorView(in.weights.data(), DType::kFP32, {n, spec.k})};
+  if (opt.num_sms > 0) {
+    c.dispatch_config = Buffer::get_dispatch_config(spec.ranks);
+    c.dispatch_config->num_sms = opt.num_sms;
+    c.combine_config = Buffer::get_combine_config(spec.ranks);
+    c.combine_config->num_sms = opt.num_sms;
+  }
+  return c;
+}
+
 // Layout against brute force.
 void check_layout(const LegacyCase& c, const DispatchLayout& layout, Failures& fail) {
   const CaseSpec& spec = c.spec;
@@ -390,7 +414,7 @@ std::vector<std::string> run_legacy_case_on(Buffer& buffer, Group& g, const Case
                                             const LegacyRunOptions& opt) {
   Failures fail(g.rank());
   const CaseSpec spec = legacy_reference_spec(case_spec);
-  const int me = g.rank(), R = spec.ranks, k = spec.k, H = spec.hidden;
+  const int me = g.rank();
   const DType x_dtype = opt.payload_dtype ? *opt.payload_dtype : spec.fp8 ? DType::kFP8E4M3 : DType::kBF16;
   if (opt.payload_dtype && static_cast<int>(element_size(x_dtype)) != spec.payload_element_bytes) {
     fail(fmt::format("the case's payload_element_bytes {} is not the size of {}", spec.payload_element_bytes,
@@ -398,25 +422,7 @@ std::vector<std::string> run_legacy_case_on(Buffer& buffer, Group& g, const Case
     return std::move(fail.list());
   }
   std::vector<RankInputs> all = reference::make_all_inputs(spec);
-  RankInputs& in = all[static_cast<size_t>(me)];
-  const std::int64_t n = in.num_tokens;
-  LegacyCase c{.spec = spec,
-               .opt = opt,
-               .me = me,
-               .x_dtype = x_dtype,
-               .all = all,
-               .in = in,
-               .n = n,
-               .x = TensorView(in.x.data(), x_dtype, {n, H}),
-               .scales = TensorView(in.scales.data(), DType::kFP32, {n, spec.scale_cols}),
-               .topk = TensorView(in.topk.data(), DType::kInt64, {n, k}),
-               .weights = TensorView(in.weights.data(), DType::kFP32, {n, k})};
-  if (opt.num_sms > 0) {
-    c.dispatch_config = Buffer::get_dispatch_config(R);
-    c.dispatch_config->num_sms = opt.num_sms;
-    c.combine_config = Buffer::get_combine_config(R);
-    c.combine_config->num_sms = opt.num_sms;
-  }
+  const LegacyCase c = make_case(spec, opt, me, x_dtype, all);
 
   DispatchLayout layout = buffer.get_dispatch_layout(c.topk, spec.num_experts);
   check_layout(c, layout, fail);
@@ -447,6 +453,29 @@ RankProblems run_legacy_case_in_process(const CaseSpec& spec, const LegacyRunOpt
 
 void expect_legacy_case(const CaseSpec& spec, const LegacyRunOptions& options) {
   report_problems(run_legacy_case_in_process(spec, options), {.context = describe(spec, options)});
+}
+
+LegacyCalls::LegacyCalls(const CaseSpec& spec, const LegacyRunOptions& options, int rank)
+    : spec_(legacy_reference_spec(spec)), options_(options), rank_(rank), all_(reference::make_all_inputs(spec_)),
+      ref_(reference::reference_dispatch(spec_, all_, rank)) {}
+
+LegacyCalls::Dispatched LegacyCalls::dispatch(Buffer& buffer, std::vector<std::string>& problems) {
+  Failures fail(rank_);
+  const LegacyCase c = make_case(spec_, options_, rank_, spec_.fp8 ? DType::kFP8E4M3 : DType::kBF16, all_);
+  Dispatched d;
+  d.layout = buffer.get_dispatch_layout(c.topk, spec_.num_experts);
+  check_layout(c, d.layout, fail);
+  d.result = first_dispatch(buffer, c, d.layout);
+  check_received(c, ref_, d.result, static_cast<std::int64_t>(ref_.rows.size()), fail);
+  problems.insert(problems.end(), fail.list().begin(), fail.list().end());
+  return d;
+}
+
+void LegacyCalls::combine(Buffer& buffer, const Dispatched& dispatched, std::vector<std::string>& problems) {
+  Failures fail(rank_);
+  const LegacyCase c = make_case(spec_, options_, rank_, spec_.fp8 ? DType::kFP8E4M3 : DType::kBF16, all_);
+  check_combine(buffer, c, dispatched.layout, ref_, dispatched.result, static_cast<std::int64_t>(ref_.rows.size()), fail);
+  problems.insert(problems.end(), fail.list().begin(), fail.list().end());
 }
 
 std::int64_t low_latency_rdma_bytes(const CaseSpec& s) {

@@ -85,4 +85,26 @@ struct RankCall {
   TensorView x, topk, weights;
 };
 
+// The calls of run_legacy_case one at a time, for threads that share one buffer: the layout and
+// dispatch of this rank's inputs of the case (num_worst_tokens 0), and the combine of a dispatch's
+// result, each checked as run_legacy_case checks it. One object per thread (it holds that
+// thread's copy of the inputs); the calls throw what the buffer throws.
+class LegacyCalls {
+ public:
+  struct Dispatched {
+    DispatchLayout layout;
+    LegacyDispatchResult result;
+  };
+  LegacyCalls(const reference::CaseSpec& spec, const LegacyRunOptions& options, int rank);
+  Dispatched dispatch(Buffer& buffer, std::vector<std::string>& problems);
+  void combine(Buffer& buffer, const Dispatched& dispatched, std::vector<std::string>& problems);
+
+ private:
+  reference::CaseSpec spec_;
+  LegacyRunOptions options_;
+  int rank_;
+  std::vector<reference::RankInputs> all_;
+  reference::RefDispatch ref_;
+};
+
 }  // namespace moe_ep::testing

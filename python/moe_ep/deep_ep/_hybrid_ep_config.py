@@ -2,6 +2,7 @@
 domain size and the Python-level agreement of HybridEPBuffer's collective calls
 (docs/hybrid-ep.md)."""
 
+import functools
 import os
 import pickle
 
@@ -15,6 +16,17 @@ DOMAIN_VARIABLE = "NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN"
 _CHUNK_VARIABLES = {"num_of_tokens_per_chunk_dispatch_api": "NUM_OF_TOKENS_PER_CHUNK_DISPATCH_API",
                     "num_of_tokens_per_chunk_combine_api": "NUM_OF_TOKENS_PER_CHUNK_COMBINE_API",
                     "num_of_tokens_per_chunk_preprocessing_api": "NUM_OF_TOKENS_PER_CHUNK_PREPROCESSING_API"}
+
+
+def serialised(method):
+    """Runs a HybridEPBuffer method under the buffer's call lock (``self._calls``, an RLock): the
+    calls of one buffer are serialised, as those of moe-ep's C++ buffers are (docs/semantics.md,
+    "Concurrent calls")."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._calls:
+            return method(self, *args, **kwargs)
+    return call
 
 
 def align(x, p):

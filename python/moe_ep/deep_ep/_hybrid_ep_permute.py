@@ -7,7 +7,7 @@ import types
 import torch
 
 from .. import _C
-from ._hybrid_ep_config import agree, check_int
+from ._hybrid_ep_config import agree, check_int, serialised
 from ._hybrid_ep_routing import HybridHandle, check_tensor, lane_values
 
 
@@ -68,6 +68,7 @@ class PermuteMixin:
     """dispatch_with_permute and combine_with_unpermute of HybridEPBuffer."""
 
     # Long: the reference's keyword list, then the steps of the uncached call one statement each.
+    @serialised
     def dispatch_with_permute(self, *, hidden, topk_idx=None, topk_weights=None, num_of_experts_per_rank=None,
                               num_of_experts=None, use_fp8=None, routing_map=None, probs=None, scaling_factor=None,
                               num_permuted_tokens=None, pad_multiple=None, handle=None, non_blocking=False,
@@ -139,6 +140,7 @@ class PermuteMixin:
         tokens = fit(recv_x.view(torch.uint8) if fp8 else recv_x, rows, valid).view(hidden.dtype)
         return tokens, fit(recv_w, rows, valid), fit(recv_sf, rows, valid) if fp8 else None, None, handle
 
+    @serialised
     def combine_with_unpermute(self, *, hidden, probs=None, handle=None, pad_multiple=None,
                                fuse_unpermute_combine=False, num_dispatched_tokens=None):
         op = "combine_with_unpermute"

@@ -10,8 +10,13 @@ domain's ranks as separate terms (``own_node_rank_terms``).
 
 Argument errors raise ``moe_ep.InvalidArgument`` (a RuntimeError) naming the argument and value,
 on the rank that passed it; its peers raise ``moe_ep.PeerError`` naming it.
+
+The calls of one buffer are serialised (an RLock held for each whole call, its agreement, any
+regrowth of the internal buffer and the V2 calls): threads of a rank may share it, and ranks pair
+their calls in the order each rank's threads got it (docs/semantics.md, "Concurrent calls").
 """
 
+import threading
 import types
 
 import torch
@@ -19,7 +24,7 @@ import torch
 from .. import _C
 from .buffers._common import group_of
 from ._hybrid_ep_config import (HybridEpConfigInstance, agree, align, capacity_of, check_int,
-                                chunk_sizes_from_environment, nvlink_domain_size)
+                                chunk_sizes_from_environment, nvlink_domain_size, serialised)
 from ._hybrid_ep_permute import PermuteMixin
 from ._hybrid_ep_routing import (Geometry, HybridHandle, Routing, check_tensor, lane_values, routed_count_problem,
                                  routing_of, scatter_lanes)
@@ -41,6 +46,7 @@ class HybridEPBuffer(PermuteMixin):
                  num_blocks_permute=None, num_blocks_unpermute=None, load_cached_kernels=False, use_shared_buffer=True,
                  enable_custom_allgather=False, num_of_hybrid_ep_ranks_per_nvlink_domain=None, use_mnnvl=None):
         self.group = group
+        self._calls = threading.RLock()  # serialises the calls of this buffer (@serialised)
         self._group = group_of(group, None)
         self.rank, self.group_size = self._group.rank(), self._group.size()
         domain, problem = nvlink_domain_size(self._group, self.rank)
@@ -112,9 +118,11 @@ class HybridEPBuffer(PermuteMixin):
             return _C.InvalidArgument(f"{self._context(op)}: {error}")
         return error
 
+    @serialised
     def empty_jit_cache(self):
         """GPU-only (the kernel cache): nothing to do on CPU."""
 
+    @serialised
     def update_template_config(self, hidden_dim=None, num_of_tokens_per_rank=None, num_local_experts=None,
                                pad_multiple=None, use_fp8=None, fuse_permute_dispatch=False, **kwargs):
         """The configuration of a call: the template with these overrides; InvalidArgument naming
@@ -213,6 +221,7 @@ class HybridEPBuffer(PermuteMixin):
 
     # ---- dispatch and combine (compact) ----
 
+    @serialised
     def dispatch(self, hidden, scaling_factor=None, topk_idx=None, topk_weights=None, num_of_experts=None, probs=None,
                  routing_map=None, num_dispatched_tokens_tensor=None, num_dispatched_tokens=None, handle=None):
         if handle is not None:
@@ -283,6 +292,7 @@ class HybridEPBuffer(PermuteMixin):
             return combined, None
         return combined, scatter_lanes(combined_w, state.lanes, state.geo.experts) + 0.0
 
+    @serialised
     def combine(self, hidden, probs=None, handle=None):
         problem, state, weights = None, None, None
         try:
