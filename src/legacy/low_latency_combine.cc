@@ -93,6 +93,7 @@ class LowLatencyCombine final : public engine::Operation {
   const LowLatencyState* state_ = nullptr;
   engine::CallShape shape_;
   bool staged_ = false;
+  std::vector<char> lane_kept_;  // [tokens * k]: 0 where the caller's topk_idx left a dispatched lane out
   std::optional<SlotLayout> layout_;
   std::vector<Slab> peers_;
   Slab mine_;  // this rank's x (before sharing)
@@ -137,15 +138,19 @@ void LowLatencyCombine::check_dispatch_state() {
     core::fail(ctx_, "the handle's dispatch has not received its tokens yet: call its receive hook first");
   // -1 may replace a dispatched id (the lane is left out of the sum, as DeepEP's combine skips
   // it); any other difference would read rows of another expert.
+  // Which lanes to sum is kept here: the caller's topk_idx may change before a receive hook runs.
   const int n = shape_.tokens, k = shape_.topk;
   const auto* given = args_.topk_idx.data_as<const int64_t>();
   const auto* dispatched = state_->topk.data_as<const int64_t>();
+  lane_kept_.assign(static_cast<size_t>(n) * k, 1);
   for (int t = 0; t < n; ++t)
     for (int j = 0; j < k; ++j) {
       const int64_t id = given[t * args_.topk_idx.stride(0) + j];
-      if (id != dispatched[t * k + j] && id != -1)
+      if (id == dispatched[t * k + j]) continue;
+      if (id != -1)
         core::fail(ctx_, "topk_idx[{}, {}] = {} differs from the dispatched {} (only -1, which leaves the lane out, may "
                    "replace a dispatched id)", t, j, id, dispatched[t * k + j]);
+      lane_kept_[static_cast<size_t>(t) * k + j] = 0;
     }
 }
 
@@ -384,8 +389,7 @@ void LowLatencyCombine::combine_token(int64_t t) {
   const SlotLayout& L = *layout_;
   const int k = shape_.topk, El = shape_.local_experts, H = shape_.hidden;
   const std::byte* recv = core_.slot_base(e.facts.rank, use.slot) + L.recv_offset;
-  const auto* ids = args_.topk_idx.data_as<const int64_t>();  // the dispatched ids, or -1 (lane left out)
-  const int64_t id_row = args_.topk_idx.stride(0);
+  const auto* ids = state_->topk.data_as<const int64_t>();
   const auto* weights = args_.topk_weights.data_as<const float>();
   auto* out = result.combined_x.data_as<std::uint16_t>();
   const bool logfmt = args_.use_logfmt;
@@ -394,8 +398,8 @@ void LowLatencyCombine::combine_token(int64_t t) {
   std::array<bool, kMaxTopk> encoded{};  // LogFMT rows that arrived encoded
   int n = 0;
   for (int j = 0; j < k; ++j) {
-    const int64_t id = ids[t * id_row + j];
-    if (id < 0) continue;
+    const int64_t id = ids[t * k + j];
+    if (id < 0 || !lane_kept_[static_cast<size_t>(t) * k + j]) continue;  // -1 in the caller's topk_idx
     const int d = static_cast<int>(id / El);
     const int64_t local = id % El, row = state_->rows[static_cast<size_t>(t) * k + j];
     if (row < 0 || !member(d)) continue;  // shrink mode: the dispatch kept this token from d, or d failed since
