@@ -28,17 +28,22 @@ def _check_torch(version):
 
 _check_torch(_torch.__version__)
 
-from . import _C  # noqa: E402  (after the torch check)
+try:
+    from . import _C  # noqa: E402  (after the torch check)
+except ImportError as _error:
+    from ._features import explain_missing_extension as _explain
+    raise _explain(_error) from None
 from ._C import (CapacityError, Error, InvalidArgument, PeerError, ResourceError, StateError,  # noqa: E402
                  TimeoutError, Group)
 from ._groups import LocalWorld, resolve_group  # noqa: E402
 from ._dispatcher import BufferCache, TokenDispatcher, env, probe_providers  # noqa: E402
 from ._memory import empty, empty_like, zeros  # noqa: E402
+from ._features import features  # noqa: E402
 
 __version__ = _C.__version__  # the C++ library's version (CMakeLists.txt's project version)
 
 __all__ = [
     "Error", "InvalidArgument", "CapacityError", "StateError", "ResourceError", "PeerError", "TimeoutError",
     "Group", "LocalWorld", "resolve_group", "BufferCache", "TokenDispatcher", "probe_providers", "env", "empty", "empty_like", "zeros",
-    "__version__",
+    "features", "__version__",
 ]

@@ -78,10 +78,10 @@ def _host_group(group, ranks_per_node, timeout_secs):
 
 
 def _mpi_group(comm, ranks_per_node, timeout_secs):
-    if not _C.has_mpi:
-        raise TypeError("group is an mpi4py communicator, but this moe_ep was built without MPI")
+    from . import _features
+    _C_mpi = _features.mpi_module()  # TypeError naming why, where this moe_ep has no MPI transport
     from mpi4py import MPI
-    return _C.mpi_group(MPI._handleof(comm), ranks_per_node, timeout_secs)
+    return _C_mpi.mpi_group(MPI._handleof(comm), ranks_per_node, timeout_secs)
 
 
 def resolve_group(group, name="group", ranks_per_node=None, timeout_secs=0.0):

@@ -1,5 +1,6 @@
-// Groups from Python: threads of this process (LocalWorld), processes of one host bootstrapped
-// through a callable all-gather (a torch.distributed group), and MPI communicators (mpi4py).
+// Groups from Python: threads of this process (LocalWorld) and processes of one host bootstrapped
+// through a callable all-gather (a torch.distributed group); MPI communicators (mpi4py) are
+// moe_ep._C_mpi's (python/src/mpi).
 #include <fmt/format.h>
 
 #include <exception>
@@ -10,9 +11,6 @@
 #include "core/timeout.hh"
 #include "moe_ep/dtype.hpp"
 #include "moe_ep/host.hpp"
-#if MOE_EP_PYTHON_WITH_MPI
-#include "moe_ep/mpi.hpp"
-#endif
 
 namespace moe_ep::python {
 
@@ -127,21 +125,6 @@ void register_groups(py::module_& m) {
       py::arg("rank"), py::arg("size"), py::arg("all_gather"), py::arg("ranks_per_node") = py::none(),
       py::arg("timeout_secs") = 0.0);
 
-#if MOE_EP_PYTHON_WITH_MPI
-  m.def(
-      "mpi_group",
-      [](std::uintptr_t handle, std::optional<int> ranks_per_node, double timeout_secs) {
-        mpi::GroupOptions options;
-        options.ranks_per_node = ranks_per_node;
-        options.timeout_secs = timeout_secs;
-        py::gil_scoped_release release;
-        return std::shared_ptr<Group>(mpi::make_group(reinterpret_cast<MPI_Comm>(handle), options));
-      },
-      py::arg("comm_handle"), py::arg("ranks_per_node") = py::none(), py::arg("timeout_secs") = 0.0);
-  m.attr("has_mpi") = true;
-#else
-  m.attr("has_mpi") = false;
-#endif
   m.def("timeout_from_env", [] { return core::timeout_from_env(); });
   m.def(
       "empty",

@@ -94,9 +94,14 @@ fi
 
 if [ "$with_python" = ON ]; then
   step "import moe_ep and the deep_ep alias from the prefix"
-  ext=$(find "$prefix" -path '*/moe_ep/_C*.so')
+  ext=$(find "$prefix" -path '*/moe_ep/_C.*.so')
   [ -n "$ext" ] || fail "the Python extension moe_ep/_C is not installed"
   check_resolves_into_prefix "$ext"
+  if [ "$with_mpi" = ON ]; then
+    ext_mpi=$(find "$prefix" -path '*/moe_ep/_C_mpi.*.so')
+    [ -n "$ext_mpi" ] || fail "the Python extension moe_ep/_C_mpi is not installed"
+    check_resolves_into_prefix "$ext_mpi"
+  fi
   pkgdir=$(dirname "$(dirname "$ext")")
   alias=$(find "$prefix" -type d -name deep_ep_alias)
   [ -n "$alias" ] || fail "the deep_ep alias folder is not installed"

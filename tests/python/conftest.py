@@ -25,6 +25,13 @@ import pytest
 import moe_ep
 import process_child
 
+# MOE_EP_TEST_INSTALLED=1: moe_ep is an installed wheel (scripts/wheel-test.sh), `import deep_ep`
+# resolves through the wheel's switch (MOE_EP_DEEP_EP), and no build-tree folder is put on any path.
+INSTALLED = os.environ.get("MOE_EP_TEST_INSTALLED") == "1"
+SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if INSTALLED and os.path.abspath(moe_ep.__file__).startswith(SOURCE_DIR + os.sep):
+    raise RuntimeError(f"MOE_EP_TEST_INSTALLED=1, but moe_ep comes from the source tree ({moe_ep.__file__})")
+
 BUILD_DIR = os.environ.get("MOE_EP_BUILD_DIR") or os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__))))
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__)))
@@ -48,7 +55,7 @@ def run_processes(fn, n, args=(), env=None, timeout=150, expect_missing=(), clea
     run) after reporting; otherwise with os._exit."""
     ctx = _PROCESSES
     results = ctx.Queue()
-    child_env = {"PYTHONPATH": os.pathsep.join([PYTHON_DIR, ALIAS_DIR] + [
+    child_env = {"PYTHONPATH": os.pathsep.join(([] if INSTALLED else [PYTHON_DIR, ALIAS_DIR]) + [
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
     child_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="moe-ep-pytest-") as tmp:

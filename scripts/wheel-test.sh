@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The Python package as users install it: builds the sdist and, from it, the wheel (pyproject.toml,
+# scikit-build-core; without build isolation, from the project's environment), shows the wheel to
+# auditwheel and repairs it into a manylinux wheel (the system's MPI library excluded: it must be
+# the machine's own), installs that into a fresh virtual environment over the project's one (its
+# pinned torch and engines are seen through a .pth file: nothing is downloaded), and runs, from a
+# folder outside the source tree with `import deep_ep` resolving through the wheel's switch
+# (MOE_EP_DEEP_EP=1): the installation tests, the engines' own DeepEP code (Megatron-Core, SGLang,
+# vLLM), the compatibility layer's tests, the example, and the engine recipes of docs/integration.md.
+# Usage: scripts/wheel-test.sh [work-dir]   (default: build/wheel). Exits non-zero if anything failed.
+# docs/python.md ("Installing") and docs/testing.md describe it.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+work=${1:-$root/build/wheel}
+python=$("$root/scripts/python-env.sh" | tail -1)
+start=$SECONDS
+rm -rf "$work/dist" "$work/repaired" "$work/venv" "$work/run"
+mkdir -p "$work/dist" "$work/repaired" "$work/run"
+
+echo "== wheel: sdist"
+"$python" -m build --sdist --no-isolation --outdir "$work/dist" "$root" >"$work/sdist.log" 2>&1 || {
+  cat "$work/sdist.log"; exit 1; }
+sdist=$(ls "$work/dist"/moe_ep-*.tar.gz)
+echo "$(basename "$sdist"): $(tar tzf "$sdist" | wc -l) files"
+
+echo "== wheel: built from the sdist"
+# No CUDA provider here (no GPU to run it on, and minutes of nvcc); `pip install .` builds it
+# where nvcc is found. Compiles through ccache where installed: the Release build's objects.
+"$python" -m pip wheel --no-build-isolation --no-deps --disable-pip-version-check -q -w "$work/dist" \
+  -C cmake.define.MOE_EP_WITH_CUDA=OFF -C build-dir="$work/cmake" "$sdist"
+wheel=$(ls "$work/dist"/moe_ep-*.whl)
+echo "$(basename "$wheel"):"
+"$python" -m zipfile -l "$wheel" | awk 'NR > 1 { print "  " $1 }'
+
+echo "== wheel: auditwheel"
+"$python" -m auditwheel show "$wheel"
+"$python" -m auditwheel repair --exclude libmpi.so.40 -w "$work/repaired" "$wheel"
+repaired=$(ls "$work/repaired"/moe_ep-*.whl)
+"$python" -m auditwheel show "$repaired"
+
+echo "== wheel: installed into a fresh environment"
+"$python" -m venv "$work/venv"
+venv_python=$work/venv/bin/python
+project_site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+fresh_site=$("$venv_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$project_site" >"$fresh_site/moe_ep_project_env.pth"   # torch and the engines, not moe_ep
+"$venv_python" -m pip install --no-index --disable-pip-version-check -q "$repaired"
+cd "$work/run"
+env -u PYTHONPATH "$venv_python" -c 'import moe_ep, json; print(moe_ep.__file__); print(json.dumps(moe_ep.features()))'
+
+echo "== wheel: tests of the installed package, from $work/run"
+export MOE_EP_DEEP_EP=1 MOE_EP_TEST_INSTALLED=1
+unset PYTHONPATH MOE_EP_BUILD_DIR
+tests=("$root"/tests/python/test_install.py "$root"/tests/python/test_cpu_compat.py "$root"/tests/python/test_engine_*.py)
+"$venv_python" -m pytest -q -p no:cacheprovider -o cache_dir="$work/run/.pytest" --rootdir="$work/run" "${tests[@]}"
+"$venv_python" "$root/examples/python/moe_layer.py"
+if [ -x "$root/tests/engines/recipes.sh" ]; then
+  "$root/tests/engines/recipes.sh" "$venv_python"
+fi
+echo "== wheel: passed in $((SECONDS - start)) s"
