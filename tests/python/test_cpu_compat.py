@@ -235,3 +235,226 @@ def test_bad_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         cpu_compat.install(**settings)
     assert not cpu_compat.installed()
+
+
+# ---- torch.accelerator, Stream.is_capturing and is_available ------------------------------------
+#
+# Each group of checks runs once in a child interpreter (module-scoped fixtures) and reports one
+# line per check; the tests below assert them one by one.
+
+ACCELERATOR_FUNCTIONS = ("current_accelerator", "device_count", "set_device_index", "current_device_index",
+                         "synchronize", "current_stream", "is_available", "device_index", "set_stream")
+
+
+def run_checks(code, env=None):
+    """Runs `code` (which fills CHECKS: name -> function) in a child interpreter; returns
+    {name: "ok" or the failure}."""
+    driver = textwrap.dedent(code) + textwrap.dedent("""
+        import json, traceback
+        report = {}
+        for name, check in CHECKS.items():
+            try:
+                check()
+                report[name] = "ok"
+            except BaseException:  # noqa: BLE001 (reported to the test)
+                report[name] = traceback.format_exc()
+        print("REPORT " + json.dumps(report))
+    """)
+    rc, out, err = run_python(driver, env)
+    assert rc == 0, err
+    line = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
+    assert line, out + err
+    import json
+    return json.loads(line[-1][len("REPORT "):])
+
+
+# What torch answers: each call's value (repr) or the type of its exception. The child computes it
+# three times: in a fresh interpreter, after importing moe_ep.deep_ep without the layer, and after
+# install() + uninstall(); each function object must also be torch's own every time.
+_TORCHS_ANSWERS = """
+    import torch
+    CALLS = {
+        "current_accelerator": lambda: torch.accelerator.current_accelerator(),
+        "current_accelerator(check_available=True)": lambda: torch.accelerator.current_accelerator(True),
+        "device_count": lambda: torch.accelerator.device_count(),
+        "set_device_index": lambda: torch.accelerator.set_device_index(0),
+        "current_device_index": lambda: torch.accelerator.current_device_index(),
+        "synchronize": lambda: torch.accelerator.synchronize(),
+        "current_stream": lambda: torch.accelerator.current_stream().is_capturing(),
+        "is_available": lambda: torch.accelerator.is_available(),
+        "device_index": lambda: torch.accelerator.device_index(0).__enter__(),
+        "set_stream": lambda: torch.accelerator.set_stream(torch.Stream(device="cpu")),
+        "torch.cuda.is_available": lambda: torch.cuda.is_available(),
+        "torch.cuda.is_current_stream_capturing": lambda: torch.cuda.is_current_stream_capturing(),
+    }
+
+    def answers():
+        out = {}
+        for name, call in CALLS.items():
+            try:
+                out[name] = "value " + repr(call())
+            except Exception as e:
+                out[name] = "raises " + type(e).__name__
+        return out
+
+    def objects():
+        names = [n for n in ("current_accelerator", "device_count", "set_device_index", "current_device_index",
+                             "synchronize", "current_stream", "is_available", "device_index", "set_stream",
+                             "current_device_idx", "set_device_idx", "empty_cache", "get_memory_info")
+                 if hasattr(torch.accelerator, n)]
+        return {n: getattr(torch.accelerator, n) for n in names}, {
+            n: getattr(torch.cuda, n) for n in ("is_available", "is_current_stream_capturing", "device_count")}
+
+    fresh, fresh_objects = answers(), objects()
+    import deep_ep
+    from moe_ep.deep_ep import cpu_compat
+    assert not cpu_compat.installed()
+    imported, imported_objects = answers(), objects()
+    cpu_compat.install()
+    cpu_compat.uninstall()
+    after, after_objects = answers(), objects()
+    CHECKS = {}
+    for name in CALLS:
+        def check(name=name):
+            assert imported[name] == fresh[name], (imported[name], fresh[name])
+            assert after[name] == fresh[name], (after[name], fresh[name])
+            key = name.split("(")[0]
+            for table in (0, 1):
+                for n, obj in fresh_objects[table].items():
+                    if n == key or key == "torch.cuda." + n:
+                        assert imported_objects[table][n] is obj and after_objects[table][n] is obj, n
+        CHECKS[name] = check
+"""
+
+
+@pytest.fixture(scope="module")
+def torchs_answers():
+    return run_checks(_TORCHS_ANSWERS)
+
+
+@pytest.mark.parametrize("function", ACCELERATOR_FUNCTIONS + ("current_accelerator(check_available=True)",
+                                                              "torch.cuda.is_available",
+                                                              "torch.cuda.is_current_stream_capturing"))
+def test_not_installed_torch_answers_as_itself(function, torchs_answers):
+    """Importing moe_ep.deep_ep changes nothing, and uninstall() restores torch's functions: every
+    call answers as in a fresh interpreter (its value, or the exception it raises)."""
+    assert torchs_answers[function] == "ok", torchs_answers[function]
+
+
+_INSTALLED = """
+    import torch
+    truth = torch.cuda.is_available()  # torch's own answer, before the layer
+    from moe_ep.deep_ep import cpu_compat
+    cpu_compat.install(device_count=4)
+    acc = torch.accelerator
+
+    def current_accelerator():
+        assert acc.current_accelerator() == torch.device("cuda")
+        # check_available=True adds the runtime check: torch's own is_available.
+        assert acc.current_accelerator(check_available=True) == (torch.device("cuda") if truth else None)
+
+    def device_count():
+        assert acc.device_count() == 4 == torch.cuda.device_count()
+
+    def set_device_index():
+        acc.set_device_index(2)
+        assert torch.cuda.current_device() == 2
+        acc.set_device_index(torch.device("cuda", 1))
+        assert torch.cuda.current_device() == 1
+        acc.set_device_index(-1)  # torch: a negative index changes nothing
+        assert torch.cuda.current_device() == 1
+        for bad, error in ((4, ValueError), (torch.device("cuda"), ValueError), ("cpu", ValueError)):
+            try:
+                acc.set_device_index(bad)
+            except error:
+                pass
+            else:
+                raise AssertionError(f"set_device_index({bad!r}) was accepted")
+        torch.cuda.set_device(0)
+
+    def current_device_index():
+        torch.cuda.set_device(3)
+        assert acc.current_device_index() == 3
+        torch.cuda.set_device(0)
+        assert acc.current_device_index() == 0
+
+    def synchronize():
+        assert acc.synchronize() is None and acc.synchronize(0) is None and acc.synchronize("cuda:3") is None
+
+    def current_stream():
+        s = acc.current_stream()
+        assert s is torch.cuda.current_stream() and s is acc.current_stream(torch.device("cuda", 0))
+        assert s.is_capturing() is False
+        inner = torch.cuda.Stream()
+        with torch.cuda.stream(inner):
+            assert acc.current_stream() is inner and inner.is_capturing() is False
+        assert acc.current_stream() is s
+
+    def is_available():
+        assert acc.is_available() is truth and torch.cuda.is_available() is truth
+
+    def device_index():
+        torch.cuda.set_device(0)
+        with acc.device_index(2):
+            assert acc.current_device_index() == 2 == torch.cuda.current_device()
+        assert acc.current_device_index() == 0
+        with acc.device_index(None):
+            assert acc.current_device_index() == 0
+
+    def set_stream():
+        s = torch.cuda.Stream()
+        acc.set_stream(s)
+        assert acc.current_stream() is s is torch.cuda.current_stream()
+        acc.set_stream(torch.cuda.default_stream())
+        assert acc.current_stream() is torch.cuda.default_stream()
+
+    def is_current_stream_capturing():
+        assert torch.cuda.is_current_stream_capturing() is False
+
+    CHECKS = {name: fn for name, fn in dict(globals()).items()
+              if callable(fn) and name in {"current_accelerator", "device_count", "set_device_index",
+                                           "current_device_index", "synchronize", "current_stream", "is_available",
+                                           "device_index", "set_stream", "is_current_stream_capturing"}}
+    assert all(hasattr(acc, n) for n in CHECKS if n != "is_current_stream_capturing"), "torch lacks one"
+"""
+
+
+@pytest.fixture(scope="module")
+def installed_answers():
+    return run_checks(_INSTALLED)
+
+
+@pytest.mark.parametrize("function", ACCELERATOR_FUNCTIONS + ("is_current_stream_capturing",))
+def test_installed_torch_accelerator_answers_as_the_layer(function, installed_answers):
+    """With the layer installed, torch.accelerator answers as the layer's torch.cuda (CUDA the
+    accelerator, its devices, the current device, its streams, never capturing); is_available
+    stays torch's own answer."""
+    assert installed_answers[function] == "ok", installed_answers[function]
+
+
+def test_nvml_based_check_keeps_is_available_true_to_torch():
+    """PYTORCH_NVML_BASED_CUDA_CHECK=1 (set before torch is imported) makes torch.cuda.is_available
+    count devices; the layer's 8 stand-in devices must not make it True where torch says False."""
+    nvml = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+    rc, out, err = run_python("import torch; print(torch.cuda.is_available(), torch.accelerator.is_available())",
+                              nvml)
+    assert rc == 0, err
+    truth = out.split()
+    assert truth[0] == truth[1], out
+    rc, out, err = run_python("import deep_ep, torch; print(torch.cuda.is_available(), "
+                              "torch.accelerator.is_available(), torch.cuda.device_count(), "
+                              "deep_ep.cpu_compat.installed())", dict(nvml, MOE_EP_CPU_COMPAT="1"))
+    assert rc == 0, err
+    assert out.split() == [truth[0], truth[0], "8", "True"], out
+    # The same after uninstall(), and within a process that asked torch before installing.
+    rc, out, err = run_python("""
+        import torch
+        before = torch.cuda.is_available()
+        from moe_ep.deep_ep import cpu_compat
+        cpu_compat.install()
+        during = (torch.cuda.is_available(), torch.accelerator.is_available())
+        cpu_compat.uninstall()
+        print(before, *during, torch.cuda.is_available())
+    """, nvml)
+    assert rc == 0, err
+    assert out.split() == [truth[0]] * 4, out
