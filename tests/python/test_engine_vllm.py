@@ -14,10 +14,10 @@ installed (vLLM allocates with device="cuda" and asks torch.accelerator for its 
   arguments:
   * high-throughput (V1 normal mode, BF16): prepare and finalize, and their async forms;
   * low-latency (V1): BF16 with the receive hook (prepare_async's hook and receiver,
-    finalize_async's hook), FP8 (moe-ep casts to E4M3 with per-128 scales), FP8 with packed UE8M0
-    scales (what post_init_setup selects for experts that take them), and the fault-tolerance
-    calls the manager makes on a shrink-mode buffer (query_active_mask, query_fault, update_mask,
-    clean_buffers);
+    finalize_async's hook), FP8 (moe-ep casts to E4M3 with per-128 scales) and FP8 with packed
+    UE8M0 scales (what post_init_setup selects for experts that take them) through prepare and
+    finalize, and the fault-tolerance calls the manager makes on a shrink-mode buffer
+    (query_active_mask, query_fault, update_mask, clean_buffers);
   * V2 (ElasticBuffer): prefill (use_cudagraph=False: expanded layout with CPU sync), decode
     (use_cudagraph=True: compact layout, worst-case rows, per-step num_max_tokens_per_rank from the
     forward context's DP metadata) with the globalization of the received ids and with
@@ -263,14 +263,20 @@ class _ExpertsTakingPackedScales:
 
 
 def _ll_batches(rank, world, pf, salt, outputs, fp8, ue8m0, digests, batches=range(NUM_BATCHES)):
+    """Low-latency batches: BF16 through the hooks (prepare_async's hook and receiver,
+    finalize_async's hook), FP8 through prepare and finalize (which run the hooks themselves)."""
     from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
     El = E // world
     quant = _fp8_block_config() if fp8 else _unquantized()
+    hooks = not fp8
     for b in batches:
         x, ids, weights = batch_inputs(rank, b, salt)
-        hook, receiver = pf.prepare_async(x, weights, ids, E, None, False, quant)
-        hook()  # the receive hook: the dispatch's data arrives here
-        expert_x, scale, meta, none_ids, none_weights = receiver()
+        if hooks:
+            hook, receiver = pf.prepare_async(x, weights, ids, E, None, False, quant)
+            hook()  # the receive hook: the dispatch's data arrives here
+            expert_x, scale, meta, none_ids, none_weights = receiver()
+        else:
+            expert_x, scale, meta, none_ids, none_weights = pf.prepare(x, weights, ids, E, None, False, quant)
         assert none_ids is None and none_weights is None and meta.expert_num_tokens_cpu is None
         counts = meta.expert_num_tokens.tolist()
         assert expert_x.shape == (El, world * MAX_TOKENS, H)
@@ -293,8 +299,11 @@ def _ll_batches(rank, world, pf, salt, outputs, fp8, ue8m0, digests, batches=ran
         for i in range(El):
             fused[i, :counts[i]] = _rows(values[i, :counts[i]], rank * El + i)
         output = torch.empty_like(x)
-        recv_hook, _ = pf.finalize_async(output, fused, weights, ids, False, TopKWeightAndReduceDelegate())
-        recv_hook()
+        if hooks:
+            recv_hook, _ = pf.finalize_async(output, fused, weights, ids, False, TopKWeightAndReduceDelegate())
+            recv_hook()
+        else:
+            pf.finalize(output, fused, weights, ids, False, TopKWeightAndReduceDelegate())
         outputs.append(_to_bytes(output))
 
 
