@@ -39,6 +39,31 @@ echo "== wheel: auditwheel"
 "$python" -m auditwheel repair --exclude libmpi.so.40 -w "$work/repaired" "$wheel"
 repaired=$(ls "$work/repaired"/moe_ep-*.whl)
 "$python" -m auditwheel show "$repaired"
+# What the repaired wheel still needs from the machine: the MPI library and what it links, nothing
+# else (hwloc, fmt and udev were copied into moe_ep.libs).
+"$python" -m auditwheel show --json "$repaired" >"$work/repaired.json"
+mpi_closure=$(ldd "$(ldconfig -p | awk '/libmpi\.so\.40 / { print $NF; exit }')" | awk '{ print $1 }')
+"$python" - "$work/repaired.json" "libmpi.so.40 $mpi_closure" <<'PY'
+import json, sys
+info = json.load(open(sys.argv[1]))
+allowed = set(sys.argv[2].split())
+external = set(info["external_libs"])
+extra = sorted(external - allowed)
+print(f"{info['wheel']}: symbol versions allow {info['sym_tag']}; external libraries: {', '.join(sorted(external))}")
+if extra:
+    sys.exit(f"wheel-test: the repaired wheel needs libraries beyond Open MPI's: {', '.join(extra)}")
+print("wheel-test: the repaired wheel needs nothing from the machine but Open MPI (libmpi.so.40 and what it links)")
+PY
+
+echo "== wheel: a build without CMake stops at once, naming it"
+no_cmake=$(mktemp -d)
+ln -s "$python" "$no_cmake/python"
+if out=$(PATH="$no_cmake" "$python" -m pip wheel --no-build-isolation --no-deps -q -w "$no_cmake" "$sdist" 2>&1); then
+  echo "wheel-test: pip wheel without CMake on PATH succeeded"; exit 1
+fi
+grep -q "Could not find CMake with version >=3.22" <<<"$out" || { echo "$out"; echo "wheel-test: no message naming CMake"; exit 1; }
+rm -rf "$no_cmake"
+echo "refused: Could not find CMake with version >=3.22"
 
 echo "== wheel: installed into a fresh environment"
 # Without pip and setuptools of its own: the project environment's (pinned) ones are seen, and the
