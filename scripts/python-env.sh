@@ -35,6 +35,8 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-input -q)
 "${pip[@]}" install --only-binary=:all: -r "$req" -c "$constraints" >&2
 # The engines without their dependency sets (most are GPU-only); what their dispatchers import:
 "${pip[@]}" install --only-binary=:all: -r "$engine_deps" -c "$constraints" >&2
-"${pip[@]}" install --only-binary=:all: --no-deps -r "$engines" -c "$constraints" >&2
+# --ignore-requires-python: megatron-core 0.19 declares Python >= 3.12 while publishing a cp311 wheel
+# (docs/python.md, "The engines' pins"); the other engines declare 3.10 or less.
+"${pip[@]}" install --only-binary=:all: --no-deps --ignore-requires-python -r "$engines" -c "$constraints" >&2
 echo "$want" >"$stamp"
 echo "$venv/bin/python"

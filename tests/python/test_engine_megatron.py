@@ -14,7 +14,8 @@ layer written densely in plain torch (float64) in this process: tokens per exper
 rest within the BF16 roundings of the path (each bound is the number of roundings times 2^-9 of
 the sum of the magnitudes of its terms, so a missing or doubled term is always caught).
 
-Megatron's dispatch_preprocess is torch.compile'd; it runs eagerly here (TORCH_COMPILE_DISABLE=1):
+The HybridEP cases install the CPU compatibility layer (MOE_EP_CPU_COMPAT=1): Megatron-Core 0.19's
+HybridEP manager allocates a device="cuda" tensor. Megatron's dispatch_preprocess is torch.compile'd; it runs eagerly here (TORCH_COMPILE_DISABLE=1):
 compiling it on the CPU takes most of a minute and is Megatron's code, not DeepEP's path."""
 
 import pytest
@@ -138,8 +139,12 @@ def within(actual, expected, bound, scale, what):
 @pytest.mark.parametrize("backend", ["deepep", "hybridep"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_megatron_flex_dispatcher_forward_and_backward(world, backend):
-    results = check_all_ok(run_processes(megatron_layer, world, args=(backend,), env={"TORCH_COMPILE_DISABLE": "1"},
-                                         timeout=600))
+    # HybridEP's manager keeps a device="cuda" flag tensor (Megatron-Core 0.19): the CPU compatibility
+    # layer makes it a CPU tensor, as an engine's CI would.
+    env = {"TORCH_COMPILE_DISABLE": "1"}
+    if backend == "hybridep":
+        env["MOE_EP_CPU_COMPAT"] = "1"
+    results = check_all_ok(run_processes(megatron_layer, world, args=(backend,), env=env, timeout=600))
     per_rank, counts, W, bound_w = dense_reference(world, backend)
     El = E // world
     for r, steps in enumerate(results):
