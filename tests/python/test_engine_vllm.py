@@ -210,7 +210,6 @@ def _run_ht(rank, world, ep, salt, outputs):
     import deep_ep
     from vllm.distributed.device_communicators.all2all import DeepEPHTAll2AllManager
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_ht import DeepEPHTPrepareAndFinalize
-    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
 
     El = E // world
     manager = DeepEPHTAll2AllManager(ep.cpu_group, None)
@@ -233,13 +232,19 @@ def _run_ht(rank, world, ep, salt, outputs):
         assert meta.expert_num_tokens_cpu.tolist() == counts and meta.expert_num_tokens.tolist() == counts
         assert bool((recv_weights[~local] == 0).all())  # DeepEP: weight 0 where the slot is not local
         fused = _slot_rows(expert_x, recv_ids, rank * El, El)
-        output = torch.empty_like(x)
-        if b % 2 == 0:
-            pf.finalize(output, fused, recv_weights, recv_ids, False, TopKWeightAndReduceDelegate())
-        else:
-            pf.finalize_async(output, fused, recv_weights, recv_ids, False, TopKWeightAndReduceDelegate())()
-        outputs.append(_to_bytes(output))
+        outputs.append(_to_bytes(_finalize(pf, x, fused, recv_weights, recv_ids, asynchronous=b % 2 == 1)))
     manager.destroy()
+
+
+def _finalize(pf, x, fused, recv_weights, recv_ids, asynchronous):
+    """vLLM's finalize (or finalize_async and its completion) into a fresh output shaped like x."""
+    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
+    output = torch.empty_like(x)
+    if asynchronous:
+        pf.finalize_async(output, fused, recv_weights, recv_ids, False, TopKWeightAndReduceDelegate())()
+    else:
+        pf.finalize(output, fused, recv_weights, recv_ids, False, TopKWeightAndReduceDelegate())
+    return output
 
 
 def _ll_manager(rank, world, ep, fault_tolerance=False):
@@ -349,7 +354,6 @@ def _run_v2(rank, world, ep, config, salt, outputs, cudagraph, defer_globalize=F
     from vllm.distributed.device_communicators.all2all import DeepEPV2All2AllManager
     from vllm.forward_context import set_forward_context
     from vllm.model_executor.layers.fused_moe.prepare_finalize.deepep_v2 import DeepEPV2PrepareAndFinalize
-    from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceDelegate
 
     El = E // world
     manager = DeepEPV2All2AllManager(ep.cpu_group, None, device_group=ep.device_group)
@@ -393,12 +397,7 @@ def _run_v2(rank, world, ep, config, salt, outputs, cudagraph, defer_globalize=F
                                                             & (recv_ids[:num_recv] < (rank + 1) * El))).all())
             fused = torch.zeros(expert_x.shape[0], K, H, dtype=torch.bfloat16)
             fused[:num_recv] = _slot_rows(expert_x[:num_recv], ids_seen, rank * El, El)
-        output = torch.empty_like(x)
-        if b % 2 == 0:
-            pf.finalize(output, fused, recv_weights, recv_ids, False, TopKWeightAndReduceDelegate())
-        else:
-            pf.finalize_async(output, fused, recv_weights, recv_ids, False, TopKWeightAndReduceDelegate())()
-        outputs.append(_to_bytes(output))
+        outputs.append(_to_bytes(_finalize(pf, x, fused, recv_weights, recv_ids, asynchronous=b % 2 == 1)))
     manager.destroy()
 
 
