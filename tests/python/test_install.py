@@ -162,3 +162,22 @@ def test_an_extension_built_for_another_interpreter_is_named(tmp_path):
     assert last.startswith("ImportError: this moe_ep")
     assert "_C.cpython-399-x86_64-linux-gnu.so" in last
     assert f"CPython {sys.version_info.major}.{sys.version_info.minor}" in last
+
+
+def test_the_switch_and_moe_ep_env_accept_the_same_values(monkeypatch):
+    """The start-up module reads MOE_EP_DEEP_EP without moe_ep (standard library only), so it keeps
+    its own table; `moe-ep env` and moe_ep.env() judge the variable from the registry. They agree:
+    the same accepted values, and each value valid for one is valid for the other."""
+    switch = importlib.import_module("_moe_ep_deep_ep")
+    entry = next(v for v in moe_ep.env() if v["name"] == "MOE_EP_DEEP_EP")
+    accepted = ["" if a == "(empty)" else a for a in entry["accepted"].split(" | ")]
+    assert sorted(accepted) == sorted(switch.VALUES)
+    for value in accepted + ["ON", "Cpu", "yes", "2"]:
+        monkeypatch.setenv("MOE_EP_DEEP_EP", value)
+        entry = next(v for v in moe_ep.env() if v["name"] == "MOE_EP_DEEP_EP")
+        try:
+            switch.mode(value)
+            switch_ok = True
+        except ValueError:
+            switch_ok = False
+        assert switch_ok == (entry["error"] is None), (value, entry["error"])
