@@ -3,7 +3,7 @@
 combine in megatron/core/transformer/moe/fused_a2a.py) with both of its backends, DeepEP
 (``deep_ep.Buffer``) and HybridEP (``_HybridEPManager`` on ``deep_ep.HybridEPBuffer``), unmodified,
 forward and backward, on 2 and 4 CPU processes over gloo, with ``deep_ep`` resolving to moe-ep
-through the alias directory. With HybridEP every rank has the same token count (it all-gathers
+through the alias directory (build tree) or the wheel's switch (installed). With HybridEP every rank has the same token count (it all-gathers
 equal-sized routing maps).
 
 Each process runs Megatron's dispatch_preprocess -> token_dispatch -> dispatch_postprocess, a

@@ -1,5 +1,5 @@
 """SGLang's own DeepEP token dispatchers on moe-ep, unmodified, on 2 and 4 CPU processes over gloo,
-with ``deep_ep`` resolving to moe-ep through the alias directory and moe_ep.deep_ep.cpu_compat
+with ``deep_ep`` resolving to moe-ep through the alias directory (build tree) or the wheel's switch (installed), and moe_ep.deep_ep.cpu_compat
 installed (SGLang sizes its V1 buffer with torch.cuda.get_device_properties):
 
 - sglang.srt.layers.moe.token_dispatcher.deepep.DeepEPDispatcher (V1 Buffer) in auto mode over a

@@ -1,5 +1,5 @@
 """Dispatchers written the way engines call DeepEP (deepep-python-api.md §2,
-framework-dispatchers.md §1-2), importing `deep_ep` through the alias directory, run on
+framework-dispatchers.md §1-2), importing `deep_ep` through the alias directory or the wheel's switch, run on
 LocalWorld threads and over 2 gloo processes; results checked against the reference."""
 
 import pytest

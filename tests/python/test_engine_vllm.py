@@ -1,5 +1,5 @@
 """vLLM's own DeepEP code on moe-ep, unmodified, on 2 and 4 CPU processes over gloo, with
-``deep_ep`` resolving to moe-ep through the alias directory and moe_ep.deep_ep.cpu_compat
+``deep_ep`` resolving to moe-ep through the alias directory (build tree) or the wheel's switch (installed), and moe_ep.deep_ep.cpu_compat
 installed (vLLM allocates with device="cuda" and asks torch.accelerator for its stream):
 
 - vLLM's parallel state (init_distributed_environment, initialize_model_parallel) under a
