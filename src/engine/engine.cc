@@ -95,6 +95,16 @@ Engine::~Engine() {
       core::warn_always(core::Subsys::kAlloc, "{} #{} on rank {} was not destroyed explicitly", facts.config.name,
                         facts.id, facts.rank);
     keep_memory = !leave_tolerant() || keep_memory;
+  } else if (!destroyed_ && !keep_memory && core::thread_rank() >= 0 && core::thread_rank() != facts.rank) {
+    // Destroyed on another in-process rank's thread (Python's garbage collector runs on whichever
+    // thread triggers it): the destruction collective would wait for that rank, which is this very
+    // thread. Leave the channel instead: peers' waits on this rank (their destruction included) end
+    // at once, and the memory stays mapped as after any departure.
+    const std::string reason = fmt::format("{} #{} of rank {} was destroyed on rank {}'s thread", facts.config.name,
+                                           facts.id, facts.rank, core::thread_rank());
+    core::warn(core::Subsys::kAlloc, "{}; it leaves its channel and its memory stays mapped", reason);
+    transport_->abandon(reason, {facts.rank});
+    keep_memory = true;
   } else if (!destroyed_ && !keep_memory) {
     if (facts.config.explicitly_destroy) {
       core::warn_always(core::Subsys::kAlloc, "{} #{} on rank {} was not destroyed explicitly; its memory stays mapped",

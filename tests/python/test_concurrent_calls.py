@@ -183,3 +183,31 @@ def test_hybrid_ep_identical_dispatches_from_two_threads():
         return run_threads(15, body, take_turns=False)
 
     assert moe_ep.LocalWorld(2).run(rank_fn) == [[], []]
+
+
+def test_buffers_freed_on_another_ranks_thread():
+    """Python's garbage collector runs a buffer's destructor on whichever thread triggers it; with
+    ranks as threads that can be another rank's thread. Here rank 1's thread drops both ranks'
+    buffers, rank 0's first. The destructor of rank 0's buffer, running on rank 1's thread, cannot
+    wait there for rank 1's part of the destruction (rank 1 is that very thread; with a 600 s
+    timeout the test would hang): it leaves the buffers' channel, and rank 1's own destruction then
+    finds rank 0 gone at once (rank 0 meanwhile waits for rank 1 in the group's all-gather).
+    Both ranks then build new buffers, whose dispatch and combine match the reference."""
+    held = {}
+
+    def rank_fn(g):
+        rank = g.rank()
+        held[rank] = deep_ep.ElasticBuffer(g, num_max_tokens_per_rank=T, hidden=H, num_topk=K,
+                                           num_cpu_timeout_secs=600)
+        g.all_gather_bytes(b"")  # both buffers exist
+        if rank == 1:
+            del held[0]  # rank 0's destructor, on this thread: it leaves the buffers' channel
+            del held[1]  # rank 1's: its destruction finds rank 0 gone
+        g.all_gather_bytes(b"")  # both are gone
+        buf = elastic_buffer(g)
+        inputs = ref.make_inputs(g.size(), TOKENS, H, E, K, seed=9)
+        v2_combine(buf, inputs, rank, v2_dispatch(buf, inputs, rank))
+        buf.destroy()
+        return len(held)
+
+    assert moe_ep.LocalWorld(2).run(rank_fn) == [0, 0]
