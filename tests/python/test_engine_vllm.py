@@ -1,3 +1,5 @@
+# Long file: vLLM's three all2all managers with their prepare/finalize classes and its modular kernel,
+# each built as vLLM builds it, with the stand-ins of its CUDA kernels and one dense reference.
 """vLLM's own DeepEP code on moe-ep, unmodified, on 2 and 4 CPU processes over gloo, with
 ``deep_ep`` resolving to moe-ep through the alias directory (build tree) or the wheel's switch (installed), and moe_ep.deep_ep.cpu_compat
 installed (vLLM allocates with device="cuda" and asks torch.accelerator for its stream):

@@ -266,97 +266,6 @@ def _cuda_functions():
     }
 
 
-def _truthful_is_available(original, torch_functions):
-    """torch.cuda.is_available as torch answers it without the layer. torch's function reads
-    torch.cuda.device_count when PYTORCH_NVML_BASED_CUDA_CHECK=1, which the layer answers; this is
-    the same code reading torch's own functions (torch_functions: name -> torch's function)."""
-    if not isinstance(original, types.FunctionType):
-        return original
-    names = dict(original.__globals__)
-    names.update(torch_functions)
-    truthful = types.FunctionType(original.__code__, names, original.__name__, original.__defaults__,
-                                  original.__closure__)
-    truthful.__doc__ = original.__doc__
-    truthful.__qualname__ = original.__qualname__
-    truthful.__wrapped__ = original
-    return truthful
-
-
-# ---- torch.accelerator: the stand-in device as the current accelerator ------------------------
-
-_CUDA = torch.device("cuda")
-
-
-def _accelerator_index(device, optional):
-    """The device index a torch.accelerator call names, by torch's rules: an int, or a CUDA device
-    with an index; None or a device without an index names the current one where the argument is
-    optional."""
-    if device is None and optional:
-        return _state["current"]
-    if isinstance(device, str):
-        device = torch.device(device)
-    if isinstance(device, torch.device):
-        if device.type != "cuda":
-            raise ValueError(f"{device.type} doesn't match the current accelerator {_CUDA}.")
-        if device.index is None:
-            if not optional:
-                raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
-            return _state["current"]
-        device = device.index
-    return _index(device)
-
-
-def _set_device_index(device, /):
-    index = device if isinstance(device, int) and not isinstance(device, bool) else None
-    if index is not None and index < 0:
-        return  # torch: a negative index changes nothing
-    _state["current"] = _accelerator_index(device, optional=False)
-
-
-class _DeviceIndexContext(_DeviceContext):
-    """torch.accelerator.device_index(i): selects device i inside the block (None: no change)."""
-
-    def __init__(self, device, /):
-        _count("torch.accelerator.device_index")
-        self.index = None if device is None else _accelerator_index(device, optional=False)
-
-
-def _accelerator_functions():
-    """torch.accelerator's attributes the layer replaces (those this torch has), and what replaces
-    them: the answers of the layer's torch.cuda, with CUDA as the current accelerator."""
-    def current_stream(device=None, /):
-        _accelerator_index(device, optional=True)
-        return _current_stream()
-
-    def synchronize(device=None, /):
-        _accelerator_index(device, optional=True)
-
-    def current_device_index():
-        return _state["current"]
-
-    return {
-        "current_accelerator": lambda check_available=False: (
-            _CUDA if not check_available or torch.cuda.is_available() else None),
-        "is_available": lambda: torch.cuda.is_available(),
-        "device_count": lambda: _state["device_count"],
-        "current_device_index": current_device_index,
-        "current_device_idx": current_device_index,
-        "set_device_index": _set_device_index,
-        "set_device_idx": _set_device_index,
-        "device_index": _DeviceIndexContext,
-        "current_stream": current_stream,
-        "set_stream": _set_stream,
-        "synchronize": synchronize,
-        "empty_cache": lambda: None,
-        "get_memory_info": lambda device=None, /: (_host_bytes("SC_AVPHYS_PAGES"), _host_bytes()),
-        "memory_allocated": lambda device=None, /: 0,
-        "max_memory_allocated": lambda device=None, /: 0,
-        "memory_reserved": lambda device=None, /: 0,
-        "max_memory_reserved": lambda device=None, /: 0,
-        "reset_peak_memory_stats": lambda device=None, /: None,
-    }
-
-
 # ---- device="cuda" means the CPU ---------------------------------------------------------------
 
 def _is_cuda_device(d):
@@ -497,6 +406,7 @@ def install(device_count=8, multi_processor_count=132, capability=(9, 0)):
     if (not isinstance(capability, tuple) or len(capability) != 2
             or not all(isinstance(v, int) and v >= 0 for v in capability)):
         raise ValueError(f"capability = {capability!r}; expected a (major, minor) pair of ints")
+    from . import _cpu_compat_accelerator as _accelerator  # it builds on this module's stand-ins
     with _lock:
         if _state is not None:
             _state.update(device_count=device_count, multi_processor_count=multi_processor_count,
@@ -508,7 +418,7 @@ def install(device_count=8, multi_processor_count=132, capability=(9, 0)):
         cuda_functions = _cuda_functions()
         # is_available keeps torch's answer (it would count the layer's devices under
         # PYTORCH_NVML_BASED_CUDA_CHECK=1).
-        cuda_functions["is_available"] = _truthful_is_available(
+        cuda_functions["is_available"] = _accelerator.truthful_is_available(
             torch.cuda.is_available, {name: getattr(torch.cuda, name) for name in cuda_functions
                                       if hasattr(torch.cuda, name)})
         for name, fn in cuda_functions.items():
@@ -516,13 +426,7 @@ def install(device_count=8, multi_processor_count=132, capability=(9, 0)):
             # Classes stay classes (isinstance works); they count their own constructions.
             setattr(torch.cuda, name, fn if isinstance(fn, type) or name == "is_available"
                     else _counted(f"torch.cuda.{name}", fn))
-        accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
-        if accelerator is not None:
-            for name, fn in _accelerator_functions().items():
-                if hasattr(accelerator, name):  # only what this torch has
-                    replaced[("accelerator", name)] = getattr(accelerator, name)
-                    setattr(accelerator, name, fn if isinstance(fn, type)
-                            else _counted(f"torch.accelerator.{name}", fn))
+        _accelerator.install(replaced, _counted)
         # record_stream(stream) with a stand-in stream: nothing to record (torch's argument parser
         # refuses a stream that is not a torch.Stream before any mode sees the call).
         replaced[("tensor", "record_stream")] = torch.Tensor.record_stream
