@@ -9,7 +9,7 @@
 #     synchronise: the in-process transport, the buffers (V2, V1), the dispatcher and the CUDA
 #     provider's algorithm on host threads; of the randomized cases, the first seeds (below).
 # Any sanitizer finding stops its program and fails its test. Exits non-zero if anything failed.
-# Env: JOBS (parallel builds and tests); MOE_EP_SANITIZERS=0 runs only the Release suite;
+# Env: JOBS (parallel builds and tests); MOE_EP_SANITIZERS=0 runs only the Release suite and the wheel pass;
 # MOE_EP_QUICK=1 runs the quick form instead: the C++ suites, the tool and the examples of a
 # Release build without Python, MPI, CUDA or benchmarks (build-quick/), in-process and host
 # transport, without the full DeepSeek-V3-shaped runs (minutes, against half an hour).
