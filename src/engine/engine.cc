@@ -88,6 +88,7 @@ Engine::~Engine() {
   comm_worker_.drain();
   const std::string broken = broken_reason();
   bool keep_memory = !broken.empty();  // peers may still read it
+  const int on_thread_of = core::thread_rank();  // an in-process rank's thread, else -1
   if (!destroyed_ && tolerant_) {
     // Shrink mode: leave the tolerant exchange (every rank that is not gone leaves too, or the
     // memory stays mapped).
@@ -95,13 +96,13 @@ Engine::~Engine() {
       core::warn_always(core::Subsys::kAlloc, "{} #{} on rank {} was not destroyed explicitly", facts.config.name,
                         facts.id, facts.rank);
     keep_memory = !leave_tolerant() || keep_memory;
-  } else if (!destroyed_ && !keep_memory && core::thread_rank() >= 0 && core::thread_rank() != facts.rank) {
+  } else if (!destroyed_ && !keep_memory && on_thread_of >= 0 && on_thread_of != facts.rank) {
     // Destroyed on another in-process rank's thread (Python's garbage collector runs on whichever
     // thread triggers it): the destruction collective would wait for that rank, which is this very
     // thread. Leave the channel instead: peers' waits on this rank (their destruction included) end
     // at once, and the memory stays mapped as after any departure.
     const std::string reason = fmt::format("{} #{} of rank {} was destroyed on rank {}'s thread", facts.config.name,
-                                           facts.id, facts.rank, core::thread_rank());
+                                           facts.id, facts.rank, on_thread_of);
     core::warn(core::Subsys::kAlloc, "{}; it leaves its channel and its memory stays mapped", reason);
     transport_->abandon(reason, {facts.rank});
     keep_memory = true;
