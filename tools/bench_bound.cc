@@ -5,7 +5,6 @@
 #include <optional>
 
 #include "bench.hh"
-#include "comm/transport.hh"
 #include "core/bandwidth.hh"
 #include "progress.hh"
 
@@ -56,7 +55,7 @@ std::size_t bandwidth_working_set(double traffic, int threads) {
 
 void sample_memory(Group& g, int workers, std::size_t bytes, ShapeResult& r) {
   if (g.rank() == 0) {
-    const int on_host = std::min(g.transport().ranks_on_host(), g.size());
+    const int on_host = std::min(g.ranks_on_host(), g.size());
     const int hosts = g.size() / on_host;
     bytes = core::probe_bytes(bytes, on_host * workers);  // what the machine holds (core/bandwidth.hh)
     r.memory_bytes_per_thread = bytes;

@@ -19,10 +19,8 @@
 
 #include "moe_ep/version.hpp"
 #include "commands.hh"
-#include "comm/transport.hh"
 #include "core/bandwidth.hh"
 #include "core/host_name.hh"
-#include "core/timeout.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/group.hpp"
 #include "moe_ep/dtype.hpp"
@@ -119,12 +117,12 @@ ShapeResult measure(Launch& launch, const BenchOptions& o, const std::string& sh
       if (g.rank() == 0) progress::show(it < 0 ? shape + " warm-up" : shape, it < 0 ? it + 3 : it + 1, it < 0 ? 2 : iterations);
       for (std::size_t i = 0; i < ops.size(); ++i) {
         g.barrier();
-        const std::uint64_t sent = g.transport().scaleout_bytes_sent();
+        const std::uint64_t sent = g.scaleout_bytes_sent();
         const auto t0 = Clock::now();
         ops[i].call();
         const double s = std::chrono::duration<double>(Clock::now() - t0).count();
         if (it >= 0) times[i * static_cast<size_t>(iterations) + static_cast<size_t>(it)] = s;
-        scaleout[i] = g.transport().scaleout_bytes_sent() - sent;
+        scaleout[i] = g.scaleout_bytes_sent() - sent;
       }
       g.barrier();
       if (it >= 0) sample_memory(g, workers, working_set, result);
@@ -219,7 +217,7 @@ void print_network_alone(const std::vector<ShapeResult>& results) {
 
 void Ceiling::measure(Launch& launch, int workers) {
   launch.run([&](Group& g) {
-    const int on_host = std::min(g.transport().ranks_on_host(), g.size());
+    const int on_host = std::min(g.ranks_on_host(), g.size());
     threads = g.size() * workers;
     if (g.rank() == 0) progress::show("memcpy ceiling");
     if (g.rank() == 0)

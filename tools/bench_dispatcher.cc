@@ -14,7 +14,6 @@
 
 #include "bench.hh"
 #include "core/timeout.hh"
-#include "elastic/elastic_access.hh"
 #include "moe_ep/convert.hpp"
 #include "moe_ep/dispatcher.hpp"
 #include "moe_ep/elastic_buffer.hpp"
@@ -121,7 +120,7 @@ std::vector<Operation> direct_operations(Group& g, const BenchOptions& o, int to
     a.do_cpu_sync = false;
     a.do_expand = true;
     a.use_tma_aligned_col_major_sf = true;
-    *last = elastic::Access::dispatch(*buffer, a, {.expert_stride = stride});
+    *last = buffer->dispatch(a, DispatchExtras{.expert_stride = stride});
     last->event.wait();
   };
   dispatch();
@@ -132,7 +131,7 @@ std::vector<Operation> direct_operations(Group& g, const BenchOptions& o, int to
       return;
     }
     CombineArgs a{.x = *y, .handle = last->handle, .num_sms = workers, .async_with_compute_stream = true};
-    CombineResult r = elastic::Access::combine(*buffer, a, {.row_weights = last->recv_topk_weights});
+    CombineResult r = buffer->combine(a, CombineExtras{.row_weights = last->recv_topk_weights});
     r.event.wait();
   };
   return {{"direct dispatch", dispatch}, {"direct combine", combine}};

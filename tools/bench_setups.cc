@@ -8,7 +8,6 @@
 #include <random>
 
 #include "bench.hh"
-#include "comm/transport.hh"
 #include "core/timeout.hh"
 #include "moe_ep/dtype.hpp"
 #include "moe_ep/elastic_buffer.hpp"
@@ -81,9 +80,9 @@ void add_network_alone(Group& g, std::vector<Operation>& ops, const std::string&
   for (Operation& ours : ops) {
     if (ours.name != name) continue;
     g.barrier();
-    const std::uint64_t before = g.transport().scaleout_bytes_sent();
+    const std::uint64_t before = g.scaleout_bytes_sent();
     ours.call();
-    const std::uint64_t bytes = g.transport().scaleout_bytes_sent() - before;
+    const std::uint64_t bytes = g.scaleout_bytes_sent() - before;
     auto net = std::make_shared<::moe_ep::bench::ScaleoutAlone>(MPI_COMM_WORLD, g.size() / g.num_scaleout(), bytes);
     Operation op{"network alone (" + name + ")", [net] { net->exchange(); }, static_cast<std::int64_t>(bytes), 1};
     op.network_alone_of = name;
@@ -109,7 +108,7 @@ void add_baseline(const BenchOptions& o, Group& g, const std::shared_ptr<BenchIn
     add_network_alone(g, ops, dispatch_name);
     add_network_alone(g, ops, combine_name);
   }
-  if (g.num_scaleout() > 1 || g.transport().ranks_on_host() < g.size()) return;
+  if (g.num_scaleout() > 1 || g.ranks_on_host() < g.size()) return;
   auto shared = std::make_shared<::moe_ep::bench::SharedWindowBaseline>(MPI_COMM_WORLD);
   auto routed = std::make_shared<::moe_ep::bench::BaselineDispatch>(
       shared->dispatch(in->x, in->scales, in->topk, in->weights, o.experts));

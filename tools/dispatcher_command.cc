@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "commands.hh"
+#include "core/arith.hh"
 #include "core/npy.hh"
 #include "moe_ep/dispatcher.hpp"
 #include "core/env_vars.hh"
@@ -52,7 +53,8 @@ void dump_dispatch(const std::string& prefix, const LayerConfig& c, const RankBa
   if (out.format == OutputFormat::kLowLatency && x.dtype() == DType::kUInt8) {  // NVFP4: the storage of the permuted views
     const std::int64_t El = x.size(2), RN = x.size(0);
     core::write_npy(path("hidden_states"), storage(x, {El, RN, x.size(1)}));
-    core::write_npy(path("hidden_states_scale"), storage(sf, {El, (RN + 127) / 128, (c.hidden + 63) / 64, 32, 4, 4}));
+    core::write_npy(path("hidden_states_scale"),
+                    storage(sf, {El, core::ceil_div(RN, 128), core::ceil_div(c.hidden, 64), 32, 4, 4}));
   } else {
     core::write_npy(path("hidden_states"), x);
     if (sf.defined()) {

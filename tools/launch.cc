@@ -8,8 +8,6 @@
 #include <cstring>
 
 #include "cli.hh"
-#include "comm/transport.hh"
-#include "core/timeout.hh"
 #include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/host.hpp"
@@ -179,11 +177,7 @@ std::unique_ptr<Launch> make_launch(int* argc, char*** argv, const LaunchOptions
 }
 
 std::vector<std::vector<std::byte>> gather_blocks(Group& group, std::span<const std::byte> mine) {
-  const comm::Gathered all = group.transport().all_gather(
-      mine, comm::Scope::kWorld, {"report: result exchange", core::timeout_from_env()});
-  std::vector<std::vector<std::byte>> out;
-  for (int r = 0; r < all.size(); ++r) out.emplace_back(all[r].begin(), all[r].end());
-  return out;
+  return group.all_gather(mine, 0, "report: result exchange");  // 0: MOE_EP_TIMEOUT_SECS
 }
 
 }  // namespace moe_ep::tools

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "core/arith.hh"
 #include "core/npy.hh"
 #include "core/timeout.hh"
 #include "moe_ep/elastic_buffer.hpp"
@@ -244,7 +245,7 @@ class LowLatencyPath final : public PathBase<Buffer, LowLatencyDispatchResult, L
     const TensorView& sf = received_.recv_x_scales;
     if (c_.nvfp4) {  // the storage of the permuted views
       core::write_npy(path("recv_x"), storage(received_.recv_x, {El, RN, H / 2}));
-      core::write_npy(path("recv_x_scales"), storage(sf, {El, (RN + 127) / 128, H / 64, 32, 4, 4}));
+      core::write_npy(path("recv_x_scales"), storage(sf, {El, core::ceil_div(RN, 128), H / 64, 32, 4, 4}));
     } else {
       core::write_npy(path("recv_x"), received_.recv_x);
       if (c_.fp8) core::write_npy(path("recv_x_scales"), storage(sf, {El, sf.size(2), RN}));  // token stride 1

@@ -9,6 +9,7 @@
 #include <random>
 #include <string_view>
 
+#include "core/arith.hh"
 #include "moe_ep/dtype.hpp"
 #include "reference/logfmt_reference.hh"
 #include "reference/numeric_reference.hh"
@@ -254,7 +255,7 @@ Tensor run_experts(const LayerConfig& c, const ExpertParams& params, int rank, c
   const auto* psum = h.psum_num_recv_tokens_per_expert.data_as<const std::int32_t>();
   std::vector<std::int64_t> start, count;
   for (int i = 0; i < c.experts / c.ranks; ++i) {
-    start.push_back(i == 0 ? 0 : (psum[i - 1] + c.alignment - 1) / c.alignment * c.alignment);
+    start.push_back(i == 0 ? 0 : core::round_up(psum[i - 1], c.alignment));
     count.push_back(psum[i] - start.back());
   }
   return experts_expanded(c, params, rank, r.recv_x, r.recv_x_scales, r.recv_topk_weights, start, count);

@@ -17,45 +17,14 @@
 #include <moe_ep/group.hpp>
 #include <moe_ep/tensor.hpp>
 
+#include "example_common.hh"  // the routing, the inputs and the check every example shares
+
 namespace {
 
-constexpr int kRanks = 2, kHidden = 128, kExperts = 4, kTopk = 2;
-constexpr int kExpertsPerRank = kExperts / kRanks;
-
-struct Inputs {
-  int tokens = 0;
-  moe_ep::Tensor x;             // bfloat16 [tokens, kHidden]
-  moe_ep::Tensor topk_idx;      // int64 [tokens, kTopk], -1 = no expert
-  moe_ep::Tensor topk_weights;  // float32 [tokens, kTopk]
-};
+using namespace example;
 
 int batch_tokens(moe_ep::BatchKind kind) { return kind == moe_ep::BatchKind::kPrefill ? 6 : 3; }
-float value(int rank, int token, int h) { return static_cast<float>((3 * rank + token + h) % 9 - 4); }
-std::int64_t expert(int rank, int token, int lane) {
-  if (rank == 1 && token == 2 && lane == 1) return -1;  // a masked lane
-  return (rank + token + lane * (1 + token % 3)) % kExperts;  // two different experts per token
-}
-float weight(int lane) { return lane == 0 ? 1.0f : 0.5f; }
-float expert_factor(int rank, std::int64_t local_expert) {
-  return static_cast<float>(rank * kExpertsPerRank + local_expert + 1);
-}
-
-Inputs make_inputs(int rank, moe_ep::BatchKind kind) {
-  const int n = batch_tokens(kind);
-  Inputs in{n, moe_ep::Tensor::empty({n, kHidden}, moe_ep::DType::kBF16),
-            moe_ep::Tensor::empty({n, kTopk}, moe_ep::DType::kInt64),
-            moe_ep::Tensor::empty({n, kTopk}, moe_ep::DType::kFP32)};
-  for (int t = 0; t < n; ++t) {
-    for (int h = 0; h < kHidden; ++h) in.x.data_as<std::uint16_t>()[t * kHidden + h] = moe_ep::float_to_bf16(value(rank, t, h));
-    for (int j = 0; j < kTopk; ++j) {
-      in.topk_idx.data_as<std::int64_t>()[t * kTopk + j] = expert(rank, t, j);
-      in.topk_weights.data_as<float>()[t * kTopk + j] = weight(j);
-    }
-  }
-  return in;
-}
-
-float bf16_at(const moe_ep::Tensor& t, std::int64_t i) { return moe_ep::bf16_to_float(t.data_as<std::uint16_t>()[i]); }
+Inputs make_inputs(int rank, moe_ep::BatchKind kind) { return example::make_inputs(rank, batch_tokens(kind)); }
 
 // The expert outputs in the shape the output format asks for (docs/dispatcher.md §5).
 moe_ep::Tensor run_experts(int rank, const moe_ep::DispatchOutput& out) {
@@ -105,24 +74,6 @@ moe_ep::Tensor run_experts(int rank, const moe_ep::DispatchOutput& out) {
   return y;
 }
 
-// Mismatches between the combined output and the sum over top-k computed from this rank's routing.
-int check(int rank, const Inputs& in, const moe_ep::Tensor& combined) {
-  int mismatches = 0;
-  for (int t = 0; t < in.tokens; ++t) {
-    for (int h = 0; h < kHidden; ++h) {
-      float expected = 0;
-      for (int j = 0; j < kTopk; ++j) {
-        if (expert(rank, t, j) >= 0) expected += weight(j) * static_cast<float>(expert(rank, t, j) + 1) * value(rank, t, h);
-      }
-      const float got = bf16_at(combined, t * kHidden + h);
-      if (got != expected && mismatches++ < 5) {
-        std::fprintf(stderr, "rank %d token %d element %d: combined %g, expected %g\n", rank, t, h, got, expected);
-      }
-    }
-  }
-  return mismatches;
-}
-
 void report(moe_ep::BatchKind kind, const moe_ep::DispatchOutput& out) {
   std::printf("dispatcher: %s batch: %s, %s mode, %s output\n", kind == moe_ep::BatchKind::kPrefill ? "prefill" : "decode",
               moe_ep::generation_name(out.generation), moe_ep::mode_name(out.mode), moe_ep::format_name(out.format));
@@ -151,10 +102,5 @@ int main() {
     std::fprintf(stderr, "dispatcher: %s\n", e.what());
     return 1;
   }
-  if (mismatches != 0) {
-    std::printf("dispatcher: %d mismatching elements\n", mismatches.load());
-    return 1;
-  }
-  std::printf("dispatcher: %d ranks, combine = sum over top-k of the expert outputs: OK\n", kRanks);
-  return 0;
+  return exit_status("dispatcher", mismatches);
 }

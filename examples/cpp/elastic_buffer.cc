@@ -15,77 +15,9 @@
 #include <moe_ep/group.hpp>
 #include <moe_ep/tensor.hpp>
 
-namespace {
+#include "example_common.hh"  // the routing, the inputs and the check every example shares
 
-constexpr int kRanks = 2, kTokens = 4, kHidden = 128, kExperts = 4, kTopk = 2;
-constexpr int kExpertsPerRank = kExperts / kRanks;
-
-struct Inputs {
-  moe_ep::Tensor x;             // bfloat16 [kTokens, kHidden]
-  moe_ep::Tensor topk_idx;      // int64 [kTokens, kTopk], -1 = no expert
-  moe_ep::Tensor topk_weights;  // float32 [kTokens, kTopk]
-};
-
-float value(int rank, int token, int h) { return static_cast<float>((3 * rank + token + h) % 9 - 4); }
-std::int64_t expert(int rank, int token, int lane) {
-  if (rank == 1 && token == 2 && lane == 1) return -1;  // a masked lane
-  return (rank + token + lane * (1 + token % 3)) % kExperts;  // two different experts per token
-}
-float weight(int lane) { return lane == 0 ? 1.0f : 0.5f; }
-
-Inputs make_inputs(int rank) {
-  Inputs in{moe_ep::Tensor::empty({kTokens, kHidden}, moe_ep::DType::kBF16),
-            moe_ep::Tensor::empty({kTokens, kTopk}, moe_ep::DType::kInt64),
-            moe_ep::Tensor::empty({kTokens, kTopk}, moe_ep::DType::kFP32)};
-  for (int t = 0; t < kTokens; ++t) {
-    for (int h = 0; h < kHidden; ++h) in.x.data_as<std::uint16_t>()[t * kHidden + h] = moe_ep::float_to_bf16(value(rank, t, h));
-    for (int j = 0; j < kTopk; ++j) {
-      in.topk_idx.data_as<std::int64_t>()[t * kTopk + j] = expert(rank, t, j);
-      in.topk_weights.data_as<float>()[t * kTopk + j] = weight(j);
-    }
-  }
-  return in;
-}
-
-// One output row per received row: the weighted sum over the row's experts that live here.
-moe_ep::Tensor run_experts(int rank, const moe_ep::DispatchResult& received) {
-  const std::int64_t rows = received.recv_x.size(0);
-  auto y = moe_ep::Tensor::empty({rows, kHidden}, moe_ep::DType::kBF16);
-  for (std::int64_t m = 0; m < rows; ++m) {
-    for (int h = 0; h < kHidden; ++h) {
-      const float x = moe_ep::bf16_to_float(received.recv_x.data_as<std::uint16_t>()[m * kHidden + h]);
-      float sum = 0;
-      for (int j = 0; j < kTopk; ++j) {
-        const std::int64_t local = received.recv_topk_idx.data_as<std::int64_t>()[m * kTopk + j];
-        if (local < 0) continue;  // that lane's expert lives on another rank
-        const float w = received.recv_topk_weights.data_as<float>()[m * kTopk + j];
-        sum += w * static_cast<float>(rank * kExpertsPerRank + local + 1) * x;
-      }
-      y.data_as<std::uint16_t>()[m * kHidden + h] = moe_ep::float_to_bf16(sum);
-    }
-  }
-  return y;
-}
-
-// Mismatches between combine's output and the sum over top-k computed from this rank's routing.
-int check(int rank, const moe_ep::Tensor& combined) {
-  int mismatches = 0;
-  for (int t = 0; t < kTokens; ++t) {
-    for (int h = 0; h < kHidden; ++h) {
-      float expected = 0;
-      for (int j = 0; j < kTopk; ++j) {
-        if (expert(rank, t, j) >= 0) expected += weight(j) * static_cast<float>(expert(rank, t, j) + 1) * value(rank, t, h);
-      }
-      const float got = moe_ep::bf16_to_float(combined.data_as<std::uint16_t>()[t * kHidden + h]);
-      if (got != expected && mismatches++ < 5) {
-        std::fprintf(stderr, "rank %d token %d element %d: combined %g, expected %g\n", rank, t, h, got, expected);
-      }
-    }
-  }
-  return mismatches;
-}
-
-}  // namespace
+using namespace example;
 
 int main() {
   std::atomic<int> mismatches{0};
@@ -99,16 +31,11 @@ int main() {
       // The experts produce y, one row per received row, weights already applied.
       moe_ep::Tensor y = run_experts(group.rank(), received);
       auto combined = buffer.combine({.x = y, .handle = received.handle});
-      mismatches += check(group.rank(), combined.combined_x);
+      mismatches += check(group.rank(), in, combined.combined_x);
     });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "elastic_buffer: %s\n", e.what());
     return 1;
   }
-  if (mismatches != 0) {
-    std::printf("elastic_buffer: %d mismatching elements\n", mismatches.load());
-    return 1;
-  }
-  std::printf("elastic_buffer: %d ranks, combine = sum over top-k of the expert outputs: OK\n", kRanks);
-  return 0;
+  return exit_status("elastic_buffer", mismatches);
 }

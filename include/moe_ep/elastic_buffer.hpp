@@ -62,12 +62,34 @@ struct ElasticBufferConfig {
 };
 
 namespace elastic {
-class Access;  // internal (src/elastic/elastic_access.hh)
-class AgrsAccess;  // internal (src/elastic/agrs_sessions.hh)
-class ExtrasAccess;  // internal (src/elastic/extras_access.hh)
 class EngramStore;
 class PpChannels;
 }  // namespace elastic
+
+// Options of dispatch and combine that DeepEP's API (DispatchArgs, CombineArgs) has no argument
+// for: the token dispatcher's one-copy low-latency path (docs/dispatcher.md) and HybridEPBuffer's
+// combine (docs/hybrid-ep.md). The defaults are the plain calls: dispatch(args) is
+// dispatch(args, DispatchExtras{}), combine(args) is combine(args, CombineExtras{}).
+struct DispatchExtras {
+  // With do_expand: local expert i's rows start at row i x expert_stride and are at most
+  // expert_stride (more is InvalidArgument on every rank); recv_x has El x expert_stride rows, rows
+  // past an expert's count are padding. With use_tma_aligned_col_major_sf the scales are
+  // column-major per expert block: storage [El, S, expert_stride] viewed [El, expert_stride, S].
+  // 0: expert groups packed at expert_alignment.
+  int expert_stride = 0;
+};
+
+struct CombineExtras {
+  // Expanded layout only: float32 [expanded rows]; row r of x counts as
+  // bf16(row_weights[r] * float(x[r])) element-wise (FP32 product, one rounding).
+  TensorView row_weights;
+  // combined_topk_weights: false = the weight each lane's rank returned for that lane; true = the
+  // sum, over the token's ranks in unit order, of their whole weight rows (compact layout).
+  bool sum_weights_over_ranks = false;
+  // Hybrid mode with multiple reduction: this node's rank units are terms of the final sum, one by
+  // one, instead of one BF16-rounded node unit.
+  bool own_node_rank_terms = false;
+};
 
 // What engram_fetch returns (docs/engram-pp.md): data [T, K*hidden] (float8_e4m3fn when the write
 // had scales, else bfloat16); sf [T, K*P] in the scales' dtype, strides (K*P, 1) or, column-major,
@@ -91,6 +113,9 @@ class ElasticBuffer {
 
   DispatchResult dispatch(const DispatchArgs& args);
   CombineResult combine(const CombineArgs& args);
+  // The same calls with the options above (the arguments are translated and checked as above).
+  DispatchResult dispatch(const DispatchArgs& args, const DispatchExtras& extras);
+  CombineResult combine(const CombineArgs& args, const CombineExtras& extras);
 
   // Worker threads per rank from DeepEP's bandwidth model, fed with this machine's measured
   // bandwidths (0 arguments = measured); capped by the cores available to each rank.
@@ -98,9 +123,15 @@ class ElasticBuffer {
                               double nvlink_gbs = 0, double sm_read_gbs = 0, double sm_write_gbs = 0) const;
   int get_theoretical_num_qps(int num_sms) const;
 
+  // `rejection` (here and in the other collective calls below that take one): as
+  // DispatchArgs::rejection. Non-empty: the caller refused this rank's arguments before the call;
+  // the call takes part in the collective only to report it (this rank raises InvalidArgument with
+  // this message, every other rank a PeerError naming this rank).
+
   // Collective barrier over every rank, ordered after this rank's queued async work. Every flag
   // combination is the same full host-blocking barrier (docs/engram-pp.md).
-  void barrier(bool use_comm_stream = true, bool with_cpu_sync = false, bool sequential = true);
+  void barrier(bool use_comm_stream = true, bool with_cpu_sync = false, bool sequential = true,
+               const std::string& rejection = {});
 
   // Engram storage and pipeline-parallel send/receive (docs/engram-pp.md). Collective:
   // engram_write, pp_set_config. engram_write keeps `sf` by reference: a Tensor with storage keeps
@@ -109,10 +140,11 @@ class ElasticBuffer {
                                                                             std::int64_t hidden,
                                                                             std::int64_t num_max_tokens_per_rank,
                                                                             DType dtype = DType::kBF16);
-  void engram_write(const TensorView& storage, const Tensor& sf = {});
+  void engram_write(const TensorView& storage, const Tensor& sf = {}, const std::string& rejection = {});
   EngramFetchResult engram_fetch(const TensorView& indices, int num_qps = 0, bool use_tma_aligned_col_major_sf = false);
   static std::int64_t get_pp_buffer_size_hint(std::int64_t num_max_tensor_bytes, std::int64_t num_max_inflight_tensors);
-  void pp_set_config(std::int64_t num_max_tensor_bytes, std::int64_t num_max_inflight_tensors);
+  void pp_set_config(std::int64_t num_max_tensor_bytes, std::int64_t num_max_inflight_tensors,
+                     const std::string& rejection = {});
   void pp_send(const TensorView& t, int dst_rank_idx, int num_sms = 0);
   void pp_recv(const TensorView& t, int src_rank_idx, int num_sms = 0);
 
@@ -127,13 +159,14 @@ class ElasticBuffer {
                                                      DType dtype);
   static std::int64_t get_agrs_buffer_size_hint(const Group& group, std::int64_t num_max_session_bytes);
   // Collective: allocates the session region (a(bytes, 32) bytes per rank, beside num_bytes).
-  void agrs_set_config(std::int64_t num_max_session_bytes, int num_max_all_gathers_per_session);
+  void agrs_set_config(std::int64_t num_max_session_bytes, int num_max_all_gathers_per_session,
+                       const std::string& rejection = {});
   void create_agrs_session();   // this rank only
   void destroy_agrs_session();  // collective: ends the session on every rank
   // Views of this rank's session region where the next all_gather calls put this rank's inputs.
   std::vector<Tensor> agrs_get_inplace_tensor(std::span<const AgrsShape> shapes, DType dtype);
   // Collective: every rank's inputs, gathered in this rank's session region.
-  AllGatherResult all_gather(std::span<const TensorView> tensors);
+  AllGatherResult all_gather(std::span<const TensorView> tensors, const std::string& rejection = {});
 
   int rank() const;
   int num_ranks() const;
@@ -148,13 +181,15 @@ class ElasticBuffer {
   bool is_hybrid() const;  // the two-hop (scale-out then scale-up) data path is in use
 
  private:
-  friend class elastic::Access;
-  friend class elastic::AgrsAccess;
-  friend class elastic::ExtrasAccess;
   // Frees (or, when peers may still read them, keeps) the Engram and PP memory.
   void release_extras() noexcept;
-  // Serialises the calls of this buffer (held by every method that uses its state, and by the
-  // internal entry points of elastic::Access, ExtrasAccess and AgrsAccess); first, so it goes last.
+  // The all-gather session state, made on first use (the caller holds calls_).
+  elastic::AgrsState& agrs_state();
+  // Ends the session and releases its region (agrs_sessions.cc): collectively when `collective`,
+  // else alone (destroy and destruction, before the engine's).
+  void release_agrs(bool collective, const char* operation);
+  // Serialises the calls of this buffer (held by every method that uses its state); first, so it
+  // goes last.
   std::recursive_mutex calls_;
   ElasticBufferConfig config_;
   std::unique_ptr<engine::Engine> engine_;

@@ -12,8 +12,13 @@
 // timeout. Waits never hang.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
 
 namespace moe_ep {
 
@@ -42,6 +47,22 @@ class Group {
 
   // Collective; timeout_secs = 0 means MOE_EP_TIMEOUT_SECS (timeouts: docs/semantics.md).
   void barrier(double timeout_secs = 0);
+  // Collective: every rank's bytes (any length, each rank its own), by rank. `label` names the
+  // exchange in the messages of its failures (a bad timeout_secs, a timeout, a rank that left).
+  std::vector<std::vector<std::byte>> all_gather(std::span<const std::byte> mine, double timeout_secs = 0,
+                                                 std::string_view label = "Group::all_gather");
+  // Collective: a group of the same ranks on a channel of its own, whose collectives never pair
+  // with this group's (it may outlive this group; collectives on it then fail cleanly once peers
+  // are gone). `label` as in all_gather.
+  std::shared_ptr<Group> duplicate(double timeout_secs = 0, std::string_view label = "Group::duplicate");
+
+  // Ranks of the group running on this machine (they share its cores).
+  int ranks_on_host() const;
+  // Bytes this rank has sent to ranks of other nodes, over every channel of the group (monotonic).
+  std::uint64_t scaleout_bytes_sent() const;
+  // Bytes the group had to copy to show this rank's tensors to the ranks of its node (memory they
+  // could not map in place), over every channel of the group (monotonic; docs/performance.md).
+  std::uint64_t shared_bytes_copied() const;
 
   comm::Transport& transport() const { return *transport_; }
 

@@ -3,7 +3,7 @@
 // A provider offers V1 (the legacy Buffer), V2 (ElasticBuffer) or both, behind the abstract
 // interfaces below, which take the same argument and result types as the built-in classes. The
 // built-in provider "cpu" is part of this library; others are shared libraries that export
-//     extern "C" const moe_ep::provider::Table* moe_ep_provider_abi_5();
+//     extern "C" const moe_ep::provider::Table* moe_ep_provider_abi_6();
 // and link against this library for its types. The symbol's name carries the ABI version and the
 // table repeats it (with its size): a library built for another ABI is refused, never called.
 // Any change to these interfaces or to the argument structs they take bumps kAbiVersion.
@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/legacy_buffer.hpp"
@@ -22,8 +23,8 @@
 namespace moe_ep::provider {
 
 inline constexpr std::uint32_t kAbiVersion = MOE_EP_PROVIDER_ABI_VERSION;
-inline constexpr const char* kEntrySymbol = "moe_ep_provider_abi_5";
-static_assert(kAbiVersion == 5, "kEntrySymbol names the ABI version: change both");
+inline constexpr const char* kEntrySymbol = "moe_ep_provider_abi_6";
+static_assert(kAbiVersion == 6, "kEntrySymbol names the ABI version: change both");
 
 // A V1 buffer (every call collective, as moe_ep::Buffer).
 class LegacyBackend {
@@ -38,7 +39,8 @@ class LegacyBackend {
   virtual void destroy() = 0;  // collective
 };
 
-// A V2 buffer (every call collective, as moe_ep::ElasticBuffer).
+// A V2 buffer (every call collective, as moe_ep::ElasticBuffer). The getters answer what
+// ElasticBuffer's getters of the same names answer, for this provider's data path.
 class ElasticBackend {
  public:
   virtual ~ElasticBackend() = default;
@@ -46,6 +48,15 @@ class ElasticBackend {
   virtual CombineResult combine(const CombineArgs& args) = 0;
   virtual std::int64_t num_bytes() const = 0;
   virtual void destroy() = 0;  // collective
+  // Collective: returns once every rank entered it (ElasticBuffer::barrier).
+  virtual void barrier() = 0;
+  // (scale-out, scale-up) ranks of the path the rows take: (1, ranks) for a direct path.
+  virtual std::pair<int, int> get_logical_domain_size() const = 0;
+  virtual int num_allocated_qps() const = 0;
+  // 0: the provider sizes its launches itself.
+  virtual int get_theoretical_num_sms(int num_experts, int num_topk, int num_scaleout_topk, double rdma_gbs,
+                                      double nvlink_gbs, double sm_read_gbs, double sm_write_gbs) const = 0;
+  virtual int get_theoretical_num_qps(int num_sms) const = 0;
 };
 
 struct Table {

@@ -138,4 +138,12 @@ class Tensor : public TensorView {
 std::string device_name(DLDevice device);
 TensorView view_from_dlpack(const DLTensor& tensor);
 
+// This process's caching host allocator (Tensor::empty's storage).
+struct HostAllocatorStats {
+  std::size_t mapped_bytes = 0;  // currently mapped by the large-block path (live + cached)
+  std::size_t cached_bytes = 0;  // mapped but free, ready for reuse
+  std::size_t num_maps = 0;      // mmap calls since start (a steady-state loop keeps this flat)
+};
+HostAllocatorStats host_allocator_stats();
+
 }  // namespace moe_ep

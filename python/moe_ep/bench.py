@@ -3,9 +3,12 @@
 The DeepSeek-V3 shape (hidden 7168, 256 experts, top-8; FP8 dispatch with per-128 scales, BF16
 combine) at 4096 and 128 tokens per rank, through ``moe_ep.deep_ep.ElasticBuffer`` on N processes
 over a gloo group (moe-ep's host transport), and through ``moe-ep bench --api v2 --transport mpi``
-on N MPI processes (the same host transport, and the MPI transport for comparison). Time = median over iterations of the slowest rank, each call after a barrier
-(the tool's definition). Printed: both times, throughput ratio = C++ time / Python time, and the
-time Python adds per call = Python time - C++ time.
+on N MPI processes (the same host transport, and the MPI transport for comparison). The Python
+side runs twice: with inputs from ``moe_ep.empty`` (as the tool allocates its own) and with inputs
+torch allocated (what engines pass). Time = median over iterations of the slowest rank, each call
+after a barrier (the tool's definition). Printed: the times, throughput ratio = C++ time / Python
+time, the time Python adds per call = Python time - C++ time, and torch / empty = the time with
+moe_ep.empty inputs / the time with torch-allocated inputs.
 """
 
 import argparse
@@ -159,8 +162,6 @@ def main(argv=None):
     p.add_argument("--prefill-iters", type=int, default=5)
     p.add_argument("--decode-iters", type=int, default=30)
     p.add_argument("--repeats", type=int, default=2, help="runs of each side, alternating; the best is kept (default 2)")
-    p.add_argument("--torch-inputs", action="store_true",
-                   help="inputs in torch's memory (copied once into the shared arena per call) instead of moe_ep.empty")
     p.add_argument("--tool", help="the moe-ep executable (default: the build tree's, MOE_EP_TOOL, or PATH)")
     p.add_argument("--timeout", type=float, default=1800)
     a = p.parse_args(argv)
@@ -173,20 +174,21 @@ def main(argv=None):
           f"combine, {a.ranks} ranks; V2 ElasticBuffer", flush=True)
     # The two sides alternate, --repeats times each; each keeps its best run per operation (the
     # least disturbed by the rest of the machine).
-    runs = {"host": [], "mpi": [], "python": []}
+    runs = {"host": [], "mpi": [], "python": [], "torch": []}
     for _ in range(a.repeats):
         runs["host"].append(_tool_times(tool, "host", a.ranks, shapes, iters, a.timeout))
-        runs["python"].append(_python_times(a.ranks, shapes, iters, not a.torch_inputs, a.timeout))
+        runs["python"].append(_python_times(a.ranks, shapes, iters, True, a.timeout))
+        runs["torch"].append(_python_times(a.ranks, shapes, iters, False, a.timeout))
         runs["mpi"].append(_tool_times(tool, "mpi", a.ranks, shapes, iters, a.timeout))
     best = lambda side: {key: (max if key[1] == "maps" else min)(r[key] for r in runs[side]) for key in runs[side][0]}
-    cpp, cpp_mpi, py = best("host"), best("mpi"), best("python")
+    cpp, cpp_mpi, py, py_torch = best("host"), best("mpi"), best("python"), best("torch")
     print(f"{'tokens/rank':>11}  {'operation':9}  {'C++ host (us)':>13}  {'Python (us)':>11}  {'ratio':>6}  "
-          f"{'added (us)':>10}  {'C++ MPI (us)':>12}")
+          f"{'added (us)':>10}  {'C++ MPI (us)':>12}  {'torch inputs (us)':>17}  {'torch / empty':>13}")
     for tokens in shapes:
         for op in ("dispatch", "combine"):
-            c, q, m = cpp[(tokens, op)], py[(tokens, op)], cpp_mpi[(tokens, op)]
+            c, q, m, t = cpp[(tokens, op)], py[(tokens, op)], cpp_mpi[(tokens, op)], py_torch[(tokens, op)]
             print(f"{tokens:>11}  {op:9}  {c * 1e6:13.1f}  {q * 1e6:11.1f}  {c / q:6.2f}  {(q - c) * 1e6:10.1f}  "
-                  f"{m * 1e6:12.1f}")
+                  f"{m * 1e6:12.1f}  {t * 1e6:17.1f}  {q / t:13.2f}")
     print("Python layer per call (median over ranks and iterations of the call's time minus the time spent in "
           "the C++ buffer call: argument conversion, wrappers, outputs to torch):")
     for tokens in shapes:
@@ -203,8 +205,10 @@ def main(argv=None):
           "directly).")
     print(f"C++ host: mpirun -np {a.ranks} {tool} bench --api v2 --transport host (the same shared-memory host "
           f"transport; MPI only starts the processes); C++ MPI: the same with --transport mpi. Python: {a.ranks} "
-          f"torch.multiprocessing processes over a gloo group, moe_ep.deep_ep.ElasticBuffer, inputs "
-          f"{'in torch memory' if a.torch_inputs else 'from moe_ep.empty (as the tool allocates its own)'}.")
+          f"torch.multiprocessing processes over a gloo group, moe_ep.deep_ep.ElasticBuffer, inputs from moe_ep.empty "
+          f"(as the tool allocates its own); torch inputs: the same calls with x, scales and the combine input "
+          f"allocated by torch (torch / empty = Python time / torch-inputs time; target >= 0.9 at "
+          f"{a.prefill_tokens} tokens).")
     return 0
 
 

@@ -2,10 +2,9 @@
 #include <fmt/format.h>
 
 #include "common.hh"
-#include "dispatcher/provider_registry.hh"
-#include "elastic/elastic_access.hh"
 #include "elastic_runtime.hh"
 #include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/elastic_provider.hpp"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::python {
@@ -79,9 +78,12 @@ void register_elastic(py::module_& m) {
              c.num_allocated_qps = num_allocated_qps;
              c.num_cpu_timeout_secs = num_cpu_timeout_secs;
              c.explicitly_destroy = explicitly_destroy;
-             const ProviderChoice choice{cuda, device, std::move(why_host), std::move(refusal)};
+             const dispatcher::ElasticProviderRequest request{.cuda = cuda,
+                                                              .why_host = std::move(why_host),
+                                                              .refusal = std::move(refusal),
+                                                              .path_list = std::move(provider_path)};
              py::gil_scoped_release release;
-             return std::make_shared<ElasticBox>(std::make_unique<ElasticRuntime>(group, c, choice, provider_path));
+             return std::make_shared<ElasticBox>(std::make_unique<ElasticRuntime>(group, c, request, device));
            }),
            py::arg("group"), py::arg("num_bytes"), py::arg("num_max_tokens_per_rank"), py::arg("hidden"),
            py::arg("num_topk"), py::arg("use_fp8_dispatch"), py::arg("deterministic"), py::arg("allow_hybrid_mode"),
@@ -176,7 +178,7 @@ void register_elastic(py::module_& m) {
           py::arg("num_qps"), py::arg("previous_event"), py::arg("previous_event_before_epilogue"),
           py::arg("async_with_compute_stream"), py::arg("allocate_on_comm_stream"), py::arg("stream") = 0)
       // HybridEPBuffer's combines (python/moe_ep/deep_ep/hybrid_ep_buffer.py, docs/hybrid-ep.md):
-      // the V2 combine with engine options DeepEP's API has no argument for (elastic::CombineExtras),
+      // the V2 combine with engine options DeepEP's API has no argument for (CombineExtras),
       // on the built-in buffer. `rejection`: the caller's own argument check failed on this rank
       // (every rank raises; peers PeerError naming it).
       .def(
@@ -195,9 +197,9 @@ void register_elastic(py::module_& m) {
             a.handle = in.object<EPHandle>(handle, "handle", "an EPHandle returned by dispatch");
             a.topk_weights = weights;
             a.rejection = in.failed() ? in.rejection() : rejection;
-            const elastic::CombineExtras extras{.sum_weights_over_ranks = sum_weights_over_ranks,
-                                                .own_node_rank_terms = own_node_rank_terms};
-            const CombineResult r = in.call([&] { return elastic::Access::combine(*host, a, extras); });
+            const CombineExtras extras{.sum_weights_over_ranks = sum_weights_over_ranks,
+                                       .own_node_rank_terms = own_node_rank_terms};
+            const CombineResult r = in.call([&] { return host->combine(a, extras); });
             return py::make_tuple(export_tensor(r.combined_x), export_tensor(r.combined_topk_weights));
           },
           py::arg("x"), py::arg("handle"), py::arg("topk_weights"), py::arg("sum_weights_over_ranks"),

@@ -5,7 +5,6 @@
 #include <fmt/format.h>
 
 #include "common.hh"
-#include "elastic/agrs_sessions.hh"
 #include "elastic_runtime.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
@@ -81,7 +80,7 @@ py::tuple all_gather(ElasticBox& box, py::handle t, bool batched) {
   const std::vector<TensorView> views(tensors.begin(), tensors.end());
   AllGatherResult result;
   try {
-    result = in.call([&] { return elastic::AgrsAccess::all_gather(buffer, views, rejection); });
+    result = in.call([&] { return buffer.all_gather(views, rejection); });
   } catch (...) {
     if (shape_error && !in.failed()) std::rethrow_exception(shape_error);
     throw;
@@ -119,7 +118,7 @@ void register_elastic_agrs(py::module_& m) {
             Integers in;
             const std::int64_t s = in.get(bytes, "num_max_session_bytes", INT64_MIN, INT64_MAX);
             const auto q = static_cast<int>(in.get(count, "num_max_all_gathers_per_session", INT32_MIN, INT32_MAX));
-            in.call([&] { elastic::AgrsAccess::set_config(buffer, s, q, in.rejection()); });
+            in.call([&] { buffer.agrs_set_config(s, q, in.rejection()); });
           },
           py::arg("num_max_session_bytes"), py::arg("num_max_all_gathers_per_session"))
       .def("create_agrs_session",

@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 
 #include "common.hh"
-#include "elastic/extras_access.hh"
 #include "elastic_runtime.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
@@ -15,7 +14,6 @@ namespace moe_ep::python {
 namespace {
 
 using ElasticBox = Box<ElasticRuntime>;
-using elastic::ExtrasAccess;
 
 // The built-in buffer behind a Python ElasticBuffer (the Python layer refuses these methods on the
 // cuda provider first; this is the same refusal for direct callers of _C).
@@ -32,7 +30,7 @@ void engram_write(ElasticBox& box, py::handle storage, py::handle sf) {
   const Tensor table = in.tensor(storage, "storage");
   const Tensor scales = in.tensor(sf, "sf");
   const std::string rejection = in.rejection();
-  in.call([&] { ExtrasAccess::engram_write(b, table, scales, rejection); });
+  in.call([&] { b.engram_write(table, scales, rejection); });
 }
 
 py::tuple engram_fetch(ElasticBox& box, py::handle indices, int num_qps, bool use_tma_aligned_col_major_sf) {
@@ -54,7 +52,7 @@ void pp_set_config(ElasticBox& box, py::handle num_max_tensor_bytes, py::handle 
   const std::int64_t bytes = in.integer64(num_max_tensor_bytes, "num_max_tensor_bytes");
   const std::int64_t inflight = in.integer64(num_max_inflight_tensors, "num_max_inflight_tensors");
   const std::string rejection = in.rejection();
-  in.call([&] { ExtrasAccess::pp_set_config(b, bytes, inflight, rejection); });
+  in.call([&] { b.pp_set_config(bytes, inflight, rejection); });
 }
 
 // pp_send (send = true) or pp_recv.
@@ -78,8 +76,10 @@ void barrier(ElasticBox& box, py::handle use_comm_stream, py::handle with_cpu_sy
   in.boolean(sequential, "sequential");
   const std::string rejection = in.rejection();
   in.call([&] {
-    if (ElasticBuffer* b = rt.host_buffer()) return ExtrasAccess::barrier(*b, rejection);
-    rt.barrier();  // the cuda provider: the group's barrier
+    // The built-in buffer's barrier carries the rejection to the peers; the CUDA provider's is the
+    // group's (docs/python.md, "CUDA tensors").
+    if (ElasticBuffer* b = rt.host_buffer()) return b->barrier(true, false, true, rejection);
+    rt.barrier();
   });
 }
 

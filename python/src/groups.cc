@@ -5,12 +5,11 @@
 
 #include <exception>
 
-#include "comm/transport.hh"
 #include "common.hh"
-#include "core/host_allocator.hh"
-#include "core/timeout.hh"
 #include "moe_ep/dtype.hpp"
+#include "moe_ep/env.hpp"
 #include "moe_ep/host.hpp"
+#include "moe_ep/tensor.hpp"
 
 namespace moe_ep::python {
 
@@ -35,7 +34,7 @@ py::list run_local_world(int ranks, int num_scaleout, int num_scaleup, py::funct
       world.run([&](Group& g) {
         // A channel of its own, so that Python may keep the group past this call (later
         // collectives on it then fail cleanly: the peers are gone).
-        auto group = std::make_shared<Group>(g.transport().duplicate({"LocalWorld: channel setup", core::timeout_from_env()}));
+        std::shared_ptr<Group> group = g.duplicate(0, "LocalWorld: channel setup");
         py::gil_scoped_acquire acquire;
         try {
           results[static_cast<size_t>(g.rank())] = fn(group);
@@ -81,24 +80,21 @@ void register_groups(py::module_& m) {
           "all_gather_bytes",
           [](Group& g, const py::bytes& mine, double timeout_secs) {
             const std::string data = mine;
-            const double timeout =
-                core::timeout_or_env("Group.all_gather_bytes", timeout_secs);
-            std::vector<std::string> blocks;
+            std::vector<std::vector<std::byte>> blocks;
             {
               py::gil_scoped_release release;
-              const comm::Gathered all = g.transport().all_gather(std::as_bytes(std::span(data.data(), data.size())),
-                                                                  comm::Scope::kWorld, {"Group.all_gather_bytes", timeout});
-              for (int r = 0; r < all.size(); ++r)
-                blocks.emplace_back(reinterpret_cast<const char*>(all[r].data()), all[r].size());
+              blocks = g.all_gather(std::as_bytes(std::span(data.data(), data.size())), timeout_secs,
+                                    "Group.all_gather_bytes");
             }
             py::list out;
-            for (const std::string& b : blocks) out.append(py::bytes(b));
+            for (const std::vector<std::byte>& b : blocks)
+              out.append(py::bytes(reinterpret_cast<const char*>(b.data()), b.size()));
             return out;
           },
           py::arg("data"), py::arg("timeout_secs") = 0.0, "Collective: every rank's bytes, by rank.")
-      .def("shared_bytes_copied", [](const Group& g) { return g.transport().shared_bytes_copied(); })
-      .def("scaleout_bytes_sent", [](const Group& g) { return g.transport().scaleout_bytes_sent(); })
-      .def("ranks_on_host", [](const Group& g) { return g.transport().ranks_on_host(); })
+      .def("shared_bytes_copied", &Group::shared_bytes_copied)
+      .def("scaleout_bytes_sent", &Group::scaleout_bytes_sent)
+      .def("ranks_on_host", &Group::ranks_on_host)
       .def("__repr__", [](const Group& g) {
         return fmt::format("<moe_ep.Group rank {} of {} ({} x {})>", g.rank(), g.size(), g.num_scaleout(), g.num_scaleup());
       });
@@ -125,7 +121,7 @@ void register_groups(py::module_& m) {
       py::arg("rank"), py::arg("size"), py::arg("all_gather"), py::arg("ranks_per_node") = py::none(),
       py::arg("timeout_secs") = 0.0);
 
-  m.def("timeout_from_env", [] { return core::timeout_from_env(); });
+  m.def("timeout_from_env", [] { return env::get_float("MOE_EP_TIMEOUT_SECS"); });
   m.def(
       "empty",
       [](std::vector<std::int64_t> shape, const std::string& dtype) {
@@ -138,7 +134,7 @@ void register_groups(py::module_& m) {
     return names;
   }, "The names of the dtypes moe-ep moves (torch's names), in the order its messages list them.");
   m.def("allocator_stats", [] {
-    const core::HostAllocatorStats s = core::host_allocator_stats();
+    const HostAllocatorStats s = host_allocator_stats();
     py::dict d;
     d["mapped_bytes"] = s.mapped_bytes;
     d["cached_bytes"] = s.cached_bytes;

@@ -49,7 +49,11 @@ py::object hook_of(const ReceiveHook& hook, std::vector<Tensor> keep) {
 
 // Long: the declarative table of this module's Python classes and functions (one statement per binding).
 void register_legacy(py::module_& m) {
-  py::class_<Config, std::shared_ptr<Config>>(m, "Config")
+  py::class_<Config, std::shared_ptr<Config>>(
+      m, "Config",
+      "DeepEP V1's configuration of a normal-mode dispatch or combine (deep_ep.Config).\n\n"
+      "On CPU, num_sms / 2 worker threads copy per rank (capped by the cores of each rank); the chunk sizes of "
+      "DeepEP's rings only feed the size hints.")
       .def(py::init([](py::handle sms, py::handle nvl_send, py::handle nvl_recv, py::handle rdma_send,
                        py::handle rdma_recv) {
              return Config::make(to_int(sms, "num_sms"), to_int(nvl_send, "num_max_nvl_chunked_send_tokens"),
@@ -59,24 +63,48 @@ void register_legacy(py::module_& m) {
            }),
            py::arg("num_sms") = 20, py::arg("num_max_nvl_chunked_send_tokens") = 6,
            py::arg("num_max_nvl_chunked_recv_tokens") = 256, py::arg("num_max_rdma_chunked_send_tokens") = 6,
-           py::arg("num_max_rdma_chunked_recv_tokens") = 256)
-      .def_readonly("num_sms", &Config::num_sms)
-      .def_readonly("num_max_nvl_chunked_send_tokens", &Config::num_max_nvl_chunked_send_tokens)
-      .def_readonly("num_max_nvl_chunked_recv_tokens", &Config::num_max_nvl_chunked_recv_tokens)
-      .def_readonly("num_max_rdma_chunked_send_tokens", &Config::num_max_rdma_chunked_send_tokens)
-      .def_readonly("num_max_rdma_chunked_recv_tokens", &Config::num_max_rdma_chunked_recv_tokens)
+           py::arg("num_max_rdma_chunked_recv_tokens") = 256,
+           "A configuration, checked (moe_ep.InvalidArgument naming the values).\n\n"
+           "Arguments:\n"
+           "    num_sms: int, default 20: DeepEP's SM count, even, in [2, 1024].\n"
+           "    num_max_nvl_chunked_send_tokens: int, default 6: the NVLink chunk, less than the ring.\n"
+           "    num_max_nvl_chunked_recv_tokens: int, default 256: the NVLink ring, in tokens.\n"
+           "    num_max_rdma_chunked_send_tokens: int, default 6: the RDMA chunk, at most half the ring.\n"
+           "    num_max_rdma_chunked_recv_tokens: int, default 256: the RDMA ring, rounded up to a multiple of "
+           "the chunk.")
+      .def_readonly("num_sms", &Config::num_sms, "int: DeepEP's SM count (num_sms / 2 worker threads on CPU).")
+      .def_readonly("num_max_nvl_chunked_send_tokens", &Config::num_max_nvl_chunked_send_tokens,
+                    "int: the NVLink chunk, in tokens.")
+      .def_readonly("num_max_nvl_chunked_recv_tokens", &Config::num_max_nvl_chunked_recv_tokens,
+                    "int: the NVLink ring, in tokens.")
+      .def_readonly("num_max_rdma_chunked_send_tokens", &Config::num_max_rdma_chunked_send_tokens,
+                    "int: the RDMA chunk, in tokens.")
+      .def_readonly("num_max_rdma_chunked_recv_tokens", &Config::num_max_rdma_chunked_recv_tokens,
+                    "int: the RDMA ring, in tokens (a multiple of the chunk).")
       .def(
           "get_nvl_buffer_size_hint",
           [](const Config& c, py::handle hidden_bytes, py::handle num_ranks) {
             return c.get_nvl_buffer_size_hint(to_int64(hidden_bytes, "hidden_bytes"), to_int(num_ranks, "num_ranks"));
           },
-          py::arg("hidden_bytes"), py::arg("num_ranks"))
+          py::arg("hidden_bytes"), py::arg("num_ranks"),
+          "DeepEP's num_nvl_bytes for this configuration (its formula, exactly).\n\n"
+          "Arguments:\n"
+          "    hidden_bytes: int, the bytes of a row (DeepEP sizes with hidden * max(element size, 2)).\n"
+          "    num_ranks: int, the ranks of the group.\n\n"
+          "Returns:\n"
+          "    num_bytes: int, a multiple of 128.")
       .def(
           "get_rdma_buffer_size_hint",
           [](const Config& c, py::handle hidden_bytes, py::handle num_ranks) {
             return c.get_rdma_buffer_size_hint(to_int64(hidden_bytes, "hidden_bytes"), to_int(num_ranks, "num_ranks"));
           },
-          py::arg("hidden_bytes"), py::arg("num_ranks"))
+          py::arg("hidden_bytes"), py::arg("num_ranks"),
+          "DeepEP's num_rdma_bytes for this configuration (its formula, exactly: 0 on up to 8 ranks).\n\n"
+          "Arguments:\n"
+          "    hidden_bytes: int, the bytes of a row.\n"
+          "    num_ranks: int, the ranks of the group.\n\n"
+          "Returns:\n"
+          "    num_bytes: int, a multiple of 128.")
       .def("__repr__", [](const Config& c) {
         return fmt::format("Config(num_sms={}, nvl_send={}, nvl_recv={}, rdma_send={}, rdma_recv={})", c.num_sms,
                            c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens,

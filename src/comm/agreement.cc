@@ -1,12 +1,11 @@
 #include "comm/agreement.hh"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
-#include <algorithm>
 #include <cstring>
 #include <map>
 
+#include "comm/disagreement.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::comm {
@@ -21,10 +20,6 @@ struct BlockHeader {
   char operation[kOperationBytes];
   char message[kMessageBytes];
 };
-
-std::string rank_list(const std::vector<int>& ranks) {
-  return fmt::format("{} [{}]", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "));
-}
 
 }  // namespace
 
@@ -94,35 +89,25 @@ std::vector<std::span<const std::byte>> Agreement::check(const std::vector<std::
     throw PeerError(fmt::format("{}: {} rejected its arguments{}", context_, rank_list(rejected), reasons), rejected);
 
   // 2. Same operation, same signature.
-  auto disagreement = [&](const std::string& what, const std::map<std::string, std::vector<int>>& groups) {
-    std::vector<int> others;
-    std::string detail;
-    for (const auto& [value, ranks] : groups) {
-      detail += fmt::format("{}{} on {}", detail.empty() ? "" : ", ", value, rank_list(ranks));
-      const bool mine = std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
-      if (!mine) others.insert(others.end(), ranks.begin(), ranks.end());
-    }
-    throw PeerError(fmt::format("{}: ranks disagree on {}: {}", context_, what, detail), others);
-  };
-  std::map<std::string, std::vector<int>> operations;
+  std::map<int, std::string> operations;
   for (int i = 0; i < n; ++i)
-    if (present[static_cast<size_t>(i)]) operations[header(i)->operation].push_back(first + i);
-  if (operations.size() > 1) disagreement("the operation", operations);
+    if (present[static_cast<size_t>(i)]) operations[first + i] = header(i)->operation;
+  if (auto e = disagreement(context_, "the operation", operations, rank)) throw *e;
   for (int i = 0; i < n; ++i)
     if (present[static_cast<size_t>(i)] && header(i)->num_fields != fields_.size())
       throw PeerError(fmt::format("{}: rank {} sent {} signature fields, this rank {}", context_, first + i,
                                   header(i)->num_fields, fields_.size()),
                       {first + i});
   for (std::size_t f = 0; f < fields_.size(); ++f) {
-    std::map<std::string, std::vector<int>> values;
+    std::map<int, std::string> values;
     for (int i = 0; i < n; ++i) {
       if (!present[static_cast<size_t>(i)]) continue;
       std::int64_t v;
       std::memcpy(&v, blocks[static_cast<size_t>(i)].data() + sizeof(BlockHeader) + f * sizeof(std::int64_t), sizeof v);
-      values[fields_[f].is_dtype ? std::string(v < 0 ? "none" : dtype_name(static_cast<DType>(v))) : std::to_string(v)]
-          .push_back(first + i);
+      values[first + i] = fields_[f].is_dtype ? std::string(v < 0 ? "none" : dtype_name(static_cast<DType>(v)))
+                                              : std::to_string(v);
     }
-    if (values.size() > 1) disagreement(fields_[f].name, values);
+    if (auto e = disagreement(context_, fields_[f].name, values, rank)) throw *e;
   }
 
   const std::size_t skip = sizeof(BlockHeader) + fields_.size() * sizeof(std::int64_t);

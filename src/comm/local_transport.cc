@@ -173,15 +173,18 @@ class LocalTransport final : public Transport, private EpochSlots {
     } mine{p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p), bytes};
     Gathered all = all_gather(std::as_bytes(std::span(&mine, 1)), Scope::kWorld, wait);
     std::vector<std::byte*> bases(static_cast<size_t>(size()));
-    std::vector<int> failed, mismatched;
+    std::vector<int> failed;
+    std::vector<std::uint64_t> sizes;
+    bool mismatched = false;
     for (int r = 0; r < size(); ++r) {
       const auto& theirs = all.as<Published>(r);
       bases[static_cast<size_t>(r)] = theirs.base;
       if (theirs.base == nullptr) failed.push_back(r);
-      if (theirs.bytes != bytes) mismatched.push_back(r);
+      sizes.push_back(theirs.bytes);
+      mismatched = mismatched || theirs.bytes != bytes;
     }
-    if ((!failed.empty() || !mismatched.empty()) && mine.base) munmap(mine.base, bytes);
-    check_allocation_agreed(bytes, failed, mismatched);
+    if ((!failed.empty() || mismatched) && mine.base) munmap(mine.base, bytes);
+    check_allocation_agreed(bytes, failed, sizes);
     return std::make_unique<LocalSymmetricMemory>(*this, mine.base, bytes, std::move(bases));
   }
 

@@ -72,26 +72,35 @@ class ArenaView {
 };
 
 // Memfd-backed tensor blocks of another process (core::find_shared_block), mapped here on
-// demand. A block is known by the owner's file descriptor number; since numbers are reused after
-// a block is unmapped, every lookup checks the file's identity (inode) and re-maps when it
-// changed. At most one mapping per descriptor number is kept. Thread-safe.
+// demand, read-only or (windows) writable. A block is known by the owner's file descriptor
+// number; since numbers are reused after a block is unmapped, every lookup checks the file's
+// identity (inode) and re-maps when it changed: at() by opening the descriptor again, window() by
+// the identity the owner published with it (no system call while it matches the mapping kept).
+// At most one mapping per descriptor number is kept. Thread-safe.
 class BlockViews {
  public:
-  explicit BlockViews(PeerProcess owner) : owner_(owner) {}
+  BlockViews(PeerProcess owner, bool writable = false) : owner_(owner), writable_(writable) {}
   ~BlockViews();
   BlockViews(const BlockViews&) = delete;
   BlockViews& operator=(const BlockViews&) = delete;
 
   const std::byte* at(int fd, std::size_t offset);
+  // [offset, offset + bytes) of the block the owner published as (fd, identity); StateError when
+  // the range leaves the block or the descriptor names another file now.
+  std::byte* window(int fd, std::uint64_t identity, std::size_t offset, std::size_t bytes);
 
  private:
   struct View {
     dev_t dev;
     ino_t ino;
-    const std::byte* base;
+    std::byte* base;
     std::size_t bytes;
   };
+  // The mapping of the file open here as `mine` (the owner's `fd`, whose stat is `st`), kept or
+  // made (replacing one of another file). Called with mutex_ held.
+  View& view_of(int fd, int mine, const struct stat& st);
   PeerProcess owner_;
+  bool writable_;
   std::mutex mutex_;
   std::map<int, View> views_;
 };
@@ -99,14 +108,23 @@ class BlockViews {
 // Transport::share() for processes: a memfd tensor block (core::find_shared_block) is published
 // in place, as kBlock | fd << kFdShift | offset, and mapped by peers on demand; any other bytes are
 // copied into this rank's SharedArena and published as their offset + 1 (0 stays null).
+//
+// Transport::share_window() for processes: a span in a memfd block is published in place, with
+// the block's identity, and node peers map it writable; a span peers only read that is not in one
+// is copied into this rank's window staging (itself a memfd block, reused by the next
+// publication); a span peers write that is not in one is refused (StateError).
 class SharedSpans {
  public:
   int arena_fd() const { return arena_.fd(); }
   // The values to publish; adds the bytes it copied to `copied`.
   std::vector<const void*> share(std::span<const Transport::Span> spans, std::atomic<std::uint64_t>& copied);
+  std::vector<Transport::PublishedSpan> share_window(int rank, std::span<const Transport::WindowSpan> spans,
+                                                     std::atomic<std::uint64_t>& copied);
 
  private:
   SharedArena arena_;
+  std::shared_ptr<void> staging_;  // core::allocate_host_shared
+  std::size_t staging_bytes_ = 0;
 };
 
 // What one node peer shared (SharedSpans), mapped here on demand. Thread-safe.
@@ -114,6 +132,8 @@ class PeerSharedViews {
  public:
   PeerSharedViews(PeerProcess owner, int arena_fd) : owner_(owner), arena_fd_(arena_fd) {}
   const void* at(const void* published);
+  // The first `bytes` bytes of a window span the owner published (share_window), writable here.
+  std::byte* window(const Transport::PublishedSpan& published, std::size_t bytes);
 
  private:
   PeerProcess owner_;
@@ -121,6 +141,7 @@ class PeerSharedViews {
   std::mutex mutex_;
   std::unique_ptr<ArenaView> arena_;
   std::unique_ptr<BlockViews> blocks_;
+  std::unique_ptr<BlockViews> windows_;  // writable
 };
 
 }  // namespace moe_ep::comm

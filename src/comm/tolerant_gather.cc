@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 
+#include "core/arith.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::comm {
@@ -35,7 +36,7 @@ struct TolerantGather::Header {
 
 TolerantGather::TolerantGather(Transport& parent, std::size_t block_capacity, const Wait& setup)
     : capacity_(block_capacity), rank_(parent.rank()), size_(parent.size()) {
-  slot_bytes_ = (sizeof(Header) + capacity_ + 63) / 64 * 64;
+  slot_bytes_ = core::round_up(sizeof(Header) + capacity_, 64);
   channel_ = parent.duplicate(setup);
   // Faulted in by use: only the slots that carry blocks become resident.
   mailboxes_ = channel_->allocate_symmetric(static_cast<std::size_t>(size_) * kSlots * slot_bytes_, setup, false);

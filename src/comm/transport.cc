@@ -3,8 +3,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <cstdint>
+#include <map>
 #include <mutex>
 
+#include "comm/disagreement.hh"
 #include "core/timeout.hh"
 #include "moe_ep/error.hpp"
 
@@ -36,6 +39,30 @@ void Transport::check_same_node(int peer) const {
         rank(), peer, node_of(peer), node_of(rank())));
 }
 
+std::vector<Transport::PublishedSpan> Transport::share_window(std::span<const WindowSpan> spans) {
+  if (!offers_windows())
+    throw StateError(fmt::format("[rank {}] share_window: this transport offers no windows (its ranks pull)", rank()));
+  std::vector<PublishedSpan> out;
+  out.reserve(spans.size());
+  for (const WindowSpan& s : spans)
+    out.push_back({.value = s.bytes ? reinterpret_cast<std::uintptr_t>(s.data) : 0, .bytes = s.bytes});
+  return out;
+}
+
+std::byte* Transport::node_window(int peer, const PublishedSpan& published, std::size_t bytes) const {
+  check_same_node(peer);
+  if (!offers_windows())
+    throw StateError(fmt::format("[rank {}] node_window: this transport offers no windows (its ranks pull)", rank()));
+  check_window_bytes(peer, published, bytes);
+  return reinterpret_cast<std::byte*>(static_cast<std::uintptr_t>(published.value));
+}
+
+void Transport::check_window_bytes(int peer, const PublishedSpan& published, std::size_t bytes) const {
+  if (bytes > published.bytes || (bytes > 0 && published.value == 0))
+    throw StateError(fmt::format("[rank {}] window of rank {}: {} bytes needed, it published a span of {}", rank(),
+                                 peer, bytes, published.value == 0 ? 0 : published.bytes));
+}
+
 void Transport::check_put_range(const SymmetricMemory& memory, std::size_t offset, std::size_t bytes) const {
   if (offset > memory.bytes() || bytes > memory.bytes() - offset)
     throw StateError(fmt::format("[rank {}] put of {} bytes at offset {} exceeds the {}-byte symmetric region",
@@ -43,15 +70,14 @@ void Transport::check_put_range(const SymmetricMemory& memory, std::size_t offse
 }
 
 void Transport::check_allocation_agreed(std::size_t bytes, const std::vector<int>& failed,
-                                        const std::vector<int>& mismatched) const {
+                                        const std::vector<std::uint64_t>& sizes) const {
   if (!failed.empty())
     throw PeerError(fmt::format("[rank {}] symmetric allocation of {} bytes failed on ranks [{}]", rank(), bytes,
                                 fmt::join(failed, ", ")),
                     failed);
-  if (!mismatched.empty())
-    throw PeerError(fmt::format("[rank {}] symmetric allocation: ranks [{}] asked for a size other than {} bytes",
-                                rank(), fmt::join(mismatched, ", "), bytes),
-                    mismatched);
+  std::map<int, std::string> held;
+  for (std::size_t r = 0; r < sizes.size(); ++r) held[static_cast<int>(r)] = fmt::format("{} bytes", sizes[r]);
+  if (auto e = disagreement(fmt::format("[rank {}] symmetric allocation", rank()), "the size", held, rank())) throw *e;
 }
 
 void retire(std::shared_ptr<SymmetricMemory> memory) {
@@ -98,5 +124,26 @@ void Group::barrier(double timeout_secs) {
   timeout_secs = core::timeout_or_env(fmt::format("[rank {}] Group::barrier", rank()), timeout_secs);
   transport_->barrier(comm::Scope::kWorld, {"Group::barrier", timeout_secs});
 }
+
+std::vector<std::vector<std::byte>> Group::all_gather(std::span<const std::byte> mine, double timeout_secs,
+                                                      std::string_view label) {
+  timeout_secs = core::timeout_or_env(label, timeout_secs);
+  const std::string phase(label);
+  const comm::Gathered all = transport_->all_gather(mine, comm::Scope::kWorld, {phase.c_str(), timeout_secs});
+  std::vector<std::vector<std::byte>> blocks;
+  blocks.reserve(static_cast<std::size_t>(all.size()));
+  for (int r = 0; r < all.size(); ++r) blocks.emplace_back(all[r].begin(), all[r].end());
+  return blocks;
+}
+
+std::shared_ptr<Group> Group::duplicate(double timeout_secs, std::string_view label) {
+  timeout_secs = core::timeout_or_env(label, timeout_secs);
+  const std::string phase(label);
+  return std::make_shared<Group>(transport_->duplicate({phase.c_str(), timeout_secs}));
+}
+
+int Group::ranks_on_host() const { return transport_->ranks_on_host(); }
+std::uint64_t Group::scaleout_bytes_sent() const { return transport_->scaleout_bytes_sent(); }
+std::uint64_t Group::shared_bytes_copied() const { return transport_->shared_bytes_copied(); }
 
 }  // namespace moe_ep

@@ -25,6 +25,8 @@
 //    every retained source was read (its sends completed) and is a wait like the others.
 //  - share(): this rank's own memory (user tensors) that node peers read through node_address()
 //    stays readable until this rank's next share() on the same transport.
+//  - share_window() (where offers_windows()): memory node peers write into through node_window(),
+//    between the node collective that follows its publication and the next one.
 //
 // Leaving after a failure: a failure that leaves the ranks of a channel out of step (a wait that
 // expired or found a peer gone, an operation that failed after its agreement) ends this rank's part
@@ -165,6 +167,35 @@ class Transport {
     return out;
   }
 
+  // Windows (push): memory a rank publishes so that the ranks of its node write into it, e.g.
+  // the outputs of a dispatch and the receive plan that says which row goes where. Whether this
+  // transport offers them: the in-process transport does (ranks share the address space), and so
+  // do the process transports (memfd blocks node peers map writable; comm/shared_arena.hh); where
+  // a transport does not, receivers read their rows from the sources instead (share()).
+  virtual bool offers_windows() const { return ranks_share_address_space(); }
+  // One span of a window. peers_write: node peers write these bytes (outputs), so they must be
+  // published in place (processes: memory from core::allocate_host_shared, else StateError);
+  // otherwise peers only read them (a plan), and a transport may publish a copy.
+  struct WindowSpan {
+    const void* data;
+    std::size_t bytes;
+    bool peers_write;
+  };
+  // What a rank publishes per span: a value only this transport interprets (0: empty span), the
+  // identity of the memory it names (processes: the memfd's inode; 0 in one address space) and
+  // the span's bytes.
+  struct PublishedSpan {
+    std::uint64_t value = 0, identity = 0, bytes = 0;
+  };
+  // Publishes these bytes of this rank's memory as a window. The bytes stay this rank's memory;
+  // node peers may access them from the next collective in the node scope that follows (the
+  // publication) until the one after it. Only where offers_windows() (else StateError).
+  virtual std::vector<PublishedSpan> share_window(std::span<const WindowSpan> spans);
+  // The first `bytes` bytes of a span a rank of this node published (share_window's value),
+  // addressable here; StateError when `bytes` exceeds the span it published, so a writer never
+  // reaches past it (null for an empty span and bytes 0).
+  virtual std::byte* node_window(int rank, const PublishedSpan& published, std::size_t bytes) const;
+
   // Bytes this rank has put() to other ranks, over every channel of its group (monotonic).
   virtual std::uint64_t scaleout_bytes_sent() const = 0;
 
@@ -231,12 +262,15 @@ class Transport {
  protected:
   // The StateError of a collective called after this rank abandoned the channel for `reason`.
   [[noreturn]] void fail_left_channel(const Wait& wait, const std::string& reason) const;
+  // Throws StateError unless `bytes` lie within the window span a node peer published.
+  void check_window_bytes(int peer, const PublishedSpan& published, std::size_t bytes) const;
   // Throws StateError unless [offset, offset + bytes) lies in `memory`.
   void check_put_range(const SymmetricMemory& memory, std::size_t offset, std::size_t bytes) const;
-  // The end of a symmetric allocation's size exchange: throws PeerError naming the ranks whose
-  // allocation failed (`failed`), else those that asked for another size than `bytes`.
+  // The end of a symmetric allocation's size exchange (`sizes`: every rank's, this rank's is
+  // `bytes`): throws PeerError naming the ranks whose allocation failed (`failed`), else the
+  // disagreement on the size (comm/disagreement.hh) when the sizes differ.
   void check_allocation_agreed(std::size_t bytes, const std::vector<int>& failed,
-                               const std::vector<int>& mismatched) const;
+                               const std::vector<std::uint64_t>& sizes) const;
 
   Transport(int rank, int size, Topology topology) : rank_(rank), size_(size), topology_(topology) {}
 

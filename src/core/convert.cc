@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/fp8_rows.hh"
 #include "core/nvfp4_rows.hh"
@@ -30,7 +31,7 @@ Fp8Tensor quantize_fp8(const TensorView& x, Fp8Options options) {
   const std::int64_t blocks = h / kFp8BlockSize;
   Fp8Tensor out;
   out.data = Tensor::empty({n, h}, DType::kFP8E4M3);
-  out.scales = options.use_ue8m0 ? Tensor::zeros({n, (blocks + 3) / 4}, DType::kInt32)
+  out.scales = options.use_ue8m0 ? Tensor::zeros({n, core::ceil_div(blocks, 4)}, DType::kInt32)
                                  : Tensor::empty({n, blocks}, DType::kFP32);
   const std::size_t es = element_size(x.dtype());
   const std::size_t scale_row_bytes = out.scales.nbytes() / static_cast<std::size_t>(std::max<std::int64_t>(n, 1));
@@ -94,7 +95,7 @@ Tensor dequantize_fp8(const TensorView& data, const TensorView& scales) {
   const std::int64_t blocks = h / kFp8BlockSize;
   const bool ue8m0 = scales.dtype() == DType::kInt32;
   if (ue8m0) {
-    core::expect_tensor(kContext, "scales", scales, DType::kInt32, {n, (blocks + 3) / 4});
+    core::expect_tensor(kContext, "scales", scales, DType::kInt32, {n, core::ceil_div(blocks, 4)});
   } else {
     core::expect_tensor(kContext, "scales", scales, DType::kFP32, {n, blocks});
   }

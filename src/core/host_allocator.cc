@@ -2,8 +2,10 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -14,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include "core/arith.hh"
 #include "core/log.hh"
 #include "core/env_vars.hh"
 #include "moe_ep/error.hpp"
@@ -30,11 +33,15 @@ std::size_t cache_limit() { return static_cast<std::size_t>(env::get(env::kAlloc
 
 class LargeBlockCache {
  public:
-  void* take(std::size_t bytes, std::size_t* block_bytes) {
+  // A cached block is reused for a request of at least half its size, or of any size when it is
+  // one granule (what a request of that size would map anyway).
+  // need_shared: only a memfd block will do (allocate_host_shared).
+  void* take(std::size_t bytes, std::size_t* block_bytes, bool need_shared = false) {
     {
       std::lock_guard lock(mutex_);
       auto it = free_.lower_bound(bytes);
-      if (it != free_.end() && it->first / 2 <= bytes) {
+      while (need_shared && it != free_.end() && !shared_.contains(reinterpret_cast<std::uintptr_t>(it->second))) ++it;
+      if (it != free_.end() && (it->first / 2 <= bytes || it->first <= kLargeGranule)) {
         *block_bytes = it->first;
         void* p = it->second;
         stats_.cached_bytes -= it->first;
@@ -42,7 +49,7 @@ class LargeBlockCache {
         return p;
       }
     }
-    const std::size_t rounded = (bytes + kLargeGranule - 1) / kLargeGranule * kLargeGranule;
+    const std::size_t rounded = round_up(bytes, kLargeGranule);
     int fd = -1;
     if (shareable_.load(std::memory_order_relaxed)) {
       fd = memfd_create("moe-ep-tensor", MFD_CLOEXEC);
@@ -64,8 +71,10 @@ class LargeBlockCache {
     // each expert's block); huge pages would zero 2 MiB for every touched row.
     trace(Subsys::kAlloc, "host allocator: {} bytes mapped ({}) for {} bytes", rounded, fd >= 0 ? "memfd" : "private",
           bytes);
+    struct stat st {};
+    const std::uint64_t identity = fd >= 0 && fstat(fd, &st) == 0 ? static_cast<std::uint64_t>(st.st_ino) : 0;
     std::lock_guard lock(mutex_);
-    if (fd >= 0) shared_[reinterpret_cast<std::uintptr_t>(p)] = {rounded, fd};
+    if (fd >= 0) shared_[reinterpret_cast<std::uintptr_t>(p)] = {rounded, fd, identity};
     stats_.mapped_bytes += rounded;
     ++stats_.num_maps;
     *block_bytes = rounded;
@@ -106,6 +115,7 @@ class LargeBlockCache {
   }
 
   void share_new_blocks() { shareable_.store(true); }
+  bool sharing() const { return shareable_.load(std::memory_order_relaxed); }
 
   bool find(const void* p, std::size_t bytes, SharedBlock* out) {
     const auto at = reinterpret_cast<std::uintptr_t>(p);
@@ -114,7 +124,7 @@ class LargeBlockCache {
     if (it == shared_.begin()) return false;
     --it;
     if (at - it->first > it->second.bytes || bytes > it->second.bytes - (at - it->first)) return false;
-    *out = {it->second.fd, at - it->first};
+    *out = {it->second.fd, at - it->first, it->second.identity};
     return true;
   }
 
@@ -127,6 +137,7 @@ class LargeBlockCache {
   struct Shared {
     std::size_t bytes;
     int fd;
+    std::uint64_t identity;
   };
 
   void unmap(void* p, std::size_t bytes) {
@@ -173,10 +184,30 @@ std::shared_ptr<void> allocate_host(std::size_t bytes) {
   }
 }
 
+std::shared_ptr<void> allocate_host_shared(std::size_t bytes) {
+  if (!cache().sharing()) return allocate_host(bytes);
+  std::shared_ptr<void> block;
+  try {
+    if (bytes > (std::size_t{1} << 62)) throw std::bad_alloc();
+    cache_limit();
+    std::size_t block_bytes = 0;
+    void* p = cache().take(std::max<std::size_t>(bytes, 1), &block_bytes, true);
+    block = std::shared_ptr<void>(p, [block_bytes](void* q) { cache().give_back(q, block_bytes); });
+  } catch (const std::bad_alloc&) {
+    throw ResourceError(fmt::format("allocating {} bytes of shareable host memory failed", bytes));
+  }
+  SharedBlock found;
+  if (!cache().find(block.get(), std::max<std::size_t>(bytes, 1), &found))
+    throw ResourceError(fmt::format("allocating {} bytes of shareable host memory failed: no memfd block could be "
+                                    "created (file descriptors exhausted?), and node peers write this memory",
+                                    bytes));
+  return block;
+}
+
 void zero_host_sparse(void* p, std::size_t bytes) {
   const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
   const auto begin = reinterpret_cast<std::uintptr_t>(p), end = begin + bytes;
-  const std::uintptr_t inner_begin = (begin + page - 1) / page * page, inner_end = end / page * page;
+  const std::uintptr_t inner_begin = round_up(begin, page), inner_end = end / page * page;
   if (bytes < kLargeThreshold || inner_end <= inner_begin) {  // operator new storage, or no whole page
     std::memset(p, 0, bytes);
     return;
@@ -195,8 +226,6 @@ void zero_host_sparse(void* p, std::size_t bytes) {
   if (!zeroed) std::memset(inner, 0, length);
 }
 
-HostAllocatorStats host_allocator_stats() { return cache().stats(); }
-
 void host_allocator_trim() { cache().trim(); }
 
 void share_new_blocks() { cache().share_new_blocks(); }
@@ -204,3 +233,9 @@ void share_new_blocks() { cache().share_new_blocks(); }
 bool find_shared_block(const void* p, std::size_t bytes, SharedBlock* out) { return cache().find(p, bytes, out); }
 
 }  // namespace moe_ep::core
+
+namespace moe_ep {
+
+HostAllocatorStats host_allocator_stats() { return core::cache().stats(); }
+
+}  // namespace moe_ep

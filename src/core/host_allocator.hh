@@ -15,19 +15,15 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+
+#include "moe_ep/tensor.hpp"  // HostAllocatorStats, host_allocator_stats()
 
 namespace moe_ep::core {
 
-struct HostAllocatorStats {
-  std::size_t mapped_bytes = 0;   // currently mapped by the large-block path (live + cached)
-  std::size_t cached_bytes = 0;   // mapped but free, ready for reuse
-  std::size_t num_maps = 0;       // mmap calls since start (a steady-state loop keeps this flat)
-};
-
 // Returns storage of at least `bytes` bytes, 64-byte aligned, released by the deleter.
 std::shared_ptr<void> allocate_host(std::size_t bytes);
-HostAllocatorStats host_allocator_stats();
 // Sets [p, p + bytes) of storage from allocate_host to zero. For a large block the whole pages
 // inside the range are handed back to the kernel (madvise MADV_DONTNEED, or a hole punched in a
 // shareable block's memfd), which maps zero pages again on first touch: a mostly untouched output
@@ -39,11 +35,19 @@ void host_allocator_trim();
 // From now on, large blocks are memfd-backed (see above). Process-wide, cannot be undone.
 void share_new_blocks();
 
+// Storage node peers can map and write (a memfd block, whatever the size) once share_new_blocks()
+// was called; before that, allocate_host's. Small requests take a whole 2 MiB block (only the
+// pages used become resident; freed blocks are cached and reused). ResourceError when no memfd
+// block can be had (no file descriptors left): callers that publish it as a window need one.
+std::shared_ptr<void> allocate_host_shared(std::size_t bytes);
+
 // The memfd block holding [p, p + bytes), if any: its file descriptor (open while the block is
-// mapped, live or cached) and the offset of p in it.
+// mapped, live or cached), the offset of p in it, and the block file's identity (its inode), by
+// which a peer that mapped the descriptor number before knows whether it still names this file.
 struct SharedBlock {
   int fd = -1;
   std::size_t offset = 0;
+  std::uint64_t identity = 0;
 };
 bool find_shared_block(const void* p, std::size_t bytes, SharedBlock* out);
 

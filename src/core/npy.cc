@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "core/arith.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::core {
@@ -50,7 +51,7 @@ void write_npy(const std::string& path, const TensorView& t) {
   std::string shape = t.ndim() == 1 ? fmt::format("({},)", t.size(0)) : fmt::format("({})", fmt::join(t.shape(), ", "));
   std::string header = fmt::format("{{'descr': '{}', 'fortran_order': False, 'shape': {}, }}", descr(t.dtype()), shape);
   const std::size_t preamble = 10;
-  const std::size_t total = (preamble + header.size() + 1 + 63) / 64 * 64;
+  const std::size_t total = round_up(preamble + header.size() + 1, 64);
   header.append(total - preamble - header.size() - 1, ' ');
   header.push_back('\n');
   std::ofstream out(path, std::ios::binary);

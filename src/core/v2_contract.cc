@@ -3,7 +3,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <string>
 
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/limits.hpp"
@@ -83,7 +85,40 @@ void check_options(std::string_view ctx, const TensorView& w, const TensorView& 
   if (zero_padding && !expand) fail(ctx, "do_zero_padding = true requires do_expand = true");
 }
 
-void check_cached(std::string_view ctx, const CachedCall& a, const HandleShape& h, int tokens, int hidden) {
+void write_handle_fields(EPHandle& h, const HandleFields& f) {
+  h.do_expand = f.do_expand;
+  h.num_experts = f.num_experts;
+  h.expert_alignment = f.expert_alignment;
+  h.num_max_tokens_per_rank = f.num_max_tokens_per_rank;
+  h.num_tokens = f.num_tokens;
+  h.num_topk = f.num_topk;
+  h.hidden = f.hidden;
+  h.num_recv_tokens = f.num_recv_tokens;
+  h.num_expanded_tokens = f.num_expanded_tokens;
+}
+
+void check_handle(std::string_view ctx, const EPHandle& h, const HandleFields* made, std::uint64_t made_by,
+                  std::uint64_t here) {
+  if (!made || made_by != here)
+    fail(ctx, "handle was created by another buffer (buffer id {}, this buffer {})", made ? made_by : 0, here);
+  const HandleFields& f = *made;
+  auto same = [&](const char* field, auto value, auto dispatched) {
+    if (value != dispatched)
+      fail(ctx, "handle.{} = {} differs from the {} its dispatch produced (handles are read-only)", field, value,
+           dispatched);
+  };
+  same("do_expand", h.do_expand, f.do_expand);
+  same("num_experts", h.num_experts, f.num_experts);
+  same("expert_alignment", h.expert_alignment, f.expert_alignment);
+  same("num_max_tokens_per_rank", h.num_max_tokens_per_rank, f.num_max_tokens_per_rank);
+  same("num_tokens", h.num_tokens, f.num_tokens);
+  same("num_topk", h.num_topk, f.num_topk);
+  same("hidden", h.hidden, f.hidden);
+  same("num_recv_tokens", h.num_recv_tokens, f.num_recv_tokens);
+  same("num_expanded_tokens", h.num_expanded_tokens, f.num_expanded_tokens);
+}
+
+void check_cached(std::string_view ctx, const CachedCall& a, const HandleFields& h, int tokens, int hidden) {
   if (a.topk_given) fail(ctx, "topk_idx must not be given with a cached handle");
   if (a.cpu_sync) fail(ctx, "do_cpu_sync = true is not allowed with a cached handle");
   if (a.stats_given) fail(ctx, "cumulative_local_expert_recv_stats is not allowed with a cached handle");
@@ -91,16 +126,52 @@ void check_cached(std::string_view ctx, const CachedCall& a, const HandleShape& 
     fail(ctx, "num_experts = {} differs from the handle's {}", a.num_experts, h.num_experts);
   if (a.expert_alignment != 0 && a.expert_alignment != h.expert_alignment)
     fail(ctx, "expert_alignment = {} differs from the handle's {}", a.expert_alignment, h.expert_alignment);
-  if (a.max_tokens != 0 && a.max_tokens != h.max_tokens)
-    fail(ctx, "num_max_tokens_per_rank = {} differs from the handle's {}", a.max_tokens, h.max_tokens);
-  if (a.expand && !h.expand) fail(ctx, "do_expand = true differs from the handle's false");
+  if (a.max_tokens != 0 && a.max_tokens != h.num_max_tokens_per_rank)
+    fail(ctx, "num_max_tokens_per_rank = {} differs from the handle's {}", a.max_tokens, h.num_max_tokens_per_rank);
+  if (a.expand && !h.do_expand) fail(ctx, "do_expand = true differs from the handle's false");
   if (tokens != h.num_tokens) fail(ctx, "x has {} tokens, the handle was made for {}", tokens, h.num_tokens);
   if (hidden != h.hidden) fail(ctx, "x has hidden size {}, the handle was made for {}", hidden, h.hidden);
 }
 
+void check_combine_handle_given(std::string_view ctx, const EPHandle* handle) {
+  if (!handle) fail(ctx, "handle is missing (combine needs the handle of a dispatch)");
+}
+
+CombineShape check_combine(std::string_view ctx, const TensorView& x, const TensorView& w,
+                           std::span<const TensorView> bias, const HandleFields& h, DLDevice device) {
+  CombineShape s;
+  s.rows = h.do_expand ? h.num_expanded_tokens : h.num_recv_tokens;
+  if (!x.defined()) fail(ctx, "x is missing");
+  expect_device(ctx, "x", x, device);
+  if (x.dtype() != DType::kBF16)
+    fail(ctx, "x has dtype {} ({}); combine reduces bfloat16 rows only: pass the expert outputs as bfloat16 "
+         "(dispatch moves any payload dtype, combine does not)", dtype_name(x.dtype()), x.describe());
+  expect_tensor(ctx, "x", x, DType::kBF16, {-1, -1}, device);
+  expect_rows_contiguous(ctx, "x", x);
+  if (x.size(0) != s.rows)
+    fail(ctx, "x has {} rows, the handle's {} layout has {}", x.size(0), h.do_expand ? "expanded" : "compact", s.rows);
+  if (x.size(1) <= 0 || x.size(1) > kMaxHidden) fail(ctx, "x has hidden size {}, expected 1 to {}", x.size(1), kMaxHidden);
+  s.hidden = static_cast<int>(x.size(1));
+  if (w.defined()) {
+    if (h.do_expand) {
+      expect_tensor(ctx, "topk_weights", w, DType::kFP32, {s.rows}, device);
+    } else {
+      expect_tensor(ctx, "topk_weights", w, DType::kFP32, {s.rows, h.num_topk}, device);
+    }
+    expect_rows_contiguous(ctx, "topk_weights", w);
+  }
+  if (bias.size() > 2) fail(ctx, "{} bias tensors given, at most 2 are accepted", bias.size());
+  for (std::size_t b = 0; b < bias.size(); ++b) {
+    const std::string name = fmt::format("bias[{}]", b);
+    expect_tensor(ctx, name, bias[b], DType::kBF16, {h.num_tokens, s.hidden}, device);
+    expect_rows_contiguous(ctx, name, bias[b]);
+  }
+  return s;
+}
+
 std::int64_t worst_expanded_rows(int R, int T, int k, int El, int A) {
   const std::int64_t rows = std::int64_t{R} * T * std::min(k, El) + std::int64_t{A - 1} * El;
-  return (rows + A - 1) / A * A;
+  return round_up<std::int64_t>(rows, A);
 }
 
 void check_row_capacity(std::string_view ctx, int T, int R, int k, int El, int A, int stride) {

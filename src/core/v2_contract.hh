@@ -8,8 +8,10 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string_view>
 
+#include "moe_ep/dispatch_types.hpp"
 #include "moe_ep/tensor.hpp"
 
 namespace moe_ep::core::v2 {
@@ -40,17 +42,44 @@ int check_experts(std::string_view context, int num_topk, int num_experts, int n
 void check_options(std::string_view context, const TensorView& topk_weights, const TensorView& stats, int tokens,
                    int num_topk, int local_experts, bool zero_padding, bool expand, DLDevice device);
 
+// The public scalar fields of an EPHandle as its dispatch produced them. A provider keeps them in
+// its handle state, writes them into the handle once (write_handle_fields) and compares the
+// handle's fields with them whenever the handle comes back (check_handle): handles are read-only.
+struct HandleFields {
+  bool do_expand = false;
+  int num_experts = 0, expert_alignment = 1, num_max_tokens_per_rank = 0, num_tokens = 0, num_topk = 0, hidden = 0;
+  std::int64_t num_recv_tokens = 0, num_expanded_tokens = 0;
+};
+void write_handle_fields(EPHandle& handle, const HandleFields& fields);
+
+// A handle given back to the buffer `this_buffer` (cached dispatch, combine): made by that buffer
+// (`made`: the fields its provider state keeps, null when the handle holds no state of this
+// provider; `made_by`: the buffer that state belongs to) and its fields unchanged.
+void check_handle(std::string_view context, const EPHandle& handle, const HandleFields* made, std::uint64_t made_by,
+                  std::uint64_t this_buffer);
+
 // A cached dispatch: what the call gives against what its handle's dispatch fixed. Shape
 // arguments left at their defaults (0, false) take the handle's values.
 struct CachedCall {
   bool topk_given = false, cpu_sync = false, stats_given = false, expand = false;
   int num_experts = 0, expert_alignment = 0, max_tokens = 0;
 };
-struct HandleShape {
-  int num_experts = 0, expert_alignment = 1, max_tokens = 0, num_tokens = 0, hidden = 0;
-  bool expand = false;
+void check_cached(std::string_view context, const CachedCall& call, const HandleFields& handle, int tokens, int hidden);
+
+// Combine's handle must be given (combine needs the routing of a dispatch).
+void check_combine_handle_given(std::string_view context, const EPHandle* handle);
+
+// Combine's inputs against its handle's fields. x: bfloat16 [rows, H], rows contiguous, rows =
+// num_recv_tokens (compact) or num_expanded_tokens (expanded); H is x's own width, 1 to
+// kMaxHidden (DeepEP V2's handle carries no hidden size: rows dispatched as a byte payload come
+// back at the model's width). topk_weights: float32 [rows, k] (compact) or [rows] (expanded),
+// rows contiguous. bias: at most 2 bfloat16 [num_tokens, H], rows contiguous.
+struct CombineShape {
+  std::int64_t rows = 0;
+  int hidden = 0;
 };
-void check_cached(std::string_view context, const CachedCall& call, const HandleShape& handle, int tokens, int hidden);
+CombineShape check_combine(std::string_view context, const TensorView& x, const TensorView& topk_weights,
+                           std::span<const TensorView> bias, const HandleFields& handle, DLDevice device);
 
 // The worst case of a rank's expanded rows: every source's max_tokens tokens, each in
 // min(k, local experts) of this rank's experts, each expert's block padded to the alignment.

@@ -19,7 +19,7 @@
 #include "moe_ep/group.hpp"
 #include "moe_ep/provider.hpp"
 
-extern "C" const moe_ep::provider::Table* moe_ep_provider_abi_5();
+extern "C" const moe_ep::provider::Table* moe_ep_provider_abi_6();
 
 namespace {
 
@@ -133,7 +133,7 @@ extern "C" __attribute__((visibility("default"))) int moe_ep_cuda_bench_1(const 
       return 77;
     }
     const MoeEpCudaBenchOptions& o = *options;
-    const moe_ep::provider::Table* table = moe_ep_provider_abi_5();
+    const moe_ep::provider::Table* table = moe_ep_provider_abi_6();
     cudaDeviceProp prop{};
     check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
     const double copy = copy_bandwidth();

@@ -57,6 +57,6 @@ const provider::Table table{
 }  // namespace
 }  // namespace moe_ep::cuda
 
-extern "C" __attribute__((visibility("default"))) const moe_ep::provider::Table* moe_ep_provider_abi_5() {
+extern "C" __attribute__((visibility("default"))) const moe_ep::provider::Table* moe_ep_provider_abi_6() {
   return &moe_ep::cuda::table;
 }

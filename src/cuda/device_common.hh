@@ -96,8 +96,6 @@ MOE_EP_HD inline std::uint16_t narrow_bf16(float f) {
   return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
-MOE_EP_HD inline std::int64_t align_up(std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; }
-
 // 16 bytes, the unit every row copy moves (rows are multiples of 16 bytes).
 struct alignas(16) Chunk {
   std::uint32_t w[4];

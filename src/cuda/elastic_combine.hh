@@ -6,6 +6,7 @@
 // hold them: no rank writes into another's memory.
 #pragma once
 
+#include "core/arith.hh"
 #include "cuda/elastic_device.hh"
 #include "moe_ep/limits.hpp"
 
@@ -13,45 +14,14 @@ namespace moe_ep::cuda {
 
 template <Executor Exec>
 std::shared_ptr<const DeviceHandleState> ElasticDevice<Exec>::check_combine(const CombineArgs& a,
-                                                                            const std::string& ctx) {
-  const DLDevice dev = exec_->dl_device();
-  if (a.num_sms < 0 || a.num_sms > kMaxWorkers) core::fail(ctx, "num_sms = {} is outside [0, {}]", a.num_sms, kMaxWorkers);
-  if (!a.handle) core::fail(ctx, "handle is missing (combine needs the handle of a dispatch)");
+                                                                            const std::string& ctx,
+                                                                            core::v2::CombineShape& shape) {
+  // V2's rules (core/v2_contract.hh, shared with the built-in provider), then this provider's own.
+  core::v2::check_call(ctx, a.num_sms, false);
+  core::v2::check_combine_handle_given(ctx, a.handle.get());
   auto state = std::static_pointer_cast<const DeviceHandleState>(a.handle->provider_state);
-  if (!state || state->buffer_id != id_) core::fail(ctx, "the handle was not made by this buffer (cuda provider, rank {})", rank_);
-  auto same = [&](const char* name, std::int64_t given, std::int64_t made) {
-    if (given != made) core::fail(ctx, "handle.{} = {} differs from the {} its dispatch produced", name, given, made);
-  };
-  same("do_expand", a.handle->do_expand, state->do_expand);
-  same("num_tokens", a.handle->num_tokens, state->num_tokens);
-  same("num_topk", a.handle->num_topk, state->num_topk);
-  same("hidden", a.handle->hidden, state->hidden);
-  same("num_recv_tokens", a.handle->num_recv_tokens, state->num_recv_tokens);
-  same("num_expanded_tokens", a.handle->num_expanded_tokens, state->num_expanded_tokens);
-  const std::int64_t rows = state->do_expand ? state->num_expanded_tokens : state->num_recv_tokens;
-  const std::int64_t H = state->hidden, k = state->num_topk, N = state->num_tokens;
-  core::expect_tensor(ctx, "x", a.x, a.x.dtype(), {-1, -1}, dev);
-  if (a.x.dtype() != DType::kBF16)
-    core::fail(ctx, "x has dtype {} ({}); combine reduces bfloat16 rows only", dtype_name(a.x.dtype()), a.x.describe());
-  core::expect_tensor(ctx, "x", a.x, DType::kBF16, {-1, H}, dev);
-  core::expect_rows_contiguous(ctx, "x", a.x);
-  if (a.x.size(0) != rows)
-    core::fail(ctx, "x has {} rows, the handle's {} layout has {}", a.x.size(0), state->do_expand ? "expanded" : "compact",
-               rows);
-  if (a.topk_weights.defined()) {
-    if (state->do_expand) {
-      core::expect_tensor(ctx, "topk_weights", a.topk_weights, DType::kFP32, {rows}, dev);
-    } else {
-      core::expect_tensor(ctx, "topk_weights", a.topk_weights, DType::kFP32, {rows, k}, dev);
-      core::expect_rows_contiguous(ctx, "topk_weights", a.topk_weights);
-    }
-  }
-  if (a.bias.size() > 2) core::fail(ctx, "{} biases given, at most 2", a.bias.size());
-  for (std::size_t b = 0; b < a.bias.size(); ++b) {
-    const std::string name = fmt::format("bias[{}]", b);
-    core::expect_tensor(ctx, name, a.bias[b], DType::kBF16, {N, H}, dev);
-    core::expect_rows_contiguous(ctx, name, a.bias[b]);
-  }
+  core::v2::check_handle(ctx, *a.handle, state.get(), state ? state->buffer_id : 0, id_);
+  shape = core::v2::check_combine(ctx, a.x, a.topk_weights, a.bias, *state, exec_->dl_device());
   check_peer_readable(ctx, "x", a.x);  // read in place by each token's source rank
   check_peer_readable(ctx, "topk_weights", a.topk_weights);
   return state;
@@ -65,29 +35,31 @@ CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
   std::shared_ptr<const DeviceHandleState> state;
   std::exception_ptr local = take_device_error(op);
   if (!local && !a.rejection.empty()) local = std::make_exception_ptr(InvalidArgument(a.rejection));
-  Geometry g;
+  DeviceGeometry g;
   g.num_ranks = R_;
   g.rank = rank_;
   g.max_tokens_per_rank = config_.num_max_tokens_per_rank;
   std::int64_t rows = 0, off_w = 0, off_x = 0;
+  int H = 0;
   if (!local) {
     try {
-      state = check_combine(a, ctx);
+      core::v2::CombineShape shape;
+      state = check_combine(a, ctx, shape);
+      rows = shape.rows;
+      H = shape.hidden;
       g.num_tokens = state->num_tokens;
       g.num_topk = state->num_topk;
       g.num_experts = state->num_experts;
       g.experts_per_rank = g.num_experts / R_;
       g.expanded_layout = state->do_expand;
-      rows = g.expanded_layout ? state->num_expanded_tokens : state->num_recv_tokens;
-      off_w = round_up(g.receive_capacity() * g.num_topk * 4, 256);  // staging: lanes, weights, x
-      off_x = off_w + round_up((g.expanded_layout ? rows : rows * g.num_topk) * 4, 256);
-      staging_bytes(off_x + rows * state->hidden * 2, op);
+      off_w = core::round_up<std::int64_t>(g.receive_capacity() * g.num_topk * 4, 256);  // staging: lanes, weights, x
+      off_x = off_w + core::round_up<std::int64_t>((g.expanded_layout ? rows : rows * g.num_topk) * 4, 256);
+      staging_bytes(off_x + rows * H * 2, op);
       exec_->after_caller(a.stream);  // before the agreement, as in dispatch
     } catch (const Error&) {
       local = std::current_exception();
     }
   }
-  const int H = state ? state->hidden : 0;
   const bool has_weights = a.topk_weights.defined();
   Published mine{};
   if (!local) {
@@ -119,11 +91,11 @@ CombineResult ElasticDevice<Exec>::combine(const CombineArgs& a) {
 }
 
 template <Executor Exec>
-CombineResult ElasticDevice<Exec>::reduce_rows(const CombineArgs& a, const DeviceHandleState& handle, const Geometry& g,
+CombineResult ElasticDevice<Exec>::reduce_rows(const CombineArgs& a, const DeviceHandleState& handle, const DeviceGeometry& g,
                                                std::int64_t rows, std::int64_t off_w, std::int64_t off_x,
-                                               const PeerTensors& pt) {
+                                               const DevicePeerTensors& pt) {
   const char* op = "combine";
-  const int H = handle.hidden;
+  const int H = static_cast<int>(a.x.size(1));  // combine's hidden is x's (core::v2::check_combine)
   const bool has_weights = a.topk_weights.defined();
   if (!direct_) {
     if (g.expanded_layout)

@@ -33,6 +33,7 @@
 #include "comm/agreement.hh"
 #include "comm/transport.hh"
 #include "comm/wait.hh"
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/v2_contract.hh"
 #include "elastic/v2_config.hh"
@@ -66,33 +67,31 @@ struct SymLayout {
   std::int64_t end = 0;
 };
 
-inline std::int64_t round_up(std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; }
 
 inline SymLayout sym_layout(int R, int T) {
   SymLayout l;
   l.signals = 0;
-  l.status = round_up(8 * kMaxCudaRanks, 256);
+  l.status = core::round_up<std::int64_t>(8 * kMaxCudaRanks, 256);
   l.counts = l.status + 256;
-  l.lists = l.counts + round_up(4 * std::int64_t{R}, 256);
-  l.stage = l.lists + round_up(4 * std::int64_t{R} * T, 256);
+  l.lists = l.counts + core::round_up<std::int64_t>(4 * std::int64_t{R}, 256);
+  l.stage = l.lists + core::round_up<std::int64_t>(4 * std::int64_t{R} * T, 256);
   l.end = l.stage;
   return l;
 }
 
 // The routing state of one dispatch on the device, kept alive by its EPHandle.
-struct DeviceHandleState {
+// Its core::v2::HandleFields are the handle's fields as the dispatch produced them (worst-case
+// row counts without CPU sync).
+struct DeviceHandleState : core::v2::HandleFields {
   std::uint64_t buffer_id = 0;
   std::uint64_t dispatch_number = 0;
-  bool do_expand = false;
-  int num_experts = 0, expert_alignment = 1, num_max_tokens_per_rank = 0, num_tokens = 0, num_topk = 0, hidden = 0;
-  std::int64_t num_recv_tokens = 0, num_expanded_tokens = 0;  // as the handle's fields (worst case without sync)
   std::shared_ptr<void> memory;                               // every array of `arrays`, one block
   RoutingArrays arrays{};
 };
 
 // One dispatch call as the host sees it: what validation settled and what the steps share.
 struct DispatchCall {
-  Geometry g;
+  DeviceGeometry g;
   bool cached = false, fp8 = false, has_weights = false, cpu_sync = true;
   DType x_dtype = DType::kUInt8, scale_dtype = DType::kFP32;
   std::shared_ptr<const DeviceHandleState> cached_state;
@@ -110,6 +109,13 @@ class ElasticDevice final : public provider::ElasticBackend {
   CombineResult combine(const CombineArgs& args) override;
   std::int64_t num_bytes() const override { return bytes_; }
   void destroy() override;
+  // A host barrier of the group (not ordered after queued device work).
+  void barrier() override { group_.barrier(config_.num_cpu_timeout_secs); }
+  // The direct path only (one node, no hybrid forwarding); launches sized by the provider (0).
+  std::pair<int, int> get_logical_domain_size() const override { return {1, R_}; }
+  int num_allocated_qps() const override { return config_.num_allocated_qps; }
+  int get_theoretical_num_sms(int, int, int, double, double, double, double) const override { return 0; }
+  int get_theoretical_num_qps(int) const override { return 0; }
 
   // For tests and benches: the executor (device, streams).
   Exec& exec() { return *exec_; }
@@ -129,12 +135,12 @@ class ElasticDevice final : public provider::ElasticBackend {
   void new_routing_state(DispatchCall& c);
   Published publish_dispatch(const DispatchArgs& a, const DispatchCall& c) const;
   void stage_dispatch(const DispatchArgs& a, const DispatchCall& c);
-  std::shared_ptr<EPHandle> plan_receive(const DispatchArgs& a, DispatchCall& c, const PeerTensors& pt);
+  std::shared_ptr<EPHandle> plan_receive(const DispatchArgs& a, DispatchCall& c, const DevicePeerTensors& pt);
   void make_outputs(const DispatchArgs& a, DispatchCall& c, EPHandle* handle, DispatchResult& result);
-  DispatchResult move_rows(const DispatchArgs& a, DispatchCall& c, const PeerTensors& pt);
+  DispatchResult move_rows(const DispatchArgs& a, DispatchCall& c, const DevicePeerTensors& pt);
   // Combine (elastic_combine.hh).
-  CombineResult reduce_rows(const CombineArgs& a, const DeviceHandleState& handle, const Geometry& g, std::int64_t rows,
-                            std::int64_t off_w, std::int64_t off_x, const PeerTensors& pt);
+  CombineResult reduce_rows(const CombineArgs& a, const DeviceHandleState& handle, const DeviceGeometry& g, std::int64_t rows,
+                            std::int64_t off_w, std::int64_t off_x, const DevicePeerTensors& pt);
   // Runs the part of a call after its agreement. A failure every rank shares (bad ids found on
   // the device: InvalidArgument, PeerError) leaves the buffer usable; any other leaves the ranks
   // out of step (peers time out at the next barrier, naming this rank): the buffer becomes unusable.
@@ -144,13 +150,15 @@ class ElasticDevice final : public provider::ElasticBackend {
   // returns once no peer can still read this rank's tensors (wait_for_readers).
   void leave(const std::string& reason, int culprit) noexcept;
   void wait_for_readers() noexcept;
-  std::shared_ptr<const DeviceHandleState> check_combine(const CombineArgs& a, const std::string& ctx);
+  // Combine's arguments; `shape` is set to the rows and hidden size core::v2::check_combine found.
+  std::shared_ptr<const DeviceHandleState> check_combine(const CombineArgs& a, const std::string& ctx,
+                                                         core::v2::CombineShape& shape);
   comm::Wait wait(const char* phase) const { return {phase, timeout_}; }
   void check_usable(const char* op) const;
   std::exception_ptr error_from(std::uint64_t word, const char* op);
   std::uint64_t* status() const { return reinterpret_cast<std::uint64_t*>(peers_.base[rank_] + layout_.status); }
   // The addresses of every rank's tensors, from the agreement's payloads.
-  PeerTensors resolve(const std::vector<std::span<const std::byte>>& payloads) const;
+  DevicePeerTensors resolve(const std::vector<std::span<const std::byte>>& payloads) const;
   std::uint64_t publish_address(const void* p) const;
   // Refuses a tensor that ranks on other devices would read in place but cannot (Exec::peer_readable).
   void check_peer_readable(const std::string& ctx, const char* name, const TensorView& t) const;

@@ -1,6 +1,7 @@
 // ElasticDevice<Exec>'s member functions (included by elastic_device.hh; see there).
 #pragma once
 
+#include "core/arith.hh"
 #include "cuda/elastic_device.hh"
 #include "moe_ep/limits.hpp"
 
@@ -118,7 +119,7 @@ ElasticDevice<Exec>::ElasticDevice(Group& group, const ElasticBufferConfig& conf
   if (bytes_ < layout_.end)
     throw CapacityError(fmt::format("{}: num_bytes = {} is below the {} bytes of counts, lists and signals for {} ranks "
                                     "of {} tokens", ctx, bytes_, layout_.end, R_, config.num_max_tokens_per_rank),
-                        round_up(layout_.end, kBufferAlignment), bytes_);
+                        core::round_up<std::int64_t>(layout_.end, kBufferAlignment), bytes_);
   map_peers();
   id_ = detail::next_buffer_id.fetch_add(1);
   channel_->barrier(comm::Scope::kWorld, wait("ElasticBuffer: ready"));
@@ -134,7 +135,7 @@ std::int64_t ElasticDevice<Exec>::default_bytes() const {
     const std::int64_t combine = T * R_ * (H * 2 + k * 8);
     stage = std::max(dispatch, combine) + 4096;
   }
-  return round_up(layout_.end + stage, kBufferAlignment);
+  return core::round_up<std::int64_t>(layout_.end + stage, kBufferAlignment);
 }
 
 template <Executor Exec>
@@ -219,8 +220,8 @@ std::uint64_t ElasticDevice<Exec>::publish_address(const void* p) const {
 }
 
 template <Executor Exec>
-PeerTensors ElasticDevice<Exec>::resolve(const std::vector<std::span<const std::byte>>& payloads) const {
-  PeerTensors t{};
+DevicePeerTensors ElasticDevice<Exec>::resolve(const std::vector<std::span<const std::byte>>& payloads) const {
+  DevicePeerTensors t{};
   for (int r = 0; r < R_; ++r) {
     Published p;
     std::memcpy(&p, payloads[static_cast<size_t>(r)].data(), sizeof p);
@@ -247,7 +248,7 @@ std::int64_t ElasticDevice<Exec>::staging_bytes(std::int64_t need, const char* o
   if (direct_) return 0;
   const std::int64_t have = bytes_ - layout_.stage;
   if (need > have) {
-    const std::int64_t required = round_up(layout_.stage + need, kBufferAlignment);
+    const std::int64_t required = core::round_up<std::int64_t>(layout_.stage + need, kBufferAlignment);
     throw CapacityError(fmt::format("{}: the call stages {} bytes for its peers, the buffer has {} (num_bytes = {}); "
                                     "pass num_bytes = {}", context(op), need, have, bytes_, required),
                         required, bytes_);

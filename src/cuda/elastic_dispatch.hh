@@ -6,6 +6,7 @@
 // (elastic_steps.hh has the steps).
 #pragma once
 
+#include "core/arith.hh"
 #include "cuda/elastic_device.hh"
 #include "core/v2_contract.hh"
 #include "moe_ep/limits.hpp"
@@ -15,31 +16,14 @@ namespace moe_ep::cuda {
 template <Executor Exec>
 void ElasticDevice<Exec>::check_handle(const DispatchArgs& a, DispatchCall& c, const std::string& ctx, int hidden) {
   c.cached_state = std::static_pointer_cast<const DeviceHandleState>(a.handle->provider_state);
-  if (!c.cached_state || c.cached_state->buffer_id != id_)
-    core::fail(ctx, "the handle was not made by this buffer (cuda provider, rank {})", rank_);
+  core::v2::check_handle(ctx, *a.handle, c.cached_state.get(), c.cached_state ? c.cached_state->buffer_id : 0, id_);
   const DeviceHandleState& h = *c.cached_state;
-  // The handle's fields must still say what its dispatch produced (the routing state they describe).
-  auto same = [&](const char* name, std::int64_t given, std::int64_t made) {
-    if (given != made) core::fail(ctx, "handle.{} = {} differs from the {} its dispatch produced", name, given, made);
-  };
-  same("do_expand", a.handle->do_expand, h.do_expand);
-  same("num_experts", a.handle->num_experts, h.num_experts);
-  same("expert_alignment", a.handle->expert_alignment, h.expert_alignment);
-  same("num_max_tokens_per_rank", a.handle->num_max_tokens_per_rank, h.num_max_tokens_per_rank);
-  same("num_tokens", a.handle->num_tokens, h.num_tokens);
-  same("num_topk", a.handle->num_topk, h.num_topk);
-  same("hidden", a.handle->hidden, h.hidden);
-  same("num_recv_tokens", a.handle->num_recv_tokens, h.num_recv_tokens);
-  same("num_expanded_tokens", a.handle->num_expanded_tokens, h.num_expanded_tokens);
   core::v2::check_cached(ctx,
                          {.topk_given = a.topk_idx.defined(), .cpu_sync = a.do_cpu_sync.value_or(false),
                           .stats_given = a.cumulative_local_expert_recv_stats.defined(), .expand = a.do_expand,
                           .num_experts = a.num_experts, .expert_alignment = a.expert_alignment,
                           .max_tokens = a.num_max_tokens_per_rank},
-                         {.num_experts = h.num_experts, .expert_alignment = h.expert_alignment,
-                          .max_tokens = h.num_max_tokens_per_rank, .num_tokens = h.num_tokens, .hidden = h.hidden,
-                          .expand = h.do_expand},
-                         c.g.num_tokens, hidden);
+                         h, c.g.num_tokens, hidden);
   c.g.expanded_layout = h.do_expand;
   c.g.expert_alignment = h.expert_alignment;
   c.g.num_topk = h.num_topk;
@@ -51,7 +35,7 @@ void ElasticDevice<Exec>::check_handle(const DispatchArgs& a, DispatchCall& c, c
 template <Executor Exec>
 void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c, const std::string& ctx) {
   const DLDevice dev = exec_->dl_device();
-  Geometry& g = c.g;
+  DeviceGeometry& g = c.g;
   core::v2::check_call(ctx, a.num_sms, a.previous_event && !a.allocate_on_comm_stream);
   if (g.max_tokens_per_rank != config_.num_max_tokens_per_rank)
     core::fail(ctx, "num_max_tokens_per_rank = {} differs from the buffer's {} (the cuda provider sizes its lists "
@@ -83,16 +67,16 @@ void ElasticDevice<Exec>::check_dispatch(const DispatchArgs& a, DispatchCall& c,
   check_peer_readable(ctx, "x_scales", a.x_scales);
   check_peer_readable(ctx, "topk_weights", a.topk_weights);
   // Staging (processes): topk, weights, x, scales, packed, at fixed offsets.
-  c.off_weights = round_up(std::int64_t{g.max_tokens_per_rank} * g.num_topk * 8, 256);
-  c.off_x = c.off_weights + round_up(std::int64_t{g.max_tokens_per_rank} * g.num_topk * 4, 256);
-  c.off_scales = c.off_x + round_up(std::int64_t{g.max_tokens_per_rank} * g.row_bytes, 256);
+  c.off_weights = core::round_up<std::int64_t>(std::int64_t{g.max_tokens_per_rank} * g.num_topk * 8, 256);
+  c.off_x = c.off_weights + core::round_up<std::int64_t>(std::int64_t{g.max_tokens_per_rank} * g.num_topk * 4, 256);
+  c.off_scales = c.off_x + core::round_up<std::int64_t>(std::int64_t{g.max_tokens_per_rank} * g.row_bytes, 256);
   c.stage_end = c.off_scales + std::int64_t{g.max_tokens_per_rank} * g.scale_columns * 4;
   staging_bytes(c.stage_end, "dispatch");
 }
 
 template <Executor Exec>
 void ElasticDevice<Exec>::new_routing_state(DispatchCall& c) {
-  const Geometry& g = c.g;
+  const DeviceGeometry& g = c.g;
   c.state = std::make_shared<DeviceHandleState>();
   DeviceHandleState& h = *c.state;
   h.buffer_id = id_;
@@ -131,7 +115,7 @@ void ElasticDevice<Exec>::new_routing_state(DispatchCall& c) {
 template <Executor Exec>
 Published ElasticDevice<Exec>::publish_dispatch(const DispatchArgs& a, const DispatchCall& c) const {
   Published mine{};
-  const Geometry& g = c.g;
+  const DeviceGeometry& g = c.g;
   if (direct_) {
     mine.x = publish_address(a.x.data());
     mine.x_row = a.x.stride(0) * static_cast<std::int64_t>(element_size(c.x_dtype));
@@ -166,7 +150,7 @@ Published ElasticDevice<Exec>::publish_dispatch(const DispatchArgs& a, const Dis
 
 template <Executor Exec>
 void ElasticDevice<Exec>::stage_dispatch(const DispatchArgs& a, const DispatchCall& c) {
-  const Geometry& g = c.g;
+  const DeviceGeometry& g = c.g;
   if (!c.cached)
     pack(*exec_, c.state->arrays.topk, a.topk_idx.data_as<const std::int64_t>(), g.num_tokens, g.num_topk,
          a.topk_idx.stride(0), 1);
@@ -188,8 +172,8 @@ void ElasticDevice<Exec>::stage_dispatch(const DispatchArgs& a, const DispatchCa
 // After the count barrier: the handle and its count tensors, every received row's plan.
 template <Executor Exec>
 std::shared_ptr<EPHandle> ElasticDevice<Exec>::plan_receive(const DispatchArgs& a, DispatchCall& c,
-                                                            const PeerTensors& pt) {
-  const Geometry& g = c.g;
+                                                            const DevicePeerTensors& pt) {
+  const DeviceGeometry& g = c.g;
   auto handle = std::make_shared<EPHandle>();
   handle->psum_num_recv_tokens_per_scaleup_rank = exec_->empty(DType::kInt32, a.stream, g.num_ranks);
   handle->psum_num_recv_tokens_per_expert = exec_->empty(DType::kInt32, a.stream, g.experts_per_rank);
@@ -211,7 +195,7 @@ std::shared_ptr<EPHandle> ElasticDevice<Exec>::plan_receive(const DispatchArgs& 
 // Long: every output tensor and handle field, in the order of docs/semantics.md.
 template <Executor Exec>
 void ElasticDevice<Exec>::make_outputs(const DispatchArgs& a, DispatchCall& c, EPHandle* handle, DispatchResult& result) {
-  const Geometry& g = c.g;
+  const DeviceGeometry& g = c.g;
   const DLDevice dev = exec_->dl_device();
   std::int64_t rows = 0, expanded_rows = 0;
   std::vector<int> aligned;
@@ -234,7 +218,8 @@ void ElasticDevice<Exec>::make_outputs(const DispatchArgs& a, DispatchCall& c, E
     }
     rows = sizes[0];
     expanded_rows = sizes[1];
-    for (const std::int32_t n : counts) aligned.push_back(static_cast<int>(align_up(n, g.expert_alignment)));
+    for (const std::int32_t n : counts)
+      aligned.push_back(static_cast<int>(core::round_up<std::int64_t>(n, g.expert_alignment)));
   } else {
     rows = g.receive_capacity();
     expanded_rows = core::v2::worst_expanded_rows(g.num_ranks, g.max_tokens_per_rank, g.num_topk, g.experts_per_rank,
@@ -244,7 +229,7 @@ void ElasticDevice<Exec>::make_outputs(const DispatchArgs& a, DispatchCall& c, E
   const std::int64_t H = g.row_bytes / static_cast<std::int64_t>(element_size(c.x_dtype));
   result.recv_x = exec_->empty(c.x_dtype, a.stream, out_rows, H);
   if (c.fp8 && a.use_tma_aligned_col_major_sf) {
-    const std::int64_t block = align_up(std::max<std::int64_t>(out_rows, 1), 4);
+    const std::int64_t block = core::round_up(std::max<std::int64_t>(out_rows, 1), 4);
     Tensor storage = exec_->empty(c.scale_dtype, a.stream, g.scale_columns, block);
     const std::int64_t shape[] = {out_rows, g.scale_columns};
     const std::int64_t strides[] = {1, block};
@@ -262,16 +247,10 @@ void ElasticDevice<Exec>::make_outputs(const DispatchArgs& a, DispatchCall& c, E
   }
   handle->recv_src_metadata = exec_->empty(DType::kInt32, a.stream, rows, g.num_topk + 2);
   handle->dst_buffer_slot_idx = exec_->empty(DType::kInt32, a.stream, g.num_tokens, g.num_topk);
-  handle->do_expand = g.expanded_layout;
-  handle->num_experts = g.num_experts;
-  handle->expert_alignment = g.expert_alignment;
-  handle->num_max_tokens_per_rank = g.max_tokens_per_rank;
+  c.state->num_recv_tokens = rows;
+  c.state->num_expanded_tokens = expanded_rows;
+  core::v2::write_handle_fields(*handle, *c.state);
   handle->num_sms = a.num_sms;
-  handle->num_tokens = g.num_tokens;
-  handle->num_topk = g.num_topk;
-  handle->hidden = static_cast<int>(H);
-  handle->num_recv_tokens = c.state->num_recv_tokens = rows;
-  handle->num_expanded_tokens = c.state->num_expanded_tokens = expanded_rows;
   handle->num_recv_tokens_per_expert_list = aligned;
   if (a.do_handle_copy) {
     handle->topk_idx = exec_->empty(DType::kInt64, a.stream, g.num_tokens, g.num_topk);
@@ -336,7 +315,7 @@ DispatchResult ElasticDevice<Exec>::dispatch(const DispatchArgs& a) {
 }
 
 template <Executor Exec>
-DispatchResult ElasticDevice<Exec>::move_rows(const DispatchArgs& a, DispatchCall& c, const PeerTensors& pt) {
+DispatchResult ElasticDevice<Exec>::move_rows(const DispatchArgs& a, DispatchCall& c, const DevicePeerTensors& pt) {
   const char* op = "dispatch";
   stage_dispatch(a, c);
   if (!c.cached)

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "core/arith.hh"
 #include "cuda/device_common.hh"
 #include "moe_ep/limits.hpp"
 
@@ -22,7 +23,7 @@ struct Peers {
 };
 
 // Every rank's tensors of one call, as this rank reaches them (device addresses).
-struct PeerTensors {
+struct DevicePeerTensors {
   const std::byte* x[kMaxCudaRanks];
   const std::uint32_t* scales[kMaxCudaRanks];
   const float* weights[kMaxCudaRanks];
@@ -36,7 +37,7 @@ struct PeerTensors {
 
 // The sizes of one dispatch or combine, as validated and agreed. The steps copy them into locals
 // named by the symbols of docs/semantics.md (N, k, T, R, E, El, P), given beside each member.
-struct Geometry {
+struct DeviceGeometry {
   int num_tokens = 0;           // N: this rank's tokens
   int num_topk = 1;             // k
   int max_tokens_per_rank = 1;  // T: tokens per rank the buffer is sized for
@@ -127,7 +128,7 @@ void pack(Exec& exec, T* dst, const T* src, std::int64_t rows, std::int64_t cols
 // their count (counts[d]) and each token's slot (dst_slot[t * R + d], -1 when not bound for d).
 // Ids outside [-1, E) and repeated experts are recorded in status[0] (first one) and skipped.
 template <class Exec>
-void route(Exec& exec, const Geometry& g, const std::int64_t* topk, std::uint64_t* status, std::int32_t* counts,
+void route(Exec& exec, const DeviceGeometry& g, const std::int64_t* topk, std::uint64_t* status, std::int32_t* counts,
            std::int32_t* lists, std::int32_t* dst_slot) {
   const int N = g.num_tokens, k = g.num_topk, R = g.num_ranks, E = g.num_experts, El = g.experts_per_rank;
   const int T = g.max_tokens_per_rank;
@@ -172,7 +173,7 @@ void route(Exec& exec, const Geometry& g, const std::int64_t* topk, std::uint64_
 // this rank's first row at each destination (send_base) and the inclusive prefix per scale-up
 // index (psum_su).
 template <class Exec>
-void plan_counts(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t counts_off, std::int64_t status_off,
+void plan_counts(Exec& exec, const DeviceGeometry& g, const Peers& peers, std::int64_t counts_off, std::int64_t status_off,
                  std::uint64_t* status, std::int32_t* base, const RoutingArrays& a, std::int32_t* psum_su) {
   const int R = g.num_ranks, me = g.rank, SU = g.num_ranks;
   const Peers p = peers;
@@ -217,16 +218,16 @@ void plan_counts(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t
 inline constexpr std::int64_t kPlanBlock = 64;
 
 template <class Exec>
-void plan_rows(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t lists_off, const PeerTensors& pt,
+void plan_rows(Exec& exec, const DeviceGeometry& g, const Peers& peers, std::int64_t lists_off, const DevicePeerTensors& pt,
                const std::int32_t* base, const RoutingArrays& a, std::int32_t* psum_e, std::int32_t* unaligned,
                std::int32_t* stats) {
   const int k = g.num_topk, T = g.max_tokens_per_rank, El = g.experts_per_rank, me = g.rank, align = g.expert_alignment;
   const bool expand = g.expanded_layout;
-  const std::int64_t cap = g.receive_capacity(), S = kPlanBlock, B = (cap + S - 1) / S, nf = std::int64_t{El} * B + 1;
+  const std::int64_t cap = g.receive_capacity(), S = kPlanBlock, B = core::ceil_div(cap, S), nf = std::int64_t{El} * B + 1;
   auto* const eflag = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(nf) * 4));
   auto* const epos = static_cast<std::int32_t*>(exec.temp(static_cast<std::size_t>(nf) * 4));
   const Peers p = peers;
-  const PeerTensors src_t = pt;
+  const DevicePeerTensors src_t = pt;
   const RoutingArrays r = a;
   exec.each(cap, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t i) {
     if (i >= r.sizes[0]) return;
@@ -267,7 +268,7 @@ void plan_rows(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t l
     std::int32_t next = 0, psum = 0;
     for (int l = 0; l < El; ++l) {
       const std::int32_t c = epos[(l + 1) * B] - epos[l * B];
-      const auto aligned = static_cast<std::int32_t>(align_up(c, align));
+      const auto aligned = static_cast<std::int32_t>(core::round_up<std::int64_t>(c, align));
       r.expert_count[l] = c;
       r.expert_start[l] = next;
       unaligned[l] = c;
@@ -296,7 +297,7 @@ void plan_rows(Exec& exec, const Geometry& g, const Peers& peers, std::int64_t l
 
 // dst_buffer_slot_idx [N, k]: this rank * T + the token's slot at each destination's master lane.
 template <class Exec>
-void write_slots(Exec& exec, const Geometry& g, const RoutingArrays& a, std::int32_t* slots) {
+void write_slots(Exec& exec, const DeviceGeometry& g, const RoutingArrays& a, std::int32_t* slots) {
   const int k = g.num_topk, R = g.num_ranks, El = g.experts_per_rank, me = g.rank, T = g.max_tokens_per_rank;
   const std::int64_t* const topk = a.topk;
   const std::int32_t* const dst_slot = a.dst_slot;
@@ -325,12 +326,12 @@ struct DispatchOutputs {
 // Copies every received row from its source (16 bytes per index), then the row's scales,
 // weights, local ids and metadata; rows past the real count get -1 ids and metadata.
 template <class Exec>
-void pull_rows(Exec& exec, const Geometry& g, const PeerTensors& pt, const RoutingArrays& a, std::uint64_t* status,
+void pull_rows(Exec& exec, const DeviceGeometry& g, const DevicePeerTensors& pt, const RoutingArrays& a, std::uint64_t* status,
                const DispatchOutputs& o) {
   const int k = g.num_topk, T = g.max_tokens_per_rank, P = g.scale_columns;
   const bool expand = g.expanded_layout;
   const std::int64_t row_bytes = g.row_bytes, chunks = g.row_bytes / 16, scale_block = o.scale_block;
-  const PeerTensors src_t = pt;
+  const DevicePeerTensors src_t = pt;
   const RoutingArrays r = a;
   const DispatchOutputs out = o;
   exec.each(out.rows * chunks, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t idx) {
@@ -384,7 +385,7 @@ void pull_rows(Exec& exec, const Geometry& g, const PeerTensors& pt, const Routi
 // Expanded layout with do_zero_padding: the rows past each expert's count, up to its aligned end,
 // are zero (payload, scales, weight).
 template <class Exec>
-void zero_padding(Exec& exec, const Geometry& g, const RoutingArrays& a, std::uint64_t* status, const DispatchOutputs& o) {
+void zero_padding(Exec& exec, const DeviceGeometry& g, const RoutingArrays& a, std::uint64_t* status, const DispatchOutputs& o) {
   const int El = g.experts_per_rank, align = g.expert_alignment, P = g.scale_columns;
   const std::int64_t row_bytes = g.row_bytes, chunks = g.row_bytes / 16, scale_block = o.scale_block;
   const RoutingArrays r = a;
@@ -396,7 +397,7 @@ void zero_padding(Exec& exec, const Geometry& g, const RoutingArrays& a, std::ui
     const std::int64_t p = idx / chunks % pad, c = idx % chunks;
     if (load_acquire(status + 1) != 0) return;
     const std::int64_t row = std::int64_t{r.expert_start[l]} + r.expert_count[l] + p;
-    if (row >= r.expert_start[l] + align_up(r.expert_count[l], align)) return;
+    if (row >= r.expert_start[l] + core::round_up<std::int64_t>(r.expert_count[l], align)) return;
     reinterpret_cast<Chunk*>(out.x + row * row_bytes)[c] = Chunk{};
     if (c != 0) return;
     for (int q = 0; q < P && out.scales; ++q) out.scales[scale_block == 1 ? row * P + q : q * scale_block + row] = 0;
@@ -409,11 +410,11 @@ void zero_padding(Exec& exec, const Geometry& g, const RoutingArrays& a, std::ui
 // expanded with multiple reduction, one unit per destination rank at its master lane (expanded:
 // its lanes ascending); expanded without, one unit per lane.
 template <class Exec>
-void combine_units(Exec& exec, const Geometry& g, bool multi, const PeerTensors& pt, const RoutingArrays& a,
+void combine_units(Exec& exec, const DeviceGeometry& g, bool multi, const DevicePeerTensors& pt, const RoutingArrays& a,
                    std::uint64_t* status, std::int64_t* inputs, std::int32_t* unit_end) {
   const int k = g.num_topk, R = g.num_ranks, El = g.experts_per_rank;
   const bool expand = g.expanded_layout;
-  const PeerTensors src_t = pt;
+  const DevicePeerTensors src_t = pt;
   const std::int64_t* const topk = a.topk;
   const std::int32_t* const dst_slot = a.dst_slot;
   const std::int32_t* const send_base = a.send_base;
@@ -452,12 +453,12 @@ void combine_units(Exec& exec, const Geometry& g, bool multi, const PeerTensors&
 // is; a unit of several inputs is their FP32 sum rounded to BF16 (level 1); nothing gives +0.
 // Eight elements per index.
 template <class Exec>
-void combine_sums(Exec& exec, const Geometry& g, int H, const PeerTensors& pt, const std::int64_t* inputs,
+void combine_sums(Exec& exec, const DeviceGeometry& g, int H, const DevicePeerTensors& pt, const std::int64_t* inputs,
                   const std::int32_t* unit_end, const std::uint16_t* b0, std::int64_t s0, const std::uint16_t* b1,
                   std::int64_t s1, std::uint64_t* status, std::uint16_t* out) {
   const int k = g.num_topk;
-  const std::int64_t groups = (std::int64_t{H} + 7) / 8;
-  const PeerTensors src_t = pt;
+  const std::int64_t groups = core::ceil_div(std::int64_t{H}, 8);
+  const DevicePeerTensors src_t = pt;
   exec.each(std::int64_t{g.num_tokens} * groups, [=] MOE_EP_DEVICE_LAMBDA(std::int64_t idx) {
     const std::int64_t t = idx / groups, h0 = (idx % groups) * 8;
     const int m = static_cast<int>(H - h0 < 8 ? H - h0 : 8);
@@ -510,11 +511,11 @@ void combine_sums(Exec& exec, const Geometry& g, int H, const PeerTensors& pt, c
 // Combine, step 3: combined_topk_weights[t, j] = the weight the rank of lane j's expert returned
 // for the lane (compact: column j of its row; expanded: its lane row's weight), 0 for id -1.
 template <class Exec>
-void combine_weights(Exec& exec, const Geometry& g, const PeerTensors& pt, const RoutingArrays& a, std::uint64_t* status,
+void combine_weights(Exec& exec, const DeviceGeometry& g, const DevicePeerTensors& pt, const RoutingArrays& a, std::uint64_t* status,
                      float* out) {
   const int k = g.num_topk, R = g.num_ranks, El = g.experts_per_rank;
   const bool expand = g.expanded_layout;
-  const PeerTensors src_t = pt;
+  const DevicePeerTensors src_t = pt;
   const std::int64_t* const topk = a.topk;
   const std::int32_t* const dst_slot = a.dst_slot;
   const std::int32_t* const send_base = a.send_base;

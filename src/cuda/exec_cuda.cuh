@@ -23,6 +23,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/arith.hh"
 #include "cuda/device_common.hh"
 #include "cuda/executor.hh"
 #include "moe_ep/error.hpp"
@@ -247,7 +248,7 @@ class CudaExec {
     static_assert(sizeof(F) + sizeof(std::int64_t) <= 32764, "a step's captures exceed CUDA's kernel argument limit");
     if (n <= 0) return;
     set();
-    const std::int64_t blocks = std::min<std::int64_t>((n + 255) / 256, std::int64_t{sms_} * 16);
+    const std::int64_t blocks = std::min<std::int64_t>(core::ceil_div(n, 256), std::int64_t{sms_} * 16);
     each_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream()>>>(n, f);
     check_cuda(cudaGetLastError(), "a kernel launch", device_);
   }

@@ -10,8 +10,11 @@
 #include <map>
 
 #include "comm/agreement.hh"
+#include "comm/disagreement.hh"
+#include "core/arith.hh"
 #include "core/log.hh"
 #include "core/timeout.hh"
+#include "dispatcher/provider_registry.hh"
 #include "dispatcher/state.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/env.hpp"
@@ -34,10 +37,6 @@ struct Published {
 
 double default_timeout() { return core::timeout_from_env(); }
 
-std::string ranks_text(const std::vector<int>& ranks) {
-  return fmt::format("{} [{}]", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "));
-}
-
 // V1 pools (DeepEP's sizing; docs/dispatcher.md §3).
 BufferConfig legacy_config(const BufferKey& key, const provider::Table& table, const Group& group) {
   BufferConfig c;
@@ -57,8 +56,8 @@ BufferConfig legacy_config(const BufferKey& key, const provider::Table& table, c
                                                             : &Buffer::get_low_latency_rdma_size_hint;
     c.num_rdma_bytes = std::max(c.num_rdma_bytes, hint(key.cap, key.hidden, key.world, key.experts));
   }
-  c.num_rdma_bytes = (c.num_rdma_bytes + 127) / 128 * 128;
-  c.num_nvl_bytes = (c.num_nvl_bytes + 127) / 128 * 128;
+  c.num_rdma_bytes = core::round_up(c.num_rdma_bytes, 128);
+  c.num_nvl_bytes = core::round_up(c.num_nvl_bytes, 128);
   c.low_latency_mode = key.low_latency;
   // DeepEP's queue-pair count: the normal config's SMs, or one per local expert in low-latency
   // mode (the larger of both when both are used).
@@ -89,6 +88,14 @@ ElasticBufferConfig elastic_config(const BufferKey& key, const Group& group) {
 }
 
 }  // namespace
+
+void check_one_provider(const std::string& context, const std::string& purpose,
+                        const std::vector<std::string>& provider_of_rank, int me, const std::string& note) {
+  std::map<int, std::string> held;
+  for (std::size_t r = 0; r < provider_of_rank.size(); ++r)
+    held[static_cast<int>(r)] = fmt::format("'{}'", provider_of_rank[r]);
+  if (auto e = comm::disagreement(context, fmt::format("the provider{}", purpose), held, me, note)) throw *e;
+}
 
 CacheState::CacheState(Group& g) : group(g) {
   channel = group.transport().duplicate({"BufferCache: channel setup", default_timeout()});
@@ -143,37 +150,31 @@ Agreed CacheState::agree(const char* operation, const std::vector<std::pair<cons
   if (want == nullptr) return agreed;
 
   // One provider for everyone.
-  std::map<std::string, std::vector<int>> providers;
-  for (std::size_t r = 0; r < peers.size(); ++r) providers[peers[r].provider].push_back(static_cast<int>(r));
-  if (providers.size() > 1) {
-    std::string detail;
-    std::vector<int> others;
-    for (const auto& [name, ranks] : providers) {
-      detail += fmt::format("{}'{}' on {}", detail.empty() ? "" : ", ", name, ranks_text(ranks));
-      if (std::find(ranks.begin(), ranks.end(), me) == ranks.end()) others.insert(others.end(), ranks.begin(), ranks.end());
-    }
-    throw PeerError(fmt::format("dispatcher: {}: ranks would use different providers for {}: {}", operation,
-                                generation_name(want->generation), detail),
-                    others);
-  }
-  // The same cached buffer everywhere (a constructor that failed on some ranks only breaks this).
-  std::vector<int> with, without, busy;
+  std::vector<std::string> providers;
+  for (const Published& p : peers) providers.emplace_back(p.provider, strnlen(p.provider, kProviderBytes));
+  check_one_provider(fmt::format("dispatcher: {}", operation), fmt::format(" for {}", generation_name(want->generation)),
+                     providers, me);
+  // The same cached buffer everywhere (a constructor that failed on some ranks only breaks this):
+  // a disagreement here leaves the channel out of step (StateError).
+  const std::string context = fmt::format("dispatcher: {}", operation);
+  std::map<int, std::string> holding;
+  std::vector<int> busy;
   for (std::size_t r = 0; r < peers.size(); ++r) {
-    (peers[r].matches ? with : without).push_back(static_cast<int>(r));
+    holding[static_cast<int>(r)] = peers[r].matches ? "yes" : "no";
     if (peers[r].holders > 0) busy.push_back(static_cast<int>(r));
   }
-  if (!with.empty() && !without.empty()) {
-    broken = fmt::format("{} hold the requested buffer, {} do not", ranks_text(with), ranks_text(without));
-    throw StateError(fmt::format("dispatcher: {}: ranks disagree on the cached buffer: {}", operation, broken));
+  if (auto e = comm::disagreement(context, "whether they hold the requested buffer", holding, me)) {
+    broken = e->what();
+    throw StateError(broken);
   }
-  agreed.rebuild = with.empty();
+  agreed.rebuild = mine.matches == 0;  // the same on every rank (agreed above)
   if (agreed.rebuild) {
     bool any_buffer = false;
     for (const auto& p : peers) any_buffer |= p.has_buffer != 0;
     if (any_buffer && !busy.empty())
       throw StateError(fmt::format("dispatcher: {}: the buffer key changed while micro-batches still hold handles of "
                                    "the current buffer on {} (combine them first)",
-                                   operation, ranks_text(busy)));
+                                   operation, comm::rank_list(busy)));
   }
   return agreed;
 }

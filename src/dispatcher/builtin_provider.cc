@@ -2,7 +2,7 @@
 // interfaces.
 #include "moe_ep/provider.hpp"
 
-#include "dispatcher/provider_registry.hh"
+#include "moe_ep/elastic_provider.hpp"
 
 namespace moe_ep::provider {
 namespace {
@@ -37,6 +37,15 @@ class CpuElastic final : public ElasticBackend {
   CombineResult combine(const CombineArgs& args) override { return buffer_.combine(args); }
   std::int64_t num_bytes() const override { return buffer_.num_bytes(); }
   void destroy() override { buffer_.destroy(); }
+  void barrier() override { buffer_.barrier(); }
+  std::pair<int, int> get_logical_domain_size() const override { return buffer_.get_logical_domain_size(); }
+  int num_allocated_qps() const override { return buffer_.num_allocated_qps(); }
+  int get_theoretical_num_sms(int num_experts, int num_topk, int num_scaleout_topk, double rdma_gbs, double nvlink_gbs,
+                              double sm_read_gbs, double sm_write_gbs) const override {
+    return buffer_.get_theoretical_num_sms(num_experts, num_topk, num_scaleout_topk, rdma_gbs, nvlink_gbs, sm_read_gbs,
+                                           sm_write_gbs);
+  }
+  int get_theoretical_num_qps(int num_sms) const override { return buffer_.get_theoretical_num_qps(num_sms); }
   moe_ep::ElasticBuffer& buffer() { return buffer_; }
 
  private:

@@ -1,11 +1,14 @@
-// Providers as probed, per path list (dispatcher-internal; the public view is ProbeReport).
+// Providers as probed, per path list (dispatcher-internal; the public view is ProbeReport), and the
+// rule that every rank uses one provider.
 #pragma once
 
 #include <cstddef>
 #include <string>
+#include <vector>
 
 #include "moe_ep/dispatcher.hpp"
 #include "moe_ep/elastic_buffer.hpp"
+#include "moe_ep/elastic_provider.hpp"
 #include "moe_ep/provider.hpp"
 
 namespace moe_ep::dispatcher {
@@ -27,20 +30,12 @@ bool accept_table(const std::string& entry, const provider::Table* table, Provid
 // probe_providers(path_list)[generation]).
 const provider::Table* provider_for(const std::string& path_list, Generation generation);
 
-// The device provider for a caller that moves device tensors itself (the Python ElasticBuffer):
-// when `path_list` is non-empty, the V2 provider it resolves to (as the dispatcher resolves it),
-// used only when that provider is the one named "cuda"; when empty, libmoe_ep_cuda.so beside this
-// library (the build tree's, or the installed one). `table` is null when none is usable, and
-// `reason` then says why (no library, an init that found no device, another provider first).
-struct DeviceProvider {
-  const provider::Table* table = nullptr;
-  std::string origin;  // the library's path
-  std::string reason;
-};
-DeviceProvider find_cuda_provider(const std::string& path_list);
-
-// The ElasticBuffer behind a backend the built-in provider made (providers that hand out the
-// built-in tables' objects included), or null for another provider's backend.
-ElasticBuffer* builtin_elastic_buffer(provider::ElasticBackend* backend);
+// Throws PeerError when the ranks would use different providers (`provider_of_rank`: each rank's
+// provider, by rank; `me`: this rank): comm::disagreement's text, "<context>: ranks disagree on
+// the provider<purpose>: '<a>' on rank [0], '<b>' on ranks [1, 2][; <note>]", naming the ranks
+// whose provider is not this rank's. The one rule of the buffer cache's agreement and
+// make_elastic_backend's.
+void check_one_provider(const std::string& context, const std::string& purpose,
+                        const std::vector<std::string>& provider_of_rank, int me, const std::string& note = {});
 
 }  // namespace moe_ep::dispatcher

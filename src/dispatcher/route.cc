@@ -10,15 +10,7 @@ std::unique_ptr<Route> make_route(Generation generation, DispatchMode mode, cons
   const bool low_latency = mode == DispatchMode::kLowLatency;
   if (generation == Generation::kV1) return low_latency ? make_v1_low_latency_route(context) : make_v1_normal_route(context);
   if (low_latency) return make_v2_low_latency_route(context);
-  switch (*context.options.v2_normal_layout) {
-    case V2NormalLayout::kHybridEp:
-      return make_v2_hybrid_ep_route(context);
-    case V2NormalLayout::kExpanded:
-      return make_v2_normal_route(context, true);
-    case V2NormalLayout::kCompact:
-      break;
-  }
-  return make_v2_normal_route(context, false);
+  return make_v2_normal_route(context, *context.options.v2_normal_layout);
 }
 
 void quantize_fp8_input(const RouteContext& context, const Tensor& x, Tensor& data, Tensor& scales) {

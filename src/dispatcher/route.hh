@@ -1,5 +1,6 @@
-// Route: one dispatcher path — V1 normal, V1 low-latency, V2 normal (compact, expanded or HybridEP) or V2
-// low-latency — behind the four calls of the stage machine (docs/dispatcher.md §4-§6).
+// Route: one dispatcher path — V1 normal, V1 low-latency, V2 normal (its layout a parameter: compact,
+// expanded or HybridEP's) or V2 low-latency — behind the calls of the stage machine
+// (docs/dispatcher.md §4-§6).
 //
 // A route object is the buffer state of one micro-batch: it is built for the batch's resolved
 // generation and mode by make_route (the only place that chooses a path), lives in the slot from
@@ -91,13 +92,13 @@ Tensor wait_combined(const Combined& combined) {
   return combined.combined_x;
 }
 
-// The paths (one file each: route_v1_normal.cc, route_v1_low_latency.cc, route_v2_normal.cc,
-// route_v2_low_latency.cc, route_v2_hybrid_ep.cc); callers go through make_route.
+// The four routes (one file each: route_v1_normal.cc, route_v1_low_latency.cc, route_v2_normal.cc,
+// route_v2_low_latency.cc); callers go through make_route.
 std::unique_ptr<Route> make_v1_normal_route(const RouteContext& context);
 std::unique_ptr<Route> make_v1_low_latency_route(const RouteContext& context);
-std::unique_ptr<Route> make_v2_normal_route(const RouteContext& context, bool expanded);
+// V2 normal mode in MOE_EP_V2_NORMAL_LAYOUT's layout: compact (kNormal), expanded (kV2Expanded) or
+// hybrid_ep (kHybridEp).
+std::unique_ptr<Route> make_v2_normal_route(const RouteContext& context, V2NormalLayout layout);
 std::unique_ptr<Route> make_v2_low_latency_route(const RouteContext& context);
-// V2 normal mode, MOE_EP_V2_NORMAL_LAYOUT = hybrid_ep (route_v2_hybrid_ep.cc).
-std::unique_ptr<Route> make_v2_hybrid_ep_route(const RouteContext& context);
 
 }  // namespace moe_ep::dispatcher

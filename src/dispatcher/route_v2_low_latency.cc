@@ -8,7 +8,6 @@
 #include "dispatcher/provider_registry.hh"
 #include "dispatcher/route.hh"
 #include "dispatcher/v2_slab.hh"
-#include "elastic/elastic_access.hh"
 #include "moe_ep/convert.hpp"
 
 namespace moe_ep::dispatcher {
@@ -50,7 +49,7 @@ class V2LowLatencyRoute final : public Route {
       // The slab itself: expert i's rows from row i x R x cap, scales [El, S, R x cap].
       a.expert_alignment = 1;
       a.use_tma_aligned_col_major_sf = true;
-      dispatched_ = elastic::Access::dispatch(*buffer_, a, {.expert_stride = static_cast<int>(rows_per_expert())});
+      dispatched_ = buffer_->dispatch(a, DispatchExtras{.expert_stride = static_cast<int>(rows_per_expert())});
     } else {
       dispatched_ = c_.shared.elastic()->dispatch(a);  // groups aligned to R x cap, packed
     }
@@ -76,7 +75,7 @@ class V2LowLatencyRoute final : public Route {
     if (buffer_) {
       // Expanded row i x R x cap + t is slab row (i, t); the combine weights it as it reads it.
       a.x = combine_rows_ = slab_rows(slab_, expert_output);
-      combined_ = elastic::Access::combine(*buffer_, a, {.row_weights = dispatched_.recv_topk_weights});
+      combined_ = buffer_->combine(a, CombineExtras{.row_weights = dispatched_.recv_topk_weights});
     } else {
       a.x = combine_rows_ = slab_to_expanded(slab_, dispatched_, expert_output);
       combined_ = c_.shared.elastic()->combine(a);

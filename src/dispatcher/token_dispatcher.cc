@@ -1,4 +1,4 @@
-// TokenDispatcher: options and the per-micro-batch stage machine. The four paths (V1 normal,
+// TokenDispatcher: options and the per-micro-batch stage machine. The four routes (V1 normal,
 // V1 low-latency, V2 normal, V2 low-latency) are routes (dispatcher/route.hh), one per batch.
 #include <fmt/format.h>
 

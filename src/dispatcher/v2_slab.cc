@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "core/arith.hh"
 #include "core/host_allocator.hh"
 #include "moe_ep/error.hpp"
 
@@ -105,7 +106,7 @@ V2Slab make_slab(const DispatchResult& r, int local_experts, std::int64_t rows_p
 void to_nvfp4_layout(V2Slab& s, int hidden, bool ue8m0) {
   const std::int64_t local_experts = static_cast<std::int64_t>(s.counts.size()), rows_per_expert = s.rows_per_expert;
   const std::int64_t H = hidden;
-  const std::int64_t rm = (rows_per_expert + 127) / 128, rk = H / 64, words = H / 64;
+  const std::int64_t rm = core::ceil_div(rows_per_expert, 128), rk = H / 64, words = H / 64;
   Tensor& x = s.hidden_states;  // [local_experts, rows_per_expert, H/2] one-byte elements, contiguous
   const std::int64_t xs[] = {rows_per_expert, H / 2, local_experts}, xt[] = {H / 2, 1, rows_per_expert * (H / 2)};
   x = x.with_view(TensorView(x.data(), DType::kUInt8, xs, xt));

@@ -9,6 +9,8 @@
 #include <map>
 
 #include "comm/agreement.hh"
+#include "comm/disagreement.hh"
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/log.hh"
 #include "engine/engine.hh"
@@ -25,7 +27,7 @@ constexpr const char* kNotEnough = "Not enough session buffer size. Did you forg
 std::int64_t round_up(std::int64_t x, std::int64_t to) {
   std::int64_t r = 0;
   if (x < 0 || __builtin_add_overflow(x, to - 1, &r)) return -1;
-  return r / to * to;
+  return core::round_up(x, to);
 }
 
 // a * b (both >= 0), or -1 when that overflows.
@@ -38,10 +40,6 @@ std::int64_t times(std::int64_t a, std::int64_t b) {
 std::int64_t plus(std::int64_t a, std::int64_t b) {
   std::int64_t r = 0;
   return a < 0 || b < 0 || __builtin_add_overflow(a, b, &r) ? -1 : r;
-}
-
-std::string ranks_text(const std::vector<int>& ranks) {
-  return fmt::format("{} [{}]", ranks.size() == 1 ? "rank" : "ranks", fmt::join(ranks, ", "));
 }
 
 // The bytes of `shape`'s elements (InvalidArgument for a negative size, too many dimensions or a
@@ -293,24 +291,17 @@ void Gather::plan_input(std::size_t i, std::int64_t& cursor) {
 // Every rank's input i has the same byte count (the count of inputs and their total were agreed).
 void Gather::check_sizes(const std::vector<std::span<const std::byte>>& payloads) const {
   for (std::size_t i = 0; i < planned_.size(); ++i) {
-    std::map<std::int64_t, std::vector<int>> by_bytes;
+    std::map<int, std::string> held;
     for (std::size_t r = 0; r < payloads.size(); ++r) {
       std::int64_t bytes = -1;
       if (payloads[r].size() == planned_.size() * sizeof(std::int64_t))
         std::memcpy(&bytes, payloads[r].data() + i * sizeof(std::int64_t), sizeof bytes);
-      by_bytes[bytes].push_back(static_cast<int>(r));
+      held[static_cast<int>(r)] = fmt::format("{} bytes", bytes);
     }
-    if (by_bytes.size() == 1) continue;
-    std::string detail;
-    std::vector<int> others;
-    for (const auto& [bytes, ranks] : by_bytes) {
-      detail += fmt::format("{}{} bytes on {}", detail.empty() ? "" : ", ", bytes, ranks_text(ranks));
-      if (bytes != planned_[i].bytes) others.insert(others.end(), ranks.begin(), ranks.end());
-    }
-    throw PeerError(fmt::format("{}: ranks disagree on the size of {}: {} (every rank must make the same all_gather "
-                                "calls with the same byte sizes)",
-                                context(), input_name(i, planned_.size(), "t"), detail),
-                    others);
+    if (auto e = comm::disagreement(context(), fmt::format("the size of {}", input_name(i, planned_.size(), "t")), held,
+                                    state_.engine().facts.rank,
+                                    "every rank must make the same all_gather calls with the same byte sizes"))
+      throw *e;
   }
 }
 
@@ -447,28 +438,6 @@ Tensor AgrsState::view(std::int64_t offset, DType dtype, std::span<const std::in
   return all.with_view(TensorView(base + offset, dtype, shape));
 }
 
-AgrsState& AgrsAccess::state(ElasticBuffer& buffer) {
-  if (!buffer.agrs_) buffer.agrs_ = std::make_shared<AgrsState>(*buffer.engine_);
-  return *buffer.agrs_;
-}
-
-void AgrsAccess::release(ElasticBuffer& buffer, bool collective, const char* operation) {
-  std::lock_guard lock(buffer.calls_);
-  if (buffer.agrs_) buffer.agrs_->release(collective, operation);
-}
-
-void AgrsAccess::set_config(ElasticBuffer& buffer, std::int64_t num_max_session_bytes,
-                            int num_max_all_gathers_per_session, const std::string& rejection) {
-  std::lock_guard lock(buffer.calls_);
-  state(buffer).set_config(num_max_session_bytes, num_max_all_gathers_per_session, rejection);
-}
-
-AllGatherResult AgrsAccess::all_gather(ElasticBuffer& buffer, std::span<const TensorView> tensors,
-                                       const std::string& rejection) {
-  std::lock_guard lock(buffer.calls_);
-  return state(buffer).all_gather(tensors, rejection);
-}
-
 }  // namespace moe_ep::elastic
 
 namespace moe_ep {
@@ -500,27 +469,40 @@ std::int64_t ElasticBuffer::get_agrs_buffer_size_hint(const Group& group, std::i
   return hint;
 }
 
-void ElasticBuffer::agrs_set_config(std::int64_t num_max_session_bytes, int num_max_all_gathers_per_session) {
-  elastic::AgrsAccess::set_config(*this, num_max_session_bytes, num_max_all_gathers_per_session, {});
+elastic::AgrsState& ElasticBuffer::agrs_state() {
+  if (!agrs_) agrs_ = std::make_shared<elastic::AgrsState>(*engine_);
+  return *agrs_;
+}
+
+void ElasticBuffer::release_agrs(bool collective, const char* operation) {
+  std::lock_guard lock(calls_);
+  if (agrs_) agrs_->release(collective, operation);
+}
+
+void ElasticBuffer::agrs_set_config(std::int64_t num_max_session_bytes, int num_max_all_gathers_per_session,
+                                    const std::string& rejection) {
+  std::lock_guard lock(calls_);
+  agrs_state().set_config(num_max_session_bytes, num_max_all_gathers_per_session, rejection);
 }
 
 void ElasticBuffer::create_agrs_session() {
   std::lock_guard lock(calls_);
-  elastic::AgrsAccess::state(*this).create_session();
+  agrs_state().create_session();
 }
 
 void ElasticBuffer::destroy_agrs_session() {
   std::lock_guard lock(calls_);
-  elastic::AgrsAccess::state(*this).destroy_session();
+  agrs_state().destroy_session();
 }
 
 std::vector<Tensor> ElasticBuffer::agrs_get_inplace_tensor(std::span<const AgrsShape> shapes, DType dtype) {
   std::lock_guard lock(calls_);
-  return elastic::AgrsAccess::state(*this).inplace_tensors(shapes, dtype);
+  return agrs_state().inplace_tensors(shapes, dtype);
 }
 
-AllGatherResult ElasticBuffer::all_gather(std::span<const TensorView> tensors) {
-  return elastic::AgrsAccess::all_gather(*this, tensors, {});
+AllGatherResult ElasticBuffer::all_gather(std::span<const TensorView> tensors, const std::string& rejection) {
+  std::lock_guard lock(calls_);
+  return agrs_state().all_gather(tensors, rejection);
 }
 
 }  // namespace moe_ep

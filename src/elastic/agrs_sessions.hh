@@ -105,18 +105,4 @@ class AgrsState : public std::enable_shared_from_this<AgrsState> {
   int slots_ = 0;
 };
 
-// ElasticBuffer's AGRS state (made on first use). The calls below hold the buffer's call lock, as
-// its public methods do; state() does not: its callers hold the lock.
-class AgrsAccess {
- public:
-  static AgrsState& state(ElasticBuffer& buffer);
-  // ElasticBuffer's destroy and destruction: before the engine's.
-  static void release(ElasticBuffer& buffer, bool collective, const char* operation);
-  // agrs_set_config and all_gather with `rejection` (as DispatchArgs::rejection), for the bindings.
-  static void set_config(ElasticBuffer& buffer, std::int64_t num_max_session_bytes,
-                         int num_max_all_gathers_per_session, const std::string& rejection);
-  static AllGatherResult all_gather(ElasticBuffer& buffer, std::span<const TensorView> tensors,
-                                    const std::string& rejection);
-};
-
 }  // namespace moe_ep::elastic

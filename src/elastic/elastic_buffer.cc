@@ -3,7 +3,6 @@
 #include "moe_ep/elastic_buffer.hpp"
 
 #include "elastic/agrs_sessions.hh"
-#include "elastic/elastic_access.hh"
 #include "elastic/engram_store.hh"
 #include "elastic/pp_channels.hh"
 
@@ -103,11 +102,11 @@ ElasticBuffer::~ElasticBuffer() {
   const bool collective =
       !config_.explicitly_destroy && core::attempt("", [&] { engine_->check_usable("destruction"); }) == nullptr;
   const std::exception_ptr error =
-      core::attempt("", [&] { elastic::AgrsAccess::release(*this, collective, "destruction"); });
+      core::attempt("", [&] { release_agrs(collective, "destruction"); });
   if (error) {
     core::warn(core::Subsys::kAlloc, "ElasticBuffer #{} on rank {}: the all-gather session region is released alone ({})",
                engine_->facts.id, engine_->facts.rank, comm::message_of(error));
-    elastic::AgrsAccess::release(*this, false, "destruction");
+    release_agrs(false, "destruction");
   }
 }
 
@@ -149,11 +148,11 @@ engine::DispatchRequest dispatch_request(engine::Engine& engine, const ElasticBu
   r.cpu_sync = args.do_cpu_sync.value_or(args.handle == nullptr);
   r.expand = args.do_expand;
   r.zero_padding = args.do_zero_padding;
-  r.col_major_scales = args.use_tma_aligned_col_major_sf;
+  r.generation.col_major_scales = args.use_tma_aligned_col_major_sf;
   const int num_sms = args.num_sms, requested_tokens = args.num_max_tokens_per_rank, tokens = r.max_tokens;
   const bool cached = args.handle != nullptr;
   const bool event_without_allocation = args.previous_event.has_value() && !args.allocate_on_comm_stream;
-  r.validate_more = [num_sms, requested_tokens, tokens, cached, event_without_allocation](const std::string& context) {
+  r.check_generation_arguments = [num_sms, requested_tokens, tokens, cached, event_without_allocation](const std::string& context) {
     core::v2::check_call(context, num_sms, event_without_allocation);
     if (requested_tokens < 0) core::fail(context, "num_max_tokens_per_rank = {} is negative", requested_tokens);
     if (tokens == 0 && !cached)
@@ -172,7 +171,7 @@ engine::CombineRequest combine_request(engine::Engine& engine, const CombineArgs
   r.bias = args.bias;
   const int num_sms = args.num_sms > 0 ? args.num_sms : (args.handle ? args.handle->num_sms : 0);
   r.workers = worker_choice(engine, num_sms);
-  r.validate_more = [given = args.num_sms, num_sms, from_handle = args.num_sms <= 0 && args.handle != nullptr](
+  r.check_generation_arguments = [given = args.num_sms, num_sms, from_handle = args.num_sms <= 0 && args.handle != nullptr](
                         const std::string& context) {
     core::v2::check_call(context, given, false);
     if (from_handle && (num_sms < 0 || num_sms > kMaxWorkers))
@@ -187,24 +186,23 @@ engine::CombineRequest combine_request(engine::Engine& engine, const CombineArgs
 
 }  // namespace
 
-// The public calls are the internal ones without extras: one path from the arguments to the engine.
-DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) { return elastic::Access::dispatch(*this, args, {}); }
+// The plain calls are the ones without extras: one path from the arguments to the engine.
+DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args) { return dispatch(args, DispatchExtras{}); }
 
-CombineResult ElasticBuffer::combine(const CombineArgs& args) { return elastic::Access::combine(*this, args, {}); }
+CombineResult ElasticBuffer::combine(const CombineArgs& args) { return combine(args, CombineExtras{}); }
 
-DispatchResult elastic::Access::dispatch(ElasticBuffer& buffer, const DispatchArgs& args,
-                                         const DispatchExtras& extras) {
-  std::lock_guard lock(buffer.calls_);
-  engine::Engine& e = *buffer.engine_;
+DispatchResult ElasticBuffer::dispatch(const DispatchArgs& args, const DispatchExtras& extras) {
+  std::lock_guard lock(calls_);
+  engine::Engine& e = *engine_;
   e.check_usable("dispatch");
-  engine::DispatchRequest r = dispatch_request(e, buffer.config_, args);
-  r.expert_stride = extras.expert_stride;
+  engine::DispatchRequest r = dispatch_request(e, config_, args);
+  r.generation.expert_stride = extras.expert_stride;
   return e.execute(engine::make_dispatch(e, std::move(r), e.next_sequence()), args.async_with_compute_stream);
 }
 
-CombineResult elastic::Access::combine(ElasticBuffer& buffer, const CombineArgs& args, const CombineExtras& extras) {
-  std::lock_guard lock(buffer.calls_);
-  engine::Engine& e = *buffer.engine_;
+CombineResult ElasticBuffer::combine(const CombineArgs& args, const CombineExtras& extras) {
+  std::lock_guard lock(calls_);
+  engine::Engine& e = *engine_;
   e.check_usable("combine");
   engine::CombineRequest r = combine_request(e, args);
   r.row_weights = extras.row_weights;
@@ -234,7 +232,7 @@ void ElasticBuffer::destroy() {
   std::lock_guard lock(calls_);
   if (!config_.explicitly_destroy)
     throw StateError(fmt::format("{}: destroy() requires explicitly_destroy = true", engine_->facts.context("destroy")));
-  elastic::AgrsAccess::release(*this, true, "destroy");
+  release_agrs(true, "destroy");
   engine_->destroy();
   engram_.reset();  // every rank passed destroy(): no peer reads or writes this memory any more
   pp_.reset();

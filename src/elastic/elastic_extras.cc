@@ -6,14 +6,11 @@
 #include "core/log.hh"
 #include "elastic/collective_call.hh"
 #include "elastic/engram_store.hh"
-#include "elastic/extras_access.hh"
 #include "elastic/pp_channels.hh"
 #include "engine/engine.hh"
 #include "moe_ep/elastic_buffer.hpp"
 
 namespace moe_ep {
-
-using elastic::ExtrasAccess;
 
 namespace {
 
@@ -34,8 +31,9 @@ std::pair<std::int64_t, std::int64_t> ElasticBuffer::get_engram_storage_size_hin
   return elastic::EngramStore::size_hint(num_entries, hidden, num_max_tokens_per_rank, dtype);
 }
 
-void ElasticBuffer::engram_write(const TensorView& storage, const Tensor& sf) {
-  ExtrasAccess::engram_write(*this, storage, sf, {});
+void ElasticBuffer::engram_write(const TensorView& storage, const Tensor& sf, const std::string& rejection) {
+  std::lock_guard lock(calls_);
+  part_of(*engine_, engram_, "engram_write").write(storage, sf, rejection);
 }
 
 EngramFetchResult ElasticBuffer::engram_fetch(const TensorView& indices, int num_qps,
@@ -49,8 +47,10 @@ std::int64_t ElasticBuffer::get_pp_buffer_size_hint(std::int64_t num_max_tensor_
   return elastic::PpChannels::size_hint(num_max_tensor_bytes, num_max_inflight_tensors);
 }
 
-void ElasticBuffer::pp_set_config(std::int64_t num_max_tensor_bytes, std::int64_t num_max_inflight_tensors) {
-  ExtrasAccess::pp_set_config(*this, num_max_tensor_bytes, num_max_inflight_tensors, {});
+void ElasticBuffer::pp_set_config(std::int64_t num_max_tensor_bytes, std::int64_t num_max_inflight_tensors,
+                                  const std::string& rejection) {
+  std::lock_guard lock(calls_);
+  part_of(*engine_, pp_, "pp_set_config").set_config(num_max_tensor_bytes, num_max_inflight_tensors, num_bytes(), rejection);
 }
 
 void ElasticBuffer::pp_send(const TensorView& t, int dst_rank_idx, int num_sms) {
@@ -65,28 +65,11 @@ void ElasticBuffer::pp_recv(const TensorView& t, int src_rank_idx, int num_sms) 
 
 // DeepEP's flags choose streams, CTAs and device syncs; on the host every combination is the same
 // full barrier (an agreement over every rank, after this rank's queued asynchronous work).
-void ElasticBuffer::barrier(bool use_comm_stream, bool with_cpu_sync, bool sequential) {
-  ExtrasAccess::barrier(*this, {});
-}
-
-void ExtrasAccess::engram_write(ElasticBuffer& buffer, const TensorView& storage, const Tensor& sf,
-                                const std::string& rejection) {
-  std::lock_guard lock(buffer.calls_);
-  part_of(*buffer.engine_, buffer.engram_, "engram_write").write(storage, sf, rejection);
-}
-
-void ExtrasAccess::pp_set_config(ElasticBuffer& buffer, std::int64_t num_max_tensor_bytes,
-                                 std::int64_t num_max_inflight_tensors, const std::string& rejection) {
-  std::lock_guard lock(buffer.calls_);
-  part_of(*buffer.engine_, buffer.pp_, "pp_set_config")
-      .set_config(num_max_tensor_bytes, num_max_inflight_tensors, buffer.num_bytes(), rejection);
-}
-
-void ExtrasAccess::barrier(ElasticBuffer& buffer, const std::string& rejection) {
-  std::lock_guard lock(buffer.calls_);
+void ElasticBuffer::barrier(bool use_comm_stream, bool with_cpu_sync, bool sequential, const std::string& rejection) {
+  std::lock_guard lock(calls_);
   elastic::CollectiveCall call;
   call.rejection = rejection;
-  elastic::run_collective(*buffer.engine_, "barrier", std::move(call));
+  elastic::run_collective(*engine_, "barrier", std::move(call));
 }
 
 // Peers read this rank's Engram storage and write its PP slots without it taking part: the memory

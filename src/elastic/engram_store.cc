@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstring>
 
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "elastic/collective_call.hh"
 #include "moe_ep/error.hpp"
@@ -16,7 +17,6 @@ namespace {
 using Wide = __int128;
 
 // x rounded up to a multiple of a (a > 0), in 128 bits (the caller checks the result's range).
-Wide round_up(Wide x, Wide a) { return (x + a - 1) / a * a; }
 
 std::int64_t narrow(const char* context, const char* what, Wide value) {
   if (value > INT64_MAX)
@@ -83,9 +83,9 @@ std::pair<std::int64_t, std::int64_t> EngramStore::size_hint(std::int64_t num_en
   if (num_entries < 0 || hidden < 0 || num_max_tokens_per_rank < 0)
     throw InvalidArgument(fmt::format("{}: num_entries = {}, hidden = {} and num_max_tokens_per_rank = {} must not be "
                                       "negative", ctx, num_entries, hidden, num_max_tokens_per_rank));
-  const Wide per = round_up(Wide{hidden} * static_cast<Wide>(element_size(dtype)), 32);
-  const Wide gpu = round_up(per * num_max_tokens_per_rank, kBufferAlignment);
-  const Wide cpu = round_up(per * num_entries, kBufferAlignment);
+  const Wide per = core::round_up<Wide>(Wide{hidden} * static_cast<Wide>(element_size(dtype)), 32);
+  const Wide gpu = core::round_up<Wide>(per * num_max_tokens_per_rank, kBufferAlignment);
+  const Wide cpu = core::round_up<Wide>(per * num_entries, kBufferAlignment);
   return {narrow(ctx, "the GPU part (rows x row bytes)", gpu), narrow(ctx, "the CPU part (entries x row bytes)", cpu)};
 }
 
@@ -215,7 +215,7 @@ Tensor EngramStore::gather_scales(const TensorView& indices, bool col_major) con
   Tensor out;
   std::int64_t row_stride = KP, col_stride = 1;
   if (col_major) {
-    const std::int64_t lead = (T + 3) / 4 * 4;
+    const std::int64_t lead = core::round_up(T, 4);
     Tensor padded = Tensor::zeros({KP, lead}, dt);
     const std::int64_t shape[] = {T, KP}, strides[] = {1, lead};
     out = padded.with_view(TensorView(padded.data(), dt, shape, strides));

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "comm/peer_failure.hh"
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/v2_contract.hh"
 #include "elastic/collective_call.hh"
@@ -34,7 +35,6 @@ struct Published {
   std::uint64_t received[2];
 };
 
-Wide round_up(Wide x, Wide a) { return (x + a - 1) / a * a; }
 
 // Every message sent has been received: else StateError naming the first pair that has some in flight.
 void check_drained(const std::string& ctx, const std::vector<Published>& all) {
@@ -66,7 +66,8 @@ std::int64_t PpChannels::size_hint(std::int64_t num_max_tensor_bytes, std::int64
   if (num_max_tensor_bytes < 0 || num_max_inflight_tensors < 0)
     throw InvalidArgument(fmt::format("{}: num_max_tensor_bytes = {} and num_max_inflight_tensors = {} must not be "
                                       "negative", ctx, num_max_tensor_bytes, num_max_inflight_tensors));
-  const Wide bytes = round_up(round_up(num_max_tensor_bytes, kAlign) * num_max_inflight_tensors * 4, kBufferAlignment);
+  const Wide slot = core::round_up<Wide>(num_max_tensor_bytes, kAlign);
+  const Wide bytes = core::round_up<Wide>(slot * num_max_inflight_tensors * 4, kBufferAlignment);
   if (bytes > INT64_MAX)
     throw InvalidArgument(fmt::format("{}: {} x {} messages do not fit in 64 bits", ctx, num_max_tensor_bytes,
                                       num_max_inflight_tensors));
@@ -98,7 +99,7 @@ void PpChannels::set_config(std::int64_t bytes, std::int64_t inflight, std::int6
     const std::string ctx = f.context("pp_set_config");
     in_step([&] { check_drained(ctx, engine::payload_per_rank<Published>(payloads, ctx)); });
     const int R = f.num_ranks;
-    rebuild(Config{static_cast<std::int64_t>(round_up(bytes, kAlign)), inflight, (f.rank - 1 + R) % R,
+    rebuild(Config{static_cast<std::int64_t>(core::round_up<Wide>(bytes, kAlign)), inflight, (f.rank - 1 + R) % R,
                    (f.rank + 1) % R});
   };
   run_collective(engine_, "pp_set_config", std::move(call));

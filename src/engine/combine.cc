@@ -7,11 +7,13 @@
 #include <functional>
 
 #include "comm/agreement.hh"
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/env_vars.hh"
 #include "core/failure.hh"
 #include "core/log.hh"
 #include "core/reduce.hh"
+#include "core/v2_contract.hh"
 #include "engine/combine_op.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/limits.hpp"
@@ -45,7 +47,7 @@ std::uint16_t* scratch_row(int index, std::int64_t hidden) {
 // fn(t) for every token, in tasks of kTokensPerTask on the pool, each task with its scratch rows
 // and its streaming stores fenced.
 void for_each_token(core::WorkerPool& pool, int tokens, std::int64_t hidden, const std::function<void(int)>& fn) {
-  pool.parallel_for((tokens + kTokensPerTask - 1) / kTokensPerTask, [&](std::int64_t task) {
+  pool.parallel_for(core::ceil_div<std::int64_t>(tokens, kTokensPerTask), [&](std::int64_t task) {
     prepare_scratch(hidden);
     const int end = static_cast<int>(std::min<std::int64_t>(tokens, (task + 1) * kTokensPerTask));
     for (int t = static_cast<int>(task * kTokensPerTask); t < end; ++t) fn(t);
@@ -94,10 +96,12 @@ float Combine::lane_weight(const std::int64_t* ids, const std::int32_t* rows, co
 void Combine::validate() {
   const auto& a = req_;
   if (!a.rejection.empty()) core::fail(ctx_, "{}", a.rejection);
-  if (a.validate_more) a.validate_more(ctx_);
-  if (!a.handle) core::fail(ctx_, "handle is missing");
+  if (a.check_generation_arguments) a.check_generation_arguments(ctx_);
+  core::v2::check_combine_handle_given(ctx_, a.handle.get());
   plan_ = &checked_handle(engine_, ctx_, *a.handle);
   const HandleFacts& h = plan_->facts;
+  const core::v2::CombineShape checked =
+      core::v2::check_combine(ctx_, a.x, a.topk_weights, a.bias, h, DLDevice{kDLCPU, 0});
   expand_ = h.do_expand;
   multi_ = engine_.facts.config.allow_multiple_reduction;
   shape_.tokens = h.num_tokens;
@@ -106,39 +110,13 @@ void Combine::validate() {
   shape_.experts = h.num_experts;
   shape_.local_experts = h.num_experts / engine_.facts.num_ranks;
   shape_.alignment = h.expert_alignment;
+  shape_.hidden = checked.hidden;
   geo_ = routing::Geometry{engine_.facts.num_ranks, h.num_experts, engine_.facts.logical_scaleout};
-  const std::int64_t rows = expand_ ? h.num_expanded_tokens : h.num_recv_tokens;
-  if (a.x.defined() && a.x.dtype() != DType::kBF16)
-    core::fail(ctx_, "x has dtype {} ({}); combine reduces bfloat16 rows only: pass the expert outputs as bfloat16 "
-               "(dispatch moves any payload dtype, combine does not)", dtype_name(a.x.dtype()), a.x.describe());
-  core::expect_tensor(ctx_, "x", a.x, DType::kBF16, {-1, -1});
-  core::expect_rows_contiguous(ctx_, "x", a.x);
-  if (a.x.size(0) != rows)
-    core::fail(ctx_, "x has {} rows, the handle's {} layout has {}", a.x.size(0), expand_ ? "expanded" : "compact", rows);
-  // The handle fixes the routing, not the row width: rows dispatched as a byte payload (NVFP4
-  // values, packed tuples) come back as BF16 rows of the model's hidden size.
-  if (a.x.size(1) <= 0 || a.x.size(1) > kMaxHidden)
-    core::fail(ctx_, "x has hidden size {}, expected 1 to {}", a.x.size(1), kMaxHidden);
-  shape_.hidden = static_cast<int>(a.x.size(1));
   has_weights_ = a.topk_weights.defined();
-  if (has_weights_) {
-    if (expand_) {
-      core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {rows});
-    } else {
-      core::expect_tensor(ctx_, "topk_weights", a.topk_weights, DType::kFP32, {rows, shape_.topk});
-    }
-    core::expect_rows_contiguous(ctx_, "topk_weights", a.topk_weights);
-  }
   if (a.row_weights.defined()) {
     if (!expand_) core::fail(ctx_, "row weights need the expanded layout");
-    core::expect_tensor(ctx_, "row_weights", a.row_weights, DType::kFP32, {rows});
+    core::expect_tensor(ctx_, "row_weights", a.row_weights, DType::kFP32, {checked.rows});
     core::expect_contiguous(ctx_, "row_weights", a.row_weights);
-  }
-  if (a.bias.size() > 2) core::fail(ctx_, "{} bias tensors given, at most 2 are accepted", a.bias.size());
-  for (std::size_t b = 0; b < a.bias.size(); ++b) {
-    const std::string name = fmt::format("bias[{}]", b);
-    core::expect_tensor(ctx_, name, a.bias[b], DType::kBF16, {shape_.tokens, shape_.hidden});
-    core::expect_rows_contiguous(ctx_, name, a.bias[b]);
   }
   if (req_.sum_weights_over_ranks && expand_)
     core::fail(ctx_, "summing weights over ranks needs the compact layout");
@@ -149,7 +127,7 @@ void Combine::validate() {
   pool_need_ = need.combine_bytes;
   const std::int64_t holds = engine_.pool_bytes();
   if (!engine_.facts.config.grow_pool && need.combine_bytes > holds) {
-    const std::int64_t bytes = align_to(need.combine_bytes, engine_.facts.config.pool_alignment);
+    const std::int64_t bytes = core::round_up<std::int64_t>(need.combine_bytes, engine_.facts.config.pool_alignment);
     throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer ({} tokens per rank, hidden = {}, k = {}), "
                                     "the buffer holds {}", ctx_, bytes, shape_.max_tokens, shape_.hidden, shape_.topk, holds),
                         bytes, holds);

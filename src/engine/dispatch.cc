@@ -6,8 +6,10 @@
 #include <cstring>
 
 #include "comm/agreement.hh"
+#include "core/arith.hh"
 #include "core/env_vars.hh"
 #include "core/failure.hh"
+#include "core/host_allocator.hh"
 #include "core/log.hh"
 #include "engine/dispatch_op.hh"
 #include "moe_ep/error.hpp"
@@ -23,7 +25,7 @@ Dispatch::Dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequen
       ctx_(context()) {}
 
 void Dispatch::validate() {
-  push_ = engine_.transport().ranks_share_address_space() && env::get(env::kDispatchPush);
+  push_ = engine_.transport().offers_windows() && env::get(env::kDispatchPush);
   check_arguments();
   if (!cached_) start_handle();
 }
@@ -32,6 +34,20 @@ routing::PlanningRank Dispatch::planning_rank() const {
   return {.rank = engine_.facts.rank, .physical_scaleup = engine_.facts.physical.num_scaleup, .hybrid = engine_.facts.paths.hybrid(),
           .expand = expand_};
 }
+
+namespace {
+
+// An uninitialised contiguous tensor in memory node peers in other processes can map and write
+// (core::allocate_host_shared).
+Tensor empty_shared(std::initializer_list<std::int64_t> shape, DType dtype) {
+  std::size_t bytes = element_size(dtype);
+  for (const std::int64_t d : shape) bytes *= static_cast<std::size_t>(d);
+  std::shared_ptr<void> storage = core::allocate_host_shared(bytes);
+  void* base = storage.get();
+  return Tensor::adopt(std::move(storage), base, bytes).with_view(TensorView(base, dtype, shape));
+}
+
+}  // namespace
 
 void Dispatch::allocate_outputs(std::int64_t rows, std::int64_t expanded_rows) {
   try {
@@ -43,39 +59,44 @@ void Dispatch::allocate_outputs(std::int64_t rows, std::int64_t expanded_rows) {
 }
 
 void Dispatch::allocate_outputs_unnamed(std::int64_t rows, std::int64_t expanded_rows) {
+  // Node peers in other processes write the outputs of a push: memory they can map.
+  const bool shared = push_ && !engine_.transport().ranks_share_address_space();
+  auto output = [shared](std::initializer_list<std::int64_t> shape, DType dtype) {
+    return shared ? empty_shared(shape, dtype) : Tensor::empty(shape, dtype);
+  };
   const std::int64_t out_rows = expand_ ? expanded_rows : rows;
-  result.recv_x = Tensor::empty({out_rows, shape_.hidden}, x_dtype_);
+  result.recv_x = output({out_rows, shape_.hidden}, x_dtype_);
   if (fp8_) {
     const std::int64_t S = shape_.scale_columns;
-    if (req_.col_major_scales && stride_ > 0) {
+    if (req_.generation.col_major_scales && stride_ > 0) {
       const std::int64_t El = out_rows / stride_;
       scale_layout_ = {.block = stride_, .columns = S};
-      Tensor storage = Tensor::empty({El, S, stride_}, scale_dtype_);
+      Tensor storage = output({El, S, stride_}, scale_dtype_);
       const std::int64_t shape[] = {El, stride_, S};
       const std::int64_t strides[] = {stride_ * S, 1, stride_};
       result.recv_x_scales = storage.with_view(TensorView(storage.data(), scale_dtype_, shape, strides));
-    } else if (req_.col_major_scales) {
-      const std::int64_t padded = routing::align_up(std::max<std::int64_t>(out_rows, 1), 4);
+    } else if (req_.generation.col_major_scales) {
+      const std::int64_t padded = core::round_up(std::max<std::int64_t>(out_rows, 1), 4);
       scale_layout_ = {.block = padded, .columns = S};
-      Tensor storage = Tensor::empty({S, padded}, scale_dtype_);
+      Tensor storage = output({S, padded}, scale_dtype_);
       const std::int64_t shape[] = {out_rows, S};
       const std::int64_t strides[] = {1, padded};
       result.recv_x_scales = storage.with_view(TensorView(storage.data(), scale_dtype_, shape, strides));
     } else {
       scale_layout_ = {.block = 1, .columns = S};
-      result.recv_x_scales = Tensor::empty({out_rows, S}, scale_dtype_);
+      result.recv_x_scales = output({out_rows, S}, scale_dtype_);
     }
   }
-  if (!expand_) result.recv_topk_idx = Tensor::empty({rows, shape_.topk}, DType::kInt64);
+  if (!expand_) result.recv_topk_idx = output({rows, shape_.topk}, DType::kInt64);
   if (has_weights_)
     result.recv_topk_weights =
-        expand_ ? Tensor::empty({expanded_rows}, DType::kFP32) : Tensor::empty({rows, shape_.topk}, DType::kFP32);
+        expand_ ? output({expanded_rows}, DType::kFP32) : output({rows, shape_.topk}, DType::kFP32);
   if (cached_) {
     result.handle = std::const_pointer_cast<EPHandle>(req_.handle);
   } else {
-    result.handle->recv_src_metadata = Tensor::empty({rows, shape_.topk + 2}, DType::kInt32);
+    result.handle->recv_src_metadata = output({rows, shape_.topk + 2}, DType::kInt32);
   }
-  if (req_.on_outputs_allocated) req_.on_outputs_allocated(result);
+  if (req_.allocate_unpacked_outputs) req_.allocate_unpacked_outputs(result);
 }
 
 // The parts of a new handle known before any data moves, so that work queued behind an
@@ -87,21 +108,19 @@ void Dispatch::start_handle() {
   s.dispatch_sequence = sequence_;
   result.handle = std::make_shared<EPHandle>();
   EPHandle& h = *result.handle;
-  h.do_expand = expand_;
-  h.num_experts = shape_.experts;
-  h.expert_alignment = shape_.alignment;
-  h.num_max_tokens_per_rank = shape_.max_tokens;
-  h.num_tokens = shape_.tokens;
-  h.num_topk = shape_.topk;
-  h.hidden = handle_hidden_;
-  if (!cpu_sync_) {
-    h.num_recv_tokens = worst_rows();
-    h.num_expanded_tokens = worst_expanded_rows();
+  s.facts.do_expand = expand_;
+  s.facts.num_experts = shape_.experts;
+  s.facts.expert_alignment = shape_.alignment;
+  s.facts.num_max_tokens_per_rank = shape_.max_tokens;
+  s.facts.num_tokens = shape_.tokens;
+  s.facts.num_topk = shape_.topk;
+  s.facts.hidden = handle_hidden_;
+  s.facts.expert_stride = stride_;
+  if (!cpu_sync_) {  // worst-case counts; CPU sync writes the exact ones (fill_handle)
+    s.facts.num_recv_tokens = worst_rows();
+    s.facts.num_expanded_tokens = worst_expanded_rows();
   }
-  s.facts = {.do_expand = expand_, .num_experts = shape_.experts, .expert_alignment = shape_.alignment,
-             .num_max_tokens_per_rank = shape_.max_tokens, .num_tokens = shape_.tokens, .num_topk = shape_.topk,
-             .hidden = handle_hidden_, .expert_stride = stride_, .num_recv_tokens = h.num_recv_tokens,
-             .num_expanded_tokens = h.num_expanded_tokens};
+  core::v2::write_handle_fields(h, s.facts);
   h.state = state_;
 }
 
@@ -123,7 +142,6 @@ PeerTensors Dispatch::my_tensors() const {
   p.topk_row = topk.defined() ? topk.stride(0) : shape_.topk;
   p.listed = listed_.defined() ? reinterpret_cast<const routing::ListedToken*>(listed_.data()) : nullptr;
   p.num_tokens = shape_.tokens;
-  p.dispatch = push_ ? this : nullptr;
   return p;
 }
 
@@ -167,7 +185,7 @@ void Dispatch::prepare_routing() {
                   req_.topk_idx.data_as<const std::int64_t>() + t * req_.topk_idx.stride(0), sizeof(std::int64_t) * k);
   routing::TokenRanks ranks;
   routing::count_local({state_->topk.data_as<const std::int64_t>(), state_->topk.stride(0), N, k}, geo_, counts_, &ranks);
-  if (!req_.expert_counts.empty()) counts_.per_expert = req_.expert_counts;
+  if (!req_.generation.expert_counts.empty()) counts_.per_expert = req_.generation.expert_counts;
   std::int64_t sent = 0;
   for (const std::int32_t c : counts_.per_rank) sent += c;
   // Node peers read this list while planning what they receive (shared like the tensors).
@@ -180,14 +198,27 @@ void Dispatch::prepare_routing() {
 std::vector<std::byte> Dispatch::publish() {
   mine_ = my_tensors();
   std::vector<std::byte> payload(sizeof(PeerTensors));
+  // With push, node peers never read this rank's x, scales or weights (it writes their rows
+  // itself): they are not shared, so a process does not copy caller tensors into its arena.
   const PeerTensors shared = share_tensors(engine_, mine_,
-                                           {.x = view_extent(req_.x),
-                                            .scales = fp8_ ? view_extent(req_.x_scales) : 0,
-                                            .weights = has_weights_ ? view_extent(req_.topk_weights) : 0,
+                                           {.x = push_ ? 0 : view_extent(req_.x),
+                                            .scales = fp8_ && !push_ ? view_extent(req_.x_scales) : 0,
+                                            .weights = has_weights_ && !push_ ? view_extent(req_.topk_weights) : 0,
                                             .topk = view_extent(plan_->topk),
                                             .listed = listed_.defined() ? listed_.nbytes() : 0});
   std::memcpy(payload.data(), &shared, sizeof shared);
-  if (cached_) return payload;
+  if (cached_) {
+    if (window_in_agreement()) {
+      // A cached push knows its outputs and plan now: its window travels with the agreement, and
+      // the push needs no collective of its own (push_rows).
+      make_outputs();
+      open_own_window();
+      const PublishedWindow w = publish_window(engine_.transport(), window_, window_shape_);
+      const auto* b = reinterpret_cast<const std::byte*>(&w);
+      payload.insert(payload.end(), b, b + sizeof w);
+    }
+    return payload;
+  }
   for (const auto* v : {&counts_.per_rank, &counts_.per_expert, &counts_.per_node}) {
     const auto* b = reinterpret_cast<const std::byte*>(v->data());
     payload.insert(payload.end(), b, b + v->size() * sizeof(std::int32_t));
@@ -212,18 +243,25 @@ void Dispatch::describe(comm::Agreement& agreement) const {
       .field("expert_alignment", shape_.alignment)
       .field("do_expand", expand_)
       .field("expert stride", stride_)
-      .field("sources push rows (ranks as threads)", push_);
+      .field("sources push rows into windows", push_);
 }
 
 std::vector<PeerTensors> Dispatch::unpack_peers(const std::vector<std::span<const std::byte>>& payloads) {
-  const std::size_t counts_bytes =
-      cached_ ? 0 : sizeof(std::int32_t) * static_cast<size_t>(geo_.num_ranks + geo_.num_experts + geo_.num_nodes);
+  const std::size_t extra_bytes =
+      cached_ ? (window_in_agreement() ? sizeof(PublishedWindow) : 0)
+              : sizeof(std::int32_t) * static_cast<size_t>(geo_.num_ranks + geo_.num_experts + geo_.num_nodes);
   std::vector<PeerTensors> peers(payloads.size());
+  agreed_windows_.clear();
   for (std::size_t r = 0; r < payloads.size(); ++r) {
-    if (payloads[r].size() != sizeof(PeerTensors) + counts_bytes)
+    if (payloads[r].size() != sizeof(PeerTensors) + extra_bytes)
       throw StateError(fmt::format("{}: rank {} published {} bytes, expected {}", ctx_, r, payloads[r].size(),
-                                   sizeof(PeerTensors) + counts_bytes));
+                                   sizeof(PeerTensors) + extra_bytes));
     std::memcpy(&peers[r], payloads[r].data(), sizeof(PeerTensors));
+    if (window_in_agreement() && engine_.facts.same_node(static_cast<int>(r))) {
+      PublishedWindow w;
+      std::memcpy(&w, payloads[r].data() + sizeof(PeerTensors), sizeof w);
+      agreed_windows_.push_back(w);
+    }
   }
   resolve_tensors(engine_, peers, mine_);
   return peers;
@@ -282,16 +320,13 @@ void Dispatch::move_rows(const std::vector<PeerTensors>& peers) {
   if (!cached_ && hybrid) plan_forwarding(records);
   if (hybrid) engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("dispatch: forwarded records ready"));
   if (!cached_ && records.used()) plan_receive_remote(records);
-  prepare_copies(peers, records);
+  open_own_window();
   if (push_) {
-    // Every rank of the node has its outputs and its receive plan: sources write their rows.
-    engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("dispatch: outputs ready"));
-    comm::PeerReads writes(engine_.transport(), "dispatch: push");  // node peers' outputs
     push_rows(peers);
-    copy_rows(true);
+    copy_rows(peers, records, true);
   } else {
     comm::PeerReads reads(engine_.transport(), "dispatch: copy");  // node peers' x, scales and weights
-    copy_rows(false);
+    copy_rows(peers, records, false);
   }
   if (req_.zero_padding) zero_padding();
   add_expert_stats();
@@ -326,10 +361,10 @@ void Dispatch::plan_receive_remote(const DispatchRecordExchange& records) {
 
 void Dispatch::finish() {
   // Pushed rows are all here once every node peer passed the exit barrier.
-  if (req_.on_rows_received && !push_) req_.on_rows_received(result);
+  if (req_.unpack_received_rows && !push_) req_.unpack_received_rows(result);
   engine_.transport().barrier(comm::Scope::kNode, engine_.facts.wait("dispatch: exit"));
-  if (req_.on_rows_received && push_) req_.on_rows_received(result);
-  if (!cached_ && req_.on_complete) req_.on_complete(*result.handle);
+  if (req_.unpack_received_rows && push_) req_.unpack_received_rows(result);
+  if (!cached_ && req_.fill_generation_handle) req_.fill_generation_handle(*result.handle);
 }
 
 void Dispatch::fill_handle() {

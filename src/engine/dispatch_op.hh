@@ -15,11 +15,12 @@
 #include <string>
 #include <vector>
 
-#include "core/v2_contract.hh"
 #include "comm/agreement.hh"
+#include "core/v2_contract.hh"
 #include "engine/call_shape.hh"
 #include "engine/dispatch_record_exchange.hh"
 #include "engine/engine.hh"
+#include "engine/receive_window.hh"
 #include "routing/handle_plan.hh"
 
 namespace moe_ep::engine::dispatch_detail {
@@ -71,15 +72,18 @@ class Dispatch final : public DispatchOperation {
   void plan_forwarding(const DispatchRecordExchange& records);
   void plan_receive_remote(const DispatchRecordExchange& records);
 
-  // Copies into the outputs (dispatch_rows.cc). prepare_copies sets the outputs and what copy_row
-  // reads; then either this rank copies every row it receives (pull), or (push_) every source of
-  // this node writes its rows here (push_rows, run by the source) and this rank copies only the
-  // rows of other nodes.
-  void prepare_copies(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records);
+  // Copies into the outputs (dispatch_rows.cc). open_window sets this rank's receive window (its
+  // outputs and its plan); then either this rank writes every row it receives into it (pull), or
+  // (push_) every source of this node writes its rows into the windows its node peers published
+  // (push_rows) and this rank writes only the rows of other nodes.
+  void open_own_window();
+  // A cached dispatch with push publishes its window in the agreement (its outputs and plan are
+  // known before it); a new one publishes it in a node all-gather once it has planned.
+  bool window_in_agreement() const { return push_ && cached_; }
+  std::vector<ReceiveWindow> node_windows();
   void push_rows(const std::vector<PeerTensors>& peers);
-  void copy_rows(bool remote_only);
-  void copy_row(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records, std::int64_t row,
-                std::int32_t* metadata);
+  void copy_rows(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records, bool remote_only);
+  RowInput row_input(const PeerTensors& source, std::int64_t token) const;
   void zero_padding();
   void add_expert_stats();
 
@@ -104,28 +108,15 @@ class Dispatch final : public DispatchOperation {
   PeerTensors mine_;                    // this rank's tensors (before sharing)
   routing::LocalCounts counts_;
   Tensor listed_;  // new dispatch: int32 [rows this rank sends, 2], routing::list_by_destination
-  // Where row r, column p of the output scales lives (DispatchRequest::col_major_scales): blocks
-  // of `block` rows, column-major within a block; block 1 is row-major.
-  struct ScaleLayout {
-    std::int64_t block = 1, columns = 0;
-    std::int64_t at(std::int64_t r, std::int64_t p) const {
-      return (r / block) * (block * columns) + r % block + p * block;
-    }
-  };
   ScaleLayout scale_layout_;  // set with the outputs
-  // copy_row's output pointers and inputs, set by prepare_copies (a node peer pushing rows here
-  // uses them too).
-  struct Outputs {
-    std::byte* x = nullptr;
-    std::uint32_t* scales = nullptr;
-    std::int64_t* ids = nullptr;
-    float* weights = nullptr;
-    std::int32_t* metadata = nullptr;  // null for a cached dispatch
-  } out_;
-  const std::vector<PeerTensors>* copy_peers_ = nullptr;
-  const DispatchRecordExchange* copy_records_ = nullptr;
-  // Ranks as threads and MOE_EP_DISPATCH_PUSH: sources write their rows into their node peers'
-  // outputs (each token read once, not once per destination). The same on every rank (agreed).
+  WindowShape window_shape_;  // set by open_own_window
+  ReceiveWindow window_;      // this rank's outputs and receive plan (open_own_window)
+  // The windows the node's ranks published in the agreement (window_in_agreement), by local index.
+  std::vector<PublishedWindow> agreed_windows_;
+  // MOE_EP_DISPATCH_PUSH over a transport that offers windows (every transport: threads and
+  // processes): sources write their rows into their node peers' windows (each token read once,
+  // not once per destination).
+  // The same on every rank (agreed).
   bool push_ = false;
 };
 

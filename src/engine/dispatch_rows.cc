@@ -1,144 +1,135 @@
-// The copies of a dispatch into its outputs: every row this rank receives, from its source's
-// tensors (same node) or its record (DispatchRecordExchange), or with ranks as threads the rows
-// this rank's tokens make at its node peers (push); the padding and the statistics.
+// The copies of a dispatch into its outputs (through receive windows, engine/receive_window.hh):
+// every row this rank receives, from its source's tensors (same node) or its record
+// (DispatchRecordExchange), or, where the transport offers windows, the rows this rank's tokens
+// make at its node peers (push); the padding and the statistics.
 #include <algorithm>
 #include <cstring>
 
 #include <fmt/format.h>
 
+#include "comm/peer_reads.hh"
+#include "core/arith.hh"
 #include "core/reduce.hh"
 #include "engine/dispatch_op.hh"
 #include "moe_ep/error.hpp"
 
 namespace moe_ep::engine::dispatch_detail {
 
-void Dispatch::prepare_copies(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records) {
-  out_.x = static_cast<std::byte*>(result.recv_x.data());
-  out_.scales = fp8_ ? result.recv_x_scales.data_as<std::uint32_t>() : nullptr;
-  out_.ids = expand_ ? nullptr : result.recv_topk_idx.data_as<std::int64_t>();
-  out_.weights = has_weights_ ? result.recv_topk_weights.data_as<float>() : nullptr;
-  out_.metadata = cached_ ? nullptr : result.handle->recv_src_metadata.data_as<std::int32_t>();
-  copy_peers_ = &peers;
-  copy_records_ = &records;
+void Dispatch::open_own_window() {
+  const HandleState& plan = *plan_;
+  window_shape_ = {.row_bytes = row_bytes_, .topk = shape_.topk, .scale_columns = shape_.scale_columns,
+                   .max_tokens = shape_.max_tokens, .expand = expand_, .zero_nonlocal_weights = req_.generation.zero_nonlocal_weights};
+  window_ = {};
+  window_.x = static_cast<std::byte*>(result.recv_x.data());
+  window_.scales = fp8_ ? result.recv_x_scales.data_as<std::uint32_t>() : nullptr;
+  window_.ids = expand_ ? nullptr : result.recv_topk_idx.data_as<std::int64_t>();
+  window_.weights = has_weights_ ? result.recv_topk_weights.data_as<float>() : nullptr;
+  window_.metadata = cached_ ? nullptr : result.handle->recv_src_metadata.data_as<std::int32_t>();
+  window_.out_rows = result.recv_x.size(0);
+  window_.scale_layout = scale_layout_;
+  window_.rows = plan.rows.data();
+  window_.row_token = plan.row_token.data();
+  window_.master_lane = plan.master_lane.data();
+  window_.local_ids = plan.local_ids.data();
+  window_.expanded_rows = expand_ ? plan.expanded_rows.data() : nullptr;
+  window_.num_rows = static_cast<std::int64_t>(plan.rows.size());
 }
 
-// Push: this rank's tokens in order, each written to every rank of this node it goes to (its row
-// there is dst_row at the token's master lane for that rank), by that rank's copy_row, so that the
-// row is read from memory once and then from the cache. Node peers' outputs are ready (a node
-// barrier after prepare_copies) and stay alive until the exit barrier, or until this rank closed
-// its peer section if one of them fails (comm/peer_reads.hh).
-void Dispatch::push_rows(const std::vector<PeerTensors>& peers) {
-  const HandleState& plan = *plan_;
-  const int k = shape_.topk, me = engine_.facts.rank, N = shape_.tokens;
-  std::vector<Dispatch*> targets(peers.size(), nullptr);
-  for (std::size_t r = 0; r < peers.size(); ++r) {
-    if (!engine_.facts.same_node(static_cast<int>(r))) continue;
-    targets[r] = static_cast<Dispatch*>(const_cast<void*>(peers[r].dispatch));
-    if (!targets[r]) throw StateError(fmt::format("{}: rank {} published no dispatch to push rows into", ctx_, r));
+// Token `token` of a source of this node, read from its published tensors.
+RowInput Dispatch::row_input(const PeerTensors& p, std::int64_t token) const {
+  RowInput in;
+  in.payload = p.x + token * p.x_row_bytes;
+  if (fp8_) {
+    in.scales = reinterpret_cast<const std::uint32_t*>(p.scales) + token * p.scale_stride[0];
+    in.scale_step = p.scale_stride[1];
   }
+  if (has_weights_) in.weights = p.weights + token * p.weights_row;
+  return in;
+}
+
+// The windows of this node's ranks, by rank (entries of other nodes stay empty): from the
+// agreement (window_in_agreement), or published now by a node all-gather, once every rank of the
+// node has its outputs and its plan.
+std::vector<ReceiveWindow> Dispatch::node_windows() {
+  comm::Transport& transport = engine_.transport();
+  std::vector<PublishedWindow> published = agreed_windows_;
+  if (!window_in_agreement()) {
+    const PublishedWindow mine = publish_window(transport, window_, window_shape_);
+    const comm::Gathered gathered = transport.all_gather(std::as_bytes(std::span(&mine, 1)), comm::Scope::kNode,
+                                                         engine_.facts.wait("dispatch: outputs ready"));
+    for (int i = 0; i < gathered.size(); ++i) {
+      if (gathered[i].size() != sizeof(PublishedWindow))
+        throw StateError(fmt::format("{}: rank {} published a {}-byte window, expected {}", ctx_,
+                                     transport.node_first_rank() + i, gathered[i].size(), sizeof(PublishedWindow)));
+      PublishedWindow w;
+      std::memcpy(&w, gathered[i].data(), sizeof w);
+      published.push_back(w);
+    }
+  }
+  const int me = engine_.facts.rank, first = transport.node_first_rank();
+  std::vector<ReceiveWindow> windows(static_cast<size_t>(engine_.facts.num_ranks));
+  for (int i = 0; i < transport.node_size(); ++i)
+    windows[static_cast<size_t>(first + i)] =
+        first + i == me ? window_ : open_window(transport, first + i, published[static_cast<size_t>(i)], window_shape_);
+  return windows;
+}
+
+// Push: this rank's tokens in order, each written into the window of every rank of this node it
+// goes to (its row there is dst_row at the token's master lane for that rank), so that the row is
+// read from memory once and then from the cache. The windows stay alive until the exit barrier,
+// or until this rank closed its peer section if one of them fails (comm/peer_reads.hh).
+void Dispatch::push_rows(const std::vector<PeerTensors>& peers) {
+  const std::vector<ReceiveWindow> windows = node_windows();
+  comm::PeerReads writes(engine_.transport(), "dispatch: push");  // node peers' windows
+  const int k = shape_.topk, me = engine_.facts.rank, N = shape_.tokens;
+  const HandleState& plan = *plan_;
+  const PeerTensors& own = peers[static_cast<size_t>(me)];
   const std::int64_t* topk = plan.topk.data_as<const std::int64_t>();
   const std::int64_t topk_row = plan.topk.stride(0);
-  engine_.pool().parallel_for((N + kRowsPerTask - 1) / kRowsPerTask, [&](std::int64_t task) {
+  engine_.pool().parallel_for(core::ceil_div<std::int64_t>(N, kRowsPerTask), [&](std::int64_t task) {
     const std::int64_t end = std::min<std::int64_t>(N, (task + 1) * kRowsPerTask);
-    for (std::int64_t t = task * kRowsPerTask; t < end; ++t)
+    for (std::int64_t t = task * kRowsPerTask; t < end; ++t) {
+      const RowInput in = row_input(own, t);
       for (int j = 0; j < k; ++j) {
         const std::int32_t row = plan.dst_row[static_cast<size_t>(t * k + j)];
         if (row < 0) continue;  // not the token's master lane for its rank
         const int d = geo_.rank_of_expert(topk[t * topk_row + j]);
         if (!engine_.facts.same_node(d)) continue;  // travels as a record
-        Dispatch& target = *targets[static_cast<size_t>(d)];
-        const routing::RowSource src = target.plan_->rows[static_cast<size_t>(row)];
-        if (src.source != me || src.index != t)
-          throw StateError(fmt::format("{}: row {} of rank {} is token {} of rank {}, not token {} of rank {}", ctx_,
-                                       row, d, src.index, src.source, t, me));
-        target.copy_row(*target.copy_peers_, *target.copy_records_, row, target.out_.metadata);
+        const ReceiveWindow& target = windows[static_cast<size_t>(d)];
+        check_source(target, row, me, t, d);
+        write_row(target, window_shape_, row, in);
       }
+    }
     core::streaming_fence();
   });
 }
 
-// The rows this rank receives (remote_only: those of other nodes; its node's sources push theirs).
-void Dispatch::copy_rows(bool remote_only) {
-  const std::int64_t rows = static_cast<std::int64_t>(plan_->rows.size());
+// The rows this rank receives (remote_only: those of other nodes; its node's sources push theirs),
+// from their sources' tensors (same node) or their records.
+void Dispatch::copy_rows(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records,
+                         bool remote_only) {
+  const std::int64_t rows = window_.num_rows;
   const int k = shape_.topk;
-  engine_.pool().parallel_for((rows + kRowsPerTask - 1) / kRowsPerTask, [&](std::int64_t task) {
+  engine_.pool().parallel_for(core::ceil_div(rows, kRowsPerTask), [&](std::int64_t task) {
     const std::int64_t end = std::min(rows, (task + 1) * kRowsPerTask);
-    for (std::int64_t i = task * kRowsPerTask; i < end; ++i)
-      if (!remote_only || !engine_.facts.same_node(plan_->rows[static_cast<size_t>(i)].source))
-        copy_row(*copy_peers_, *copy_records_, i, out_.metadata);
+    for (std::int64_t i = task * kRowsPerTask; i < end; ++i) {
+      const RowSource src = plan_->rows[static_cast<size_t>(i)];
+      if (engine_.facts.same_node(src.source)) {
+        if (!remote_only) write_row(window_, window_shape_, i, row_input(peers[static_cast<size_t>(src.source)], src.index));
+      } else {
+        const DispatchRecordExchange::Row record = records.received_row(src.source, src.index);
+        write_row(window_, window_shape_, i, {.payload = record.payload, .scales = record.scales, .weights = record.weights});
+      }
+    }
     core::streaming_fence();
   });
   // Rows past the real count (worst-case shapes) carry no data; mark their metadata.
-  if (out_.metadata) {
+  if (window_.metadata) {
     const std::int64_t allocated = result.handle->recv_src_metadata.size(0);
-    std::fill(out_.metadata + rows * (k + 2), out_.metadata + allocated * (k + 2), -1);
+    std::fill(window_.metadata + rows * (k + 2), window_.metadata + allocated * (k + 2), -1);
   }
   if (!expand_ && rows < result.recv_topk_idx.size(0))
-    std::fill(out_.ids + rows * k, out_.ids + result.recv_topk_idx.size(0) * k, -1);
-}
-
-// Row i of the outputs (its expanded rows, in the expanded layout), from its source's tensors
-// (same node) or its record.
-void Dispatch::copy_row(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records, std::int64_t i,
-                        std::int32_t* metadata) {
-  const HandleState& plan = *plan_;
-  const int k = shape_.topk, P = shape_.scale_columns;
-  const RowSource src = plan.rows[static_cast<size_t>(i)];
-  const std::byte* payload;
-  const std::uint32_t* scales = nullptr;
-  std::int64_t scale_step = 1;
-  const float* weights = nullptr;
-  if (engine_.facts.same_node(src.source)) {
-    const PeerTensors& p = peers[static_cast<size_t>(src.source)];
-    payload = p.x + src.index * p.x_row_bytes;
-    if (fp8_) {
-      scales = reinterpret_cast<const std::uint32_t*>(p.scales) + src.index * p.scale_stride[0];
-      scale_step = p.scale_stride[1];
-    }
-    if (has_weights_) weights = p.weights + src.index * p.weights_row;
-  } else {
-    const DispatchRecordExchange::Row record = records.received_row(src.source, src.index);
-    payload = record.payload;
-    scales = record.scales;
-    weights = record.weights;
-  }
-  auto copy_scales = [&](std::int64_t out_row) {
-    if (!fp8_) return;
-    std::uint32_t* dst = out_.scales + scale_layout_.at(out_row, 0);
-    const std::int64_t step = scale_layout_.block;
-    if (scale_step == 1 && step == 1) {
-      std::memcpy(dst, scales, sizeof(std::uint32_t) * static_cast<size_t>(P));
-    } else {
-      for (int p = 0; p < P; ++p) dst[p * step] = scales[p * scale_step];
-    }
-  };
-  const std::int32_t* local = &plan.local_ids[static_cast<size_t>(i) * k];
-  float* out_w = out_.weights;
-  if (expand_) {
-    const std::int32_t* expanded = &plan.expanded_rows[static_cast<size_t>(i) * k];
-    for (int j = 0; j < k; ++j) {
-      if (expanded[j] < 0) continue;
-      core::copy_bytes_streaming(out_.x + expanded[j] * row_bytes_, payload, static_cast<size_t>(row_bytes_));
-      copy_scales(expanded[j]);
-      if (out_w) out_w[expanded[j]] = weights[j];
-    }
-  } else {
-    core::copy_bytes_streaming(out_.x + i * row_bytes_, payload, static_cast<size_t>(row_bytes_));
-    copy_scales(i);
-    for (int j = 0; j < k; ++j) out_.ids[i * k + j] = local[j];
-    if (out_w) {
-      std::memcpy(out_w + i * k, weights, sizeof(float) * static_cast<size_t>(k));
-      if (req_.zero_nonlocal_weights)
-        for (int j = 0; j < k; ++j)
-          if (local[j] < 0) out_w[i * k + j] = 0.0f;
-    }
-  }
-  if (metadata) {
-    std::int32_t* m = metadata + i * (k + 2);
-    m[0] = src.source * shape_.max_tokens + plan.row_token[static_cast<size_t>(i)];
-    m[1] = src.source * k + plan.master_lane[static_cast<size_t>(i)];
-    for (int j = 0; j < k; ++j) m[2 + j] = expand_ ? plan.expanded_rows[static_cast<size_t>(i) * k + j] : -1;
-  }
+    std::fill(window_.ids + rows * k, window_.ids + result.recv_topk_idx.size(0) * k, -1);
 }
 
 void Dispatch::zero_padding() {
@@ -147,7 +138,8 @@ void Dispatch::zero_padding() {
   for (int i = 0; i < El; ++i) {
     const int e = me * El + i;
     const std::int64_t begin = layout.expert_start(e) + layout.expert_total(e);
-    const std::int64_t block = stride_ > 0 ? stride_ : routing::align_up(layout.expert_total(e), shape_.alignment);
+    const std::int64_t block =
+        stride_ > 0 ? stride_ : core::round_up<std::int64_t>(layout.expert_total(e), shape_.alignment);
     const std::int64_t end = layout.expert_start(e) + block;
     for (std::int64_t r = begin; r < end; ++r) {
       std::memset(static_cast<std::byte*>(result.recv_x.data()) + r * row_bytes_, 0, static_cast<size_t>(row_bytes_));

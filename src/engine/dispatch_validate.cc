@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/v2_contract.hh"
 #include "engine/dispatch_op.hh"
@@ -13,7 +14,7 @@ namespace moe_ep::engine::dispatch_detail {
 
 void Dispatch::check_arguments() {
   if (!req_.rejection.empty()) core::fail(ctx_, "{}", req_.rejection);
-  if (req_.validate_more) req_.validate_more(ctx_);
+  if (req_.check_generation_arguments) req_.check_generation_arguments(ctx_);
   cached_ = req_.handle != nullptr;
   if (req_.max_tokens < 0) core::fail(ctx_, "num_max_tokens_per_rank = {} is negative", req_.max_tokens);
   take_sizes();
@@ -32,8 +33,8 @@ void Dispatch::take_sizes() {
                                         .stats_given = a.cumulative_local_expert_recv_stats.defined(),
                                         .expand = a.expand, .num_experts = a.num_experts,
                                         .expert_alignment = a.expert_alignment, .max_tokens = a.max_tokens};
-    if (a.expert_stride != h.expert_stride)
-      core::fail(ctx_, "the expert stride {} differs from the handle's {}", a.expert_stride, h.expert_stride);
+    if (a.generation.expert_stride != h.expert_stride)
+      core::fail(ctx_, "the expert stride {} differs from the handle's {}", a.generation.expert_stride, h.expert_stride);
     shape_.experts = h.num_experts;
     shape_.topk = h.num_topk;
     shape_.alignment = h.expert_alignment;
@@ -47,7 +48,7 @@ void Dispatch::take_sizes() {
     cpu_sync_ = a.cpu_sync;
     expand_ = a.expand;
   }
-  stride_ = a.expert_stride;
+  stride_ = a.generation.expert_stride;
 }
 
 // x and its scales.
@@ -62,8 +63,8 @@ void Dispatch::check_payload() {
   shape_.scale_columns = p.scale_columns;
   row_bytes_ = p.row_bytes;
   const int H = p.hidden;
-  if (req_.handle_hidden < 0) core::fail(ctx_, "the handle's hidden size {} is negative", req_.handle_hidden);
-  handle_hidden_ = req_.handle_hidden > 0 ? req_.handle_hidden : H;
+  if (req_.generation.handle_hidden < 0) core::fail(ctx_, "the handle's hidden size {} is negative", req_.generation.handle_hidden);
+  handle_hidden_ = req_.generation.handle_hidden > 0 ? req_.generation.handle_hidden : H;
 }
 
 // The handle (cached) or topk_idx (new dispatch), the experts and the alignment.
@@ -71,12 +72,7 @@ void Dispatch::check_routing() {
   const auto& a = req_;
   const int N = shape_.tokens;
   if (cached_) {
-    const HandleFacts& h = cached_state_->facts;
-    core::v2::check_cached(ctx_, cached_call_,
-                           {.num_experts = h.num_experts, .expert_alignment = h.expert_alignment,
-                            .max_tokens = h.num_max_tokens_per_rank, .num_tokens = h.num_tokens, .hidden = h.hidden,
-                            .expand = h.do_expand},
-                           N, handle_hidden_);
+    core::v2::check_cached(ctx_, cached_call_, cached_state_->facts, N, handle_hidden_);
   } else {
     shape_.topk = core::v2::check_topk(ctx_, a.topk_idx, N, DLDevice{kDLCPU, 0});
   }
@@ -92,9 +88,9 @@ void Dispatch::check_options() {
                           shape_.local_experts, a.zero_padding, expand_, DLDevice{kDLCPU, 0});
   if (stride_ < 0) core::fail(ctx_, "the expert stride {} is negative", stride_);
   if (stride_ > 0 && !expand_) core::fail(ctx_, "an expert stride ({}) requires do_expand = true", stride_);
-  if (shape_.max_tokens == 0 && !cpu_sync_ && a.worst_rows <= 0)
+  if (shape_.max_tokens == 0 && !cpu_sync_ && a.generation.worst_rows <= 0)
     core::fail(ctx_, "outputs of worst-case size need num_max_tokens_per_rank or a worst-case row count");
-  if (a.worst_rows < 0) core::fail(ctx_, "the worst-case row count {} is negative", a.worst_rows);
+  if (a.generation.worst_rows < 0) core::fail(ctx_, "the worst-case row count {} is negative", a.generation.worst_rows);
   engine_.facts.check_num_qps(ctx_, a.num_qps);
   geo_ = routing::Geometry{engine_.facts.num_ranks, shape_.experts, engine_.facts.logical_scaleout};
   if (shape_.max_tokens > 0) pool_need_ = check_capacity(shape_.max_tokens);
@@ -119,7 +115,7 @@ std::int64_t Dispatch::check_capacity(int tokens_bound) const {
   if (engine_.facts.config.grow_pool) return need.total();
   const std::int64_t holds = engine_.pool_bytes();
   if (need.dispatch_bytes > holds) {
-    const std::int64_t bytes = align_to(need.dispatch_bytes, engine_.facts.config.pool_alignment);
+    const std::int64_t bytes = core::round_up<std::int64_t>(need.dispatch_bytes, engine_.facts.config.pool_alignment);
     throw CapacityError(fmt::format("{}: this call needs {} bytes of buffer ({} tokens per rank, hidden = {}, k = {}), "
                                     "the buffer holds {}", ctx_, bytes, tokens_bound, H, k, holds),
                         bytes, holds);
@@ -142,11 +138,11 @@ void Dispatch::check_gathered(const std::vector<PeerTensors>& peers) {
       throw InvalidArgument(fmt::format("{}: expert {} receives {} rows, more than the expert stride {}", ctx_, e,
                                         plan_->layout.expert_total(e), stride_));
   }
-  if (req_.worst_rows > 0 && !cached_) {
+  if (req_.generation.worst_rows > 0 && !cached_) {
     for (int d = 0; d < geo_.num_ranks; ++d)
-      if (plan_->layout.rows_at(d) > req_.worst_rows)
+      if (plan_->layout.rows_at(d) > req_.generation.worst_rows)
         throw InvalidArgument(fmt::format("{}: rank {} receives {} tokens, more than the worst-case row count {}",
-                                          ctx_, d, plan_->layout.rows_at(d), req_.worst_rows));
+                                          ctx_, d, plan_->layout.rows_at(d), req_.generation.worst_rows));
   }
   });
   // Outside in_step: a failed growth may leave the ranks out of step (the engine then breaks).
@@ -155,7 +151,7 @@ void Dispatch::check_gathered(const std::vector<PeerTensors>& peers) {
 
 std::int64_t Dispatch::worst_rows() const {
   if (cached_) return cached_state_->facts.num_recv_tokens;
-  if (req_.worst_rows > 0) return req_.worst_rows;
+  if (req_.generation.worst_rows > 0) return req_.generation.worst_rows;
   return static_cast<std::int64_t>(shape_.max_tokens) * engine_.facts.num_ranks;
 }
 

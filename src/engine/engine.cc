@@ -6,6 +6,7 @@
 #include <cmath>
 #include <future>
 
+#include "core/arith.hh"
 #include "core/bandwidth.hh"
 #include "core/checks.hh"
 #include "core/failure.hh"
@@ -360,30 +361,13 @@ int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk,
   if (traffic > 0)
     sms = std::max(bandwidth / traffic * read / sm_read_gbs, bandwidth / traffic * write / sm_write_gbs);
   int result =
-      static_cast<int>(align_to(std::max<std::int64_t>(4, static_cast<std::int64_t>(std::ceil(1.25 * sms))), 2));
+      static_cast<int>(core::round_up(std::max<std::int64_t>(4, static_cast<std::int64_t>(std::ceil(1.25 * sms))), 2));
   if (!engine.facts.config.prefer_overlap_with_compute) result = std::max(result, 64);
   return std::min(result, cap);
 }
 
 const HandleState& checked_handle(const Engine& engine, const std::string& ctx, const EPHandle& h) {
-  if (!h.state || h.state->engine_id != engine.facts.id)
-    core::fail(ctx, "handle was created by another buffer (buffer id {}, this buffer {})", h.state ? h.state->engine_id : 0,
-               engine.facts.id);
-  const HandleFacts& f = h.state->facts;
-  auto same = [&](const char* field, auto value, auto dispatched) {
-    if (value != dispatched)
-      core::fail(ctx, "handle.{} = {} differs from the {} its dispatch produced (handles are read-only)", field, value,
-                 dispatched);
-  };
-  same("do_expand", h.do_expand, f.do_expand);
-  same("num_experts", h.num_experts, f.num_experts);
-  same("expert_alignment", h.expert_alignment, f.expert_alignment);
-  same("num_max_tokens_per_rank", h.num_max_tokens_per_rank, f.num_max_tokens_per_rank);
-  same("num_tokens", h.num_tokens, f.num_tokens);
-  same("num_topk", h.num_topk, f.num_topk);
-  same("hidden", h.hidden, f.hidden);
-  same("num_recv_tokens", h.num_recv_tokens, f.num_recv_tokens);
-  same("num_expanded_tokens", h.num_expanded_tokens, f.num_expanded_tokens);
+  core::v2::check_handle(ctx, h, h.state ? &h.state->facts : nullptr, h.state ? h.state->engine_id : 0, engine.facts.id);
   return *h.state;
 }
 

@@ -31,6 +31,7 @@
 #include "comm/tolerant_gather.hh"
 #include "comm/transport.hh"
 #include "core/executor.hh"
+#include "core/v2_contract.hh"
 #include "engine/operation.hh"
 #include "engine/sizing.hh"
 #include "moe_ep/dispatch_types.hpp"
@@ -175,13 +176,10 @@ int theoretical_num_workers(const Engine& engine, int num_experts, int num_topk,
 using routing::ForwardPlan;
 using routing::RowSource;
 
-// EPHandle's scalar fields as the dispatch produced them. EPHandle's public fields are copies
-// that callers can change; cached dispatch and combine check them against these.
-struct HandleFacts {
-  bool do_expand = false;
-  int num_experts = 0, expert_alignment = 1, num_max_tokens_per_rank = 0, num_tokens = 0, num_topk = 0, hidden = 0;
+// EPHandle's scalar fields as the dispatch produced them (core/v2_contract.hh). EPHandle's public
+// fields are copies that callers can change; cached dispatch and combine check them against these.
+struct HandleFacts : core::v2::HandleFields {
   int expert_stride = 0;  // DispatchRequest::expert_stride
-  std::int64_t num_recv_tokens = 0, num_expanded_tokens = 0;
 };
 
 // Routing state of a dispatch: everything cached dispatch and combine need. The rows, counts and
@@ -211,9 +209,6 @@ struct PeerTensors {
   std::int64_t topk_row = 0;
   const routing::ListedToken* listed = nullptr;  // dispatch: routing::list_by_destination of topk
   std::int32_t num_tokens = 0;
-  // Dispatch with ranks as threads (push): the rank's dispatch operation, whose outputs its node
-  // peers write; null otherwise. Valid only where the ranks share the address space.
-  const void* dispatch = nullptr;
 };
 
 // Bytes from data() to one past the last element of a view (validated views have non-negative
@@ -229,6 +224,30 @@ PeerTensors share_tensors(Engine& engine, const PeerTensors& mine, const TensorE
 // Turns what ranks of this node published into addresses here; this rank's entry becomes `mine`.
 // Entries of other nodes are left as published (never dereferenced).
 void resolve_tensors(Engine& engine, std::vector<PeerTensors>& peers, const PeerTensors& mine);
+
+// A dispatch, as both generations ask for it. Argument names in messages are the fields' names.
+// What a buffer generation asks of a dispatch beyond the semantics both share (the defaults are
+// V2's ElasticBuffer without extras).
+struct GenerationRules {
+  // V2 (ElasticBuffer and its extras).
+  // Expanded layout with a fixed expert stride: local expert i's rows start at row i x
+  // expert_stride and are at most expert_stride (routing::GlobalLayout; more is InvalidArgument on
+  // every rank); the output has El x expert_stride rows, rows past a count are padding. 0: expert
+  // groups packed at expert_alignment.
+  int expert_stride = 0;
+  // FP8 scales column-major within blocks of B rows: row r, column p of recv_x_scales lives at
+  // (r / B) * (B * S) + r % B + p * B of its storage. Off: B = 1 (row-major [rows, S]); on without
+  // an expert stride: B = the rows padded to 4 (storage [S, padded], viewed [rows, S]); on with an
+  // expert stride: B = expert_stride (storage [El, S, stride], viewed [El, stride, S], token stride 1).
+  bool col_major_scales = false;
+  // V1 (Buffer).
+  std::int64_t worst_rows = 0;          // compact rows of worst-case outputs; 0: T * R
+  bool zero_nonlocal_weights = false;   // received weights are 0 where the expert is not local
+  std::vector<std::int32_t> expert_counts;  // announce these per-expert counts instead of counting ids
+  // The hidden size the handle records (what combine and cached dispatch compare with) when x's
+  // width is not it: packed rows (NVFP4 token triples) travel as bytes. 0: x's width.
+  int handle_hidden = 0;
+};
 
 // A dispatch, as both generations ask for it. Argument names in messages are the fields' names.
 struct DispatchRequest {
@@ -247,29 +266,16 @@ struct DispatchRequest {
   bool do_handle_copy = true;
   bool cpu_sync = true;
   bool expand = false, zero_padding = false;
-  // Expanded layout with a fixed expert stride: local expert i's rows start at row i x
-  // expert_stride and are at most expert_stride (routing::GlobalLayout; more is InvalidArgument on
-  // every rank); the output has El x expert_stride rows, rows past a count are padding. 0: expert
-  // groups packed at expert_alignment.
-  int expert_stride = 0;
-  // FP8 scales column-major within blocks of B rows: row r, column p of recv_x_scales lives at
-  // (r / B) * (B * S) + r % B + p * B of its storage. Off: B = 1 (row-major [rows, S]); on without
-  // an expert stride: B = the rows padded to 4 (storage [S, padded], viewed [rows, S]); on with an
-  // expert stride: B = expert_stride (storage [El, S, stride], viewed [El, stride, S], token stride 1).
-  bool col_major_scales = false;
-  std::int64_t worst_rows = 0;          // compact rows of worst-case outputs; 0: T * R
-  bool zero_nonlocal_weights = false;   // received weights are 0 where the expert is not local
-  std::vector<std::int32_t> expert_counts;  // announce these per-expert counts instead of counting ids
-  // Generation-specific checks, run first (they see unvalidated arguments).
-  std::function<void(const std::string& context)> validate_more;
-  // Called on the executing thread once the handle is complete (new dispatches only).
-  std::function<void(const EPHandle& handle)> on_complete;
-  // The hidden size the handle records (what combine and cached dispatch compare with) when x's
-  // width is not it: packed rows (NVFP4 token triples) travel as bytes. 0: x's width.
-  int handle_hidden = 0;
-  // Called on the executing thread (every dispatch, cached too): once the outputs are allocated,
-  // before the caller sees them; once this rank's rows are in them, before the call completes.
-  std::function<void(const DispatchResult& result)> on_outputs_allocated, on_rows_received;
+  GenerationRules generation;
+  // The generation's hooks, each run on the executing thread.
+  // Its own argument rules, run first (they see unvalidated arguments).
+  std::function<void(const std::string& context)> check_generation_arguments;
+  // Fills the generation's own handle from the complete EPHandle (new dispatches only).
+  std::function<void(const EPHandle& handle)> fill_generation_handle;
+  // Every dispatch, cached too: allocates the outputs that received rows unpack into, once the
+  // engine's outputs are allocated; unpacks this rank's received rows into them once they are all
+  // in the engine's outputs, before the call completes (V1's NVFP4 token triples).
+  std::function<void(const DispatchResult& result)> allocate_unpacked_outputs, unpack_received_rows;
 };
 
 struct CombineRequest {
@@ -282,7 +288,7 @@ struct CombineRequest {
   // bf16(row_weights[r] * float(x[r])) element-wise (FP32 product, one rounding), formed in scratch.
   TensorView row_weights;
   std::vector<TensorView> bias;
-  std::function<int(int, int)> workers = [](int, int) { return 1; };
+  std::function<int(int, int)> workers = [](int, int) { return 1; };  // as DispatchRequest::workers
   int num_qps = 0;
   std::optional<Event> previous_event, previous_event_before_epilogue;
   bool async = false;
@@ -292,8 +298,8 @@ struct CombineRequest {
   // Hybrid with multiple reduction: this node's rank units are summed into the result one by one
   // instead of as one BF16-rounded node unit (routing::ReductionScheme::own_node_rank_terms).
   bool own_node_rank_terms = false;
-  // Generation-specific checks, run first (they see unvalidated arguments).
-  std::function<void(const std::string& context)> validate_more;
+  // The generation's own argument rules, run first (they see unvalidated arguments).
+  std::function<void(const std::string& context)> check_generation_arguments;
 };
 
 class DispatchOperation : public Operation {

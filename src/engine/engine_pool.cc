@@ -12,6 +12,7 @@
 #include <mutex>
 #include <utility>
 
+#include "core/arith.hh"
 #include "core/log.hh"
 #include "engine/engine.hh"
 #include "moe_ep/limits.hpp"
@@ -28,7 +29,7 @@ void Engine::grow_pool(std::int64_t need, const std::string& context) {
   if (need <= old_bytes) return;
   // At least doubling: a workload whose calls grow a little at a time replaces the pool a few
   // times, not once per call.
-  const std::int64_t bytes = align_to(std::max(need, 2 * old_bytes), kBufferAlignment);
+  const std::int64_t bytes = core::round_up<std::int64_t>(std::max(need, 2 * old_bytes), kBufferAlignment);
   std::shared_ptr<comm::SymmetricMemory> grown = transport_->allocate_symmetric(
       static_cast<std::size_t>(bytes), facts.wait("pool growth: allocation"), bytes <= kPrefaultLimit);
   std::shared_ptr<comm::SymmetricMemory> old;

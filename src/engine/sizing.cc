@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/arith.hh"
 #include "moe_ep/limits.hpp"
 
 namespace moe_ep::engine {
@@ -26,9 +27,9 @@ std::int64_t buffer_size_hint(const Paths& paths, int num_max_tokens_per_rank, i
                               bool use_fp8_dispatch, bool allow_multiple_reduction) {
   const int k = num_topk == 0 ? kMaxTopk : num_topk;
   const std::int64_t payload = std::int64_t{hidden} * (use_fp8_dispatch ? 1 : 2);
-  const std::int64_t scales = use_fp8_dispatch ? 4 * ((std::int64_t{hidden} + 31) / 32) : 0;
+  const std::int64_t scales = use_fp8_dispatch ? 4 * core::ceil_div(std::int64_t{hidden}, 32) : 0;
   const RegionSizes s = region_sizes(paths, num_max_tokens_per_rank, hidden, payload, scales, k, allow_multiple_reduction);
-  return align_to(std::max<std::int64_t>(s.total(), 1), kBufferAlignment);
+  return core::round_up(std::max<std::int64_t>(s.total(), 1), kBufferAlignment);
 }
 
 }  // namespace moe_ep::engine

@@ -14,27 +14,28 @@
 
 #include <cstdint>
 
+#include "core/arith.hh"
 #include "moe_ep/limits.hpp"  // kBufferAlignment, kMaxTopk, kMaxHidden, kRowByteMultiple
 
 namespace moe_ep::engine {
-
-inline std::int64_t align_to(std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; }
 
 struct DispatchRecord {
   std::int64_t payload_bytes, scales_offset, scales_bytes, ids_offset, weights_offset, token_offset, bytes;
   DispatchRecord(std::int64_t payload, std::int64_t scale_bytes, int k)
       : payload_bytes(payload),
-        scales_offset(align_to(payload, 32)),
+        scales_offset(core::round_up<std::int64_t>(payload, 32)),
         scales_bytes(scale_bytes),
-        ids_offset(scales_offset + align_to(scale_bytes, 32)),
+        ids_offset(scales_offset + core::round_up<std::int64_t>(scale_bytes, 32)),
         weights_offset(ids_offset + 4 * k),
         token_offset(weights_offset + 4 * k),
-        bytes(ids_offset + align_to(8 * k + 4, 32)) {}
+        bytes(ids_offset + core::round_up<std::int64_t>(8 * k + 4, 32)) {}
 };
 
 struct CombineRecord {
   std::int64_t weights_offset, bytes;
-  CombineRecord(int hidden, int k) : weights_offset(align_to(2 * std::int64_t{hidden}, 32)), bytes(weights_offset + align_to(4 * k, 32)) {}
+  CombineRecord(int hidden, int k)
+      : weights_offset(core::round_up<std::int64_t>(2 * std::int64_t{hidden}, 32)),
+        bytes(weights_offset + core::round_up<std::int64_t>(4 * k, 32)) {}
 };
 
 // How tokens move between the ranks of a buffer.

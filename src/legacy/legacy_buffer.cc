@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/failure.hh"
 #include "core/executor.hh"
@@ -91,7 +92,7 @@ const DefaultConfig& default_for(int num_ranks) {
 
 Config Config::make(int num_sms, int nvl_send, int nvl_recv, int rdma_send, int rdma_recv) {
   Config c{num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv};
-  if (rdma_send > 0) c.num_max_rdma_chunked_recv_tokens = (rdma_recv + rdma_send - 1) / rdma_send * rdma_send;
+  if (rdma_send > 0) c.num_max_rdma_chunked_recv_tokens = core::round_up(rdma_recv, rdma_send);
   c.validate("Config");
   return c;
 }
@@ -116,7 +117,7 @@ std::int64_t Config::get_nvl_buffer_size_hint(std::int64_t hidden_bytes, int num
   const std::int64_t C = num_sms / 2, Nn = std::min(num_ranks, 8), Nr = std::max(num_ranks / 8, 1);
   const std::int64_t T = num_max_nvl_chunked_recv_tokens;
   const std::int64_t bytes = C * Nn * (2 * Nr + 3) * 4 + C * Nn * T * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4);
-  return (bytes + 127) / 128 * 128;
+  return core::round_up(bytes, 128);
 }
 
 std::int64_t Config::get_rdma_buffer_size_hint(std::int64_t hidden_bytes, int num_ranks) const {
@@ -124,7 +125,7 @@ std::int64_t Config::get_rdma_buffer_size_hint(std::int64_t hidden_bytes, int nu
   const std::int64_t C = num_sms / 2, Nr = num_ranks / 8, T = num_max_rdma_chunked_recv_tokens;
   const std::int64_t bytes =
       C * Nr * (8 * 2 + 2) * 2 * 4 + 2 * C * Nr * T * (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4 + 16);
-  return (bytes + 127) / 128 * 128;
+  return core::round_up(bytes, 128);
 }
 
 void ReceiveHook::operator()() const {
@@ -234,11 +235,11 @@ std::int64_t Buffer::get_low_latency_rdma_size_hint(int N, int H, int R, int E) 
   const std::int64_t combine_msg = 4 * S + 2 * H;
   const std::int64_t send = std::max<std::int64_t>(N * dispatch_msg, std::int64_t{E} * N * combine_msg);
   const std::int64_t recv = std::max<std::int64_t>(std::int64_t{E} * N * dispatch_msg, std::int64_t{E} * N * combine_msg);
-  const std::int64_t signal = (4 * std::int64_t{E} + 127) / 128 * 128;
+  const std::int64_t signal = core::round_up(4 * std::int64_t{E}, 128);
   const std::int64_t total = 2 * signal + 2 * send + 2 * recv;
   const std::int64_t deepep = (total + 128) / 128 * 128;  // DeepEP adds 128 even to an exact multiple
   // Ours fits in DeepEP's size except for very few experts; never hand out less than we need.
-  return std::max(deepep, (legacy::SlotLayout::pool_bytes(N, H, R, E) + 127) / 128 * 128);
+  return std::max(deepep, core::round_up(legacy::SlotLayout::pool_bytes(N, H, R, E), 128));
 }
 
 DispatchLayout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
@@ -296,7 +297,7 @@ CombineResult Buffer::combine(const LegacyCombineArgs& args) {
   r.previous_event = args.previous_event;
   r.async = args.async_finish;
   r.sum_weights_over_ranks = true;
-  r.validate_more = [allocate = args.allocate_on_comm_stream, previous = args.previous_event.has_value(),
+  r.check_generation_arguments = [allocate = args.allocate_on_comm_stream, previous = args.previous_event.has_value(),
                      async = args.async_finish](const std::string& ctx) {
     legacy::check_comm_stream_flags(ctx, allocate, previous, async);
   };

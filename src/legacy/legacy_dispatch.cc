@@ -1,6 +1,6 @@
 // Buffer::dispatch (DeepEP V1 normal mode) on the shared engine: the request built from the V1
 // arguments (NVFP4 triples packed into byte rows, routing from topk_idx or from is_token_in_rank
-// alone), the V1 checks run through the engine's agreement (validate_more), and the V1 handle
+// alone), the V1 checks run through the engine's agreement (check_generation_arguments), and the V1 handle
 // filled from the engine's routing state once the call completed.
 #include <fmt/format.h>
 
@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/failure.hh"
 #include "legacy/buffer_core.hh"
@@ -35,7 +36,7 @@ void fill_legacy_handle(LegacyHandle& lh, const EPHandle& h, int rank, int num_n
     }
   }
   // Channels are contiguous token ranges of ceil(N / C) tokens.
-  auto channel_of = [C](int token, int tokens) { return token / std::max(1, (tokens + C - 1) / C); };
+  auto channel_of = [C](int token, int tokens) { return token / std::max(1, core::ceil_div(tokens, C)); };
   lh.send_head = Tensor::empty({N, R}, DType::kInt32);
   std::fill(lh.send_head.data_as<std::int32_t>(), lh.send_head.data_as<std::int32_t>() + std::int64_t{N} * R, -1);
   lh.channel_prefix_matrix = Tensor::zeros({R, C}, DType::kInt32);
@@ -134,7 +135,7 @@ Nvfp4Layout check_nvfp4(const std::string& ctx, const LegacyDispatchArgs& args, 
   core::expect_rows_contiguous(ctx, kPackedName, x.packed);
   core::expect_rows_contiguous(ctx, kSfName, x.sf);
   core::expect_rows_contiguous(ctx, kSfScaleName, x.sf_scale);
-  l.row_bytes = engine::align_to(l.used_bytes(), kRowByteMultiple);
+  l.row_bytes = core::round_up<std::int64_t>(l.used_bytes(), kRowByteMultiple);
   if (l.row_bytes > kMaxHidden)
     core::fail(ctx, "an NVFP4 token (packed, sf and {} sf_scale columns) is {} bytes, more than the {} bytes a "
                "dispatched row may have", l.scale_cols, l.row_bytes, kMaxHidden);
@@ -177,7 +178,7 @@ std::int64_t first_difference(const T* a, const T* b, std::int64_t n) {
 }
 
 // The NVFP4 triple of a dispatch, checked and packed into byte rows before the call; a rejection
-// is raised through the engine's agreement (validate_more), so that peers learn of it.
+// is raised through the engine's agreement (check_generation_arguments), so that peers learn of it.
 struct Nvfp4Dispatch {
   Nvfp4Layout layout;
   Tensor rows;  // the packed rows, kept alive by the request until the call completes
@@ -196,16 +197,16 @@ void prepare_nvfp4(engine::Engine& e, const LegacyDispatchArgs& given, int nodes
       nvfp4.layout = check_nvfp4(context, given, nodes);
       nvfp4.rows = pack_nvfp4(*given.x_nvfp4, nvfp4.layout);
       args.x = nvfp4.rows;
-      r.handle_hidden = nvfp4.layout.hidden;
+      r.generation.handle_hidden = nvfp4.layout.hidden;
     });
   }
-  r.on_outputs_allocated = [layout = nvfp4.layout, out = nvfp4.out](const DispatchResult& res) {
+  r.allocate_unpacked_outputs = [layout = nvfp4.layout, out = nvfp4.out](const DispatchResult& res) {
     const std::int64_t rows = res.recv_x.size(0);
     out->packed = Tensor::empty({rows, layout.packed_cols}, DType::kInt32);
     out->sf = Tensor::empty({rows, layout.sf_cols}, DType::kInt32);
     out->sf_scale = Tensor::empty({rows, layout.scale_cols}, DType::kFP32);
   };
-  r.on_rows_received = [layout = nvfp4.layout, out = nvfp4.out, rows = nvfp4.rows](const DispatchResult& res) {
+  r.unpack_received_rows = [layout = nvfp4.layout, out = nvfp4.out, rows = nvfp4.rows](const DispatchResult& res) {
     unpack_nvfp4(res.recv_x, static_cast<std::int64_t>(res.handle->state->rows.size()), layout, *out);
   };
 }
@@ -220,9 +221,9 @@ void set_options(engine::DispatchRequest& r, const LegacyDispatchArgs& args, con
   r.workers = legacy::normal_mode_workers(e, config);
   r.previous_event = args.previous_event;
   r.async = args.async_finish;
-  r.zero_nonlocal_weights = true;
+  r.generation.zero_nonlocal_weights = true;
   r.max_tokens = 0;  // V1 has no token cap: the call's largest token count
-  r.worst_rows = args.num_worst_tokens;
+  r.generation.worst_rows = args.num_worst_tokens;
   r.cpu_sync = !cached && args.num_worst_tokens == 0;
 }
 
@@ -266,12 +267,12 @@ Tensor set_routing(engine::DispatchRequest& r, const LegacyDispatchArgs& args, i
           args.is_token_in_rank.data_as<const std::uint8_t>()[t * args.is_token_in_rank.stride(0) + d] ? std::int64_t{d} * El : -1;
   r.topk_idx = synthetic;
   r.num_experts = E;
-  r.expert_counts.assign(args.num_tokens_per_expert.data_as<const std::int32_t>(),
+  r.generation.expert_counts.assign(args.num_tokens_per_expert.data_as<const std::int32_t>(),
                          args.num_tokens_per_expert.data_as<const std::int32_t>() + E);
   return synthetic;
 }
 
-// The V1 checks (DispatchRequest::validate_more): the config, the layout tensors and, with
+// The V1 checks (DispatchRequest::check_generation_arguments): the config, the layout tensors and, with
 // topk_idx, that the layout is the one get_dispatch_layout computes from it.
 struct V1Checks {
   LegacyDispatchArgs args;
@@ -371,7 +372,7 @@ std::shared_ptr<LegacyHandle> new_legacy_handle(engine::DispatchRequest& r, cons
   auto legacy_handle = std::make_shared<LegacyHandle>();
   legacy_handle->num_channels = std::max(1, config.num_sms / 2);
   const TensorView in_rank = args.is_token_in_rank;
-  r.on_complete = [legacy_handle, rank, nodes, in_rank](const EPHandle& h) {
+  r.fill_generation_handle = [legacy_handle, rank, nodes, in_rank](const EPHandle& h) {
     fill_legacy_handle(*legacy_handle, h, rank, nodes, in_rank);
   };
   return legacy_handle;
@@ -417,7 +418,7 @@ LegacyDispatchResult Buffer::dispatch(const LegacyDispatchArgs& given) {
   if (is_nvfp4) prepare_nvfp4(e, given, nodes, args, r, nvfp4);
   set_options(r, args, config, e, cached);
   const Tensor synthetic = set_routing(r, args, R, cached, routed_by_ids);
-  r.validate_more = V1Checks{args, config, cached, routed_by_ids, R, nodes, nvfp4.error};
+  r.check_generation_arguments = V1Checks{args, config, cached, routed_by_ids, R, nodes, nvfp4.error};
   const std::shared_ptr<LegacyHandle> legacy_handle = cached ? nullptr : new_legacy_handle(r, args, config, e.facts.rank, nodes);
   if (nodes > 1) core_->normal_call_used_pool();
   const DispatchResult done = e.execute(engine::make_dispatch(e, std::move(r), e.next_sequence()), args.async_finish);

@@ -10,6 +10,7 @@
 #include <chrono>
 
 #include "comm/wait.hh"
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/failure.hh"
 #include "engine/call_shape.hh"
@@ -108,30 +109,30 @@ class CleanLowLatency final : public engine::Operation {
 // ---- SlotLayout and bookkeeping ------------------------------------------------------------------
 
 SlotLayout::SlotLayout(int max_tokens, int hidden, int num_ranks, int num_experts, int k, RowFormat format) {
-  const std::int64_t N = max_tokens, H = hidden, E = num_experts, blocks = (H + 127) / 128;
+  const std::int64_t N = max_tokens, H = hidden, E = num_experts, blocks = core::ceil_div(H, 128);
   if (format.nvfp4) {
     payload_bytes = H / 2;
     scales_bytes = H / 16;
   } else {
     payload_bytes = format.fp8 ? H : 2 * H;
-    scales_bytes = format.fp8 ? (format.ue8m0 ? 4 * ((blocks + 3) / 4) : 4 * blocks) : 0;
+    scales_bytes = format.fp8 ? (format.ue8m0 ? 4 * core::ceil_div(blocks, 4) : 4 * blocks) : 0;
   }
   token_offset = payload_bytes + scales_bytes;
   weight_offset = token_offset + 4;
-  row_bytes = align(token_offset + (format.weights ? 8 : 4), 16);
+  row_bytes = core::round_up<std::int64_t>(token_offset + (format.weights ? 8 : 4), 16);
   combine_row_elements = H + 2 * blocks;
   combine_recv_row_bytes = 2 * H + 4 * blocks;
   (void)k;
   // Fixed per shape: the widest row (BF16 with a weight) and the largest id and weight tables
   // (k <= min(32, E)).
-  const std::int64_t widest_row = align(2 * H + 8, 16);
+  const std::int64_t widest_row = core::round_up<std::int64_t>(2 * H + 8, 16);
   const std::int64_t table = N * std::min<std::int64_t>(kMaxTopk, E) * 4;
   ids_offset = N * widest_row;
   weights_offset = ids_offset + table;
   const std::int64_t send = std::max(N * widest_row + 2 * table, E * N * combine_row_elements * 2);
   const std::int64_t recv = std::max(E * N * widest_row, E * N * combine_recv_row_bytes);
-  recv_offset = align(kHeaderBytes + send, 64);
-  slot_bytes = align(recv_offset + recv, 64);
+  recv_offset = core::round_up<std::int64_t>(kHeaderBytes + send, 64);
+  slot_bytes = core::round_up<std::int64_t>(recv_offset + recv, 64);
   (void)num_ranks;
 }
 

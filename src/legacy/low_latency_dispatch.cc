@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "comm/wait.hh"
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "core/failure.hh"
 #include "core/fp8_rows.hh"
@@ -161,7 +162,7 @@ void LowLatencyDispatch::check_arguments() {
                                     core_.config.num_rdma_bytes),
                         need, core_.config.num_rdma_bytes);
   routing::validate_topk(ctx_, {a.topk_idx.data_as<const int64_t>(), a.topk_idx.stride(0), s.tokens, s.topk}, s.experts);
-  s.scale_columns = a.use_fp8 ? (a.use_ue8m0 ? (s.hidden / 128 + 3) / 4 : s.hidden / 128) : 0;
+  s.scale_columns = a.use_fp8 ? (a.use_ue8m0 ? core::ceil_div(s.hidden / 128, 4) : s.hidden / 128) : 0;
   layout_.emplace(s.max_tokens, s.hidden, R, s.experts, s.topk,
                   RowFormat{.fp8 = a.use_fp8, .ue8m0 = a.use_ue8m0, .nvfp4 = a.use_nvfp4, .weights = a.topk_weights.defined()});
 }
@@ -205,7 +206,7 @@ void LowLatencyDispatch::allocate_received_rows() {
     Tensor x = Tensor::empty({El, rows, H / 2}, DType::kUInt8);
     const std::int64_t xs[] = {rows, H / 2, El}, xt[] = {H / 2, 1, rows * (H / 2)};
     result.recv_x = x.with_view(TensorView(x.data(), DType::kUInt8, xs, xt));
-    const int64_t rm = (rows + 127) / 128, rk = H / 64;
+    const int64_t rm = core::ceil_div(rows, 128), rk = H / 64;
     const DType sdtype = args_.use_ue8m0_for_sf ? DType::kInt32 : DType::kFP8E4M3;
     // Zero outside the received rows: mostly untouched tiles, zeroed lazily (zero_host_sparse).
     Tensor sf = Tensor::empty({El, rm, rk, 32, 4, 4}, sdtype);
@@ -532,7 +533,10 @@ void LowLatencyDispatch::place_row(int64_t i, int64_t row, const std::byte* stag
     const int64_t rk = shape_.hidden / 64;
     auto* sf = static_cast<std::byte*>(result.recv_x_scales.data()) +
                i * result.recv_x_scales.stride(5) * static_cast<int64_t>(element_size(result.recv_x_scales.dtype()));
-    for (int64_t j = 0; j < L.scales_bytes; ++j) sf[nvfp4_scale_offset(row, j, rk)] = staged[L.payload_bytes + j];
+    // Scales 4g .. 4g + 3 of a row are contiguous (nvfp4_scale_offset), groups 512 bytes apart.
+    const int64_t base = nvfp4_scale_offset(row, 0, rk);
+    for (int64_t g = 0; g < L.scales_bytes / 4; ++g)
+      std::memcpy(sf + base + g * 512, staged + L.payload_bytes + 4 * g, 4);
   } else if (args_.use_fp8) {
     const auto* scales = reinterpret_cast<const std::uint32_t*>(staged + L.payload_bytes);
     auto* dst = result.recv_x_scales.data_as<std::uint32_t>();

@@ -21,8 +21,6 @@
 
 namespace moe_ep::legacy {
 
-inline std::int64_t align(std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; }
-
 inline std::atomic<std::uint64_t>* header(std::byte* slot) {
   return reinterpret_cast<std::atomic<std::uint64_t>*>(slot);
 }

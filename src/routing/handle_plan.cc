@@ -4,6 +4,7 @@
 
 #include <array>
 
+#include "core/arith.hh"
 #include "moe_ep/error.hpp"
 #include "moe_ep/limits.hpp"
 
@@ -201,7 +202,7 @@ ReceiveCounts receive_counts(const GlobalLayout& layout, int rank, int scaleup, 
   for (int i = 0; i < El; ++i) {
     const int e = rank * El + i;
     const std::int32_t count = layout.expert_total(e);
-    const auto aligned = static_cast<std::int32_t>(align_up(count, layout.alignment()));
+    const auto aligned = static_cast<std::int32_t>(core::round_up<std::int64_t>(count, layout.alignment()));
     out.unaligned_per_expert.data_as<std::int32_t>()[i] = count;
     psum += aligned;
     out.psum_per_expert.data_as<std::int32_t>()[i] = expand ? layout.expert_start(e) + count : psum;

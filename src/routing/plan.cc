@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/arith.hh"
 #include "core/checks.hh"
 #include "moe_ep/limits.hpp"
 
@@ -130,7 +131,8 @@ void GlobalLayout::finish() {
       const int e = d * El + i;
       expert_start_[static_cast<size_t>(e)] = start;
       const std::int32_t total = expert_total_[static_cast<size_t>(e)];
-      start += expert_stride_ > 0 ? expert_stride_ : static_cast<std::int32_t>(align_up(total, alignment_));
+      start +=
+          expert_stride_ > 0 ? expert_stride_ : static_cast<std::int32_t>(core::round_up<std::int64_t>(total, alignment_));
     }
     expanded_rows_at_[static_cast<size_t>(d)] = start;
   }

@@ -153,6 +153,4 @@ class RowAssigner {
   std::vector<std::int32_t> rank_cursor_, expert_cursor_;
 };
 
-inline std::int64_t align_up(std::int64_t x, std::int64_t a) { return (x + a - 1) / a * a; }
-
 }  // namespace moe_ep::routing

@@ -1,11 +1,14 @@
 // Consumer of an installed moe-ep: a 2-rank in-process ElasticBuffer dispatch + combine checked
-// against the sum over top-k (consumer_case.hpp), and the version the headers and the library
-// report. Prints "consumer: OK" and exits 0 on success.
+// against the sum over top-k (consumer_case.hpp), the provider agreement of a V2 buffer built
+// outside the dispatcher (moe_ep/elastic_provider.hpp: the built-in provider when no rank asks for
+// CUDA), and the version the headers and the library report. Prints "consumer: ... OK" and exits 0
+// on success.
 #include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 
+#include <moe_ep/elastic_provider.hpp>
 #include <moe_ep/group.hpp>
 #include <moe_ep/version.hpp>
 
@@ -24,6 +27,14 @@ int main(int argc, char** argv) {
   try {
     moe_ep::LocalWorld world(2);
     world.run([&](moe_ep::Group& group) { mismatches += consumer::run_case(group); });
+    world.run([&](moe_ep::Group& group) {
+      const moe_ep::ElasticBufferConfig config{.num_max_tokens_per_rank = 4, .hidden = 128, .explicitly_destroy = true};
+      moe_ep::dispatcher::ElasticProvider made =
+          moe_ep::dispatcher::make_elastic_backend(group, config, {.why_host = "the consumer asks for none"});
+      if (std::strcmp(made.table->name, "cpu") != 0 || moe_ep::dispatcher::builtin_elastic_buffer(made.backend.get()) == nullptr)
+        ++mismatches;
+      made.backend->destroy();
+    });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "consumer: %s\n", e.what());
     return 1;
@@ -32,6 +43,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "consumer: %d mismatching elements\n", mismatches.load());
     return 1;
   }
-  std::printf("consumer: moe-ep %s, 2 ranks, dispatch + combine: OK\n", moe_ep::version());
+  std::printf("consumer: moe-ep %s, 2 ranks, dispatch + combine, provider agreement: OK\n", moe_ep::version());
   return 0;
 }

@@ -51,12 +51,12 @@ TEST(Tensor, RejectsBadShapes) {
 
 TEST(Tensor, LargeBlocksAreRecycledWithoutNewMappings) {
   { Tensor warm = Tensor::empty({8 << 20}, DType::kUInt8); }
-  const auto before = core::host_allocator_stats();
+  const auto before = host_allocator_stats();
   for (int i = 0; i < 10; ++i) {
     Tensor t = Tensor::empty({(8 << 20) - i * 4096}, DType::kUInt8);
     static_cast<std::uint8_t*>(t.data())[t.nbytes() - 1] = 1;
   }
-  EXPECT_EQ(core::host_allocator_stats().num_maps, before.num_maps);
+  EXPECT_EQ(host_allocator_stats().num_maps, before.num_maps);
 }
 
 TEST(DLPack, ExportImportRoundTripKeepsDataAlive) {

@@ -67,13 +67,13 @@ TEST(Probe, MatrixOfProviderLibraries) {
   {
     const ProbeReport& p = probe_providers(kOldAbi);
     EXPECT_FALSE(p.v1.available);
-    EXPECT_TRUE(contains(p.v1.reason, "missing symbol moe_ep_provider_abi_5 (it exports moe_ep_provider_abi_0: built for ABI 0)"))
+    EXPECT_TRUE(contains(p.v1.reason, "missing symbol moe_ep_provider_abi_6 (it exports moe_ep_provider_abi_0: built for ABI 0)"))
         << p.v1.reason;
   }
   {
     const ProbeReport& p = probe_providers(kNoSymbol);
     EXPECT_FALSE(p.v1.available);
-    EXPECT_TRUE(contains(p.v1.reason, "missing symbol moe_ep_provider_abi_5 (not a moe-ep provider)")) << p.v1.reason;
+    EXPECT_TRUE(contains(p.v1.reason, "missing symbol moe_ep_provider_abi_6 (not a moe-ep provider)")) << p.v1.reason;
   }
   {
     const ProbeReport& p = probe_providers("/nonexistent/libmoe_ep_cuda.so");
@@ -163,7 +163,9 @@ TEST(Probe, RanksThatDisagreeAreNamedOnEveryRank) {
     // providers: rank 2's test-v1 and the others' test-both), which is refused by name too.
     TokenDispatcher v1(cache, options_for(g.rank() == 2 ? kV1Only : kBoth, false));
     const Caught p = catch_error([&] { v1.dispatch(in.x, in.topk_idx, in.topk_weights, BatchKind::kPrefill); });
-    if (p.type != "PeerError" || !contains(p.message, "different providers") || !contains(p.message, "on rank [2]"))
+    const std::vector<int> others = g.rank() == 2 ? std::vector<int>{0, 1, 3} : std::vector<int>{2};
+    if (p.type != "PeerError" || !contains(p.message, "ranks disagree on the provider for V1: ") ||
+        !contains(p.message, "on rank [2]") || p.ranks != others)
       bad.push_back("providers: " + p.type + ": " + p.message);
   });
 }

@@ -198,7 +198,7 @@ TEST(ElasticAllocation, SteadyStateAllocatesOnlyOutputs) {
       b.barrier();
       if (g.rank() == 0) {
         before = g_new_bytes.load();
-        maps_before = core::host_allocator_stats().num_maps;
+        maps_before = host_allocator_stats().num_maps;
       }
       b.barrier();
       auto d = b.dispatch({.x = batch.xv(), .num_sms = 1, .handle = first.handle});
@@ -209,7 +209,7 @@ TEST(ElasticAllocation, SteadyStateAllocatesOnlyOutputs) {
       b.barrier();
       if (g.rank() == 0) {
         after = g_new_bytes.load();
-        maps_after = core::host_allocator_stats().num_maps;
+        maps_after = host_allocator_stats().num_maps;
       }
       b.barrier();
     });

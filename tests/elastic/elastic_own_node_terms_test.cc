@@ -1,4 +1,4 @@
-// Combine with own_node_rank_terms (elastic::Access, engine::CombineRequest): in hybrid mode
+// Combine with own_node_rank_terms (CombineExtras, engine::CombineRequest): in hybrid mode
 // with multiple reduction, the source node's rank units are terms of the final FP32 sum one by
 // one, while every other node still contributes one BF16-rounded level-2 unit. Checked on 2 nodes
 // of 2 ranks (threads), compact and expanded layouts, against a reference sum written here from
@@ -17,7 +17,6 @@
 #include <random>
 #include <vector>
 
-#include "elastic/elastic_access.hh"
 #include "moe_ep/elastic_buffer.hpp"
 #include "reference/numeric_reference.hh"
 #include "support/rank_runner.hh"
@@ -183,8 +182,8 @@ TEST(OwnNodeRankTerms, OwnNodeRanksAreTermsOtherNodesOneRoundedUnit) {
           fill_outputs(me, r, expand, y, w);
           CombineArgs a{.x = y, .handle = r.handle};
           if (!expand) a.topk_weights = w;
-          const CombineResult c = elastic::Access::combine(
-              b, a, {.sum_weights_over_ranks = !expand, .own_node_rank_terms = true});
+          const CombineResult c = b.combine(
+              a, CombineExtras{.sum_weights_over_ranks = !expand, .own_node_rank_terms = true});
           for (int t = 0; t < kTokens; ++t) {
             const auto [row, weights] = reference_token(me, t, expand, false);
             if (!std::equal(row.begin(), row.end(), c.combined_x.data_as<std::uint16_t>() + t * kHidden))

@@ -1,4 +1,4 @@
-// The dispatcher's one-copy low-latency path on ElasticBuffer (elastic/elastic_access.hh): an
+// The dispatcher's one-copy low-latency path on ElasticBuffer (DispatchExtras, CombineExtras): an
 // expanded dispatch with a fixed expert stride (the slab [El, stride, H], FP8 scales stored
 // [El, S, stride]) and a combine that weights each expert output row as it reads it, both against
 // the dense reference (tests/reference, with weight_lanes: lanes bf16(w x y), then V2's order).
@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "elastic/elastic_access.hh"
+#include "moe_ep/elastic_buffer.hpp"
 #include "moe_ep/error.hpp"
 #include "reference/dense_reference.hh"
 #include "support/rank_runner.hh"
@@ -92,7 +92,7 @@ void run_slab_case(Group& group, const CaseSpec& spec, std::vector<std::string>&
                     .do_expand = true,
                     .use_tma_aligned_col_major_sf = true};
   if (spec.fp8) args.x_scales = TensorView(in.scales.data(), DType::kFP32, {n, spec.scale_cols});
-  DispatchResult res = elastic::Access::dispatch(buffer, args, {.expert_stride = static_cast<int>(stride)});
+  DispatchResult res = buffer.dispatch(args, DispatchExtras{.expert_stride = static_cast<int>(stride)});
   res.event.wait();
   const reference::RefDispatch ref = reference::reference_dispatch(spec, all, me);
   check_dispatch(spec, all, ref, res, stride, bad);
@@ -108,8 +108,8 @@ void run_slab_case(Group& group, const CaseSpec& spec, std::vector<std::string>&
     for (int h = 0; h < H; ++h)
       y.data_as<std::uint16_t>()[(i * stride + t) * H + h] = spec.value(me, i, from.source * spec.max_tokens + from.token, h);
   }
-  const CombineResult c = elastic::Access::combine(buffer, {.x = y, .handle = res.handle},
-                                                   {.row_weights = res.recv_topk_weights});
+  const CombineResult c = buffer.combine(CombineArgs{.x = y, .handle = res.handle},
+                                        CombineExtras{.row_weights = res.recv_topk_weights});
   c.event.wait();
   const reference::RefCombine expected = reference::reference_combine(spec, all, me, 1.0f);
   if (!std::equal(expected.x.begin(), expected.x.end(), c.combined_x.data_as<const std::uint16_t>()))
@@ -141,7 +141,7 @@ TEST(ElasticSlab, RowWeightsNeedTheExpandedLayout) {
     Tensor rows = Tensor::zeros({res.recv_x.size(0), 128}, DType::kBF16);
     Tensor rw = Tensor::zeros({res.recv_x.size(0)}, DType::kFP32);
     try {
-      elastic::Access::combine(buffer, {.x = rows, .handle = res.handle}, {.row_weights = rw}).event.wait();
+      buffer.combine(CombineArgs{.x = rows, .handle = res.handle}, CombineExtras{.row_weights = rw}).event.wait();
       bad.push_back("combine with row weights on a compact handle did not throw");
     } catch (const InvalidArgument& e) {
       if (std::string(e.what()).find("row weights need the expanded layout") == std::string::npos)

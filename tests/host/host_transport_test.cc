@@ -217,7 +217,8 @@ std::string symmetric(int rank, int size, const host::AllGather& ag, int rpn) {
   }()
                                               : std::vector<int>{1};
   expect_throw<PeerError>(
-      f, "size mismatch", [&] { t.allocate_symmetric(rank == 1 ? 8192 : 4096, kWait); }, &expected, "asked for a size");
+      f, "size mismatch", [&] { t.allocate_symmetric(rank == 1 ? 8192 : 4096, kWait); }, &expected,
+      "symmetric allocation: ranks disagree on the size: 4096 bytes on ");
   group->barrier(10);  // still in step
   memory.reset();
   return f.str();

@@ -229,7 +229,8 @@ TEST(MpiTransport, OneMessageInFlightPerPeer) {
 }
 
 // Tensors moe-ep allocated are mapped by node peers in place; other memory is copied once into
-// the shared arena. Both give the same results.
+// the shared arena where node peers read it: a combine input. A dispatch reads x where it is
+// (its sources push their rows), whoever allocated it. All give the same results.
 TEST(MpiTransport, TensorsAllocatedByMoeEpAreSharedWithoutCopy) {
   Group& g = *g_group;
   if (g.num_scaleup() < 2) GTEST_SKIP() << "one rank per node: nothing is shared";
@@ -245,20 +246,28 @@ TEST(MpiTransport, TensorsAllocatedByMoeEpAreSharedWithoutCopy) {
   for (int t = 0; t < T; ++t)
     for (int j = 0; j < k; ++j) topk.data_as<std::int64_t>()[t * k + j] = (g.rank() + t + j * (E / 2)) % E;
   comm::Transport& transport = g.transport();
-  auto run = [&](const TensorView& input) {
+  std::vector<std::uint16_t> user_y;  // the combine input in memory moe-ep did not allocate
+  auto run = [&](const TensorView& input, bool user_combine_input) {
     const std::uint64_t before = transport.shared_bytes_copied();
     DispatchResult d = buffer.dispatch({.x = input, .topk_idx = topk, .num_experts = E});
     const std::uint64_t after_dispatch = transport.shared_bytes_copied();
-    CombineResult c = buffer.combine({.x = d.recv_x, .handle = d.handle});  // recv_x: allocated by moe-ep
+    TensorView y = d.recv_x;  // allocated by moe-ep
+    if (user_combine_input) {
+      user_y.assign(static_cast<const std::uint16_t*>(d.recv_x.data()),
+                    static_cast<const std::uint16_t*>(d.recv_x.data()) + d.recv_x.numel());
+      y = TensorView(user_y.data(), DType::kBF16, {d.recv_x.size(0), H});
+    }
+    CombineResult c = buffer.combine({.x = y, .handle = d.handle});
     const std::uint64_t after_combine = transport.shared_bytes_copied();
     return std::tuple{std::move(d), std::move(c), after_dispatch - before, after_combine - after_dispatch};
   };
-  auto [d1, c1, x_copied, y_copied] = run(x);
+  auto [d1, c1, x_copied, y_copied] = run(x, false);
   const std::size_t x_bytes = static_cast<std::size_t>(T) * H * 2;
   EXPECT_LT(x_copied, x_bytes) << "x was allocated by moe-ep: only the small tensors (top-k ids) are copied";
   EXPECT_EQ(y_copied, 0u) << "the combine input recv_x was allocated by moe-ep";
-  auto [d2, c2, user_copied, y2_copied] = run(TensorView(user_x.data(), DType::kBF16, {T, H}));
-  EXPECT_GE(user_copied, x_bytes) << "memory moe-ep did not allocate is copied into the shared arena";
+  auto [d2, c2, user_copied, user_y_copied] = run(TensorView(user_x.data(), DType::kBF16, {T, H}), true);
+  EXPECT_LT(user_copied, x_bytes) << "the dispatch's sources push their rows from x where it is";
+  EXPECT_GE(user_y_copied, d2.recv_x.nbytes()) << "a combine input moe-ep did not allocate is copied into the arena";
   ASSERT_EQ(d1.recv_x.nbytes(), d2.recv_x.nbytes());
   EXPECT_EQ(std::memcmp(d1.recv_x.data(), d2.recv_x.data(), d1.recv_x.nbytes()), 0);
   EXPECT_EQ(std::memcmp(c1.combined_x.data(), c2.combined_x.data(), c1.combined_x.nbytes()), 0);
@@ -420,12 +429,18 @@ TEST(MpiTransport, TopologyThatDoesNotFitIsRejected) {
     EXPECT_NE(std::string(e.what()).find(std::to_string(g.size() + 1)), std::string::npos) << e.what();
   }
   if (g.size() < 2) return;
-  // Ranks that ask for different topologies: every rank names both groups of ranks.
+  // Ranks that ask for different topologies: every rank lists both groups of ranks and blames
+  // the other one.
+  std::vector<int> rest;
+  for (int r = 1; r < g.size(); ++r) rest.push_back(r);
   try {
     mpi::make_group(MPI_COMM_WORLD, {.ranks_per_node = g.rank() == 0 ? 1 : g.size(), .timeout_secs = 60});
     ADD_FAILURE() << "disagreeing ranks_per_node was accepted";
   } catch (const PeerError& e) {
-    EXPECT_NE(std::string(e.what()).find("ranks [0] ask for 1"), std::string::npos) << e.what();
+    const std::string held = fmt::format("ranks disagree on ranks_per_node: 1 on rank [0], {} on {} [{}]", g.size(),
+                                         rest.size() == 1 ? "rank" : "ranks", fmt::join(rest, ", "));
+    EXPECT_NE(std::string(e.what()).find(held), std::string::npos) << e.what();
+    EXPECT_EQ(e.ranks(), g.rank() == 0 ? rest : std::vector<int>{0}) << e.what();
   }
 }
 

@@ -325,7 +325,7 @@ def test_probe_providers_states():
     r = moe_ep.probe_providers(f"{v1_only}:cpu")
     assert r["v1"]["provider"] == "test-v1" and r["v2"]["provider"] == "cpu"
     r = moe_ep.probe_providers(provider_library("no_symbol"))
-    assert "missing symbol moe_ep_provider_abi_5" in r["v1"]["reason"]
+    assert "missing symbol moe_ep_provider_abi_6" in r["v1"]["reason"]
     r = moe_ep.probe_providers(provider_library("abi_mismatch"))
     assert "ABI mismatch" in r["v1"]["reason"]
     r = moe_ep.probe_providers(provider_library("init_failure"))

@@ -1,7 +1,8 @@
 """Zero copy: outputs are torch tensors over moe-ep memory (no copy on the way out), they outlive
 the buffers and groups that made them, inputs (torch or numpy) are read in place by threads
-(nothing copied into shared memory), and across processes only inputs outside moe-ep memory are
-copied for the peers: feeding moe-ep outputs back in copies nothing."""
+(nothing copied into shared memory), and across processes a pushing dispatch reads its inputs in
+place too, while a combine copies only inputs outside moe-ep memory for the peers: feeding moe-ep
+outputs back in copies nothing."""
 
 import gc
 
@@ -129,14 +130,22 @@ def _copied_bytes(rank, world, group):
     recv_x, _, recv_w, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E)
     c1 = g.shared_bytes_copied()
     # bytes a copy into the shared arena counts: each tensor starts 64-byte aligned there
-    nbytes = lambda t: (t.numel() * t.element_size() + 63) // 64 * 64
+    aligned = lambda b: (b + 63) // 64 * 64
+    nbytes = lambda t: aligned(t.numel() * t.element_size())
     # A new dispatch also publishes its tokens grouped by destination rank, 8 bytes per (token,
     # destination rank) pair: moe-ep memory below 1 MiB, so copied like the handle's top-k ids.
     pairs = sum(len(ref.dest_ranks(row, E, world)) for row in idx)
-    listed = (pairs * 8 + 63) // 64 * 64
+    listed = aligned(pairs * 8)
     exp = ref.v2_dispatch_compact(inputs, rank, E)
     assert_same(recv_x, exp["recv_x"], "recv_x")
-    assert 0 < c1 - c0 <= nbytes(x) + nbytes(idx) + nbytes(w) + listed, (c0, c1)
+    # The receiver publishes its receive plan to the node's sources, which push their rows into its
+    # outputs: per received row its source (8 bytes), its token, its master lane (4 each) and its
+    # K local expert ids (4 each), four spans each copied from the heap.
+    n = len(exp["rows"])
+    plan = aligned(n * 8) + 2 * aligned(n * 4) + aligned(n * 4 * K)
+    # x is read where it is, even though torch allocated it: only routing and plan are copied
+    assert 0 < c1 - c0 <= nbytes(idx) + nbytes(w) + listed + plan, (c0, c1)
+    assert c1 - c0 < nbytes(x), f"dispatch copied {c1 - c0} bytes: x ({nbytes(x)} bytes) was not read in place"
     # expert outputs written into moe_ep.empty memory: combine copies nothing
     y = moe_ep.empty_like(recv_x)
     y.copy_(recv_x)
@@ -151,14 +160,19 @@ def _copied_bytes(rank, world, group):
     # a dispatch of moe-ep memory (the combined output) copies at most the routing tensors
     recv2, _, _, h2, _ = buf.dispatch(combined, topk_idx=idx, topk_weights=w, num_experts=E)
     c3 = g.shared_bytes_copied()
-    assert c3 - c2 <= nbytes(idx) + nbytes(w) + listed, f"dispatch of a moe-ep output copied {c3 - c2} bytes"
-    # and a cached dispatch of a moe-ep output copies at most the handle's (small) top-k ids
+    assert c3 - c2 <= nbytes(idx) + nbytes(w) + listed + plan, f"dispatch of a moe-ep output copied {c3 - c2} bytes"
+    # and a cached dispatch copies at most the handle's (small) top-k ids and the receive plan
     buf.dispatch(combined, handle=h2)
-    assert g.shared_bytes_copied() - c3 <= nbytes(idx), f"cached dispatch copied {g.shared_bytes_copied() - c3} bytes"
+    c4 = g.shared_bytes_copied()
+    assert c4 - c3 <= nbytes(idx) + plan, f"cached dispatch copied {c4 - c3} bytes"
+    # a combine input torch allocated is copied for the peers: the counter sees whole tensors
+    torch_y = recv_x.clone()
+    buf.combine(torch_y, handle)
+    assert g.shared_bytes_copied() - c4 >= nbytes(torch_y), f"combine of a torch tensor copied {g.shared_bytes_copied() - c4}"
     buf.destroy()
     return [c1 - c0, c2 - c1, c3 - c2]
 
 
 def test_processes_copy_only_foreign_inputs():
     out = check_all_ok(run_processes(_copied_bytes, 2))
-    assert all(o[0] > 0 for o in out)  # the torch-allocated x was copied: the counter sees copies
+    assert all(o[0] > 0 for o in out)  # the routing and the receive plan were copied

@@ -17,13 +17,31 @@ __version__ = "2.1.0"
 
 
 def get_physical_domain_size(group):
-    """(num_rdma_ranks, num_nvl_ranks): the nodes, and the ranks of each, as the transport sees them."""
+    """The physical domains of a group: its nodes, and the ranks of each, as the transport sees them.
+
+    Arguments:
+        group: a ``torch.distributed.ProcessGroup``, an mpi4py communicator or a ``moe_ep.Group``.
+
+    Returns:
+        num_rdma_ranks: int, the nodes (``MOE_EP_RANKS_PER_NODE`` or ``LocalWorld``'s
+            ``num_scaleout`` make logical ones).
+        num_nvl_ranks: int, the ranks of each node (they share memory).
+    """
     g = resolve_group(group)
     return g.num_scaleout, g.num_scaleup
 
 
 def get_logical_domain_size(group, allow_hybrid_mode=True):
-    """(num_scaleout_ranks, num_scaleup_ranks) of V2's kernels: the physical domains with hybrid mode, else one."""
+    """The domains V2's dispatch and combine work in: the physical ones with hybrid mode, else one.
+
+    Arguments:
+        group: a ``torch.distributed.ProcessGroup``, an mpi4py communicator or a ``moe_ep.Group``.
+        allow_hybrid_mode: bool, default True; False makes every rank one scale-up domain.
+
+    Returns:
+        num_scaleout_ranks: int, the scale-out domains (1 without hybrid mode).
+        num_scaleup_ranks: int, the ranks of each.
+    """
     g = resolve_group(group)
     return (g.num_scaleout, g.num_scaleup) if allow_hybrid_mode else (1, g.size())
 

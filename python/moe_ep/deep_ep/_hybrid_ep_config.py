@@ -40,7 +40,14 @@ def capacity_of(num_tokens):
 
 class HybridEpConfigInstance:
     """The shape and knobs of one HybridEP call. GPU-only knobs (block counts, chunk sizes) are
-    recorded and have no effect on CPU."""
+    recorded and have no effect on CPU.
+
+    Arguments:
+        values: keyword values of its fields (``hidden_dim``, ``max_num_of_tokens_per_rank``,
+            ``num_of_experts_per_rank``, ``num_of_ranks_per_node``, ``num_of_nodes``,
+            ``pad_multiple``, ``use_fp8``, ``fuse_permute_dispatch``, the block counts and chunk
+            sizes); the others keep their defaults. An unknown field is an ``InvalidArgument``.
+    """
 
     _FIELDS = dict(hidden_dim=0, max_num_of_tokens_per_rank=0, num_of_experts_per_rank=0, num_of_ranks_per_node=1,
                    num_of_nodes=1, pad_multiple=1, use_fp8=False, fuse_permute_dispatch=False,
@@ -55,6 +62,14 @@ class HybridEpConfigInstance:
         self.update(values)
 
     def update(self, values):
+        """Sets fields.
+
+        Arguments:
+            values: a dict of field names to values (an unknown name is an ``InvalidArgument``).
+
+        Returns:
+            self: this configuration.
+        """
         for name, value in values.items():
             if name not in self._FIELDS:
                 raise _C.InvalidArgument(f"HybridEpConfigInstance has no field {name!r} (fields: "
@@ -63,10 +78,19 @@ class HybridEpConfigInstance:
         return self
 
     def copy(self):
+        """A new configuration with the same fields.
+
+        Returns:
+            config: a ``HybridEpConfigInstance``.
+        """
         return HybridEpConfigInstance(**{name: getattr(self, name) for name in self._FIELDS})
 
     def validity_problems(self):
-        """What breaks HybridEP's validity rules (docs/hybrid-ep.md), as phrases naming the values."""
+        """What breaks HybridEP's validity rules (docs/hybrid-ep.md).
+
+        Returns:
+            problems: a list of str, phrases naming the values (empty when valid).
+        """
         problems = []
         h, el, nodes = self.hidden_dim, self.num_of_experts_per_rank, self.num_of_nodes
         multiple = 512 if self.use_fp8 else 16
@@ -85,6 +109,11 @@ class HybridEpConfigInstance:
         return problems
 
     def is_valid(self):
+        """Whether the configuration keeps HybridEP's validity rules.
+
+        Returns:
+            valid: bool, True when ``validity_problems()`` is empty.
+        """
         return not self.validity_problems()
 
     def __repr__(self):

@@ -73,6 +73,38 @@ class PermuteMixin:
                               num_of_experts=None, use_fp8=None, routing_map=None, probs=None, scaling_factor=None,
                               num_permuted_tokens=None, pad_multiple=None, handle=None, non_blocking=False,
                               fuse_permute_dispatch=False, num_dispatched_tokens=None, use_host_meta=None):
+        """Collective: ``dispatch`` into the permuted layout, one row per (token, local expert), each
+        expert's block padded to ``pad_multiple`` (docs/hybrid-ep.md, "dispatch_with_permute").
+        Keyword-only.
+
+        Arguments:
+            hidden: `torch.Tensor` ``[N, H]`` contiguous, bfloat16 or (FP8) uint8 / float8_e4m3fn.
+            topk_idx: `torch.Tensor` ``[N, k]`` of an integer dtype, ids in ``[-1, E)``, or None.
+            topk_weights: `torch.Tensor` ``[N, k]`` float32, or None.
+            num_of_experts_per_rank: int or None; when given, must be ``El``.
+            num_of_experts: int, ``E``, or None.
+            use_fp8: bool or None (the buffer's).
+            routing_map: `torch.Tensor` ``[N, E]`` bool, or None.
+            probs: `torch.Tensor` ``[N, E]`` float32, or None.
+            scaling_factor: `torch.Tensor` ``[N, H / 128]`` float32 for an FP8 ``hidden``, else None.
+            num_permuted_tokens: int or 0-d integer tensor >= 0, or None: the rows returned (None:
+                exactly the padded rows); required with ``handle`` and with ``non_blocking``.
+            pad_multiple: int >= 0 or None: the expert alignment (None and 0: none).
+            handle: the 11-tuple of an earlier call (no routing work), or None.
+            non_blocking: bool, default False: ``num_permuted_tokens`` rows, dropping the pairs past
+                them (``overflow_flag`` says so).
+            fuse_permute_dispatch: bool, default False; no effect.
+            num_dispatched_tokens: accepted, unused.
+            use_host_meta: deprecated: when given, ``non_blocking = not use_host_meta``.
+
+        Returns:
+            tokens: `torch.Tensor` ``[rows, H]`` of ``hidden``'s dtype, padding rows zero.
+            probs: `torch.Tensor` ``[rows]`` float32, or None.
+            scaling_factor: `torch.Tensor` ``[rows, H / 128]`` float32 (FP8), or None.
+            tokens_per_expert: `torch.Tensor` ``[El]`` int64, the padded count per expert; None with
+                ``handle``.
+            handle: the 11-tuple (docs/hybrid-ep.md), or the given one.
+        """
         if use_host_meta is not None:
             non_blocking = not use_host_meta
         if handle is not None:
@@ -84,8 +116,8 @@ class PermuteMixin:
                                       routing_map=routing_map, probs=probs), pad_multiple,
                                  lambda: _budget_problem(num_permuted_tokens, pad_multiple, non_blocking,
                                                          num_of_experts_per_rank, self.num_local_experts))
-        p, routing, geo = pad_of(pad_multiple), call.routing, call.geo
-        recv_x, recv_sf, recv_w, native = self._v2_dispatch(call.runtime, call.x, call.lanes, call.weights, geo.experts,
+        p, routing, shape = pad_of(pad_multiple), call.routing, call.shape
+        recv_x, recv_sf, recv_w, native = self._v2_dispatch(call.runtime, call.x, call.lanes, call.weights, shape.experts,
                                                             self._capacity, True, p)
         counts = routing.counts()
         padded = (counts + p - 1) // p * p
@@ -98,7 +130,7 @@ class PermuteMixin:
         kept = torch.minimum(torch.clamp(rows - starts, min=0), counts)  # c_e less the pairs past the budget
         overflow = int(non_blocking and int(starts[-1] + counts[-1]) > rows)
         state = types.SimpleNamespace(kind="permute", runtime=call.runtime, native=native, lanes=call.lanes, n=call.n,
-                                      geo=geo, pad=p, total=total, m_exp=recv_x.shape[0], kept_rows=min(rows, total),
+                                      shape=shape, pad=p, total=total, m_exp=recv_x.shape[0], kept_rows=min(rows, total),
                                       num_permuted_tokens=rows)
         items = routing.common_items() + [routing.dense_chunk_layout(), routing.dense_to_expert_map(starts, rows),
                                           kept.to(torch.int32), call.n, call.config,
@@ -125,7 +157,7 @@ class PermuteMixin:
                 raise ValueError(phrase)
             weights = None
             if probs is not None:
-                check_tensor("probs", probs, (torch.float32,), (n, state.geo.experts))
+                check_tensor("probs", probs, (torch.float32,), (n, state.shape.experts))
                 weights = lane_values(probs, state.lanes)
         except Exception as e:  # every refusal must reach the agreement, or the peers would wait
             problem = self._refusal(op, e)
@@ -143,6 +175,22 @@ class PermuteMixin:
     @serialised
     def combine_with_unpermute(self, *, hidden, probs=None, handle=None, pad_multiple=None,
                                fuse_unpermute_combine=False, num_dispatched_tokens=None):
+        """Collective: the inverse of ``dispatch_with_permute``: each rank sums its rows of a token
+        over its local experts, then ``combine``'s order (docs/hybrid-ep.md). Keyword-only.
+
+        Arguments:
+            hidden: `torch.Tensor` bfloat16, contiguous, at least the rows the handle keeps, in the
+                permuted layout.
+            probs: `torch.Tensor` float32 1-D with as many rows, or None.
+            handle: the 11-tuple of ``dispatch_with_permute``.
+            pad_multiple: int or None; when given, must be the handle's.
+            fuse_unpermute_combine: bool, default False; no effect.
+            num_dispatched_tokens: accepted, unused.
+
+        Returns:
+            combined: `torch.Tensor` ``[N, H]`` bfloat16.
+            combined_probs: `torch.Tensor` ``[N, E]`` float32, or None without ``probs``.
+        """
         op = "combine_with_unpermute"
         problem, state, x, weights = None, None, None, None
         try:

@@ -82,8 +82,9 @@ class HybridHandle(tuple):
         return t
 
 
-class Geometry:
-    """G ranks, L per NVLink domain, M domains, El experts per rank, N tokens per rank."""
+class HybridEPShape:
+    """The shape of a HybridEP call: G ranks, L per NVLink domain, M domains, El experts per rank,
+    N tokens per rank."""
 
     def __init__(self, ranks, per_node, local_experts, tokens):
         self.ranks, self.per_node, self.local_experts, self.tokens = ranks, per_node, local_experts, tokens
@@ -92,13 +93,17 @@ class Geometry:
         self.node_experts = local_experts * per_node
 
 
-def lanes_of(routed, sources, geo, k):
-    """Lane ids int64 [rows, k] of map rows `routed` whose source ranks are `sources` [rows]: the
-    routed experts ordered by (node key, expert), node key (source node - expert node) mod M, so
-    the own node first, then nodes n-1, n-2, ...; -1 after them."""
-    e = torch.arange(geo.experts)
-    node_key = (torch.div(sources, geo.per_node, rounding_mode="floor")[:, None] - (e // geo.node_experts)[None, :]) % geo.nodes
-    key = torch.where(routed, node_key * geo.experts + e, geo.nodes * geo.experts + e)
+def lanes_of(routed, sources, shape, k):
+    """Lane ids int64 [rows, k] (k <= E) of map rows `routed` whose source ranks are `sources`
+    [rows]: the routed experts ordered by (node key, expert), node key (source node - expert node)
+    mod M, so the own node first, then nodes n-1, n-2, ...; -1 after them. The dispatcher's
+    hybrid_ep layout orders top-k lanes the same way in C++ (routing::order_lanes_hybrid_ep); both
+    are checked against one definition (tests/python/test_hybrid_ep_lane_order.py,
+    tests/routing/lane_order_test.cc)."""
+    e = torch.arange(shape.experts)
+    source_node = torch.div(sources, shape.per_node, rounding_mode="floor")
+    node_key = (source_node[:, None] - (e // shape.node_experts)[None, :]) % shape.nodes
+    key = torch.where(routed, node_key * shape.experts + e, shape.nodes * shape.experts + e)
     order = torch.argsort(key, dim=1)[:, :k]
     return torch.where(torch.gather(routed, 1, order), order, torch.full_like(order, -1))
 
@@ -122,9 +127,9 @@ def scatter_lanes(values, lanes, width, offset=0):
 class Routing:
     """What every rank derives from the all-gathered map (bool [G*N, E], rows g = s*N + t)."""
 
-    def __init__(self, all_map, geo, rank):
-        self.map, self.geo, self.rank = all_map, geo, rank
-        g = geo
+    def __init__(self, all_map, shape, rank):
+        self.map, self.shape, self.rank = all_map, shape, rank
+        g = shape
         self.to_rank = all_map.view(-1, g.ranks, g.local_experts).any(2)  # [G*N, G]
         self.to_node = all_map.view(-1, g.nodes, g.node_experts).any(2)  # [G*N, M]
         self.recv = self.to_rank[:, rank].nonzero().flatten()  # g of the rows this rank receives
@@ -132,15 +137,15 @@ class Routing:
         self.topk = max(1, int(all_map.sum(1).max())) if all_map.numel() else 1
 
     def sources(self, rows):
-        return torch.div(rows, self.geo.tokens, rounding_mode="floor")
+        return torch.div(rows, self.shape.tokens, rounding_mode="floor")
 
     def lanes_for(self, rows):
-        return lanes_of(self.map[rows], self.sources(rows), self.geo, self.topk)
+        return lanes_of(self.map[rows], self.sources(rows), self.shape, self.topk)
 
     def common_items(self):
         """The first five handle items: sparse_to_dense_map, rdma_to_attn_map, attn_to_rdma_map,
         num_dispatched_tokens_tensor, local_expert_routing_map."""
-        g, n, me = self.geo, self.geo.tokens, self.rank
+        g, n, me = self.shape, self.shape.tokens, self.rank
         node, local = me // g.per_node, me % g.per_node
         routed = self.to_rank[:, node * g.per_node:(node + 1) * g.per_node]  # to this node's ranks
         position = torch.where(routed, routed.to(torch.int64).cumsum(0) - 1, torch.full(routed.shape, -1))
@@ -164,7 +169,7 @@ class Routing:
         return self.local_map.sum(0)
 
     def dense_chunk_layout(self):
-        g, n = self.geo, self.geo.tokens
+        g, n = self.shape, self.shape.tokens
         chunks = (n + 63) // 64
         src = self.sources(self.recv)
         chunk = src * chunks + torch.div(self.recv - src * n, 64, rounding_mode="floor")
@@ -173,7 +178,7 @@ class Routing:
     def dense_to_expert_map(self, starts, kept_rows):
         """int32 [N*G, El]: the output row of (dense row, local expert), -1 where not routed or
         dropped (row >= kept_rows)."""
-        g = self.geo
+        g = self.shape
         local = self.local_map
         rows = starts[None, :] + local.to(torch.int64).cumsum(0) - 1
         keep = local & (rows < kept_rows)

@@ -43,7 +43,6 @@ torch's function). docs/integration.md, "Use moe-ep in your engine's CPU CI".
 import contextlib
 import os
 import threading
-import time
 import types
 
 import torch
@@ -51,126 +50,14 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from .. import _groups
+# The stand-in streams and events, and the count of the layer's calls.
+from ._cpu_compat_streams import (Event, Stream, _calls, _count, _current_stream, _default_stream,
+                                  _set_stream, _stream, _thread)
 
 __all__ = ["install", "uninstall", "installed", "enabled", "enter_thread", "calls", "Stream", "Event"]
 
 _lock = threading.RLock()
 _state = None  # while installed: the settings and what was replaced
-_calls = {}  # stand-in name -> calls since install() (calls())
-
-
-def _count(name):
-    _calls[name] = _calls.get(name, 0) + 1
-
-
-# ---- streams and events ------------------------------------------------------------------------
-
-class Stream:
-    """A CPU stand-in for torch.cuda.Stream: work is already ordered, waits return at once."""
-
-    def __init__(self, device=None, priority=0, **kwargs):
-        _count("torch.cuda.Stream")
-        self.device = torch.device("cpu")
-        self.priority = priority
-        self.stream_id = id(self)
-        self.cuda_stream = 0
-
-    def wait_stream(self, stream):
-        pass
-
-    def wait_event(self, event):
-        pass
-
-    def record_event(self, event=None):
-        event = event if event is not None else Event()
-        event.record(self)
-        return event
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-    def is_capturing(self):
-        """No graph capture on the CPU (torch.cuda.Stream.is_capturing's answer outside a capture)."""
-        return False
-
-    def __enter__(self):
-        _stream_context_stack().append(self)
-        return self
-
-    def __exit__(self, *exc):
-        _stream_context_stack().pop()
-        return False
-
-    def __eq__(self, other):
-        return isinstance(other, Stream) and other.stream_id == self.stream_id
-
-    def __hash__(self):
-        return hash(self.stream_id)
-
-    def __repr__(self):
-        return f"<moe_ep cpu_compat Stream {self.stream_id:#x}>"
-
-
-class Event:
-    """A CPU stand-in for torch.cuda.Event: complete once recorded; elapsed_time is host time."""
-
-    def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
-        _count("torch.cuda.Event")
-        self.enable_timing = enable_timing
-        self._recorded_at = None
-
-    def record(self, stream=None):
-        self._recorded_at = time.perf_counter()
-
-    def wait(self, stream=None):
-        pass
-
-    def query(self):
-        return True
-
-    def synchronize(self):
-        pass
-
-    def elapsed_time(self, end_event):
-        if not self.enable_timing or not getattr(end_event, "enable_timing", False):
-            raise RuntimeError("elapsed_time needs two events created with enable_timing=True")
-        if self._recorded_at is None or end_event._recorded_at is None:
-            raise RuntimeError("elapsed_time needs both events recorded")
-        return (end_event._recorded_at - self._recorded_at) * 1e3
-
-    def __repr__(self):
-        return "<moe_ep cpu_compat Event>"
-
-
-_default_stream = Stream()
-_thread = threading.local()
-
-
-def _stream_context_stack():
-    if not hasattr(_thread, "streams"):
-        _thread.streams = []
-    return _thread.streams
-
-
-def _current_stream(device=None):
-    stack = _stream_context_stack()
-    return stack[-1] if stack else getattr(_thread, "current", _default_stream)
-
-
-def _set_stream(stream):
-    _thread.current = stream
-
-
-@contextlib.contextmanager
-def _stream(stream):
-    if stream is None:
-        yield
-        return
-    with stream:
-        yield
 
 
 # ---- the stand-in device ------------------------------------------------------------------------
@@ -387,8 +274,13 @@ def _counted(name, fn):
 
 
 def calls():
-    """How often each stand-in was called since install(): {"torch.cuda.get_device_properties": n,
-    ..., "device mapped": n, "nccl -> gloo": n}. What an engine's DeepEP path needs of the layer."""
+    """How often each stand-in was called since install(): what an engine's DeepEP path needs of
+    the layer.
+
+    Returns:
+        calls: a dict, ``{"torch.cuda.get_device_properties": n, ..., "device mapped": n,
+            "nccl -> gloo": n}``.
+    """
     return dict(_calls)
 
 
@@ -396,8 +288,12 @@ def calls():
 
 def install(device_count=8, multi_processor_count=132, capability=(9, 0)):
     """Installs the layer (idempotent: a second call with other settings updates them).
-    device_count: how many stand-in devices torch.cuda reports; multi_processor_count and
-    capability: what get_device_properties reports (an H100's by default)."""
+
+    Arguments:
+        device_count: int >= 1, default 8: how many stand-in devices torch.cuda reports.
+        multi_processor_count: int >= 1, default 132: what get_device_properties reports (an H100's).
+        capability: a (major, minor) pair of ints, default (9, 0): the devices' compute capability.
+    """
     global _state
     if not isinstance(device_count, int) or isinstance(device_count, bool) or device_count < 1:
         raise ValueError(f"device_count = {device_count!r}; expected an int >= 1")
@@ -472,12 +368,23 @@ def uninstall():
 
 
 def installed():
+    """Whether the layer is installed.
+
+    Returns:
+        installed: bool.
+    """
     return _state is not None
 
 
 @contextlib.contextmanager
 def enabled(**settings):
-    """install() for the block, uninstall() after it (unless it was installed before)."""
+    """A context manager: install() for the block, uninstall() after it (unless it was installed
+    before).
+
+    Arguments:
+        settings: install()'s keyword arguments (``device_count``, ``multi_processor_count``,
+            ``capability``).
+    """
     was = installed()
     install(**settings)
     try:

@@ -26,7 +26,7 @@ from .buffers._common import group_of
 from ._hybrid_ep_config import (HybridEpConfigInstance, agree, align, capacity_of, check_int,
                                 chunk_sizes_from_environment, nvlink_domain_size, serialised)
 from ._hybrid_ep_permute import PermuteMixin
-from ._hybrid_ep_routing import (Geometry, HybridHandle, Routing, check_tensor, lane_values, routed_count_problem,
+from ._hybrid_ep_routing import (HybridEPShape, HybridHandle, Routing, check_tensor, lane_values, routed_count_problem,
                                  routing_of, scatter_lanes)
 
 _FP8_DTYPES = (torch.uint8, torch.float8_e4m3fn)
@@ -40,6 +40,32 @@ class _Configurer:
 
 
 class HybridEPBuffer(PermuteMixin):
+    """NVIDIA HybridEP's buffer (DeepEP's ``hybrid-ep`` branch) on moe-ep's V2 engine, for CPU
+    tensors, with HybridEP's rows, layouts, handles and reduction bits (docs/hybrid-ep.md).
+    Construction, the dispatches and the combines are collective; the calls of one buffer are
+    serialised.
+
+    Arguments:
+        group: a ``torch.distributed.ProcessGroup``, an mpi4py communicator or a ``moe_ep.Group``.
+        hidden_dim: int >= 1, the hidden size ``H`` (a multiple of 16, of 512 with ``use_fp8``).
+        max_num_of_tokens_per_rank: int >= 0: the buffer is sized for
+            ``T = a(max(max_num_of_tokens_per_rank, 512), 64)`` tokens per rank, and grows when a
+            call needs more.
+        num_local_experts: int >= 1, the experts of each rank (``El``; ``El * L`` a multiple of 4).
+        use_fp8: bool, default False: the calls' default payload is FP8 with scales.
+        num_sms_dispatch_api: int >= 1 or None: a GPU block count, recorded; no effect.
+        num_sms_combine_api: int >= 1 or None: recorded; no effect.
+        num_sms_preprocessing_api: int >= 1 or None: recorded; no effect.
+        num_blocks_permute: int >= 1 or None: recorded; no effect.
+        num_blocks_unpermute: int >= 1 or None: recorded; no effect.
+        load_cached_kernels: bool, default False: GPU kernel cache; no effect.
+        use_shared_buffer: bool, default True: GPU receive buffers; no effect.
+        enable_custom_allgather: bool, default False: GPU all-gather; no effect.
+        num_of_hybrid_ep_ranks_per_nvlink_domain: deprecated in the reference, ignored (``L`` is
+            the group's ranks per node; ``NUM_OF_HYBRID_EP_RANKS_PER_NVLINK_DOMAIN`` may restate it).
+        use_mnnvl: deprecated in the reference, ignored.
+    """
+
     # Long: the constructor's argument list and checks are the reference's, one statement each.
     def __init__(self, group, hidden_dim, max_num_of_tokens_per_rank, num_local_experts, use_fp8=False,
                  num_sms_dispatch_api=None, num_sms_combine_api=None, num_sms_preprocessing_api=None,
@@ -120,13 +146,28 @@ class HybridEPBuffer(PermuteMixin):
 
     @serialised
     def empty_jit_cache(self):
-        """GPU-only (the kernel cache): nothing to do on CPU."""
+        """Empties HybridEP's GPU kernel cache: nothing to do on CPU."""
 
     @serialised
     def update_template_config(self, hidden_dim=None, num_of_tokens_per_rank=None, num_local_experts=None,
                                pad_multiple=None, use_fp8=None, fuse_permute_dispatch=False, **kwargs):
-        """The configuration of a call: the template with these overrides; InvalidArgument naming
-        the values when it breaks a validity rule."""
+        """The configuration of a call: the template with these overrides, checked
+        (``moe_ep.InvalidArgument`` naming the values when it breaks a validity rule).
+
+        Arguments:
+            hidden_dim: int or None (the template's).
+            num_of_tokens_per_rank: int or None: the capacity ``a(max(n, 512), 64)``, at least the
+                template's.
+            num_local_experts: int or None (the template's).
+            pad_multiple: int or None (1): the expert alignment of the permuted layout.
+            use_fp8: bool or None (the template's).
+            fuse_permute_dispatch: bool, default False; recorded.
+            kwargs: other fields of ``HybridEpConfigInstance`` to set (an unknown one is an
+                ``InvalidArgument``).
+
+        Returns:
+            config: a ``HybridEpConfigInstance``.
+        """
         config, problems = self._call_config(hidden_dim, num_of_tokens_per_rank, num_local_experts, pad_multiple,
                                              use_fp8, fuse_permute_dispatch, kwargs)
         if problems:
@@ -201,13 +242,13 @@ class HybridEPBuffer(PermuteMixin):
         blocks = agree(self._group, self._context(op), problem, payload)
         self._agree_shape(op, blocks)
         self._grow(n, h)
-        geo = Geometry(g, self.num_of_hybrid_ep_ranks_per_nvlink_domain, el, n)
-        routing = Routing(torch.cat([b[2] for b in blocks]), geo, self.rank)
+        shape = HybridEPShape(g, self.num_of_hybrid_ep_ranks_per_nvlink_domain, el, n)
+        routing = Routing(torch.cat([b[2] for b in blocks]), shape, self.rank)
         mine = torch.arange(self.rank * n, (self.rank + 1) * n)
         lanes = routing.lanes_for(mine)
         weights = lane_values(probs, lanes) if probs is not None else None
         return types.SimpleNamespace(x=x, fp8=fp8, dtype=hidden.dtype, n=n, routing=routing, lanes=lanes,
-                                     weights=weights, config=config, runtime=self.runtime, geo=geo)
+                                     weights=weights, config=config, runtime=self.runtime, shape=shape)
 
     @staticmethod
     def _v2_dispatch(runtime, x, lanes, weights, num_experts, capacity, expand, alignment, native=None):
@@ -224,17 +265,40 @@ class HybridEPBuffer(PermuteMixin):
     @serialised
     def dispatch(self, hidden, scaling_factor=None, topk_idx=None, topk_weights=None, num_of_experts=None, probs=None,
                  routing_map=None, num_dispatched_tokens_tensor=None, num_dispatched_tokens=None, handle=None):
+        """Collective: sends every token to each rank with one of its experts; rows in ascending
+        global token id (docs/hybrid-ep.md, "dispatch"). Give ``routing_map`` (with ``probs``) or
+        ``topk_idx`` (with ``topk_weights``); with ``handle``, neither.
+
+        Arguments:
+            hidden: `torch.Tensor` ``[N, H]`` contiguous bfloat16, or with ``use_fp8`` uint8 /
+                float8_e4m3fn; ``N`` the same on every rank.
+            scaling_factor: `torch.Tensor` ``[N, H / 128]`` float32 for an FP8 ``hidden``, else None.
+            topk_idx: `torch.Tensor` ``[N, k]`` of an integer dtype, ids in ``[-1, E)``, or None.
+            topk_weights: `torch.Tensor` ``[N, k]`` float32, or None.
+            num_of_experts: int, ``E`` (must be ``El * num_ranks``), or None.
+            probs: `torch.Tensor` ``[N, E]`` float32, or None.
+            routing_map: `torch.Tensor` ``[N, E]`` bool, or None.
+            num_dispatched_tokens_tensor: accepted, unused.
+            num_dispatched_tokens: accepted, unused.
+            handle: the 7-tuple of an earlier ``dispatch`` (no routing work), or None.
+
+        Returns:
+            tokens: `torch.Tensor` ``[D, H]`` of ``hidden``'s dtype.
+            probs: `torch.Tensor` ``[D, El * L]`` float32 (this NVLink domain's experts), or None.
+            scaling_factor: `torch.Tensor` ``[D, H / 128]`` float32 (FP8), or None.
+            handle: the 7-tuple (docs/hybrid-ep.md), or the given one.
+        """
         if handle is not None:
             return self._cached_dispatch(hidden, scaling_factor, probs, handle)
         call = self._routed_call("dispatch", hidden, scaling_factor, None,
                                  dict(topk_idx=topk_idx, topk_weights=topk_weights, num_of_experts=num_of_experts,
                                       routing_map=routing_map, probs=probs))
-        routing, geo = call.routing, call.geo
-        recv_x, recv_sf, recv_w, native = self._v2_dispatch(call.runtime, call.x, call.lanes, call.weights, geo.experts,
+        routing, shape = call.routing, call.shape
+        recv_x, recv_sf, recv_w, native = self._v2_dispatch(call.runtime, call.x, call.lanes, call.weights, shape.experts,
                                                             self._capacity, False, 1)
         recv_lanes = routing.lanes_for(routing.recv)
         state = types.SimpleNamespace(kind="dispatch", runtime=call.runtime, native=native, lanes=call.lanes,
-                                      recv_lanes=recv_lanes, n=call.n, geo=geo)
+                                      recv_lanes=recv_lanes, n=call.n, shape=shape)
         items = routing.common_items() + [call.n, call.config]
         return (recv_x.view(call.dtype), self._node_slice(recv_w, recv_lanes), recv_sf if call.fp8 else None,
                 HybridHandle(items, state))
@@ -265,7 +329,7 @@ class HybridEPBuffer(PermuteMixin):
                 raise ValueError(f"hidden has {n} rows, the handle's dispatch had {state.n}")
             weights = None
             if probs is not None:
-                weights = lane_values(check_tensor("probs", probs, (torch.float32,), (n, state.geo.experts)),
+                weights = lane_values(check_tensor("probs", probs, (torch.float32,), (n, state.shape.experts)),
                                       state.lanes)
         except Exception as e:  # every refusal must reach the agreement, or the peers would wait
             problem = self._refusal("dispatch", e)
@@ -290,10 +354,22 @@ class HybridEPBuffer(PermuteMixin):
         combined = combined + 0.0
         if combined_w is None:
             return combined, None
-        return combined, scatter_lanes(combined_w, state.lanes, state.geo.experts) + 0.0
+        return combined, scatter_lanes(combined_w, state.lanes, state.shape.experts) + 0.0
 
     @serialised
     def combine(self, hidden, probs=None, handle=None):
+        """Collective: returns to every token the sum of the rows of the ranks that received it, in
+        HybridEP's order (docs/hybrid-ep.md, "Reduction"); no weights are applied.
+
+        Arguments:
+            hidden: `torch.Tensor` ``[D, H]`` bfloat16, contiguous, in the dispatch's row order.
+            probs: `torch.Tensor` ``[D, El * L]`` float32, or None (or a tensor of 0 elements).
+            handle: the 7-tuple of the ``dispatch``.
+
+        Returns:
+            combined: `torch.Tensor` ``[N, H]`` bfloat16.
+            combined_probs: `torch.Tensor` ``[N, E]`` float32, or None without ``probs``.
+        """
         problem, state, weights = None, None, None
         try:
             state = self._handle_state(handle, "dispatch", "combine")
@@ -305,7 +381,7 @@ class HybridEPBuffer(PermuteMixin):
                 check_tensor("probs", probs, (torch.float32,), (d, width))
                 base = self.node_rank * width
                 weights = lane_values(torch.cat([torch.zeros(d, base), probs,
-                                                 torch.zeros(d, state.geo.experts - base - width)], 1),
+                                                 torch.zeros(d, state.shape.experts - base - width)], 1),
                                       state.recv_lanes)
         except Exception as e:  # every refusal must reach the agreement, or the peers would wait
             problem = self._refusal("combine", e)

@@ -10,20 +10,40 @@ from .. import _C
 
 
 class EventHandle:
-    """An event: ``current_stream_wait()`` waits for it. ``EventHandle()`` is already complete."""
+    """An event: ``current_stream_wait()`` waits for it. ``EventHandle()`` is already complete.
+
+    Arguments:
+        event: the moe-ep event (``moe_ep._C.Event``) it stands for; None (the default) makes one
+            that is already complete, as ``capture()`` returns it (on CPU there is no stream to
+            record on).
+    """
 
     def __init__(self, event=None):
         self._event = _C.Event() if event is None else event
 
     def current_stream_wait(self):
+        """Blocks the calling thread (with the GIL released) until the event completes; raises the
+        error of the call it belongs to if that call failed on the communication worker."""
         self._event.wait()
 
     def query(self):
+        """Whether the event completed, without waiting.
+
+        Returns:
+            done: bool, True once the work it stands for finished.
+        """
         return self._event.query()
 
 
 class EventOverlap:
-    """A returned event with the tensors it keeps alive; also a context manager."""
+    """A returned event with the tensors it keeps alive; also a context manager
+    (``with event: ...`` waits for the event when the block ends).
+
+    Arguments:
+        event: an ``EventHandle``, or None: the event of a synchronous call (nothing to wait for).
+        extra_tensors: tensors to keep alive until the event is released (DeepEP's way to avoid
+            ``record_stream``); None by default.
+    """
 
     def __init__(self, event=None, extra_tensors=None):
         self.event = event
@@ -31,6 +51,13 @@ class EventOverlap:
         self._hook = None
 
     def current_stream_wait(self, release_handle=False):
+        """Waits for the event (blocking the calling thread on CPU), then runs the hook registered
+        with ``register_hook_after_wait`` (once).
+
+        Arguments:
+            release_handle: bool, default False; True drops the event and ``extra_tensors`` after
+                the wait.
+        """
         assert self.event is not None
         self.event.current_stream_wait()
         if self._hook is not None:
@@ -41,6 +68,11 @@ class EventOverlap:
             self.extra_tensors = None
 
     def register_hook_after_wait(self, hook):
+        """Registers a callable run once after the next ``current_stream_wait`` (at most one hook).
+
+        Arguments:
+            hook: a callable taking no arguments.
+        """
         assert self._hook is None, "only one hook may be registered"
         self._hook = hook
 

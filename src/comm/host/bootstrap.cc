@@ -5,12 +5,11 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
-#include <algorithm>
 #include <fstream>
 #include <map>
 
+#include "comm/disagreement.hh"
 #include "core/host_name.hh"
 #include "moe_ep/error.hpp"
 
@@ -117,7 +116,7 @@ void check_one_host(const std::vector<Record>& records, int rank) {
   if (by_host.size() > 1) {
     std::string hosts;
     for (const auto& [host, rs] : by_host)
-      hosts += fmt::format("{}host {} runs ranks [{}]", hosts.empty() ? "" : "; ", host, fmt::join(rs, ", "));
+      hosts += fmt::format("{}host {} runs {}", hosts.empty() ? "" : "; ", host, comm::rank_list(rs));
     throw InvalidArgument(fmt::format("[rank {}] host::make_group: the processes run on {} hosts ({}); the host "
                                       "transport connects processes of one host: use the MPI transport "
                                       "(moe_ep::mpi::make_group) across hosts",
@@ -126,19 +125,10 @@ void check_one_host(const std::vector<Record>& records, int rank) {
 }
 
 int agreed_ranks_per_node(const std::vector<Record>& records, int rank, int size, int requested) {
-  std::map<int, std::vector<int>> by_request;
-  for (int r = 0; r < size; ++r) by_request[records[static_cast<size_t>(r)].ranks_per_node].push_back(r);
-  if (by_request.size() > 1) {
-    std::string held;
-    std::vector<int> others;
-    for (const auto& [value, rs] : by_request) {
-      held += fmt::format("{}ranks [{}] ask for {}", held.empty() ? "" : "; ", fmt::join(rs, ", "), value);
-      if (value != requested) others.insert(others.end(), rs.begin(), rs.end());
-    }
-    std::sort(others.begin(), others.end());
-    throw PeerError(fmt::format("[rank {}] host::make_group: the ranks disagree on ranks_per_node: {}", rank, held),
-                    others);
-  }
+  std::map<int, std::string> held;
+  for (int r = 0; r < size; ++r) held[r] = std::to_string(records[static_cast<size_t>(r)].ranks_per_node);
+  if (auto e = comm::disagreement(fmt::format("[rank {}] host::make_group", rank), "ranks_per_node", held, rank))
+    throw *e;
   if (requested < 0)
     throw InvalidArgument(fmt::format("[rank {}] host::make_group: ranks_per_node = {} is negative (0 = all ranks "
                                       "one node)",

@@ -49,6 +49,7 @@
 #include "comm/shared_arena.hh"
 #include "comm/transport.hh"
 #include "comm/wait.hh"
+#include "core/arith.hh"
 #include "core/host_allocator.hh"
 #include "core/host_name.hh"
 #include "core/log.hh"
@@ -76,7 +77,7 @@ struct ChannelPage {
   };
   alignas(64) Slot slots[2][2];  // [scope][parity]; written before the epoch that publishes them
 };
-constexpr std::size_t kSignalsAt = (sizeof(ChannelPage) + 63) / 64 * 64;
+constexpr std::size_t kSignalsAt = core::round_up(sizeof(ChannelPage), 64);
 constexpr std::size_t extra_bytes(int size) { return kSignalsAt + static_cast<std::size_t>(size) * sizeof(PaddedCounter); }
 
 // One process's facts, shared by its channels.
@@ -211,13 +212,14 @@ class HostTransport final : public Transport, private EpochSlots {
     } mine{fd, p != MAP_FAILED, bytes};
     try {
       const Gathered all = all_gather(std::as_bytes(std::span(&mine, 1)), Scope::kWorld, wait);
-      std::vector<int> failed, mismatched;
+      std::vector<int> failed;
+      std::vector<std::uint64_t> sizes;
       for (int r = 0; r < size(); ++r) {
         const auto& theirs = all.as<Published>(r);
         if (!theirs.ok) failed.push_back(r);
-        if (theirs.bytes != bytes) mismatched.push_back(r);
+        sizes.push_back(theirs.bytes);
       }
-      check_allocation_agreed(bytes, failed, mismatched);
+      check_allocation_agreed(bytes, failed, sizes);
       // Every rank maps every segment (put() reaches any rank), then says whether it could.
       std::string error;
       for (int r = 0; r < size() && error.empty(); ++r) {
@@ -252,6 +254,17 @@ class HostTransport final : public Transport, private EpochSlots {
   std::vector<const void*> share(std::span<const Span> spans) override {
     if (node_size() == 1) return std::vector<const void*>(spans.size(), nullptr);  // no node peers to read it
     return own_->shared.share(spans, info_->shared_bytes_copied);
+  }
+
+  // Windows: memfd blocks node peers map writable (comm/shared_arena.hh).
+  bool offers_windows() const override { return true; }
+  std::vector<PublishedSpan> share_window(std::span<const WindowSpan> spans) override {
+    return own_->shared.share_window(rank(), spans, info_->shared_bytes_copied);
+  }
+  std::byte* node_window(int peer_rank, const PublishedSpan& published, std::size_t bytes) const override {
+    check_same_node(peer_rank);
+    check_window_bytes(peer_rank, published, bytes);
+    return peer(peer_rank).shared->window(published, bytes);
   }
 
   std::uint64_t shared_bytes_copied() const override {
@@ -381,7 +394,7 @@ class HostTransport final : public Transport, private EpochSlots {
     ChannelPage::Slot& slot = own_->page().slots[scope.index][parity];
     std::uint64_t& capacity = own_->capacity[scope.index][parity];
     if (mine.size() > capacity) {  // a new place at the end; the old one is not reused
-      capacity = (std::max<std::uint64_t>({mine.size(), 2 * capacity, 64}) + 63) / 64 * 64;
+      capacity = core::round_up(std::max<std::uint64_t>({mine.size(), 2 * capacity, 64}), 64);
       slot.offset = own_->data_end;
       own_->data_end += capacity;
     }

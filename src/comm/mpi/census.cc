@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <nlohmann/json.hpp>
 
+#include "comm/disagreement.hh"
 #include "core/host_name.hh"
 #include "core/log.hh"
 #include "moe_ep/error.hpp"
@@ -34,6 +35,14 @@ std::map<Key, std::vector<int>> ranks_by(const Census& census, Key (*key)(const 
 }
 
 std::string build_of(const RankFacts& f) { return fmt::format("moe-ep {} (provider ABI {})", f.version, f.provider_abi); }
+
+// "host 'a' (ranks [0, 1]), host 'b' (ranks [2, 3])": every host with its ranks.
+std::string hosts_text(const Census& census) {
+  std::string text;
+  for (const auto& [host, ranks] : census.host_members())
+    text += fmt::format("{}{}", text.empty() ? "" : ", ", census.describe_host(ranks.front()));
+  return text;
+}
 
 }  // namespace
 
@@ -118,38 +127,23 @@ Census take_census(Messenger& messenger, int tag, const RankFacts& mine, int ran
 }
 
 void check_same_build(const Census& census, int rank) {
-  const auto builds = ranks_by<std::string>(census, [](const RankFacts& f) { return build_of(f); });
-  if (builds.size() <= 1) return;
-  std::string held;
-  for (const auto& [build, rs] : builds) {
-    // Name the hosts that run each build.
-    std::map<int, bool> seen;
-    std::vector<std::string> hosts;
-    for (int r : rs)
-      if (!seen[census.ranks[static_cast<size_t>(r)].host]) {
-        seen[census.ranks[static_cast<size_t>(r)].host] = true;
-        hosts.push_back(fmt::format("'{}'", census.ranks[static_cast<size_t>(r)].host_name));
-      }
-    held += fmt::format("{}ranks [{}] on host {} run {}", held.empty() ? "" : "; ", fmt::join(rs, ", "),
-                        fmt::join(hosts, ", "), build);
-  }
-  throw InvalidArgument(fmt::format("[rank {}] mpi::make_group: the ranks run different builds of moe-ep ({}); every "
-                                    "rank of a group must run the same moe-ep version and provider ABI",
-                                    rank, held));
+  std::map<int, std::string> held;
+  for (int r = 0; r < static_cast<int>(census.ranks.size()); ++r)
+    held[r] = build_of(census.ranks[static_cast<size_t>(r)]);
+  // A configuration to fix (InvalidArgument), not a peer's failure.
+  if (auto e = comm::disagreement(fmt::format("[rank {}] mpi::make_group", rank), "the moe-ep build", held, rank,
+                                  fmt::format("the ranks run on {}; every rank of a group must run the same moe-ep "
+                                              "version and provider ABI",
+                                              hosts_text(census))))
+    throw InvalidArgument(e->what());
 }
 
 int agreed_ranks_per_node(const Census& census, int rank, int requested) {
   const int size = static_cast<int>(census.ranks.size());
-  const auto by_request = ranks_by<int>(census, [](const RankFacts& f) { return f.ranks_per_node; });
-  if (by_request.size() > 1) {
-    std::string held;
-    std::vector<int> ranks;
-    for (const auto& [value, rs] : by_request) {
-      held += fmt::format("{}ranks [{}] ask for {}", held.empty() ? "" : "; ", fmt::join(rs, ", "), value);
-      ranks.insert(ranks.end(), rs.begin(), rs.end());
-    }
-    throw PeerError(fmt::format("[rank {}] mpi::make_group: the ranks disagree on ranks_per_node: {}", rank, held), ranks);
-  }
+  std::map<int, std::string> held;
+  for (int r = 0; r < size; ++r) held[r] = std::to_string(census.ranks[static_cast<size_t>(r)].ranks_per_node);
+  if (auto e = comm::disagreement(fmt::format("[rank {}] mpi::make_group", rank), "ranks_per_node", held, rank))
+    throw *e;
   const auto hosts = census.host_members();
   int per_node = requested;
   if (per_node == 0) {

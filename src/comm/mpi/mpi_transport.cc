@@ -194,10 +194,9 @@ class MpiTransport final : public Transport {
     check_in_step(wait);
     const std::uint64_t mine = bytes;
     const Gathered sizes = all_gather(std::as_bytes(std::span(&mine, 1)), Scope::kWorld, wait);
-    std::vector<int> mismatched;
-    for (int r = 0; r < size(); ++r)
-      if (sizes.as<std::uint64_t>(r) != mine) mismatched.push_back(r);
-    check_allocation_agreed(bytes, {}, mismatched);
+    std::vector<std::uint64_t> held;
+    for (int r = 0; r < size(); ++r) held.push_back(sizes.as<std::uint64_t>(r));
+    check_allocation_agreed(bytes, {}, held);
     timeout_ = wait.timeout_secs;
     void* base = nullptr;
     MPI_Win window = MPI_WIN_NULL;
@@ -235,6 +234,17 @@ class MpiTransport final : public Transport {
   std::vector<const void*> share(std::span<const Span> spans) override {
     if (node_size() == 1) return std::vector<const void*>(spans.size(), nullptr);  // no node peers to read it
     return shared_.share(spans, hosts_->shared_bytes_copied);
+  }
+
+  // Windows: memfd blocks node peers map writable (comm/shared_arena.hh).
+  bool offers_windows() const override { return true; }
+  std::vector<PublishedSpan> share_window(std::span<const WindowSpan> spans) override {
+    return shared_.share_window(rank(), spans, hosts_->shared_bytes_copied);
+  }
+  std::byte* node_window(int peer_rank, const PublishedSpan& published, std::size_t bytes) const override {
+    check_same_node(peer_rank);
+    check_window_bytes(peer_rank, published, bytes);
+    return shared_views_[static_cast<size_t>(peer_rank - node_first_rank())]->window(published, bytes);
   }
 
   std::uint64_t shared_bytes_copied() const override {

@@ -38,6 +38,13 @@ class Forwarding final : public moe_ep::provider::ElasticBackend {
   moe_ep::CombineResult combine(const moe_ep::CombineArgs& args) override { return inner_->combine(args); }
   std::int64_t num_bytes() const override { return inner_->num_bytes(); }
   void destroy() override { inner_->destroy(); }
+  void barrier() override { inner_->barrier(); }
+  std::pair<int, int> get_logical_domain_size() const override { return inner_->get_logical_domain_size(); }
+  int num_allocated_qps() const override { return inner_->num_allocated_qps(); }
+  int get_theoretical_num_sms(int e, int k, int so_k, double rdma, double nvl, double rd, double wr) const override {
+    return inner_->get_theoretical_num_sms(e, k, so_k, rdma, nvl, rd, wr);
+  }
+  int get_theoretical_num_qps(int num_sms) const override { return inner_->get_theoretical_num_qps(num_sms); }
 
  private:
   std::unique_ptr<moe_ep::provider::ElasticBackend> inner_;
