@@ -107,13 +107,17 @@ void* map_peer_region(pid_t pid, int fd, std::size_t bytes, bool writable, std::
 
 bool process_gone(pid_t pid) {
   if (pid <= 0) return false;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return true;
+  const auto no_process = [pid] { return kill(pid, 0) != 0 && errno == ESRCH; };
+  if (no_process()) return true;
+  // A zombie is gone too. An entry that opens but reads empty belongs to a process being reaped
+  // while this looks at it (a live process's entry always reads); one that does not open is judged
+  // by kill again (it may be missing for a reason of its own, /proc not mounted).
   std::ifstream stat(fmt::format("/proc/{}/stat", pid));
-  if (!stat) return false;
+  if (!stat) return no_process();
   std::string line;
-  std::getline(stat, line);
+  if (!std::getline(stat, line)) return true;
   const auto close = line.rfind(')');
-  if (close == std::string::npos || close + 2 >= line.size()) return false;
+  if (close == std::string::npos || close + 2 >= line.size()) return true;
   const char state = line[close + 2];
   return state == 'Z' || state == 'X';
 }

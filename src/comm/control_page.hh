@@ -107,7 +107,8 @@ class ControlPages {
 // null when it cannot be opened (*error says why). Unmap with munmap(p, bytes).
 void* map_peer_region(pid_t pid, int fd, std::size_t bytes, bool writable, std::string* error);
 
-// A process that no longer exists, or that exited and waits to be reaped.
+// A process that no longer exists, or that exited and waits to be reaped. Once true for a pid it stays
+// true (a process reaped while it is looked at counts as gone), so a wait that saw a departure names it.
 bool process_gone(pid_t pid);
 
 }  // namespace moe_ep::comm
