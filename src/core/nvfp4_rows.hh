@@ -28,9 +28,11 @@ E2M1Rounding nvfp4_rounding(std::optional<E2M1Rounding> asked);
 // per block (the E4M3 code, or the UE8M0 exponent).
 void cast_row_nvfp4(const std::uint16_t* bf16, std::int64_t hidden, const Nvfp4Cast& cast, std::uint8_t* packed,
                     std::uint8_t* scales);
-// The portable path of the same cast (the vector path, where the CPU has one, gives identical
-// bytes), for tests that compare them.
-void cast_row_nvfp4_generic(const std::uint16_t* bf16, std::int64_t hidden, const Nvfp4Cast& cast, std::uint8_t* packed,
-                            std::uint8_t* scales);
+// The same cast on one instruction set (each gives identical bytes), for tests and benchmarks that
+// compare them: false, and nothing written, where this CPU (or build) lacks it. cast_row_nvfp4
+// takes the widest the CPU has.
+enum class Nvfp4Isa { kPortable, kAvx2, kAvx512 };
+bool cast_row_nvfp4_on(Nvfp4Isa isa, const std::uint16_t* bf16, std::int64_t hidden, const Nvfp4Cast& cast,
+                       std::uint8_t* packed, std::uint8_t* scales);
 
 }  // namespace moe_ep::core

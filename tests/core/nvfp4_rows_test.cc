@@ -1,6 +1,7 @@
 // The NVFP4 row cast (src/core/nvfp4_rows.hh) against the reference written from the definition
 // (tests/reference/numeric_reference.hh): every scale path and rounding, over rows with wide
-// value ranges, zero and tiny blocks, NaN and infinite elements and several global scales.
+// value ranges, zero and tiny blocks, NaN and infinite elements and several global scales, on every
+// instruction set the CPU has.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,6 +17,21 @@ namespace moe_ep {
 namespace {
 
 namespace ref = reference;
+
+// The paths a cast can take: the default (the widest the CPU has), then each instruction set.
+// Where the CPU lacks one, its call returns false and the check is made on the paths it has; the
+// portable path runs everywhere.
+constexpr int kPaths = 4;
+const char* const kPathNames[kPaths] = {"default", "portable", "avx2", "avx512"};
+bool cast_on_path(int path, const std::vector<std::uint16_t>& row, int hidden, const core::Nvfp4Cast& cast,
+                  std::vector<std::uint8_t>& packed, std::vector<std::uint8_t>& scales) {
+  if (path == 0) {
+    core::cast_row_nvfp4(row.data(), hidden, cast, packed.data(), scales.data());
+    return true;
+  }
+  const core::Nvfp4Isa isa[] = {core::Nvfp4Isa::kPortable, core::Nvfp4Isa::kAvx2, core::Nvfp4Isa::kAvx512};
+  return core::cast_row_nvfp4_on(isa[path - 1], row.data(), hidden, cast, packed.data(), scales.data());
+}
 
 std::vector<std::uint16_t> make_nvfp4_row(std::mt19937& gen, int hidden, int kind) {
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -37,37 +53,36 @@ std::vector<std::uint16_t> make_nvfp4_row(std::mt19937& gen, int hidden, int kin
 
 TEST(Nvfp4Rows, MatchTheReferenceBitForBit) {
   std::mt19937 gen(2024);
-  const int hidden = 256;
   int rows = 0;
-  for (int kind = 0; kind < 5; ++kind)
-    for (int rep = 0; rep < 40; ++rep) {
-      const auto row = make_nvfp4_row(gen, hidden, kind);
-      for (float gs : {1.0f, 0.37f, 1e-3f, 1e4f, 448.0f * 6.0f / 3.5f})
-        for (bool ue8m0 : {false, true})
-          for (bool sm90 : {false, true}) {
-            const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
-            const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
-                                       .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
-            for (bool portable : {false, true}) {  // the vector path where the CPU has one, and the portable one
-              std::vector<std::uint8_t> packed(hidden / 2), scales(hidden / 16);
-              (portable ? core::cast_row_nvfp4_generic : core::cast_row_nvfp4)(row.data(), hidden, cast, packed.data(),
-                                                                               scales.data());
-              ASSERT_EQ(scales, want.scales) << "kind " << kind << " gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90
-                                             << " portable " << portable;
-              ASSERT_EQ(packed, want.packed) << "kind " << kind << " gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90
-                                             << " portable " << portable;
+  for (const int hidden : {256, 336, 1120})  // 16 blocks; 21 (16 and 5 more); 70 (a chunk of 64 and 6 more)
+    for (int kind = 0; kind < 5; ++kind)
+      for (int rep = 0; rep < 40; ++rep) {
+        const auto row = make_nvfp4_row(gen, hidden, kind);
+        for (float gs : {1.0f, 0.37f, 1e-3f, 1e4f, 448.0f * 6.0f / 3.5f})
+          for (bool ue8m0 : {false, true})
+            for (bool sm90 : {false, true}) {
+              const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
+              const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
+                                         .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
+              for (int path = 0; path < kPaths; ++path) {
+                std::vector<std::uint8_t> packed(hidden / 2), scales(hidden / 16);
+                if (!cast_on_path(path, row, hidden, cast, packed, scales)) continue;
+                ASSERT_EQ(scales, want.scales) << "hidden " << hidden << " kind " << kind << " gs " << gs << " ue8m0 "
+                                               << ue8m0 << " sm90 " << sm90 << " path " << kPathNames[path];
+                ASSERT_EQ(packed, want.packed) << "hidden " << hidden << " kind " << kind << " gs " << gs << " ue8m0 "
+                                               << ue8m0 << " sm90 " << sm90 << " path " << kPathNames[path];
+              }
+              ++rows;
             }
-            ++rows;
-          }
-    }
-  EXPECT_EQ(rows, 5 * 40 * 5 * 2 * 2);
+      }
+  EXPECT_EQ(rows, 3 * 5 * 40 * 5 * 2 * 2);
 }
 
 // Every BF16 code, twice: sixteen consecutive codes per block, and fifteen per block beside an
 // anchor of 6.0 (so that the block scale is 1 wherever the codes stay within 6, and the values
 // land exactly on the E2M1 midpoints: ties), subnormals, infinities and NaNs included; with E4M3
-// and power-of-two (UE8M0) scales, both roundings, both paths.
-TEST(Nvfp4Rows, EveryBf16CodeMatchesTheReferenceOnBothPaths) {
+// and power-of-two (UE8M0) scales, both roundings, every path.
+TEST(Nvfp4Rows, EveryBf16CodeMatchesTheReferenceOnEveryPath) {
   std::vector<std::uint16_t> row;
   for (int code = 0; code < 65536; ++code) row.push_back(static_cast<std::uint16_t>(code));
   for (int code = 0; code < 65536; ++code) {
@@ -82,12 +97,11 @@ TEST(Nvfp4Rows, EveryBf16CodeMatchesTheReferenceOnBothPaths) {
         const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
         const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
                                    .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
-        for (bool portable : {false, true}) {
+        for (int path = 0; path < kPaths; ++path) {
           std::vector<std::uint8_t> packed(row.size() / 2), scales(row.size() / 16);
-          (portable ? core::cast_row_nvfp4_generic : core::cast_row_nvfp4)(row.data(), hidden, cast, packed.data(),
-                                                                           scales.data());
-          EXPECT_EQ(scales, want.scales) << "gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90 << " portable " << portable;
-          EXPECT_EQ(packed, want.packed) << "gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90 << " portable " << portable;
+          if (!cast_on_path(path, row, hidden, cast, packed, scales)) continue;
+          EXPECT_EQ(scales, want.scales) << "gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90 << " path " << kPathNames[path];
+          EXPECT_EQ(packed, want.packed) << "gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90 << " path " << kPathNames[path];
         }
       }
 }
