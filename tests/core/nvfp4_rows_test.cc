@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/nvfp4_rows.hh"
@@ -31,6 +33,32 @@ bool cast_on_path(int path, const std::vector<std::uint16_t>& row, int hidden, c
   }
   const core::Nvfp4Isa isa[] = {core::Nvfp4Isa::kPortable, core::Nvfp4Isa::kAvx2, core::Nvfp4Isa::kAvx512};
   return core::cast_row_nvfp4_on(isa[path - 1], row.data(), hidden, cast, packed.data(), scales.data());
+}
+
+// The first index where two byte vectors differ (their size when they agree).
+std::size_t first_difference(const std::vector<std::uint8_t>& a, const std::vector<std::uint8_t>& b) {
+  std::size_t i = 0;
+  while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+  return i;
+}
+
+// Casts `row` on every path the CPU has and compares with `want`; at the first difference, a
+// failure naming `what`, the path and the byte, and false.
+bool every_path_matches(const std::vector<std::uint16_t>& row, int hidden, const core::Nvfp4Cast& cast,
+                        const ref::Nvfp4Row& want, const std::string& what) {
+  for (int path = 0; path < kPaths; ++path) {
+    std::vector<std::uint8_t> packed(static_cast<size_t>(hidden) / 2), scales(static_cast<size_t>(hidden) / 16);
+    if (!cast_on_path(path, row, hidden, cast, packed, scales)) continue;
+    for (const auto& [name, got, expected] : {std::tuple{"scale", &scales, &want.scales}, {"packed", &packed, &want.packed}})
+      if (*got != *expected) {
+        const std::size_t i = first_difference(*got, *expected);
+        ADD_FAILURE() << what << " path " << kPathNames[path] << ": " << name << " byte " << i << " is "
+                      << (i < got->size() ? int{(*got)[i]} : -1) << ", the reference "
+                      << (i < expected->size() ? int{(*expected)[i]} : -1);
+        return false;
+      }
+  }
+  return true;
 }
 
 std::vector<std::uint16_t> make_nvfp4_row(std::mt19937& gen, int hidden, int kind) {
@@ -64,14 +92,10 @@ TEST(Nvfp4Rows, MatchTheReferenceBitForBit) {
               const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
               const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
                                          .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
-              for (int path = 0; path < kPaths; ++path) {
-                std::vector<std::uint8_t> packed(hidden / 2), scales(hidden / 16);
-                if (!cast_on_path(path, row, hidden, cast, packed, scales)) continue;
-                ASSERT_EQ(scales, want.scales) << "hidden " << hidden << " kind " << kind << " gs " << gs << " ue8m0 "
-                                               << ue8m0 << " sm90 " << sm90 << " path " << kPathNames[path];
-                ASSERT_EQ(packed, want.packed) << "hidden " << hidden << " kind " << kind << " gs " << gs << " ue8m0 "
-                                               << ue8m0 << " sm90 " << sm90 << " path " << kPathNames[path];
-              }
+              ASSERT_TRUE(every_path_matches(row, hidden, cast, want,
+                                             "hidden " + std::to_string(hidden) + " kind " + std::to_string(kind) +
+                                                 " gs " + std::to_string(gs) + " ue8m0 " + std::to_string(ue8m0) +
+                                                 " sm90 " + std::to_string(sm90)));
               ++rows;
             }
       }
@@ -97,12 +121,9 @@ TEST(Nvfp4Rows, EveryBf16CodeMatchesTheReferenceOnEveryPath) {
         const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
         const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
                                    .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
-        for (int path = 0; path < kPaths; ++path) {
-          std::vector<std::uint8_t> packed(row.size() / 2), scales(row.size() / 16);
-          if (!cast_on_path(path, row, hidden, cast, packed, scales)) continue;
-          EXPECT_EQ(scales, want.scales) << "gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90 << " path " << kPathNames[path];
-          EXPECT_EQ(packed, want.packed) << "gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90 << " path " << kPathNames[path];
-        }
+        EXPECT_TRUE(every_path_matches(row, hidden, cast, want,
+                                       "gs " + std::to_string(gs) + " ue8m0 " + std::to_string(ue8m0) + " sm90 " +
+                                           std::to_string(sm90)));
       }
 }
 
