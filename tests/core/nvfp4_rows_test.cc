@@ -42,19 +42,23 @@ std::size_t first_difference(const std::vector<std::uint8_t>& a, const std::vect
   return i;
 }
 
-// Casts `row` on every path the CPU has and compares with `want`; at the first difference, a
-// failure naming `what`, the path and the byte, and false.
-bool every_path_matches(const std::vector<std::uint16_t>& row, int hidden, const core::Nvfp4Cast& cast,
-                        const ref::Nvfp4Row& want, const std::string& what) {
+// Casts `row` with global scale gs, UE8M0 or E4M3 scales and the SM90 or nearest-even rounding on
+// every path the CPU has, and compares with the reference; at the first difference, a failure
+// naming `what`, the cast, the path and the byte, and false.
+bool every_path_matches(const std::vector<std::uint16_t>& row, int hidden, float gs, bool ue8m0, bool sm90,
+                        const std::string& what) {
+  const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
+  const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
+                             .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
   for (int path = 0; path < kPaths; ++path) {
     std::vector<std::uint8_t> packed(static_cast<size_t>(hidden) / 2), scales(static_cast<size_t>(hidden) / 16);
     if (!cast_on_path(path, row, hidden, cast, packed, scales)) continue;
     for (const auto& [name, got, expected] : {std::tuple{"scale", &scales, &want.scales}, {"packed", &packed, &want.packed}})
       if (*got != *expected) {
         const std::size_t i = first_difference(*got, *expected);
-        ADD_FAILURE() << what << " path " << kPathNames[path] << ": " << name << " byte " << i << " is "
-                      << (i < got->size() ? int{(*got)[i]} : -1) << ", the reference "
-                      << (i < expected->size() ? int{(*expected)[i]} : -1);
+        ADD_FAILURE() << what << " gs " << gs << " ue8m0 " << ue8m0 << " sm90 " << sm90 << " path " << kPathNames[path]
+                      << ": " << name << " byte " << i << " is " << (i < got->size() ? int{(*got)[i]} : -1)
+                      << ", the reference " << (i < expected->size() ? int{(*expected)[i]} : -1);
         return false;
       }
   }
@@ -89,13 +93,8 @@ TEST(Nvfp4Rows, MatchTheReferenceBitForBit) {
         for (float gs : {1.0f, 0.37f, 1e-3f, 1e4f, 448.0f * 6.0f / 3.5f})
           for (bool ue8m0 : {false, true})
             for (bool sm90 : {false, true}) {
-              const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
-              const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
-                                         .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
-              ASSERT_TRUE(every_path_matches(row, hidden, cast, want,
-                                             "hidden " + std::to_string(hidden) + " kind " + std::to_string(kind) +
-                                                 " gs " + std::to_string(gs) + " ue8m0 " + std::to_string(ue8m0) +
-                                                 " sm90 " + std::to_string(sm90)));
+              ASSERT_TRUE(every_path_matches(row, hidden, gs, ue8m0, sm90,
+                                             "hidden " + std::to_string(hidden) + " kind " + std::to_string(kind)));
               ++rows;
             }
       }
@@ -118,12 +117,7 @@ TEST(Nvfp4Rows, EveryBf16CodeMatchesTheReferenceOnEveryPath) {
   for (float gs : {1.0f, 0.37f})
     for (bool ue8m0 : {false, true})
       for (bool sm90 : {false, true}) {
-        const ref::Nvfp4Row want = ref::quantize_row_nvfp4(row.data(), hidden, gs, ue8m0, sm90);
-        const core::Nvfp4Cast cast{.global_scale = gs, .ue8m0 = ue8m0,
-                                   .rounding = sm90 ? E2M1Rounding::kSm90 : E2M1Rounding::kNearestEven};
-        EXPECT_TRUE(every_path_matches(row, hidden, cast, want,
-                                       "gs " + std::to_string(gs) + " ue8m0 " + std::to_string(ue8m0) + " sm90 " +
-                                           std::to_string(sm90)));
+        EXPECT_TRUE(every_path_matches(row, hidden, gs, ue8m0, sm90, "every BF16 code"));
       }
 }
 
