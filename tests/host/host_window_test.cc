@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -52,6 +53,18 @@ std::byte written(int w, std::size_t j) { return static_cast<std::byte>((w * 89 
 // The plan a receiver publishes (read-only for its peers): int32 entries.
 std::int32_t plan_entry(int r, std::size_t i) { return static_cast<std::int32_t>(r * 1000 + i * 7); }
 
+constexpr std::byte kUnwritten{0xEE};  // what an owner fills its memory with before peers write
+// `bytes` of memfd memory, every byte kUnwritten.
+std::shared_ptr<void> unwritten_block(std::size_t bytes) {
+  std::shared_ptr<void> block = core::allocate_host_shared(bytes);
+  std::memset(block.get(), static_cast<int>(kUnwritten), bytes);
+  return block;
+}
+// Whether bytes [begin, end) of p are all kUnwritten.
+bool unwritten(const std::byte* p, std::size_t begin, std::size_t end) {
+  return std::all_of(p + begin, p + end, [](std::byte b) { return b == kUnwritten; });
+}
+
 class HostWindowTest : public testing::DevShmUnchanged {
  protected:
   void expect_all_ok(const std::vector<Child>& children) {
@@ -62,15 +75,14 @@ class HostWindowTest : public testing::DevShmUnchanged {
 // Every rank publishes an output window (written by its peers, in place) and a plan in plain
 // memory (copied for them); each peer writes its part of every other window after reading the
 // plan. The guard bytes past the published span stay as the owner set them.
-std::string write_each_other(int rank, int size, const host::AllGather& ag) {
+std::string write_each_other(int rank, int size, const host::AllGather& ag, std::string*) {
   Failures f;
   auto group = host::make_group(rank, size, ag, options());
   Transport& t = group->transport();
   f.check(t.offers_windows(), "the host transport offers windows");
   const std::size_t part = kOut / static_cast<std::size_t>(size);
-  std::shared_ptr<void> block = core::allocate_host_shared(kOut + kGuard);
+  const std::shared_ptr<void> block = unwritten_block(kOut + kGuard);
   auto* out = static_cast<std::byte*>(block.get());
-  std::memset(out, 0xEE, kOut + kGuard);
   std::vector<std::int32_t> plan(1000);
   for (std::size_t i = 0; i < plan.size(); ++i) plan[i] = plan_entry(rank, i);
   const Transport::WindowSpan spans[2] = {{out, kOut, true}, {plan.data(), plan.size() * sizeof(std::int32_t), false}};
@@ -103,29 +115,25 @@ std::string write_each_other(int rank, int size, const host::AllGather& ag) {
     for (std::size_t j = 0; j < part && ok; ++j) ok = out[static_cast<std::size_t>(w) * part + j] == written(w, j);
     f.check(ok, "the part rank " + std::to_string(w) + " wrote");
   }
-  bool guard = true;
-  for (std::size_t j = kOut; j < kOut + kGuard; ++j) guard = guard && out[j] == std::byte{0xEE};
-  f.check(guard, "the guard bytes after the window");
+  f.check(unwritten(out, kOut, kOut + kGuard), "the guard bytes after the window");
   t.barrier(Scope::kNode, kWait);
   return f.str();
 }
 
 TEST_F(HostWindowTest, ProcessesWriteIntoEachOthersWindows) {
-  expect_all_ok(testing::run_processes(3, [](int r, int n, const host::AllGather& ag, std::string*) {
-    return write_each_other(r, n, ag);
-  }));
+  expect_all_ok(testing::run_processes(3, write_each_other));
 }
 
 // A receiver whose output is smaller than its plan claims: the source refuses to open the window
 // (StateError naming the receiver) and writes nothing, not even inside the span.
-std::string short_output(int rank, int size, const host::AllGather& ag) {
+std::string short_output(int rank, int size, const host::AllGather& ag, std::string*) {
   Failures f;
   auto group = host::make_group(rank, size, ag, options());
   Transport& t = group->transport();
   constexpr std::int64_t kRowBytes = 256, kRows = 8, kClaimed = 64;
-  std::shared_ptr<void> block = core::allocate_host_shared(kRows * kRowBytes + kGuard);
+  const std::size_t bytes = kRows * kRowBytes + kGuard;
+  const std::shared_ptr<void> block = unwritten_block(bytes);
   auto* out = static_cast<std::byte*>(block.get());
-  std::memset(out, 0xEE, kRows * kRowBytes + kGuard);
   std::vector<routing::RowSource> rows(static_cast<std::size_t>(kClaimed));
   std::vector<std::int32_t> local(static_cast<std::size_t>(kClaimed), 0);
   engine::ReceiveWindow w;
@@ -149,28 +157,22 @@ std::string short_output(int rank, int size, const host::AllGather& ag) {
     }, nullptr, "window of rank 0");
   }
   t.barrier(Scope::kNode, kWait);
-  bool untouched = true;
-  for (std::int64_t j = 0; j < kRows * kRowBytes + static_cast<std::int64_t>(kGuard); ++j)
-    untouched = untouched && out[j] == std::byte{0xEE};
-  f.check(untouched, "no byte of the short window (or after it) was written");
+  f.check(unwritten(out, 0, bytes), "no byte of the short window (or after it) was written");
   return f.str();
 }
 
 TEST_F(HostWindowTest, SourceRefusesAReceiverWhoseOutputIsSmallerThanItsPlan) {
-  expect_all_ok(testing::run_processes(2, [](int r, int n, const host::AllGather& ag, std::string*) {
-    return short_output(r, n, ag);
-  }));
+  expect_all_ok(testing::run_processes(2, short_output));
 }
 
 // A source dies in the middle of its writes: the receiver's wait names it (PeerError), the bytes
 // it wrote lie inside the window, and the guard after the window is untouched.
-std::string dies_mid_push(int rank, int size, const host::AllGather& ag) {
+std::string dies_mid_push(int rank, int size, const host::AllGather& ag, std::string*) {
   Failures f;
   auto group = host::make_group(rank, size, ag, options());
   Transport& t = group->transport();
-  std::shared_ptr<void> block = core::allocate_host_shared(kOut + kGuard);
+  const std::shared_ptr<void> block = unwritten_block(kOut + kGuard);
   auto* out = static_cast<std::byte*>(block.get());
-  std::memset(out, 0xEE, kOut + kGuard);
   const Transport::WindowSpan span{out, kOut, true};
   const std::vector<Transport::PublishedSpan> mine = t.share_window(std::span(&span, 1));
   const Gathered all = t.all_gather(std::as_bytes(std::span(mine)), Scope::kNode, kWait);
@@ -182,19 +184,15 @@ std::string dies_mid_push(int rank, int size, const host::AllGather& ag) {
   }
   const std::vector<int> expected{1};
   expect_throw<PeerError>(f, "the exit barrier", [&] { t.barrier(Scope::kNode, kWait); }, &expected, "left");
-  bool guard = true;
-  for (std::size_t j = kOut; j < kOut + kGuard; ++j) guard = guard && out[j] == std::byte{0xEE};
-  f.check(guard, "the guard bytes after the window");
+  f.check(unwritten(out, kOut, kOut + kGuard), "the guard bytes after the window");
   bool inside = true;  // each byte is either the owner's or what the source wrote there
-  for (std::size_t j = 0; j < kOut && inside; ++j) inside = out[j] == std::byte{0xEE} || out[j] == written(1, j);
+  for (std::size_t j = 0; j < kOut && inside; ++j) inside = out[j] == kUnwritten || out[j] == written(1, j);
   f.check(inside, "the window holds only the owner's bytes and the source's writes");
   return f.str();
 }
 
 TEST_F(HostWindowTest, SourceDyingMidPushIsNamedAndWroteOnlyInsideTheWindow) {
-  const auto children = testing::run_processes(2, [](int r, int n, const host::AllGather& ag, std::string*) {
-    return dies_mid_push(r, n, ag);
-  });
+  const auto children = testing::run_processes(2, dies_mid_push);
   EXPECT_TRUE(WIFSIGNALED(children[1].status));
   EXPECT_TRUE(children[0].exited_ok()) << describe(children);
 }
