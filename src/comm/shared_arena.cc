@@ -175,21 +175,28 @@ namespace {
 constexpr std::uint64_t kBlock = std::uint64_t{1} << 63;
 constexpr int kFdShift = 44;
 constexpr std::uint64_t kOffsetMask = (std::uint64_t{1} << kFdShift) - 1;
+
+// A span in a memfd block, as published: kBlock | fd << kFdShift | offset (0 when it does not
+// fit, which no descriptor number or block offset of a live process reaches).
+std::uint64_t block_value(const core::SharedBlock& b) {
+  if (b.offset > kOffsetMask || static_cast<std::uint64_t>(b.fd) >= (std::uint64_t{1} << (63 - kFdShift))) return 0;
+  return kBlock | static_cast<std::uint64_t>(b.fd) << kFdShift | b.offset;
+}
+
+// Bytes a copied span takes in a staging block: copies start 64-byte aligned.
+std::size_t slot_bytes(std::size_t bytes) { return core::round_up(bytes, std::size_t{64}); }
 }  // namespace
 
 std::vector<const void*> SharedSpans::share(std::span<const Transport::Span> spans, std::atomic<std::uint64_t>& copied) {
   std::vector<const void*> published(spans.size(), nullptr);
   std::vector<core::SharedBlock> blocks(spans.size());
-  auto slot_bytes = [](std::size_t bytes) { return core::round_up(bytes, 64); };  // copies start 64-byte aligned
   std::size_t total = 0;
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const Transport::Span& s = spans[i];
     if (s.bytes == 0) continue;
     core::SharedBlock& b = blocks[i];
-    if (core::find_shared_block(s.data, s.bytes, &b) && b.offset <= kOffsetMask &&
-        static_cast<std::uint64_t>(b.fd) < (std::uint64_t{1} << (63 - kFdShift))) {
-      published[i] = reinterpret_cast<const void*>(
-          static_cast<std::uintptr_t>(kBlock | static_cast<std::uint64_t>(b.fd) << kFdShift | b.offset));
+    if (core::find_shared_block(s.data, s.bytes, &b) && block_value(b) != 0) {
+      published[i] = reinterpret_cast<const void*>(static_cast<std::uintptr_t>(block_value(b)));
       continue;
     }
     b.fd = -1;
@@ -212,22 +219,10 @@ std::vector<const void*> SharedSpans::share(std::span<const Transport::Span> spa
   return published;
 }
 
-namespace {
-
-// A window span in a memfd block, as published: kBlock | fd << kFdShift | offset (0 when it does
-// not fit, which no descriptor number or block offset of a live process reaches).
-std::uint64_t block_value(const core::SharedBlock& b) {
-  if (b.offset > kOffsetMask || static_cast<std::uint64_t>(b.fd) >= (std::uint64_t{1} << (63 - kFdShift))) return 0;
-  return kBlock | static_cast<std::uint64_t>(b.fd) << kFdShift | b.offset;
-}
-
-}  // namespace
-
 std::vector<Transport::PublishedSpan> SharedSpans::share_window(int rank, std::span<const Transport::WindowSpan> spans,
                                                                 std::atomic<std::uint64_t>& copied) {
   std::vector<Transport::PublishedSpan> published(spans.size());
   std::vector<std::size_t> staged;  // spans peers read, copied into the staging block
-  auto slot_bytes = [](std::size_t bytes) { return core::round_up(bytes, 64); };
   std::size_t total = 0;
   for (std::size_t i = 0; i < spans.size(); ++i) {
     const Transport::WindowSpan& s = spans[i];
