@@ -193,8 +193,8 @@ class Transport {
   virtual std::vector<PublishedSpan> share_window(std::span<const WindowSpan> spans);
   // The first `bytes` bytes of a span a rank of this node published (share_window's value),
   // addressable here; StateError when `bytes` exceeds the span it published, so a writer never
-  // reaches past it (null for an empty span and bytes 0).
-  virtual std::byte* node_window(int rank, const PublishedSpan& published, std::size_t bytes) const;
+  // reaches past it (null for an empty span and bytes 0). Checks, then map_window().
+  std::byte* node_window(int rank, const PublishedSpan& published, std::size_t bytes) const;
 
   // Bytes this rank has put() to other ranks, over every channel of its group (monotonic).
   virtual std::uint64_t scaleout_bytes_sent() const = 0;
@@ -262,8 +262,9 @@ class Transport {
  protected:
   // The StateError of a collective called after this rank abandoned the channel for `reason`.
   [[noreturn]] void fail_left_channel(const Wait& wait, const std::string& reason) const;
-  // Throws StateError unless `bytes` lie within the window span a node peer published.
-  void check_window_bytes(int peer, const PublishedSpan& published, std::size_t bytes) const;
+  // node_window() once its checks passed (a node peer's span that holds `bytes`): where this rank
+  // reaches it. By default the published value is the address itself (one address space).
+  virtual std::byte* map_window(int rank, const PublishedSpan& published, std::size_t bytes) const;
   // Throws StateError unless [offset, offset + bytes) lies in `memory`.
   void check_put_range(const SymmetricMemory& memory, std::size_t offset, std::size_t bytes) const;
   // The end of a symmetric allocation's size exchange (`sizes`: every rank's, this rank's is

@@ -261,9 +261,7 @@ class HostTransport final : public Transport, private EpochSlots {
   std::vector<PublishedSpan> share_window(std::span<const WindowSpan> spans) override {
     return own_->shared.share_window(rank(), spans, info_->shared_bytes_copied);
   }
-  std::byte* node_window(int peer_rank, const PublishedSpan& published, std::size_t bytes) const override {
-    check_same_node(peer_rank);
-    check_window_bytes(peer_rank, published, bytes);
+  std::byte* map_window(int peer_rank, const PublishedSpan& published, std::size_t bytes) const override {
     return peer(peer_rank).shared->window(published, bytes);
   }
 

@@ -241,9 +241,7 @@ class MpiTransport final : public Transport {
   std::vector<PublishedSpan> share_window(std::span<const WindowSpan> spans) override {
     return shared_.share_window(rank(), spans, hosts_->shared_bytes_copied);
   }
-  std::byte* node_window(int peer_rank, const PublishedSpan& published, std::size_t bytes) const override {
-    check_same_node(peer_rank);
-    check_window_bytes(peer_rank, published, bytes);
+  std::byte* map_window(int peer_rank, const PublishedSpan& published, std::size_t bytes) const override {
     return shared_views_[static_cast<size_t>(peer_rank - node_first_rank())]->window(published, bytes);
   }
 
