@@ -168,17 +168,29 @@ LargeBlockCache& cache() {
 
 }  // namespace
 
+namespace {
+
+constexpr std::size_t kMaxBytes = std::size_t{1} << 62;  // no machine has it; rounding would overflow
+
+// A block of the cache for `bytes` (a memfd block when need_shared), given back to it when its last
+// owner lets go.
+std::shared_ptr<void> cached_block(std::size_t bytes, bool need_shared) {
+  cache_limit();  // a bad value is reported here, to the caller, rather than when the block comes back
+  std::size_t block_bytes = 0;
+  void* p = cache().take(bytes, &block_bytes, need_shared);
+  return std::shared_ptr<void>(p, [block_bytes](void* q) { cache().give_back(q, block_bytes); });
+}
+
+}  // namespace
+
 std::shared_ptr<void> allocate_host(std::size_t bytes) {
   try {
-    if (bytes > (std::size_t{1} << 62)) throw std::bad_alloc();  // no machine has it; rounding would overflow
+    if (bytes > kMaxBytes) throw std::bad_alloc();
     if (bytes < kLargeThreshold) {
       void* p = ::operator new(bytes == 0 ? 1 : bytes, std::align_val_t{kSmallAlignment});
       return std::shared_ptr<void>(p, [](void* q) { ::operator delete(q, std::align_val_t{kSmallAlignment}); });
     }
-    cache_limit();  // a bad value is reported here, to the caller, rather than when the block comes back
-    std::size_t block_bytes = 0;
-    void* p = cache().take(bytes, &block_bytes);
-    return std::shared_ptr<void>(p, [block_bytes](void* q) { cache().give_back(q, block_bytes); });
+    return cached_block(bytes, false);
   } catch (const std::bad_alloc&) {
     throw ResourceError(fmt::format("allocating {} bytes of host memory failed", bytes));
   }
@@ -188,11 +200,8 @@ std::shared_ptr<void> allocate_host_shared(std::size_t bytes) {
   if (!cache().sharing()) return allocate_host(bytes);
   std::shared_ptr<void> block;
   try {
-    if (bytes > (std::size_t{1} << 62)) throw std::bad_alloc();
-    cache_limit();
-    std::size_t block_bytes = 0;
-    void* p = cache().take(std::max<std::size_t>(bytes, 1), &block_bytes, true);
-    block = std::shared_ptr<void>(p, [block_bytes](void* q) { cache().give_back(q, block_bytes); });
+    if (bytes > kMaxBytes) throw std::bad_alloc();
+    block = cached_block(std::max<std::size_t>(bytes, 1), true);
   } catch (const std::bad_alloc&) {
     throw ResourceError(fmt::format("allocating {} bytes of shareable host memory failed", bytes));
   }
