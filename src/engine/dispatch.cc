@@ -27,7 +27,18 @@ Dispatch::Dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequen
 void Dispatch::validate() {
   push_ = engine_.transport().offers_windows() && env::get(env::kDispatchPush);
   check_arguments();
+  capacity_outputs_ = push_ && !cached_ && cpu_sync_ && shape_.max_tokens > 0 && !expand_ &&
+                      !(fp8_ && req_.generation.col_major_scales) && !req_.allocate_unpacked_outputs &&
+                      worst_output_bytes() <= kCapacityOutputBytes;
   if (!cached_) start_handle();
+}
+
+// Bytes of compact outputs with worst_rows() rows: x, scales, ids, weights and metadata.
+std::int64_t Dispatch::worst_output_bytes() const {
+  const std::int64_t k = shape_.topk;
+  const std::int64_t row = row_bytes_ + (fp8_ ? 4 * std::int64_t{shape_.scale_columns} : 0) + 8 * k +
+                           (has_weights_ ? 4 * k : 0) + 4 * (k + 2);
+  return worst_rows() > kCapacityOutputBytes / row ? kCapacityOutputBytes + 1 : worst_rows() * row;
 }
 
 routing::PlanningRank Dispatch::planning_rank() const {
@@ -97,6 +108,22 @@ void Dispatch::allocate_outputs_unnamed(std::int64_t rows, std::int64_t expanded
     result.handle->recv_src_metadata = output({rows, shape_.topk + 2}, DType::kInt32);
   }
   if (req_.allocate_unpacked_outputs) req_.allocate_unpacked_outputs(result);
+}
+
+// The first `rows` rows of outputs allocated with room for more (capacity_outputs_: compact,
+// row-major scales), over the same storage.
+void Dispatch::narrow_outputs(std::int64_t rows) {
+  auto first_rows = [rows](const Tensor& t) {
+    if (!t.defined()) return t;
+    std::vector<std::int64_t> shape(t.shape().begin(), t.shape().end());
+    shape[0] = rows;
+    return t.with_view(TensorView(t.data(), t.dtype(), shape, t.strides()));
+  };
+  result.recv_x = first_rows(result.recv_x);
+  result.recv_x_scales = first_rows(result.recv_x_scales);
+  result.recv_topk_idx = first_rows(result.recv_topk_idx);
+  result.recv_topk_weights = first_rows(result.recv_topk_weights);
+  result.handle->recv_src_metadata = first_rows(result.handle->recv_src_metadata);
 }
 
 // The parts of a new handle known before any data moves, so that work queued behind an
@@ -207,18 +234,20 @@ std::vector<std::byte> Dispatch::publish() {
                                             .topk = view_extent(plan_->topk),
                                             .listed = listed_.defined() ? listed_.nbytes() : 0});
   std::memcpy(payload.data(), &shared, sizeof shared);
-  if (cached_) {
-    if (window_in_agreement()) {
-      // A cached push knows its outputs and plan now: its window travels with the agreement, and
-      // the push needs no collective of its own (push_rows).
+  if (window_in_agreement()) {
+    // Outputs allocated now travel with the agreement, and the push needs no collective of its
+    // own (push_rows).
+    if (capacity_outputs_) {
+      allocate_outputs(worst_rows(), worst_expanded_rows());
+    } else {
       make_outputs();
-      open_own_window();
-      const PublishedWindow w = publish_window(engine_.transport(), window_, window_shape_);
-      const auto* b = reinterpret_cast<const std::byte*>(&w);
-      payload.insert(payload.end(), b, b + sizeof w);
     }
-    return payload;
+    open_own_window();
+    const PublishedWindow w = publish_window(engine_.transport(), window_.out, window_shape_);
+    const auto* b = reinterpret_cast<const std::byte*>(&w);
+    payload.insert(payload.end(), b, b + sizeof w);
   }
+  if (cached_) return payload;
   for (const auto* v : {&counts_.per_rank, &counts_.per_expert, &counts_.per_node}) {
     const auto* b = reinterpret_cast<const std::byte*>(v->data());
     payload.insert(payload.end(), b, b + v->size() * sizeof(std::int32_t));
@@ -248,8 +277,8 @@ void Dispatch::describe(comm::Agreement& agreement) const {
 
 std::vector<PeerTensors> Dispatch::unpack_peers(const std::vector<std::span<const std::byte>>& payloads) {
   const std::size_t extra_bytes =
-      cached_ ? (window_in_agreement() ? sizeof(PublishedWindow) : 0)
-              : sizeof(std::int32_t) * static_cast<size_t>(geo_.num_ranks + geo_.num_experts + geo_.num_nodes);
+      agreed_window_bytes() +
+      (cached_ ? 0 : sizeof(std::int32_t) * static_cast<size_t>(geo_.num_ranks + geo_.num_experts + geo_.num_nodes));
   std::vector<PeerTensors> peers(payloads.size());
   agreed_windows_.clear();
   for (std::size_t r = 0; r < payloads.size(); ++r) {
@@ -273,7 +302,7 @@ void Dispatch::take_layout(const std::vector<std::span<const std::byte>>& payloa
   state_->layout.reset(geo_, shape_.alignment, stride_);
   const int R = geo_.num_ranks, E = geo_.num_experts, G = geo_.num_nodes;
   for (int s = 0; s < R; ++s) {
-    const std::byte* c = payloads[static_cast<size_t>(s)].data() + sizeof(PeerTensors);
+    const std::byte* c = payloads[static_cast<size_t>(s)].data() + sizeof(PeerTensors) + agreed_window_bytes();
     std::memcpy(state_->layout.per_rank_counts(s), c, sizeof(std::int32_t) * R);
     std::memcpy(state_->layout.per_expert_counts(s), c + sizeof(std::int32_t) * R, sizeof(std::int32_t) * E);
     std::memcpy(state_->layout.per_node_counts(s), c + sizeof(std::int32_t) * (R + E), sizeof(std::int32_t) * G);
@@ -300,7 +329,10 @@ void Dispatch::plan_local(const std::vector<PeerTensors>& peers) {
 }
 
 void Dispatch::make_outputs() {
-  if (result.recv_x.defined()) return;  // allocated early by an asynchronous submission
+  if (result.recv_x.defined()) {  // allocated before the agreement, or early by an asynchronous submission
+    if (capacity_outputs_) narrow_outputs(plan_->layout.rows_at(engine_.facts.rank));
+    return;
+  }
   if (outputs_known_early()) {
     allocate_outputs_early();
   } else {

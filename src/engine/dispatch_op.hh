@@ -26,6 +26,9 @@
 namespace moe_ep::engine::dispatch_detail {
 
 inline constexpr std::int64_t kRowsPerTask = 32;
+// The most bytes of worst-case outputs a CPU-synced dispatch allocates before its agreement
+// (Dispatch::capacity_outputs_): address space, of which only the received rows are touched.
+inline constexpr std::int64_t kCapacityOutputBytes = std::int64_t{1} << 30;
 
 class Dispatch final : public DispatchOperation {
  public:
@@ -51,6 +54,7 @@ class Dispatch final : public DispatchOperation {
   void check_gathered(const std::vector<PeerTensors>& peers);
   std::int64_t worst_rows() const;
   std::int64_t worst_expanded_rows() const;
+  std::int64_t worst_output_bytes() const;
 
   // Steps of the phases (dispatch.cc).
   void start_handle();
@@ -63,6 +67,7 @@ class Dispatch final : public DispatchOperation {
   void move_rows(const std::vector<PeerTensors>& peers);
   void finish();
   void allocate_outputs(std::int64_t rows, std::int64_t expanded_rows);
+  void narrow_outputs(std::int64_t rows);
   void allocate_outputs_unnamed(std::int64_t rows, std::int64_t expanded_rows);
   PeerTensors my_tensors() const;
   void fill_handle();
@@ -74,13 +79,17 @@ class Dispatch final : public DispatchOperation {
 
   // Copies into the outputs (dispatch_rows.cc). open_window sets this rank's receive window (its
   // outputs and its plan); then either this rank writes every row it receives into it (pull), or
-  // (push_) every source of this node writes its rows into the windows its node peers published
-  // (push_rows) and this rank writes only the rows of other nodes.
+  // (push_) every source of this node writes its rows into the outputs its node peers published
+  // (push_rows), at the rows its own plan derives, and this rank writes only the rows of other
+  // nodes.
+  WindowOutputs own_outputs() const;
   void open_own_window();
-  // A cached dispatch with push publishes its window in the agreement (its outputs and plan are
-  // known before it); a new one publishes it in a node all-gather once it has planned.
-  bool window_in_agreement() const { return push_ && cached_; }
-  std::vector<ReceiveWindow> node_windows();
+  // With push, outputs allocated before the agreement (a cached dispatch, worst-case shapes, or
+  // capacity_outputs_) travel with it, and the push needs no collective of its own; otherwise a
+  // node all-gather publishes them once they are allocated.
+  bool window_in_agreement() const { return push_ && (cached_ || !cpu_sync_ || capacity_outputs_); }
+  std::size_t agreed_window_bytes() const { return window_in_agreement() ? sizeof(PublishedWindow) : 0; }
+  std::vector<WindowOutputs> node_windows();
   void push_rows(const std::vector<PeerTensors>& peers);
   void copy_rows(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records, bool remote_only);
   RowInput row_input(const PeerTensors& source, std::int64_t token) const;
@@ -118,6 +127,10 @@ class Dispatch final : public DispatchOperation {
   // not once per destination).
   // The same on every rank (agreed).
   bool push_ = false;
+  // A pushing new dispatch with exact (CPU-synced) compact outputs: they are allocated before
+  // the agreement with room for the worst case (num_max_tokens_per_rank x ranks rows), so that
+  // their window travels with it, and narrowed to the received rows after it (narrow_outputs).
+  bool capacity_outputs_ = false;
 };
 
 }  // namespace moe_ep::engine::dispatch_detail

@@ -15,18 +15,25 @@
 
 namespace moe_ep::engine::dispatch_detail {
 
+WindowOutputs Dispatch::own_outputs() const {
+  WindowOutputs o;
+  o.x = static_cast<std::byte*>(result.recv_x.data());
+  o.scales = fp8_ ? result.recv_x_scales.data_as<std::uint32_t>() : nullptr;
+  o.ids = expand_ ? nullptr : result.recv_topk_idx.data_as<std::int64_t>();
+  o.weights = has_weights_ ? result.recv_topk_weights.data_as<float>() : nullptr;
+  o.metadata = cached_ ? nullptr : result.handle->recv_src_metadata.data_as<std::int32_t>();
+  o.out_rows = result.recv_x.size(0);
+  o.meta_rows = cached_ ? 0 : result.handle->recv_src_metadata.size(0);
+  o.scale_layout = scale_layout_;
+  return o;
+}
+
 void Dispatch::open_own_window() {
   const HandleState& plan = *plan_;
   window_shape_ = {.row_bytes = row_bytes_, .topk = shape_.topk, .scale_columns = shape_.scale_columns,
                    .max_tokens = shape_.max_tokens, .expand = expand_, .zero_nonlocal_weights = req_.generation.zero_nonlocal_weights};
   window_ = {};
-  window_.x = static_cast<std::byte*>(result.recv_x.data());
-  window_.scales = fp8_ ? result.recv_x_scales.data_as<std::uint32_t>() : nullptr;
-  window_.ids = expand_ ? nullptr : result.recv_topk_idx.data_as<std::int64_t>();
-  window_.weights = has_weights_ ? result.recv_topk_weights.data_as<float>() : nullptr;
-  window_.metadata = cached_ ? nullptr : result.handle->recv_src_metadata.data_as<std::int32_t>();
-  window_.out_rows = result.recv_x.size(0);
-  window_.scale_layout = scale_layout_;
+  window_.out = own_outputs();
   window_.rows = plan.rows.data();
   window_.row_token = plan.row_token.data();
   window_.master_lane = plan.master_lane.data();
@@ -47,14 +54,14 @@ RowInput Dispatch::row_input(const PeerTensors& p, std::int64_t token) const {
   return in;
 }
 
-// The windows of this node's ranks, by rank (entries of other nodes stay empty): from the
+// The outputs of this node's ranks, by rank (entries of other nodes stay empty): from the
 // agreement (window_in_agreement), or published now by a node all-gather, once every rank of the
-// node has its outputs and its plan.
-std::vector<ReceiveWindow> Dispatch::node_windows() {
+// node has allocated them.
+std::vector<WindowOutputs> Dispatch::node_windows() {
   comm::Transport& transport = engine_.transport();
   std::vector<PublishedWindow> published = agreed_windows_;
   if (!window_in_agreement()) {
-    const PublishedWindow mine = publish_window(transport, window_, window_shape_);
+    const PublishedWindow mine = publish_window(transport, window_.out, window_shape_);
     const comm::Gathered gathered = transport.all_gather(std::as_bytes(std::span(&mine, 1)), comm::Scope::kNode,
                                                          engine_.facts.wait("dispatch: outputs ready"));
     for (int i = 0; i < gathered.size(); ++i) {
@@ -67,37 +74,49 @@ std::vector<ReceiveWindow> Dispatch::node_windows() {
     }
   }
   const int me = engine_.facts.rank, first = transport.node_first_rank();
-  std::vector<ReceiveWindow> windows(static_cast<size_t>(engine_.facts.num_ranks));
+  std::vector<WindowOutputs> windows(static_cast<size_t>(engine_.facts.num_ranks));
   for (int i = 0; i < transport.node_size(); ++i)
-    windows[static_cast<size_t>(first + i)] =
-        first + i == me ? window_ : open_window(transport, first + i, published[static_cast<size_t>(i)], window_shape_);
+    windows[static_cast<size_t>(first + i)] = first + i == me ? window_.out
+                                                              : open_window(transport, first + i,
+                                                                            published[static_cast<size_t>(i)], window_shape_);
   return windows;
 }
 
-// Push: this rank's tokens in order, each written into the window of every rank of this node it
-// goes to (its row there is dst_row at the token's master lane for that rank), so that the row is
-// read from memory once and then from the cache. The windows stay alive until the exit barrier,
-// or until this rank closed its peer section if one of them fails (comm/peer_reads.hh).
+// Push: this rank's tokens in order, each written into the outputs of every rank of this node it
+// goes to, so that the row is read from memory once and then from the cache. Its place there comes
+// from this rank's own plan (the receiver's plan holds the same rows, routing/handle_plan.hh): the
+// row is dst_row at the token's master lane for that rank, each lane's expert is local there when
+// the rank owns it, and its expanded row is dst_expanded. The outputs stay alive until the exit
+// barrier, or until this rank closed its peer section if one of them fails (comm/peer_reads.hh).
 void Dispatch::push_rows(const std::vector<PeerTensors>& peers) {
-  const std::vector<ReceiveWindow> windows = node_windows();
-  comm::PeerReads writes(engine_.transport(), "dispatch: push");  // node peers' windows
-  const int k = shape_.topk, me = engine_.facts.rank, N = shape_.tokens;
+  const std::vector<WindowOutputs> windows = node_windows();
+  comm::PeerReads writes(engine_.transport(), "dispatch: push");  // node peers' outputs
+  const int k = shape_.topk, me = engine_.facts.rank, N = shape_.tokens, El = shape_.local_experts;
   const HandleState& plan = *plan_;
   const PeerTensors& own = peers[static_cast<size_t>(me)];
   const std::int64_t* topk = plan.topk.data_as<const std::int64_t>();
   const std::int64_t topk_row = plan.topk.stride(0);
   engine_.pool().parallel_for(core::ceil_div<std::int64_t>(N, kRowsPerTask), [&](std::int64_t task) {
     const std::int64_t end = std::min<std::int64_t>(N, (task + 1) * kRowsPerTask);
+    std::int32_t local[kMaxTopk], expanded[kMaxTopk];
     for (std::int64_t t = task * kRowsPerTask; t < end; ++t) {
       const RowInput in = row_input(own, t);
+      const std::int64_t* ids = topk + t * topk_row;
       for (int j = 0; j < k; ++j) {
         const std::int32_t row = plan.dst_row[static_cast<size_t>(t * k + j)];
         if (row < 0) continue;  // not the token's master lane for its rank
-        const int d = geo_.rank_of_expert(topk[t * topk_row + j]);
+        const int d = geo_.rank_of_expert(ids[j]);
         if (!engine_.facts.same_node(d)) continue;  // travels as a record
-        const ReceiveWindow& target = windows[static_cast<size_t>(d)];
-        check_source(target, row, me, t, d);
-        write_row(target, window_shape_, row, in);
+        const std::int64_t first = std::int64_t{d} * El;
+        for (int l = 0; l < k; ++l) {
+          const bool here = ids[l] >= first && ids[l] < first + El;
+          local[l] = here ? static_cast<std::int32_t>(ids[l] - first) : -1;
+          expanded[l] = here ? plan.dst_expanded[static_cast<size_t>(t * k + l)] : -1;
+        }
+        place_row(windows[static_cast<size_t>(d)], window_shape_,
+                  {.row = row, .source = me, .token = static_cast<std::int32_t>(t), .master_lane = j,
+                   .local_ids = local, .expanded_rows = expanded},
+                  in);
       }
     }
     core::streaming_fence();
@@ -124,12 +143,10 @@ void Dispatch::copy_rows(const std::vector<PeerTensors>& peers, const DispatchRe
     core::streaming_fence();
   });
   // Rows past the real count (worst-case shapes) carry no data; mark their metadata.
-  if (window_.metadata) {
-    const std::int64_t allocated = result.handle->recv_src_metadata.size(0);
-    std::fill(window_.metadata + rows * (k + 2), window_.metadata + allocated * (k + 2), -1);
-  }
+  if (window_.out.metadata)
+    std::fill(window_.out.metadata + rows * (k + 2), window_.out.metadata + window_.out.meta_rows * (k + 2), -1);
   if (!expand_ && rows < result.recv_topk_idx.size(0))
-    std::fill(window_.ids + rows * k, window_.ids + result.recv_topk_idx.size(0) * k, -1);
+    std::fill(window_.out.ids + rows * k, window_.out.ids + result.recv_topk_idx.size(0) * k, -1);
 }
 
 void Dispatch::zero_padding() {

@@ -1,15 +1,17 @@
 // A rank's receive window: the outputs of its dispatch and the receive plan that says which
 // source token each output row holds, as plain data. The receiver writes the rows it pulls into
-// its own window; with push, a source of its node writes its tokens' rows into the windows its
+// its own window; with push, a source of its node writes its tokens' rows into the outputs its
 // node peers published (comm::Transport::offers_windows: ranks as threads, and processes of one
-// node through memfd blocks), reading each token once for all its destinations. Nobody calls into
-// another rank's objects: a window is only addresses and sizes.
+// node through memfd blocks), reading each token once for all its destinations, at the rows its
+// own plan derives from the agreed layout (routing/handle_plan.hh: the plans of a source and of
+// its receiver agree row for row). Nobody calls into another rank's objects: a window is only
+// addresses and sizes.
 //
-// Guarantees: write_row writes only the output rows the plan names for one plan row, and refuses
-// (StateError, nothing written) a plan row outside the plan or an output row outside the window's
-// outputs; a pushing source also checks that the plan row holds its own token (check_source).
-// Opening a peer's window checks that every span it published holds what its row counts claim
-// (comm::Transport::node_window), so a source never writes past the memory the receiver gave.
+// Guarantees: place_row writes only the output rows one placement names and refuses (StateError,
+// nothing written) an output or metadata row outside the outputs; write_row also refuses a plan
+// row outside the plan. Opening a peer's outputs checks that every span it published holds what
+// its row counts claim (comm::Transport::node_window), so a source never writes past the memory
+// the receiver gave.
 #pragma once
 
 #include <cstddef>
@@ -35,24 +37,29 @@ struct WindowShape {
   bool zero_nonlocal_weights = false;  // compact weights are 0 where the expert is not local
 };
 
-struct ReceiveWindow {
-  // The outputs; null when the call has none (scales without FP8, ids in the expanded layout,
-  // weights without topk_weights, metadata for a cached dispatch).
+// The outputs of one rank's dispatch, as plain data: what a source of its node writes.
+struct WindowOutputs {
+  // Null when the call has none (scales without FP8, ids in the expanded layout, weights without
+  // topk_weights, metadata for a cached dispatch).
   std::byte* x = nullptr;
   std::uint32_t* scales = nullptr;
   std::int64_t* ids = nullptr;
   float* weights = nullptr;
-  std::int32_t* metadata = nullptr;  // [plan rows, k + 2]
-  std::int64_t out_rows = 0;         // rows of x, scales and weights
+  std::int32_t* metadata = nullptr;  // [meta_rows, k + 2]
+  std::int64_t out_rows = 0;         // rows of x, scales and weights (and of ids: compact layout)
+  std::int64_t meta_rows = 0;        // rows of metadata: the compact rows the outputs hold
   ScaleLayout scale_layout;
-  // The receive plan (routing::RoutingPlan): per plan row its source, its token at the source,
-  // its master lane, its local expert ids [k] and (expanded) its output rows [k].
-  const routing::RowSource* rows = nullptr;
-  const std::int32_t* row_token = nullptr;
-  const std::int32_t* master_lane = nullptr;
-  const std::int32_t* local_ids = nullptr;
-  const std::int32_t* expanded_rows = nullptr;
-  std::int64_t num_rows = 0;
+};
+
+// Where one received token goes: its compact row and origin, and per lane its expert at the
+// receiver (-1: none there) and, expanded, its output row (-1: none).
+struct RowPlacement {
+  std::int64_t row = 0;  // compact row: the output row (compact layout) and the metadata row
+  int source = 0;
+  std::int32_t token = 0;  // at the source
+  int master_lane = 0;
+  const std::int32_t* local_ids = nullptr;      // [k]
+  const std::int32_t* expanded_rows = nullptr;  // [k], expanded layout
 };
 
 // One token's data at its source (or in the record it travelled in).
@@ -63,21 +70,36 @@ struct RowInput {
   const float* weights = nullptr;         // [k], when the call has weights
 };
 
-// Writes plan row i of `w` (its output rows, scales, ids, weights, metadata) from `in`.
-void write_row(const ReceiveWindow& w, const WindowShape& shape, std::int64_t i, const RowInput& in);
-// Throws StateError unless plan row i of `w` exists and holds token `token` of rank `source`.
-void check_source(const ReceiveWindow& w, std::int64_t i, int source, std::int64_t token, int window_rank);
+// Writes one token's output rows, scales, ids, weights and metadata where `p` places them; a
+// row outside `w` is refused (StateError) before anything is written.
+void place_row(const WindowOutputs& w, const WindowShape& shape, const RowPlacement& p, const RowInput& in);
 
-// Publication over a transport that offers windows: what a rank publishes (a node all-gather
-// carries it) and the window a node peer's publication opens here.
-struct PublishedWindow {
-  comm::Transport::PublishedSpan x, scales, ids, weights, metadata, rows, row_token, master_lane, local_ids,
-      expanded_rows;
-  std::int64_t out_rows, num_rows, scale_block, scale_columns;
+// A rank's own window: its outputs and its receive plan (routing::RoutingPlan): per plan row its
+// source, its token at the source, its master lane, its local expert ids [k] and (expanded) its
+// output rows [k].
+struct ReceiveWindow {
+  WindowOutputs out;
+  const routing::RowSource* rows = nullptr;
+  const std::int32_t* row_token = nullptr;
+  const std::int32_t* master_lane = nullptr;
+  const std::int32_t* local_ids = nullptr;
+  const std::int32_t* expanded_rows = nullptr;
+  std::int64_t num_rows = 0;
 };
-PublishedWindow publish_window(comm::Transport& transport, const ReceiveWindow& w, const WindowShape& shape);
+
+// Writes plan row i of `w` from `in` (place_row where the plan puts it); a plan row outside the
+// plan is refused (StateError).
+void write_row(const ReceiveWindow& w, const WindowShape& shape, std::int64_t i, const RowInput& in);
+
+// Publication over a transport that offers windows: what a rank publishes (in the dispatch's
+// agreement, or a node all-gather) and the outputs a node peer's publication opens here.
+struct PublishedWindow {
+  comm::Transport::PublishedSpan x, scales, ids, weights, metadata;
+  std::int64_t out_rows, meta_rows, scale_block, scale_columns;
+};
+PublishedWindow publish_window(comm::Transport& transport, const WindowOutputs& w, const WindowShape& shape);
 // StateError (naming `rank`) when a span is smaller than the window's counts need.
-ReceiveWindow open_window(const comm::Transport& transport, int rank, const PublishedWindow& published,
+WindowOutputs open_window(const comm::Transport& transport, int rank, const PublishedWindow& published,
                           const WindowShape& shape);
 
 }  // namespace moe_ep::engine

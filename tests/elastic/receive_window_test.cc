@@ -42,11 +42,12 @@ struct Fixture {
     weights.assign(static_cast<size_t>((out_rows + 1) * kTopk), -7.0f);
     ids.assign(static_cast<size_t>((out_rows + 1) * kTopk), -9);
     metadata.assign(2 * (kTopk + 2), -5);
-    w.x = x.data();
-    w.weights = weights.data();
-    w.ids = expand ? nullptr : ids.data();
-    w.metadata = metadata.data();
-    w.out_rows = out_rows;
+    w.out.x = x.data();
+    w.out.weights = weights.data();
+    w.out.ids = expand ? nullptr : ids.data();
+    w.out.metadata = metadata.data();
+    w.out.out_rows = out_rows;
+    w.out.meta_rows = 2;
     w.rows = rows.data();
     w.row_token = row_token.data();
     w.master_lane = master_lane.data();
@@ -121,12 +122,34 @@ TEST(ReceiveWindow, OutputRowsOutsideTheWindowAreRefusedBeforeAnyWrite) {
   for (std::int64_t r : {0, 1, 2}) EXPECT_TRUE(expanded.row_untouched(r)) << r;
 }
 
-TEST(ReceiveWindow, APushingSourceMustFindItsOwnTokenInThePlan) {
+// A pushing source places its token itself (no plan of the receiver): the same bytes as the
+// receiver's plan row, and a row past the outputs or their metadata is refused unwritten.
+TEST(ReceiveWindow, ASourcePlacementWritesWhereThePlanRowWould) {
   Fixture f(false, 2);
-  EXPECT_NO_THROW(engine::check_source(f.w, 0, 1, 3, 5));
-  EXPECT_THROW(engine::check_source(f.w, 0, 1, 2, 5), StateError);  // another token
-  EXPECT_THROW(engine::check_source(f.w, 1, 1, 0, 5), StateError);  // another source
-  EXPECT_THROW(engine::check_source(f.w, 2, 2, 0, 5), StateError);  // past the plan
+  const auto row = payload(0x55);
+  const float w[kTopk] = {0.5f, 0.25f};
+  const std::int32_t local[kTopk] = {1, 0};
+  engine::place_row(f.w.out, f.shape,
+                    {.row = 1, .source = 2, .token = 0, .master_lane = 0, .local_ids = local},
+                    RowInput{.payload = row.data(), .weights = w});
+  EXPECT_TRUE(f.row_untouched(0));
+  for (std::int64_t b = 0; b < kRowBytes; ++b) EXPECT_EQ(f.x[static_cast<size_t>(kRowBytes + b)], std::byte{0x55});
+  EXPECT_EQ(f.ids[2], 1);
+  EXPECT_EQ(f.ids[3], 0);
+  EXPECT_EQ(f.weights[2], 0.5f);
+  EXPECT_EQ(f.weights[3], 0.25f);
+  // Source 2, token 0 with T = 8: 16; master lane 0 of source 2: 2 * 2 + 0.
+  EXPECT_EQ(f.metadata, (std::vector<std::int32_t>{-5, -5, -5, -5, 16, 4, -1, -1}));
+
+  Fixture g(false, 4);  // outputs with room for 4 rows, metadata for 2
+  EXPECT_THROW(engine::place_row(g.w.out, g.shape, {.row = 2, .source = 2, .token = 0, .local_ids = local},
+                                 RowInput{.payload = row.data(), .weights = w}),
+               StateError);
+  EXPECT_THROW(engine::place_row(g.w.out, g.shape, {.row = 4, .source = 2, .token = 0, .local_ids = local},
+                                 RowInput{.payload = row.data(), .weights = w}),
+               StateError);
+  for (std::int64_t r : {0, 1, 2, 3, 4}) EXPECT_TRUE(g.row_untouched(r)) << r;
+  EXPECT_EQ(g.metadata, std::vector<std::int32_t>(2 * (kTopk + 2), -5));
 }
 
 }  // namespace

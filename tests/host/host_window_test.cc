@@ -124,7 +124,7 @@ TEST_F(HostWindowTest, ProcessesWriteIntoEachOthersWindows) {
   expect_all_ok(testing::run_processes(3, write_each_other));
 }
 
-// A receiver whose output is smaller than its plan claims: the source refuses to open the window
+// A receiver whose output is smaller than its row count claims: the source refuses to open it
 // (StateError naming the receiver) and writes nothing, not even inside the span.
 std::string short_output(int rank, int size, const host::AllGather& ag, std::string*) {
   Failures f;
@@ -134,16 +134,11 @@ std::string short_output(int rank, int size, const host::AllGather& ag, std::str
   const std::size_t bytes = kRows * kRowBytes + kGuard;
   const std::shared_ptr<void> block = unwritten_block(bytes);
   auto* out = static_cast<std::byte*>(block.get());
-  std::vector<routing::RowSource> rows(static_cast<std::size_t>(kClaimed));
-  std::vector<std::int32_t> local(static_cast<std::size_t>(kClaimed), 0);
-  engine::ReceiveWindow w;
+  engine::WindowOutputs w;
   w.x = out;
   engine::WindowShape shape{.row_bytes = kRowBytes, .topk = 1, .scale_columns = 0, .max_tokens = 64};
   std::shared_ptr<void> ids_block = core::allocate_host_shared(static_cast<std::size_t>(kClaimed) * 8);
   w.ids = static_cast<std::int64_t*>(ids_block.get());
-  w.rows = rows.data();
-  w.local_ids = local.data();
-  w.num_rows = kClaimed;
   w.out_rows = kRows;  // what it allocated
   engine::PublishedWindow mine = engine::publish_window(t, w, shape);
   if (rank == 0) mine.out_rows = kClaimed;  // claims more rows than its x span holds
