@@ -10,6 +10,10 @@
 
 namespace moe_ep::core {
 
+// The instruction sets a kernel with several paths can be asked to run on (tests and benchmarks
+// compare them; the kernels themselves take the widest the CPU has).
+enum class Isa { kPortable, kAvx2, kAvx512 };
+
 #ifdef MOE_EP_X86_DISPATCH
 inline bool has_avx2() {
   // __builtin_cpu_init: this may run in a shared library's static initialisation, before libgcc's own.

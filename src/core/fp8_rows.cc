@@ -104,6 +104,80 @@ __attribute__((target("avx2"))) void cast_bf16_avx2(const std::uint16_t* x, std:
     store_scale(scales, b, s.scale_inv, ue8m0);
   }
 }
+
+// AVX-512: encode8's steps on sixteen lanes, with mask registers for the selects; the codes
+// (0..255 in each 32-bit lane) narrow to bytes in element order (vpmovdb). GCC 12's AVX-512
+// intrinsics start from _mm512_undefined_*() values, which -Wuninitialized reports where they are
+// inlined (GCC bug 105593, fixed in GCC 13).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#define MOE_EP_FP8_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq")))
+MOE_EP_FP8_AVX512 inline __m128i encode16(const std::uint16_t* p, __m512 scale) {
+  const __m512i raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16)), scale));
+  const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+  const __m512i normal = _mm512_sub_epi32(
+      _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(0x7ffff)), lsb), 20),
+      _mm512_set1_epi32(120 << 3));
+  const __m512 sub_f = _mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(512.0f)),
+                                     _mm512_set1_ps(8388608.0f));
+  const __m512i subnormal = _mm512_sub_epi32(_mm512_castps_si512(sub_f), _mm512_set1_epi32(0x4b000000));
+  __m512i code =
+      _mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(_mm512_set1_epi32(0x3c800000), mag), normal, subnormal);
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x43e00000)),
+                               _mm512_set1_epi32(0x7e));
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epi32_mask(mag, _mm512_set1_epi32(0x7f800000)),
+                               _mm512_set1_epi32(0x7f));
+  // code | (u >> 24 & 0x80): the sign bit
+  code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80), 0xf8);
+  return _mm512_cvtepi32_epi8(code);
+}
+
+// The largest |x| bits of one block (NaN ignored), as an FP32 bit pattern.
+MOE_EP_FP8_AVX512 inline std::uint32_t block_amax_avx512(const std::uint16_t* in) {
+  const __m512i no_sign = _mm512_set1_epi16(0x7fff), inf = _mm512_set1_epi16(0x7f80);
+  __m512i amax = _mm512_setzero_si512();
+  for (int i = 0; i < kFp8BlockSize; i += 32) {
+    const __m512i m = _mm512_and_si512(_mm512_loadu_si512(in + i), no_sign);
+    amax = _mm512_mask_max_epu16(amax, _mm512_cmple_epu16_mask(m, inf), amax, m);
+  }
+  // The 32 halfword maxima as 16 words each: the larger of its low and high halves.
+  const __m512i words =
+      _mm512_max_epu32(_mm512_and_si512(amax, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(amax, 16));
+  return static_cast<std::uint32_t>(_mm512_reduce_max_epu32(words)) << 16;
+}
+
+// In chunks of blocks: every block's scale first, then the codes, so that the codes of one block
+// do not wait for its scale's reduction and division (a latency chain per block otherwise).
+MOE_EP_FP8_AVX512 void cast_bf16_avx512(const std::uint16_t* x, std::int64_t hidden, bool round_scale, bool ue8m0,
+                                        std::uint8_t* q, std::byte* scales) {
+  constexpr std::int64_t kChunk = 16;
+  const std::int64_t blocks = hidden / kFp8BlockSize;
+  float factor[kChunk];
+  for (std::int64_t first = 0; first < blocks; first += kChunk) {
+    const std::int64_t n = std::min(kChunk, blocks - first);
+    for (std::int64_t c = 0; c < n; ++c) {
+      const Fp8BlockScales s = block_scale(block_amax_avx512(x + (first + c) * kFp8BlockSize), round_scale);
+      factor[c] = s.scale;
+      store_scale(scales, first + c, s.scale_inv, ue8m0);
+    }
+    for (std::int64_t c = 0; c < n; ++c) {
+      const std::uint16_t* in = x + (first + c) * kFp8BlockSize;
+      std::uint8_t* out = q + (first + c) * kFp8BlockSize;
+      const __m512 scale = _mm512_set1_ps(factor[c]);
+      for (int i = 0; i < kFp8BlockSize; i += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), encode16(in + i, scale));
+    }
+  }
+}
+#undef MOE_EP_FP8_AVX512
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 #endif
 
 }  // namespace
@@ -124,6 +198,7 @@ Fp8BlockScales fp8_block_scales(float amax, bool round_scale) {
 void cast_row_fp8(const std::uint16_t* bf16, std::int64_t hidden, bool round_scale, bool ue8m0, std::uint8_t* q,
                   std::byte* scales) {
 #ifdef MOE_EP_X86_DISPATCH
+  if (has_avx512()) return cast_bf16_avx512(bf16, hidden, round_scale, ue8m0, q, scales);
   if (has_avx2()) return cast_bf16_avx2(bf16, hidden, round_scale, ue8m0, q, scales);
 #endif
   cast_generic(bf16, hidden, round_scale, ue8m0, q, scales);
@@ -134,9 +209,25 @@ void cast_row_fp8(const float* fp32, std::int64_t hidden, bool round_scale, bool
   cast_generic(fp32, hidden, round_scale, ue8m0, q, scales);
 }
 
-void cast_row_fp8_generic(const std::uint16_t* bf16, std::int64_t hidden, bool round_scale, bool ue8m0,
-                          std::uint8_t* q, std::byte* scales) {
-  cast_generic(bf16, hidden, round_scale, ue8m0, q, scales);
+bool cast_row_fp8_on(Isa isa, const std::uint16_t* bf16, std::int64_t hidden, bool round_scale, bool ue8m0,
+                     std::uint8_t* q, std::byte* scales) {
+  switch (isa) {
+    case Isa::kPortable:
+      cast_generic(bf16, hidden, round_scale, ue8m0, q, scales);
+      return true;
+#ifdef MOE_EP_X86_DISPATCH
+    case Isa::kAvx2:
+      if (!has_avx2()) return false;
+      cast_bf16_avx2(bf16, hidden, round_scale, ue8m0, q, scales);
+      return true;
+    case Isa::kAvx512:
+      if (!has_avx512()) return false;
+      cast_bf16_avx512(bf16, hidden, round_scale, ue8m0, q, scales);
+      return true;
+#endif
+    default:
+      return false;
+  }
 }
 
 }  // namespace moe_ep::core

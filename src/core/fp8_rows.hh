@@ -4,11 +4,14 @@
 // (one FP32 product) and values multiplied by 448 / amax (one FP32 division); with round_scale,
 // e = ceil(log2(amax * fp32(1/448))) from the product's bits, scale_inv = 2^e and values
 // multiplied by 2^-e; then cast with round-to-nearest-even and saturation. The loops are written
-// to vectorize; the vector path gives the same bytes as the portable one for every input.
+// to vectorize; the vector paths (AVX2, AVX-512) give the same bytes as the portable one for every
+// input.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+
+#include "core/cpu_features.hh"
 
 namespace moe_ep::core {
 
@@ -26,8 +29,10 @@ void cast_row_fp8(const std::uint16_t* bf16, std::int64_t hidden, bool round_sca
                   std::byte* scales);
 void cast_row_fp8(const float* fp32, std::int64_t hidden, bool round_scale, bool ue8m0, std::uint8_t* q,
                   std::byte* scales);
-// The portable path of the BF16 cast, for tests that compare it with the vector one.
-void cast_row_fp8_generic(const std::uint16_t* bf16, std::int64_t hidden, bool round_scale, bool ue8m0,
-                          std::uint8_t* q, std::byte* scales);
+// The BF16 cast on one instruction set (each gives identical bytes), for tests and benchmarks that
+// compare them: false, and nothing written, where this CPU (or build) lacks it. cast_row_fp8
+// takes the widest the CPU has.
+bool cast_row_fp8_on(Isa isa, const std::uint16_t* bf16, std::int64_t hidden, bool round_scale, bool ue8m0,
+                     std::uint8_t* q, std::byte* scales);
 
 }  // namespace moe_ep::core

@@ -228,18 +228,18 @@ MOE_EP_NVFP4_AVX512 void cast_row_avx512(const std::uint16_t* bf16, std::int64_t
 
 }  // namespace
 
-bool cast_row_nvfp4_on(Nvfp4Isa isa, const std::uint16_t* bf16, std::int64_t hidden, const Nvfp4Cast& cast,
+bool cast_row_nvfp4_on(Isa isa, const std::uint16_t* bf16, std::int64_t hidden, const Nvfp4Cast& cast,
                        std::uint8_t* packed, std::uint8_t* scales) {
   switch (isa) {
-    case Nvfp4Isa::kPortable:
+    case Isa::kPortable:
       cast_row(bf16, hidden, cast, false, packed, scales);
       return true;
 #ifdef MOE_EP_X86_DISPATCH
-    case Nvfp4Isa::kAvx2:
+    case Isa::kAvx2:
       if (!has_avx2()) return false;
       cast_row(bf16, hidden, cast, true, packed, scales);
       return true;
-    case Nvfp4Isa::kAvx512:
+    case Isa::kAvx512:
       if (!has_avx512()) return false;
       cast_row_avx512(bf16, hidden, cast, packed, scales);
       return true;

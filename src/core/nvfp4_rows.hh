@@ -9,6 +9,8 @@
 #pragma once
 
 #include <cstdint>
+
+#include "core/cpu_features.hh"
 #include <optional>
 
 #include "moe_ep/dtype.hpp"
@@ -31,8 +33,7 @@ void cast_row_nvfp4(const std::uint16_t* bf16, std::int64_t hidden, const Nvfp4C
 // The same cast on one instruction set (each gives identical bytes), for tests and benchmarks that
 // compare them: false, and nothing written, where this CPU (or build) lacks it. cast_row_nvfp4
 // takes the widest the CPU has.
-enum class Nvfp4Isa { kPortable, kAvx2, kAvx512 };
-bool cast_row_nvfp4_on(Nvfp4Isa isa, const std::uint16_t* bf16, std::int64_t hidden, const Nvfp4Cast& cast,
+bool cast_row_nvfp4_on(Isa isa, const std::uint16_t* bf16, std::int64_t hidden, const Nvfp4Cast& cast,
                        std::uint8_t* packed, std::uint8_t* scales);
 
 }  // namespace moe_ep::core

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/fp8_rows.hh"
@@ -130,9 +131,23 @@ TEST(Fp8Quantize, SpecialValuesInBothInputTypesFollowTheDefinition) {
   }
 }
 
+// The row kernel's vector paths (AVX2, AVX-512: those this CPU has) against its portable one.
+void expect_paths_agree(const std::uint16_t* x, std::int64_t hidden, bool round, bool ue8m0, const std::string& what) {
+  std::vector<std::uint8_t> want(static_cast<size_t>(hidden)), got(static_cast<size_t>(hidden));
+  std::vector<std::byte> want_scales(4 * static_cast<size_t>(hidden) / 128), got_scales(want_scales.size());
+  ASSERT_TRUE(core::cast_row_fp8_on(core::Isa::kPortable, x, hidden, round, ue8m0, want.data(), want_scales.data()));
+  for (const core::Isa isa : {core::Isa::kAvx2, core::Isa::kAvx512}) {
+    std::fill(got.begin(), got.end(), 0);
+    std::fill(got_scales.begin(), got_scales.end(), std::byte{0});
+    if (!core::cast_row_fp8_on(isa, x, hidden, round, ue8m0, got.data(), got_scales.data())) continue;
+    ASSERT_EQ(got, want) << what << ", path " << static_cast<int>(isa);
+    ASSERT_EQ(got_scales, want_scales) << what << ", path " << static_cast<int>(isa);
+  }
+}
+
 // Every BF16 code, in blocks whose scales span the FP8 range (saturation, subnormals, NaN and
-// infinities included), through the vector path and the portable one: identical bytes.
-TEST(Fp8Quantize, VectorPathMatchesThePortablePathOnEveryBf16Code) {
+// infinities included), through the vector paths and the portable one: identical bytes.
+TEST(Fp8Quantize, VectorPathsMatchThePortablePathOnEveryBf16Code) {
   constexpr int kHidden = 1024;
   std::mt19937 rng(5);
   std::vector<std::uint16_t> codes(65536);
@@ -141,12 +156,7 @@ TEST(Fp8Quantize, VectorPathMatchesThePortablePathOnEveryBf16Code) {
   for (bool round : {false, true}) {
     for (std::size_t row = 0; row < codes.size() / kHidden; ++row) {
       const std::uint16_t* x = codes.data() + row * kHidden;
-      std::vector<std::uint8_t> q1(kHidden), q2(kHidden);
-      std::vector<std::byte> s1(4 * kHidden / 128), s2(4 * kHidden / 128);
-      core::cast_row_fp8(x, kHidden, round, false, q1.data(), s1.data());
-      core::cast_row_fp8_generic(x, kHidden, round, false, q2.data(), s2.data());
-      ASSERT_EQ(q1, q2) << "row " << row;
-      ASSERT_EQ(s1, s2) << "row " << row;
+      ASSERT_NO_FATAL_FAILURE(expect_paths_agree(x, kHidden, round, false, "row " + std::to_string(row)));
     }
   }
   // Blocks of one magnitude each, so that amax is finite and the values fill the FP8 range.
@@ -155,14 +165,8 @@ TEST(Fp8Quantize, VectorPathMatchesThePortablePathOnEveryBf16Code) {
     std::vector<std::uint16_t> x(kHidden);
     for (int i = 0; i < kHidden; ++i)
       x[static_cast<std::size_t>(i)] = float_to_bf16(dist(rng) * std::ldexp(1.0f, (i / 128) * 8 - 30 + trial % 7));
-    for (bool ue8m0 : {false, true}) {
-      std::vector<std::uint8_t> q1(kHidden), q2(kHidden);
-      std::vector<std::byte> s1(4 * kHidden / 128), s2(4 * kHidden / 128);
-      core::cast_row_fp8(x.data(), kHidden, ue8m0, ue8m0, q1.data(), s1.data());
-      core::cast_row_fp8_generic(x.data(), kHidden, ue8m0, ue8m0, q2.data(), s2.data());
-      ASSERT_EQ(q1, q2) << "trial " << trial;
-      ASSERT_EQ(s1, s2) << "trial " << trial;
-    }
+    for (bool ue8m0 : {false, true})
+      ASSERT_NO_FATAL_FAILURE(expect_paths_agree(x.data(), kHidden, ue8m0, ue8m0, "trial " + std::to_string(trial)));
   }
 }
 

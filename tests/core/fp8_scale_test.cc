@@ -3,11 +3,12 @@
 // (1.0f / 448.0f), one product; with round_scale 2^ceil(log2(that product)), its UE8M0 byte the
 // exponent field. Random blocks over forty binades, in which the quotient amax / 448 differs from
 // that product in about half of the blocks (the test counts them, so that the quotient would
-// fail it), through quantize_fp8 (BF16 and FP32 rows), the row kernel's vector and portable
-// paths and fp8_block_scale_inv, bit for bit; the codes against e4m3(x * (448 / amax)) or
+// fail it), through quantize_fp8 (BF16 and FP32 rows), every path of the row kernel
+// (portable, AVX2, AVX-512) and fp8_block_scale_inv, bit for bit; the codes against e4m3(x * (448 / amax)) or
 // e4m3(x * 2^-e) with the reference FP8 encoder.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -102,6 +103,8 @@ struct Option {
   }
 };
 constexpr Option kOptions[] = {{false, false}, {true, false}, {true, true}};
+// Every path of the row kernel (those this CPU lacks are skipped by cast_row_fp8_on).
+constexpr core::Isa kIsas[] = {core::Isa::kPortable, core::Isa::kAvx2, core::Isa::kAvx512};
 
 TEST(Fp8Scale, Bf16RowsTakeDeepEpsProductOnEveryPath) {
   constexpr int kRows = 96;
@@ -126,9 +129,12 @@ TEST(Fp8Scale, Bf16RowsTakeDeepEpsProductOnEveryPath) {
       core::cast_row_fp8(in, kHidden, o.round_scale, o.ue8m0, codes.data(), scales.data());
       ASSERT_NO_FATAL_FAILURE(
           expect_row(row, codes.data(), scales.data(), o.round_scale, o.ue8m0, what + " cast_row_fp8"));
-      core::cast_row_fp8_generic(in, kHidden, o.round_scale, o.ue8m0, codes.data(), scales.data());
-      ASSERT_NO_FATAL_FAILURE(
-          expect_row(row, codes.data(), scales.data(), o.round_scale, o.ue8m0, what + " cast_row_fp8_generic"));
+      for (const core::Isa isa : kIsas) {
+        std::fill(codes.begin(), codes.end(), 0);
+        if (!core::cast_row_fp8_on(isa, in, kHidden, o.round_scale, o.ue8m0, codes.data(), scales.data())) continue;
+        ASSERT_NO_FATAL_FAILURE(expect_row(row, codes.data(), scales.data(), o.round_scale, o.ue8m0,
+                                           what + " cast_row_fp8_on(" + std::to_string(static_cast<int>(isa)) + ")"));
+      }
     }
     // amax / 448 would give other scales: about half of the blocks tell the two apart.
     if (!o.round_scale) {

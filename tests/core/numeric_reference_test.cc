@@ -155,7 +155,9 @@ void expect_row_matches(const reference::Fp8Row& want, const std::uint8_t* codes
 }
 
 TEST(NumericReference, RowCastMatchesTheDefinitionOnEveryPathAndOption) {
-  for (int hidden : {128, 640, 1024}) {  // 640: the second UE8M0 word holds one block and three zero bytes
+  // 640: the second UE8M0 word holds one block and three zero bytes; 2432: 19 blocks, past the AVX-512
+  // path's chunks of 16
+  for (int hidden : {128, 640, 1024, 2432}) {
     const int rows = 24;
     const auto x = test_rows(rows, hidden, static_cast<unsigned>(hidden));
     for (int option = 0; option < 3; ++option) {
@@ -182,9 +184,12 @@ TEST(NumericReference, RowCastMatchesTheDefinitionOnEveryPathAndOption) {
         std::vector<std::byte> scales(4 * static_cast<size_t>(hidden / 128), std::byte{0});
         core::cast_row_fp8(row, hidden, round_scale, ue8m0, codes.data(), scales.data());
         expect_row_matches(want, codes.data(), scales.data(), hidden, what + " cast_row_fp8");
-        std::fill(scales.begin(), scales.end(), std::byte{0});
-        core::cast_row_fp8_generic(row, hidden, round_scale, ue8m0, codes.data(), scales.data());
-        expect_row_matches(want, codes.data(), scales.data(), hidden, what + " cast_row_fp8_generic");
+        for (const core::Isa isa : {core::Isa::kPortable, core::Isa::kAvx2, core::Isa::kAvx512}) {
+          std::fill(scales.begin(), scales.end(), std::byte{0});
+          if (core::cast_row_fp8_on(isa, row, hidden, round_scale, ue8m0, codes.data(), scales.data()))
+            expect_row_matches(want, codes.data(), scales.data(), hidden,
+                               what + " cast_row_fp8_on(" + std::to_string(static_cast<int>(isa)) + ")");
+        }
       }
     }
   }

@@ -31,7 +31,7 @@ bool cast_on_path(int path, const std::vector<std::uint16_t>& row, int hidden, c
     core::cast_row_nvfp4(row.data(), hidden, cast, packed.data(), scales.data());
     return true;
   }
-  const core::Nvfp4Isa isa[] = {core::Nvfp4Isa::kPortable, core::Nvfp4Isa::kAvx2, core::Nvfp4Isa::kAvx512};
+  const core::Isa isa[] = {core::Isa::kPortable, core::Isa::kAvx2, core::Isa::kAvx512};
   return core::cast_row_nvfp4_on(isa[path - 1], row.data(), hidden, cast, packed.data(), scales.data());
 }
 
