@@ -234,18 +234,22 @@ std::vector<std::byte> Dispatch::publish() {
                                             .topk = view_extent(plan_->topk),
                                             .listed = listed_.defined() ? listed_.nbytes() : 0});
   std::memcpy(payload.data(), &shared, sizeof shared);
-  if (window_in_agreement()) {
-    // Outputs allocated now travel with the agreement, and the push needs no collective of its
-    // own (push_rows).
-    if (capacity_outputs_) {
-      allocate_outputs(worst_rows(), worst_expanded_rows());
-    } else {
-      make_outputs();
+  if (push_) {
+    // Outputs allocated now travel with the agreement (node_windows).
+    PushPublication pub;
+    pub.holds_writes = req_.previous_event_before_epilogue ? 1 : 0;
+    if (window_in_agreement()) {
+      if (capacity_outputs_) {
+        allocate_outputs(worst_rows(), worst_expanded_rows());
+      } else {
+        make_outputs();
+      }
+      open_own_window();
+      pub.window = publish_window(engine_.transport(), window_.out, window_shape_);
+      pub.has_window = 1;
     }
-    open_own_window();
-    const PublishedWindow w = publish_window(engine_.transport(), window_.out, window_shape_);
-    const auto* b = reinterpret_cast<const std::byte*>(&w);
-    payload.insert(payload.end(), b, b + sizeof w);
+    const auto* b = reinterpret_cast<const std::byte*>(&pub);
+    payload.insert(payload.end(), b, b + sizeof pub);
   }
   if (cached_) return payload;
   for (const auto* v : {&counts_.per_rank, &counts_.per_expert, &counts_.per_node}) {
@@ -281,15 +285,17 @@ std::vector<PeerTensors> Dispatch::unpack_peers(const std::vector<std::span<cons
       (cached_ ? 0 : sizeof(std::int32_t) * static_cast<size_t>(geo_.num_ranks + geo_.num_experts + geo_.num_nodes));
   std::vector<PeerTensors> peers(payloads.size());
   agreed_windows_.clear();
+  agreed_windows_ready_ = push_;
   for (std::size_t r = 0; r < payloads.size(); ++r) {
     if (payloads[r].size() != sizeof(PeerTensors) + extra_bytes)
       throw StateError(fmt::format("{}: rank {} published {} bytes, expected {}", ctx_, r, payloads[r].size(),
                                    sizeof(PeerTensors) + extra_bytes));
     std::memcpy(&peers[r], payloads[r].data(), sizeof(PeerTensors));
-    if (window_in_agreement() && engine_.facts.same_node(static_cast<int>(r))) {
-      PublishedWindow w;
-      std::memcpy(&w, payloads[r].data() + sizeof(PeerTensors), sizeof w);
-      agreed_windows_.push_back(w);
+    if (push_ && engine_.facts.same_node(static_cast<int>(r))) {
+      PushPublication pub;
+      std::memcpy(&pub, payloads[r].data() + sizeof(PeerTensors), sizeof pub);
+      agreed_windows_.push_back(pub.window);
+      agreed_windows_ready_ = agreed_windows_ready_ && pub.has_window == 1 && pub.holds_writes == 0;
     }
   }
   resolve_tensors(engine_, peers, mine_);

@@ -30,6 +30,15 @@ inline constexpr std::int64_t kRowsPerTask = 32;
 // (Dispatch::capacity_outputs_): address space, of which only the received rows are touched.
 inline constexpr std::int64_t kCapacityOutputBytes = std::int64_t{1} << 30;
 
+// What a pushing rank adds to its agreement payload: its outputs' window when they exist before
+// the agreement, and whether its caller's previous_event_before_epilogue holds back writes into
+// them (then the node's ranks publish their windows once every one has passed its event).
+struct PushPublication {
+  PublishedWindow window{};
+  std::uint8_t has_window = 0, holds_writes = 0;
+  std::uint8_t unused[6] = {};
+};
+
 class Dispatch final : public DispatchOperation {
  public:
   Dispatch(Engine& engine, DispatchRequest request, std::uint64_t sequence);
@@ -85,10 +94,12 @@ class Dispatch final : public DispatchOperation {
   WindowOutputs own_outputs() const;
   void open_own_window();
   // With push, outputs allocated before the agreement (a cached dispatch, worst-case shapes, or
-  // capacity_outputs_) travel with it, and the push needs no collective of its own; otherwise a
-  // node all-gather publishes them once they are allocated.
+  // capacity_outputs_) travel with it (PushPublication). When every rank of the node published
+  // its window there and none holds writes back for an event, the push needs no collective of its
+  // own; otherwise a node all-gather publishes the windows once every rank of the node has
+  // allocated its outputs and passed its previous_event_before_epilogue.
   bool window_in_agreement() const { return push_ && (cached_ || !cpu_sync_ || capacity_outputs_); }
-  std::size_t agreed_window_bytes() const { return window_in_agreement() ? sizeof(PublishedWindow) : 0; }
+  std::size_t agreed_window_bytes() const { return push_ ? sizeof(PushPublication) : 0; }
   std::vector<WindowOutputs> node_windows();
   void push_rows(const std::vector<PeerTensors>& peers);
   void copy_rows(const std::vector<PeerTensors>& peers, const DispatchRecordExchange& records, bool remote_only);
@@ -120,8 +131,10 @@ class Dispatch final : public DispatchOperation {
   ScaleLayout scale_layout_;  // set with the outputs
   WindowShape window_shape_;  // set by open_own_window
   ReceiveWindow window_;      // this rank's outputs and receive plan (open_own_window)
-  // The windows the node's ranks published in the agreement (window_in_agreement), by local index.
+  // The windows the node's ranks published in the agreement (window_in_agreement), by local
+  // index, and whether they are all there and no rank holds writes back (agreed_windows_ready_).
   std::vector<PublishedWindow> agreed_windows_;
+  bool agreed_windows_ready_ = false;
   // MOE_EP_DISPATCH_PUSH over a transport that offers windows (every transport: threads and
   // processes): sources write their rows into their node peers' windows (each token read once,
   // not once per destination).

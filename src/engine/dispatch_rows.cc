@@ -55,12 +55,14 @@ RowInput Dispatch::row_input(const PeerTensors& p, std::int64_t token) const {
 }
 
 // The outputs of this node's ranks, by rank (entries of other nodes stay empty): from the
-// agreement (window_in_agreement), or published now by a node all-gather, once every rank of the
-// node has allocated them.
+// agreement (agreed_windows_ready_), or published now by a node all-gather, once every rank of
+// the node has allocated them and passed its previous_event_before_epilogue (no source writes
+// into outputs whose caller holds writes back).
 std::vector<WindowOutputs> Dispatch::node_windows() {
   comm::Transport& transport = engine_.transport();
   std::vector<PublishedWindow> published = agreed_windows_;
-  if (!window_in_agreement()) {
+  if (!agreed_windows_ready_) {
+    published.clear();
     const PublishedWindow mine = publish_window(transport, window_.out, window_shape_);
     const comm::Gathered gathered = transport.all_gather(std::as_bytes(std::span(&mine, 1)), comm::Scope::kNode,
                                                          engine_.facts.wait("dispatch: outputs ready"));

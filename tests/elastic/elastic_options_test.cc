@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "moe_ep/elastic_buffer.hpp"
@@ -272,6 +273,48 @@ TEST(ElasticOptions, CachedAndWorstCaseCallsWaitForThePreviousEventBeforeEpilogu
     check_combine(s, all, me, c, "expanded combine after previous_event_before_epilogue", bad);
   });
   report(failures, "2 nodes");
+}
+
+// Only rank 0 holds its writes back; its node peers, whose calls have no event, write their rows
+// into its outputs (push) only once it passed its event: until then its outputs keep the bytes it
+// put there. New (CPU-synced) and cached dispatches, one node.
+TEST(ElasticOptions, PeersDoNotWriteIntoOutputsWhoseCallerHoldsThemBack) {
+  const CaseSpec s = spec_for(1, 41);
+  const auto failures = collect_on_ranks(kRanks, {.num_scaleout = 1}, [&](Group& g, std::vector<std::string>& bad) {
+    const int me = g.rank();
+    ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
+    std::vector<RankInputs> all = reference::make_all_inputs(s);
+    RankInputs& in = all[static_cast<size_t>(me)];
+    const std::int64_t n = in.num_tokens;
+    const TensorView x(in.x.data(), DType::kBF16, {n, kHidden}), topk(in.topk.data(), DType::kInt64, {n, kTopk}),
+        weights(in.weights.data(), DType::kFP32, {n, kTopk});
+    std::shared_ptr<EPHandle> handle;
+    for (const bool cached : {false, true}) {
+      const std::string what = cached ? "cached dispatch" : "dispatch";
+      Event gate = Event::pending();
+      DispatchArgs a{.x = x, .topk_weights = weights, .async_with_compute_stream = true};
+      if (cached) {
+        a.handle = handle;
+      } else {
+        a.topk_idx = topk;
+        a.num_experts = kExperts;
+      }
+      if (me == 0) a.previous_event_before_epilogue = gate;
+      const DispatchResult r = b.dispatch(a);
+      if (me == 0) {
+        poison<std::uint16_t>(r.recv_x, 0x7fc1);
+        if (r.event.wait_for(kHeldSeconds)) bad.push_back(what + " completed before previous_event_before_epilogue");
+        const auto* row = r.recv_x.data_as<std::uint16_t>();
+        if (std::any_of(row, row + r.recv_x.numel(), [](std::uint16_t v) { return v != 0x7fc1; }))
+          bad.push_back(what + ": a peer wrote into rank 0's outputs before its previous_event_before_epilogue");
+        gate.complete();
+      }
+      r.event.wait();
+      check_dispatch(s, all, me, r, what + " after rank 0's previous_event_before_epilogue", bad);
+      if (!cached) handle = r.handle;
+    }
+  });
+  report(failures, "1 node");
 }
 
 }  // namespace elastic_options_test
