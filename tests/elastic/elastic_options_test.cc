@@ -38,11 +38,22 @@ CaseSpec spec_for(int scaleout, std::uint64_t seed) {
   return s;
 }
 
-// Compact dispatch outputs against the reference.
+// Compact dispatch outputs against the reference (worst_case: outputs of num_max_tokens_per_rank x
+// ranks rows, the received ones first and ids -1 after them).
 void check_dispatch(const CaseSpec& s, const std::vector<RankInputs>& all, int me, const DispatchResult& r,
-                    const std::string& what, std::vector<std::string>& bad) {
+                    const std::string& what, std::vector<std::string>& bad, bool worst_case = false) {
   const auto ref = reference::reference_dispatch(s, all, me);
-  if (r.recv_x.size(0) != static_cast<std::int64_t>(ref.rows.size())) {
+  if (worst_case) {
+    if (r.recv_x.size(0) != std::int64_t{kTokens} * kRanks) {
+      bad.push_back(fmt::format("{}: {} rows, expected the worst case {}", what, r.recv_x.size(0), kTokens * kRanks));
+      return;
+    }
+    for (std::int64_t i = static_cast<std::int64_t>(ref.rows.size()) * kTopk; i < r.recv_topk_idx.numel(); ++i)
+      if (r.recv_topk_idx.data_as<std::int64_t>()[i] != -1) {
+        bad.push_back(fmt::format("{}: recv_topk_idx past the received rows is not -1", what));
+        break;
+      }
+  } else if (r.recv_x.size(0) != static_cast<std::int64_t>(ref.rows.size())) {
     bad.push_back(fmt::format("{}: {} rows, expected {}", what, r.recv_x.size(0), ref.rows.size()));
     return;
   }
@@ -58,6 +69,26 @@ void check_dispatch(const CaseSpec& s, const std::vector<RankInputs>& all, int m
       if (r.recv_topk_weights.data_as<float>()[i * kTopk + j] != src.weights[static_cast<size_t>(row.token * kTopk + j)])
         bad.push_back(fmt::format("{}: recv_topk_weights[{}, {}]", what, i, j));
     }
+  }
+}
+
+// Expanded dispatch outputs: every row the reference places is its token's, with its lane's weight.
+void check_expanded(const CaseSpec& s, const std::vector<RankInputs>& all, int me, const DispatchResult& r,
+                    const std::string& what, std::vector<std::string>& bad) {
+  const auto ref = reference::reference_dispatch(s, all, me);
+  if (r.recv_x.size(0) < ref.expanded_rows) {
+    bad.push_back(fmt::format("{}: {} rows, fewer than the reference's {}", what, r.recv_x.size(0), ref.expanded_rows));
+    return;
+  }
+  for (int i = 0; i < ref.expanded_rows; ++i) {
+    const auto [owner, lane] = ref.expanded_owner[static_cast<size_t>(i)];
+    if (owner < 0) continue;
+    const auto& row = ref.rows[static_cast<size_t>(owner)];
+    const RankInputs& src = all[static_cast<size_t>(row.source)];
+    if (std::memcmp(r.recv_x.data_as<std::uint16_t>() + i * kHidden,
+                    src.x.data() + static_cast<size_t>(row.token) * kHidden * 2, kHidden * 2) != 0 ||
+        r.recv_topk_weights.data_as<float>()[i] != src.weights[static_cast<size_t>(row.token * kTopk + lane)])
+      bad.push_back(fmt::format("{}: expanded row {} is not rank {} token {} lane {}", what, i, row.source, row.token, lane));
   }
 }
 
@@ -242,17 +273,13 @@ TEST(ElasticOptions, CachedAndWorstCaseCallsWaitForThePreviousEventBeforeEpilogu
     if (worst.event.wait_for(kHeldSeconds)) bad.push_back("expanded dispatch completed before previous_event_before_epilogue");
     gate2.complete();
     worst.event.wait();
+    check_expanded(s, all, me, worst, "expanded dispatch after previous_event_before_epilogue", bad);
     const auto ref = reference::reference_dispatch(s, all, me);
     Tensor y = Tensor::zeros({worst.recv_x.size(0), kHidden}, DType::kBF16);
     for (int r = 0; r < ref.expanded_rows; ++r) {
       const auto [owner, lane] = ref.expanded_owner[static_cast<size_t>(r)];
       if (owner < 0) continue;
       const auto& row = ref.rows[static_cast<size_t>(owner)];
-      const RankInputs& src = all[static_cast<size_t>(row.source)];
-      if (std::memcmp(worst.recv_x.data_as<std::uint16_t>() + r * kHidden,
-                      src.x.data() + static_cast<size_t>(row.token) * kHidden * 2, kHidden * 2) != 0 ||
-          worst.recv_topk_weights.data_as<float>()[r] != src.weights[static_cast<size_t>(row.token * kTopk + lane)])
-        bad.push_back(fmt::format("expanded row {} is not rank {} token {} lane {}", r, row.source, row.token, lane));
       const int local = static_cast<int>(row.local_ids[static_cast<size_t>(lane)]);
       for (int h = 0; h < kHidden; ++h)
         y.data_as<std::uint16_t>()[r * kHidden + h] = s.value(me, local, row.source * kTokens + row.token, h);
@@ -273,6 +300,36 @@ TEST(ElasticOptions, CachedAndWorstCaseCallsWaitForThePreviousEventBeforeEpilogu
     check_combine(s, all, me, c, "expanded combine after previous_event_before_epilogue", bad);
   });
   report(failures, "2 nodes");
+}
+
+// Ranks that differ in do_cpu_sync (exact outputs on even ranks, worst-case ones on odd ranks)
+// dispatch together: every rank's rows are the reference's, in outputs of its own kind.
+// Compact and expanded: the expanded CPU-synced outputs are allocated after the agreement, the
+// others before it.
+TEST(ElasticOptions, RanksMayDifferInCpuSync) {
+  for (const bool expand : {false, true}) {
+    CaseSpec s = spec_for(1, 51);
+    s.expand = expand;
+    const auto failures = collect_on_ranks(kRanks, {.num_scaleout = 1}, [&](Group& g, std::vector<std::string>& bad) {
+      const int me = g.rank();
+      ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
+      std::vector<RankInputs> all = reference::make_all_inputs(s);
+      RankInputs& in = all[static_cast<size_t>(me)];
+      const std::int64_t n = in.num_tokens;
+      const bool sync = me % 2 == 0;
+      const DispatchResult r = b.dispatch({.x = TensorView(in.x.data(), DType::kBF16, {n, kHidden}),
+                                           .topk_idx = TensorView(in.topk.data(), DType::kInt64, {n, kTopk}),
+                                           .topk_weights = TensorView(in.weights.data(), DType::kFP32, {n, kTopk}),
+                                           .num_experts = kExperts, .do_cpu_sync = sync, .do_expand = expand});
+      const std::string what = fmt::format("do_cpu_sync = {}, do_expand = {}", sync, expand);
+      if (expand) {
+        check_expanded(s, all, me, r, what, bad);
+      } else {
+        check_dispatch(s, all, me, r, what, bad, !sync);
+      }
+    });
+    report(failures, expand ? "expanded" : "compact");
+  }
 }
 
 // Only rank 0 holds its writes back; its node peers, whose calls have no event, write their rows
