@@ -145,7 +145,7 @@ MOE_EP_FP8_AVX512 inline std::uint32_t block_amax_avx512(const std::uint16_t* in
     const __m512i m = _mm512_and_si512(_mm512_loadu_si512(in + i), no_sign);
     amax = _mm512_mask_max_epu16(amax, _mm512_cmple_epu16_mask(m, inf), amax, m);
   }
-  // The 32 halfword maxima as 16 words each: the larger of its low and high halves.
+  // The 32 halfword maxima folded to 16 words, each the larger of its two halves.
   const __m512i words =
       _mm512_max_epu32(_mm512_and_si512(amax, _mm512_set1_epi32(0xffff)), _mm512_srli_epi32(amax, 16));
   return static_cast<std::uint32_t>(_mm512_reduce_max_epu32(words)) << 16;
