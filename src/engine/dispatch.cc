@@ -239,11 +239,7 @@ std::vector<std::byte> Dispatch::publish() {
     PushPublication pub;
     pub.holds_writes = req_.previous_event_before_epilogue ? 1 : 0;
     if (window_in_agreement()) {
-      if (capacity_outputs_) {
-        allocate_outputs(worst_rows(), worst_expanded_rows());
-      } else {
-        make_outputs();
-      }
+      make_outputs();
       open_own_window();
       pub.window = publish_window(engine_.transport(), window_.out, window_shape_);
       pub.has_window = 1;
@@ -339,7 +335,7 @@ void Dispatch::make_outputs() {
     if (capacity_outputs_) narrow_outputs(plan_->layout.rows_at(engine_.facts.rank));
     return;
   }
-  if (outputs_known_early()) {
+  if (outputs_known_early() || capacity_outputs_) {  // worst-case rows (capacity outputs: narrowed above)
     allocate_outputs_early();
   } else {
     allocate_outputs(plan_->layout.rows_at(engine_.facts.rank), plan_->layout.expanded_rows_at(engine_.facts.rank));
