@@ -93,7 +93,7 @@ std::vector<WindowOutputs> Dispatch::node_windows() {
 void Dispatch::push_rows(const std::vector<PeerTensors>& peers) {
   const std::vector<WindowOutputs> windows = node_windows();
   comm::PeerReads writes(engine_.transport(), "dispatch: push");  // node peers' outputs
-  const int k = shape_.topk, me = engine_.facts.rank, N = shape_.tokens, El = shape_.local_experts;
+  const int k = shape_.topk, me = engine_.facts.rank, N = shape_.tokens;
   const HandleState& plan = *plan_;
   const PeerTensors& own = peers[static_cast<size_t>(me)];
   const std::int64_t* topk = plan.topk.data_as<const std::int64_t>();
@@ -109,11 +109,9 @@ void Dispatch::push_rows(const std::vector<PeerTensors>& peers) {
         if (row < 0) continue;  // not the token's master lane for its rank
         const int d = geo_.rank_of_expert(ids[j]);
         if (!engine_.facts.same_node(d)) continue;  // travels as a record
-        const std::int64_t first = std::int64_t{d} * El;
         for (int l = 0; l < k; ++l) {
-          const bool here = ids[l] >= first && ids[l] < first + El;
-          local[l] = here ? static_cast<std::int32_t>(ids[l] - first) : -1;
-          expanded[l] = here ? plan.dst_expanded[static_cast<size_t>(t * k + l)] : -1;
+          local[l] = geo_.local_expert(ids[l], d);
+          expanded[l] = local[l] >= 0 ? plan.dst_expanded[static_cast<size_t>(t * k + l)] : -1;
         }
         place_row(windows[static_cast<size_t>(d)], window_shape_,
                   {.row = row, .source = me, .token = static_cast<std::int32_t>(t), .master_lane = j,

@@ -19,7 +19,6 @@ std::size_t at(std::int64_t row, int k, int lane = 0) {
 void accept_token(RoutingPlan& plan, const PlanningRank& me, RowAssigner& assigner, int source, std::int32_t index,
                   std::int32_t token, const std::int64_t* ids, int k) {
   const Geometry& geo = plan.layout.geometry();
-  const int El = geo.experts_per_rank();
   std::int32_t row_at_lane[kMaxTopk], expanded_at_lane[kMaxTopk];
   assigner.next(ids, k, [&](int r) { return r == me.rank; }, row_at_lane, expanded_at_lane);
   for (int j = 0; j < k; ++j) {
@@ -29,8 +28,7 @@ void accept_token(RoutingPlan& plan, const PlanningRank& me, RowAssigner& assign
     plan.row_token[row] = token;
     plan.master_lane[row] = j;
     for (int l = 0; l < k; ++l) {
-      const bool local = ids[l] >= 0 && geo.rank_of_expert(ids[l]) == me.rank;
-      plan.local_ids[at(row_at_lane[j], k, l)] = local ? static_cast<std::int32_t>(ids[l] - std::int64_t{me.rank} * El) : -1;
+      plan.local_ids[at(row_at_lane[j], k, l)] = geo.local_expert(ids[l], me.rank);
       if (me.expand) plan.expanded_rows[at(row_at_lane[j], k, l)] = expanded_at_lane[l];
     }
   }
@@ -123,10 +121,9 @@ void plan_receive_local(RoutingPlan& plan, const PlanningRank& me, std::span<con
       plan.row_token[r] = l.token;
       plan.master_lane[r] = l.master_lane;
       for (int j = 0; j < k; ++j) {
-        const std::int64_t local = ids[j] - first;
-        const bool here = ids[j] >= 0 && local >= 0 && local < El;
-        plan.local_ids[at(row, k, j)] = here ? static_cast<std::int32_t>(local) : -1;
-        if (me.expand) plan.expanded_rows[at(row, k, j)] = here ? next[static_cast<size_t>(local)]++ : -1;
+        const int local = geo.local_expert(ids[j], me.rank);
+        plan.local_ids[at(row, k, j)] = local;
+        if (me.expand) plan.expanded_rows[at(row, k, j)] = local >= 0 ? next[static_cast<size_t>(local)]++ : -1;
       }
     }
   }

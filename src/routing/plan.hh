@@ -35,6 +35,11 @@ struct Geometry {
   int ranks_per_node() const { return num_ranks / num_nodes; }
   // Expert ids are below num_experts (an int): a 32-bit division, several times cheaper than a 64-bit one.
   int rank_of_expert(std::int64_t e) const { return static_cast<int>(e) / experts_per_rank(); }
+  // Expert e's index among rank r's experts, or -1 when r does not own it (e < 0: no expert).
+  int local_expert(std::int64_t e, int r) const {
+    const std::int64_t first = std::int64_t{r} * experts_per_rank();
+    return e >= first && e < first + experts_per_rank() ? static_cast<int>(e - first) : -1;
+  }
   int node_of_rank(int r) const { return r / ranks_per_node(); }
 };
 
