@@ -38,6 +38,26 @@ CaseSpec spec_for(int scaleout, std::uint64_t seed) {
   return s;
 }
 
+// One rank's side of a case: its buffer, every rank's inputs (the reference's), its own, and views
+// of them.
+struct RankCase {
+  int me;
+  ElasticBuffer b;
+  std::vector<RankInputs> all;
+  RankInputs& in;
+  std::int64_t n;
+  TensorView x, topk, weights;
+  RankCase(Group& g, const CaseSpec& s)
+      : me(g.rank()),
+        b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk}),
+        all(reference::make_all_inputs(s)),
+        in(all[static_cast<size_t>(me)]),
+        n(in.num_tokens),
+        x(in.x.data(), DType::kBF16, {n, kHidden}),
+        topk(in.topk.data(), DType::kInt64, {n, kTopk}),
+        weights(in.weights.data(), DType::kFP32, {n, kTopk}) {}
+};
+
 // Compact dispatch outputs against the reference (worst_case: outputs of num_max_tokens_per_rank x
 // ranks rows, the received ones first and ids -1 after them).
 void check_dispatch(const CaseSpec& s, const std::vector<RankInputs>& all, int me, const DispatchResult& r,
@@ -127,16 +147,13 @@ TEST(ElasticOptions, HandleHoldsACopyOfTopkOrTheCallersTensor) {
   for (int scaleout : {1, 2}) {
     const CaseSpec s = spec_for(scaleout, 11 + scaleout);
     const auto failures = collect_on_ranks(kRanks, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
-      const int me = g.rank();
-      ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
-      std::vector<RankInputs> all = reference::make_all_inputs(s);
-      RankInputs& in = all[static_cast<size_t>(me)];
-      const std::int64_t n = in.num_tokens;
+      RankCase rank_case(g, s);
+      auto& [me, b, all, in, n, x, topk_view, weights] = rank_case;
       Tensor topk = Tensor::empty({n, kTopk}, DType::kInt64);
       std::memcpy(topk.data(), in.topk.data(), in.topk.size() * sizeof(std::int64_t));
-      DispatchArgs a{.x = TensorView(in.x.data(), DType::kBF16, {n, kHidden}),
+      DispatchArgs a{.x = x,
                      .topk_idx = topk,
-                     .topk_weights = TensorView(in.weights.data(), DType::kFP32, {n, kTopk}),
+                     .topk_weights = weights,
                      .num_experts = kExperts};
       const DispatchResult copied = b.dispatch(a);
       a.do_handle_copy = false;
@@ -192,17 +209,14 @@ TEST(ElasticOptions, NoOutputIsWrittenBeforeThePreviousEventBeforeEpilogue) {
   for (int scaleout : {1, 2}) {
     const CaseSpec s = spec_for(scaleout, 21 + scaleout);
     const auto failures = collect_on_ranks(kRanks, {.num_scaleout = scaleout}, [&](Group& g, std::vector<std::string>& bad) {
-      const int me = g.rank();
-      ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
-      std::vector<RankInputs> all = reference::make_all_inputs(s);
-      RankInputs& in = all[static_cast<size_t>(me)];
-      const std::int64_t n = in.num_tokens;
+      RankCase rank_case(g, s);
+      auto& [me, b, all, in, n, x, topk, weights] = rank_case;
       // Dispatch: with CPU sync the call returns once the count exchange sized the outputs; the
       // rows must wait for the event.
       Event before_dispatch_epilogue = Event::pending();
-      const DispatchResult r = b.dispatch({.x = TensorView(in.x.data(), DType::kBF16, {n, kHidden}),
-                                           .topk_idx = TensorView(in.topk.data(), DType::kInt64, {n, kTopk}),
-                                           .topk_weights = TensorView(in.weights.data(), DType::kFP32, {n, kTopk}),
+      const DispatchResult r = b.dispatch({.x = x,
+                                           .topk_idx = topk,
+                                           .topk_weights = weights,
                                            .num_experts = kExperts,
                                            .previous_event_before_epilogue = before_dispatch_epilogue,
                                            .async_with_compute_stream = true});
@@ -240,13 +254,8 @@ TEST(ElasticOptions, CachedAndWorstCaseCallsWaitForThePreviousEventBeforeEpilogu
   s.expand = true;
   s.alignment = 2;
   const auto failures = collect_on_ranks(kRanks, {.num_scaleout = 2}, [&](Group& g, std::vector<std::string>& bad) {
-    const int me = g.rank();
-    ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
-    std::vector<RankInputs> all = reference::make_all_inputs(s);
-    RankInputs& in = all[static_cast<size_t>(me)];
-    const std::int64_t n = in.num_tokens;
-    const TensorView x(in.x.data(), DType::kBF16, {n, kHidden}), topk(in.topk.data(), DType::kInt64, {n, kTopk}),
-        weights(in.weights.data(), DType::kFP32, {n, kTopk});
+    RankCase rank_case(g, s);
+    auto& [me, b, all, in, n, x, topk, weights] = rank_case;
     CaseSpec compact = s;
     compact.expand = false;
     compact.alignment = 1;
@@ -311,15 +320,12 @@ TEST(ElasticOptions, RanksMayDifferInCpuSync) {
     CaseSpec s = spec_for(1, 51);
     s.expand = expand;
     const auto failures = collect_on_ranks(kRanks, {.num_scaleout = 1}, [&](Group& g, std::vector<std::string>& bad) {
-      const int me = g.rank();
-      ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
-      std::vector<RankInputs> all = reference::make_all_inputs(s);
-      RankInputs& in = all[static_cast<size_t>(me)];
-      const std::int64_t n = in.num_tokens;
+      RankCase rank_case(g, s);
+      auto& [me, b, all, in, n, x, topk, weights] = rank_case;
       const bool sync = me % 2 == 0;
-      const DispatchResult r = b.dispatch({.x = TensorView(in.x.data(), DType::kBF16, {n, kHidden}),
-                                           .topk_idx = TensorView(in.topk.data(), DType::kInt64, {n, kTopk}),
-                                           .topk_weights = TensorView(in.weights.data(), DType::kFP32, {n, kTopk}),
+      const DispatchResult r = b.dispatch({.x = x,
+                                           .topk_idx = topk,
+                                           .topk_weights = weights,
                                            .num_experts = kExperts, .do_cpu_sync = sync, .do_expand = expand});
       const std::string what = fmt::format("do_cpu_sync = {}, do_expand = {}", sync, expand);
       if (expand) {
@@ -338,13 +344,8 @@ TEST(ElasticOptions, RanksMayDifferInCpuSync) {
 TEST(ElasticOptions, PeersDoNotWriteIntoOutputsWhoseCallerHoldsThemBack) {
   const CaseSpec s = spec_for(1, 41);
   const auto failures = collect_on_ranks(kRanks, {.num_scaleout = 1}, [&](Group& g, std::vector<std::string>& bad) {
-    const int me = g.rank();
-    ElasticBuffer b(g, {.num_max_tokens_per_rank = kTokens, .hidden = kHidden, .num_topk = kTopk});
-    std::vector<RankInputs> all = reference::make_all_inputs(s);
-    RankInputs& in = all[static_cast<size_t>(me)];
-    const std::int64_t n = in.num_tokens;
-    const TensorView x(in.x.data(), DType::kBF16, {n, kHidden}), topk(in.topk.data(), DType::kInt64, {n, kTopk}),
-        weights(in.weights.data(), DType::kFP32, {n, kTopk});
+    RankCase rank_case(g, s);
+    auto& [me, b, all, in, n, x, topk, weights] = rank_case;
     std::shared_ptr<EPHandle> handle;
     for (const bool cached : {false, true}) {
       const std::string what = cached ? "cached dispatch" : "dispatch";
