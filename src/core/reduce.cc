@@ -1,5 +1,6 @@
 #include "core/reduce.hh"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -279,6 +280,48 @@ void copy_bytes_streaming(void* dst, const void* src, std::size_t bytes) {
     return stream_avx2(static_cast<std::byte*>(dst), static_cast<const std::byte*>(src), bytes);
 #endif
   std::memcpy(dst, src, bytes);
+}
+
+namespace {
+std::uint32_t record_value(std::span<const std::byte* const> records, std::int64_t r, int c) {
+  std::uint32_t v = 0;
+  if (r < static_cast<std::int64_t>(records.size())) std::memcpy(&v, records[static_cast<std::size_t>(r)] + 4 * c, 4);
+  return v;
+}
+
+#ifdef MOE_EP_X86_DISPATCH
+// Blocks of 64 records (their values stay in the first-level cache across the columns), one
+// 64-byte line of a column at a time.
+__attribute__((target("avx2"))) void place_columns_avx2(std::span<const std::byte* const> records, int columns,
+                                                        std::uint32_t* dst, std::int64_t column_stride) {
+  const auto n = static_cast<std::int64_t>(records.size());
+  for (std::int64_t r0 = 0; r0 < n; r0 += 64) {
+    const std::int64_t end = std::min(n, r0 + 64);
+    for (int c = 0; c < columns; ++c) {
+      std::uint32_t* column = dst + c * column_stride;
+      for (std::int64_t line = r0; line < end; line += 16) {
+        alignas(32) std::uint32_t v[16];
+        for (int j = 0; j < 16; ++j) v[j] = record_value(records, line + j, c);
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(column + line), _mm256_load_si256(reinterpret_cast<const __m256i*>(v)));
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(column + line + 8),
+                            _mm256_load_si256(reinterpret_cast<const __m256i*>(v + 8)));
+      }
+    }
+  }
+}
+#endif
+}  // namespace
+
+void place_columns_streaming(std::span<const std::byte* const> records, int columns, std::uint32_t* dst,
+                             std::int64_t column_stride, std::int64_t capacity) {
+#ifdef MOE_EP_X86_DISPATCH
+  if (has_avx2() && (reinterpret_cast<std::uintptr_t>(dst) & 63u) == 0 && column_stride % 16 == 0 && capacity % 16 == 0)
+    return place_columns_avx2(records, columns, dst, column_stride);
+#endif
+  (void)capacity;
+  for (int c = 0; c < columns; ++c)
+    for (std::size_t r = 0; r < records.size(); ++r)
+      dst[c * column_stride + static_cast<std::int64_t>(r)] = record_value(records, static_cast<std::int64_t>(r), c);
 }
 
 void streaming_fence() {

@@ -40,6 +40,15 @@ void weighted_sum_fp32_rows(std::span<const float* const> inputs, std::span<cons
 // instead of three. The stores are weakly ordered: call streaming_fence() on the copying thread
 // before anything that publishes the bytes to another thread (a release store, a barrier).
 void copy_bytes_streaming(void* dst, const void* src, std::size_t bytes);
+// Column-major placement of row records: the 4-byte value c of record r (at records[r] + 4 * c)
+// goes to dst[c * column_stride + r], for every r < records.size() and c < columns. When dst is
+// 64-byte aligned and column_stride and capacity (the elements a column holds) are multiples of
+// 16, each column is written in whole 64-byte lines with non-temporal stores (AVX2), the last
+// line of a column padded with zeros: no line is read before it is written, as a lone 4-byte
+// store into a line not in the cache would. Otherwise, and without AVX2, plain stores of the
+// values alone. streaming_fence() as for copy_bytes_streaming.
+void place_columns_streaming(std::span<const std::byte* const> records, int columns, std::uint32_t* dst,
+                             std::int64_t column_stride, std::int64_t capacity);
 void streaming_fence();
 
 }  // namespace moe_ep::core

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <span>
+#include <utility>
 
 #include "comm/wait.hh"
 #include "core/arith.hh"
@@ -90,6 +92,7 @@ class LowLatencyDispatch final : public engine::Operation {
   std::vector<int64_t> wait_for_sources();
   void receive_expert(int64_t i);
   void place_row(int64_t i, int64_t row, const std::byte* staged, float weight, int source);
+  void place_fp8_scales(int64_t i, std::span<const std::pair<int64_t, const std::byte*>> rows);
   void add_receive_stats(const std::vector<int64_t>& waited);
 
   BufferCore& core_;
@@ -489,6 +492,11 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
   const auto* range = result.handle->packed_recv_layout_range.data_as<const int64_t>();
   const bool with_weights = result.recv_topk_weights.defined();
   const int target = me * shape_.local_experts + static_cast<int>(i);
+  // FP8 scales are written once all of the expert's rows are known (place_fp8_scales): each
+  // placed slab row with its staged record.
+  const bool gather_scales = args_.use_fp8 && !args_.use_nvfp4;
+  thread_local std::vector<std::pair<int64_t, const std::byte*>> staged_rows;
+  staged_rows.clear();
   for (int s = 0; s < R; ++s) {
     if (apart(s, me)) continue;  // shrink mode: nothing from s
     int64_t row = range[i * R + s] >> 32;
@@ -500,6 +508,7 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
         float weight = 0.0f;
         if (with_weights) std::memcpy(&weight, staged + L.weight_offset, sizeof weight);
         place_row(i, row + c, staged, weight, s);
+        if (gather_scales) staged_rows.emplace_back(row + c, staged);
       }
       continue;
     }
@@ -510,9 +519,12 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
       int lane = -1;
       for (int j = 0; j < k && lane < 0; ++j)
         if (ids[t * k + j] == target) lane = j;
-      if (lane >= 0) place_row(i, row++, area + t * L.row_bytes, with_weights ? weights[t * k + lane] : 0.0f, s);
+      if (lane < 0) continue;
+      if (gather_scales) staged_rows.emplace_back(row, area + t * L.row_bytes);
+      place_row(i, row++, area + t * L.row_bytes, with_weights ? weights[t * k + lane] : 0.0f, s);
     }
   }
+  if (gather_scales) place_fp8_scales(i, staged_rows);
   core::streaming_fence();  // the rows' stores, before the call (or the hook) returns
 }
 
@@ -537,13 +549,28 @@ void LowLatencyDispatch::place_row(int64_t i, int64_t row, const std::byte* stag
     const int64_t base = nvfp4_scale_offset(row, 0, rk);
     for (int64_t g = 0; g < L.scales_bytes / 4; ++g)
       std::memcpy(sf + base + g * 512, staged + L.payload_bytes + 4 * g, 4);
-  } else if (args_.use_fp8) {
-    const auto* scales = reinterpret_cast<const std::uint32_t*>(staged + L.payload_bytes);
-    auto* dst = result.recv_x_scales.data_as<std::uint32_t>();
-    for (int p = 0; p < shape_.scale_columns; ++p)
-      dst[i * result.recv_x_scales.stride(0) + row * result.recv_x_scales.stride(1) + p * result.recv_x_scales.stride(2)] = scales[p];
-  }
+  }  // FP8 scales: place_fp8_scales, once per expert
   std::memcpy(&result.handle->packed_recv_src_info.data_as<int32_t>()[slab_row], staged + L.token_offset, sizeof(int32_t));
+}
+
+// The FP8 scales of local expert i's placed rows (slab row, its staged record), rows 0 .. n - 1 in
+// order (lay_out_slab packs each expert's rows, sources in rank order). The storage is
+// column-major: a row's scale p lies a column of R*N elements after its scale p - 1, so a row at a
+// time wrote one 4-byte value into each of scale_columns lines, every line read from memory first.
+// Here the columns are written whole (core::place_columns_streaming): lines of 16 rows, with
+// non-temporal stores, the last padded with zeros (rows past packed_recv_count, whose values are
+// unspecified).
+void LowLatencyDispatch::place_fp8_scales(int64_t i, std::span<const std::pair<int64_t, const std::byte*>> rows) {
+  const std::int64_t n = static_cast<std::int64_t>(rows.size());
+  if (n > 0 && (rows.front().first != 0 || rows.back().first != n - 1 || result.recv_x_scales.stride(1) != 1))
+    throw StateError(fmt::format("{}: expert {}'s rows are not packed from row 0 ({} rows, the last at {})", ctx_, i,
+                                 n, rows.back().first));
+  thread_local std::vector<const std::byte*> scales;
+  scales.clear();
+  for (const auto& [row, staged] : rows) scales.push_back(staged + layout_->payload_bytes);
+  core::place_columns_streaming(scales, shape_.scale_columns,
+                                result.recv_x_scales.data_as<std::uint32_t>() + i * result.recv_x_scales.stride(0),
+                                result.recv_x_scales.stride(2), result.recv_x_scales.size(1));
 }
 
 void LowLatencyDispatch::add_receive_stats(const std::vector<int64_t>& waited) {

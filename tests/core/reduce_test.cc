@@ -146,6 +146,44 @@ TEST(Reduce, StreamingCopyIsExact) {
       }
 }
 
+// Records of `columns` 4-byte values placed column-major: every value at column * stride + row,
+// the rest of each column left as it was (poison) or, on the line-writing path, zero up to the end
+// of the line that holds the last row; nothing outside the columns is written.
+TEST(Reduce, PlaceColumnsStreamingTransposesRecords) {
+  constexpr std::uint32_t kPoison = 0xdeadbeefu;
+  constexpr int kColumns = 5;
+  for (std::int64_t capacity : {std::int64_t{16}, std::int64_t{48}, std::int64_t{13}})
+    for (std::int64_t misalign : {std::int64_t{0}, std::int64_t{1}})
+      for (std::int64_t n : {std::int64_t{0}, std::int64_t{1}, std::int64_t{7}, std::int64_t{16}, std::int64_t{17},
+                             capacity}) {
+        if (n > capacity) continue;
+        std::vector<std::vector<std::uint32_t>> records(static_cast<std::size_t>(n));
+        std::vector<const std::byte*> pointers;
+        for (std::int64_t r = 0; r < n; ++r) {
+          for (int c = 0; c < kColumns + 2; ++c)  // longer records: only the first kColumns values are placed
+            records[static_cast<std::size_t>(r)].push_back(static_cast<std::uint32_t>(1000 * r + c + 1));
+          pointers.push_back(reinterpret_cast<const std::byte*>(records[static_cast<std::size_t>(r)].data()));
+        }
+        const std::int64_t stride = capacity, total = kColumns * capacity + 32;
+        alignas(64) static std::uint32_t storage[kColumns * 48 + 32];
+        std::fill(storage, storage + total, kPoison);
+        std::uint32_t* dst = storage + misalign;
+        core::place_columns_streaming(pointers, kColumns, dst, stride, capacity);
+        core::streaming_fence();
+        const bool lines = misalign == 0 && capacity % 16 == 0;
+        const std::int64_t written = lines ? (n + 15) / 16 * 16 : n;  // rows written in each column
+        for (std::int64_t i = 0; i < total - misalign; ++i) {
+          const std::int64_t column = i / stride, row = i % stride;
+          std::uint32_t expected = kPoison;
+          if (column < kColumns && row < n) expected = static_cast<std::uint32_t>(1000 * row + column + 1);
+          else if (column < kColumns && row < written) expected = 0;
+          ASSERT_EQ(dst[i], expected) << "capacity " << capacity << " misalign " << misalign << " rows " << n
+                                      << " at column " << column << " row " << row;
+        }
+        ASSERT_EQ(storage[0], misalign ? kPoison : dst[0]);
+      }
+}
+
 TEST(Reduce, WeightedSumMatchesReference) {
   std::mt19937 rng(6);
   for (int n : {5, 64, 1000}) {
