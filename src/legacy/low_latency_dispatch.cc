@@ -14,7 +14,6 @@
 #include <cstring>
 #include <optional>
 #include <span>
-#include <utility>
 
 #include "comm/wait.hh"
 #include "core/arith.hh"
@@ -92,7 +91,7 @@ class LowLatencyDispatch final : public engine::Operation {
   std::vector<int64_t> wait_for_sources();
   void receive_expert(int64_t i);
   void place_row(int64_t i, int64_t row, const std::byte* staged, float weight, int source);
-  void place_fp8_scales(int64_t i, std::span<const std::pair<int64_t, const std::byte*>> rows);
+  void place_fp8_scales(int64_t i, std::span<const std::byte* const> scales);
   void add_receive_stats(const std::vector<int64_t>& waited);
 
   BufferCore& core_;
@@ -492,11 +491,17 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
   const auto* range = result.handle->packed_recv_layout_range.data_as<const int64_t>();
   const bool with_weights = result.recv_topk_weights.defined();
   const int target = me * shape_.local_experts + static_cast<int>(i);
-  // FP8 scales are written once all of the expert's rows are known (place_fp8_scales): each
-  // placed slab row with its staged record.
+  // FP8 scales are written once all of the expert's rows are known (place_fp8_scales): [slab row]
+  // the row's staged scales. lay_out_slab packs an expert's rows from row 0, sources in rank order.
   const bool gather_scales = args_.use_fp8 && !args_.use_nvfp4;
-  thread_local std::vector<std::pair<int64_t, const std::byte*>> staged_rows;
-  staged_rows.clear();
+  thread_local std::vector<const std::byte*> scales;
+  scales.clear();
+  const auto gather = [&](int64_t row, const std::byte* staged) {
+    if (row != static_cast<int64_t>(scales.size()))
+      throw StateError(fmt::format("{}: expert {}'s row {} follows {} rows: the slab is not packed", ctx_, i, row,
+                                   scales.size()));
+    scales.push_back(staged + L.payload_bytes);
+  };
   for (int s = 0; s < R; ++s) {
     if (apart(s, me)) continue;  // shrink mode: nothing from s
     int64_t row = range[i * R + s] >> 32;
@@ -508,7 +513,7 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
         float weight = 0.0f;
         if (with_weights) std::memcpy(&weight, staged + L.weight_offset, sizeof weight);
         place_row(i, row + c, staged, weight, s);
-        if (gather_scales) staged_rows.emplace_back(row + c, staged);
+        if (gather_scales) gather(row + c, staged);
       }
       continue;
     }
@@ -520,11 +525,11 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
       for (int j = 0; j < k && lane < 0; ++j)
         if (ids[t * k + j] == target) lane = j;
       if (lane < 0) continue;
-      if (gather_scales) staged_rows.emplace_back(row, area + t * L.row_bytes);
+      if (gather_scales) gather(row, area + t * L.row_bytes);
       place_row(i, row++, area + t * L.row_bytes, with_weights ? weights[t * k + lane] : 0.0f, s);
     }
   }
-  if (gather_scales) place_fp8_scales(i, staged_rows);
+  if (gather_scales) place_fp8_scales(i, scales);
   core::streaming_fence();  // the rows' stores, before the call (or the hook) returns
 }
 
@@ -553,24 +558,16 @@ void LowLatencyDispatch::place_row(int64_t i, int64_t row, const std::byte* stag
   std::memcpy(&result.handle->packed_recv_src_info.data_as<int32_t>()[slab_row], staged + L.token_offset, sizeof(int32_t));
 }
 
-// The FP8 scales of local expert i's placed rows (slab row, its staged record), rows 0 .. n - 1 in
-// order (lay_out_slab packs each expert's rows, sources in rank order). The storage is
+// The FP8 scales of local expert i's rows, scales[r] those of slab row r. The storage is
 // column-major: a row's scale p lies a column of R*N elements after its scale p - 1, so a row at a
 // time wrote one 4-byte value into each of scale_columns lines, every line read from memory first.
 // Here the columns are written whole (core::place_columns_streaming): lines of 16 rows, with
 // non-temporal stores, the last padded with zeros (rows past packed_recv_count, whose values are
 // unspecified).
-void LowLatencyDispatch::place_fp8_scales(int64_t i, std::span<const std::pair<int64_t, const std::byte*>> rows) {
-  const std::int64_t n = static_cast<std::int64_t>(rows.size());
-  if (n > 0 && (rows.front().first != 0 || rows.back().first != n - 1 || result.recv_x_scales.stride(1) != 1))
-    throw StateError(fmt::format("{}: expert {}'s rows are not packed from row 0 ({} rows, the last at {})", ctx_, i,
-                                 n, rows.back().first));
-  thread_local std::vector<const std::byte*> scales;
-  scales.clear();
-  for (const auto& [row, staged] : rows) scales.push_back(staged + layout_->payload_bytes);
-  core::place_columns_streaming(scales, shape_.scale_columns,
-                                result.recv_x_scales.data_as<std::uint32_t>() + i * result.recv_x_scales.stride(0),
-                                result.recv_x_scales.stride(2), result.recv_x_scales.size(1));
+void LowLatencyDispatch::place_fp8_scales(int64_t i, std::span<const std::byte* const> scales) {
+  const Tensor& sf = result.recv_x_scales;  // [El, R*N, S], token stride 1; FP32 or packed UE8M0: 4 bytes
+  core::place_columns_streaming(scales, shape_.scale_columns, sf.data_as<std::uint32_t>() + i * sf.stride(0),
+                                sf.stride(2), sf.size(1));
 }
 
 void LowLatencyDispatch::add_receive_stats(const std::vector<int64_t>& waited) {
