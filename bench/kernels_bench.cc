@@ -40,6 +40,32 @@ void BM_SumBf16Rows(benchmark::State& state) {
 }
 BENCHMARK(BM_SumBf16Rows)->Arg(1)->Arg(2)->Arg(4)->Arg(8);
 
+// The two streaming row kernels of a combine on the same rows: 6 rows per token (a token's ranks
+// at top-8 over 8 ranks, on average), 0: sum_bf16_rows_streaming (the shared-window baseline's),
+// 1: sum_bf16_terms_streaming with one row per term (V2 combine's, compact layout).
+void BM_CombineRowKernels(benchmark::State& state) {
+  constexpr int k = 6, tokens = 512;
+  std::vector<std::uint16_t> in(static_cast<size_t>(tokens) * k * kHidden, 0x3f80);
+  alignas(64) static std::uint16_t out[static_cast<size_t>(tokens) * kHidden];
+  std::vector<const std::uint16_t*> rows(static_cast<size_t>(k));
+  std::vector<moe_ep::core::Bf16Term> terms(static_cast<size_t>(k));
+  for (auto _ : state) {
+    for (int t = 0; t < tokens; ++t) {
+      for (int i = 0; i < k; ++i) rows[static_cast<size_t>(i)] = &in[(static_cast<size_t>(t) * k + i) * kHidden];
+      for (int i = 0; i < k; ++i) terms[static_cast<size_t>(i)].rows = {&rows[static_cast<size_t>(i)], 1};
+      if (state.range(0) == 0)
+        moe_ep::core::sum_bf16_rows_streaming(rows, &out[static_cast<size_t>(t) * kHidden], kHidden);
+      else
+        moe_ep::core::sum_bf16_terms_streaming(terms, &out[static_cast<size_t>(t) * kHidden], kHidden);
+    }
+    moe_ep::core::streaming_fence();
+    benchmark::DoNotOptimize(out);
+  }
+  state.SetBytesProcessed(state.iterations() * tokens * (k + 1) * kHidden * 2);
+  state.SetLabel(state.range(0) == 0 ? "rows" : "terms");
+}
+BENCHMARK(BM_CombineRowKernels)->Arg(0)->Arg(1);
+
 // Baseline: copying the same number of bytes.
 void BM_Memcpy(benchmark::State& state) {
   const std::size_t bytes = static_cast<std::size_t>(state.range(0)) << 20;

@@ -75,50 +75,53 @@ TEST(Reduce, StreamingSumMatchesOrderedFp32Reference) {
 }
 
 // The two-level sum: each term of several rows is rounded to BF16 before it joins the sum, exactly
-// as if it had been written into a row of its own first.
+// as if it had been written into a row of its own first. Terms of 1 to 4 rows, and terms of one
+// row each (the compact layout's, which the kernel sums as plain rows).
 TEST(Reduce, TermSumRoundsEachTermOnceThenSumsInOrder) {
   std::mt19937 rng(9);
-  std::uniform_int_distribution<int> rows_per_term(1, 4);
-  for (int n : {1, 31, 32, 33, 7168}) {
-    for (int count = 0; count <= 6; ++count) {
-      std::vector<std::vector<std::vector<std::uint16_t>>> in(static_cast<size_t>(count));
-      std::vector<std::vector<const std::uint16_t*>> ptrs(static_cast<size_t>(count));
-      std::vector<core::Bf16Term> terms;
-      for (int t = 0; t < count; ++t) {
-        const int rows = rows_per_term(rng);
-        for (int r = 0; r < rows; ++r) in[static_cast<size_t>(t)].push_back(random_row(rng, n));
-        for (auto& r : in[static_cast<size_t>(t)]) ptrs[static_cast<size_t>(t)].push_back(r.data());
-        terms.push_back({ptrs[static_cast<size_t>(t)]});
-      }
-      for (int offset : {0, 1}) {
-        alignas(64) static std::uint16_t buffer[7168 + 32];
-        std::fill(std::begin(buffer), std::end(buffer), std::uint16_t{0xffff});
-        std::uint16_t* out = buffer + offset;
-        core::sum_bf16_terms_streaming(terms, out, n);
-        core::streaming_fence();
-        for (int h = n + offset; h < static_cast<int>(std::size(buffer)); ++h)
-          ASSERT_EQ(buffer[h], 0xffff) << "written past the row: n " << n << " terms " << count;
-        for (int h = 0; h < n; ++h) {
-          // Each term's value: its row, or the BF16 rounding of its rows' ordered FP32 sum.
-          auto term = [&](int t) {
-            const auto& rows = in[static_cast<size_t>(t)];
-            float acc = float_from_bf16(rows[0][static_cast<size_t>(h)]);
-            if (rows.size() == 1) return acc;
-            for (std::size_t r = 1; r < rows.size(); ++r) acc = acc + float_from_bf16(rows[r][static_cast<size_t>(h)]);
-            return float_from_bf16(bf16_from_float(acc));
-          };
-          std::uint16_t expected = 0;
-          if (count == 1 && in[0].size() == 1) {
-            expected = in[0][0][static_cast<size_t>(h)];
-          } else if (count >= 1) {
-            float acc = term(0);
-            for (int t = 1; t < count; ++t) acc = acc + term(t);
-            expected = bf16_from_float(acc);
+  for (int most_rows : {4, 1}) {
+    for (int n : {1, 31, 32, 33, 7168}) {
+      std::uniform_int_distribution<int> rows_per_term(1, most_rows);
+      for (int count = 0; count <= 6; ++count) {
+        std::vector<std::vector<std::vector<std::uint16_t>>> in(static_cast<size_t>(count));
+        std::vector<std::vector<const std::uint16_t*>> ptrs(static_cast<size_t>(count));
+        std::vector<core::Bf16Term> terms;
+        for (int t = 0; t < count; ++t) {
+          const int rows = rows_per_term(rng);
+          for (int r = 0; r < rows; ++r) in[static_cast<size_t>(t)].push_back(random_row(rng, n));
+          for (auto& r : in[static_cast<size_t>(t)]) ptrs[static_cast<size_t>(t)].push_back(r.data());
+          terms.push_back({ptrs[static_cast<size_t>(t)]});
+        }
+        for (int offset : {0, 1}) {
+          alignas(64) static std::uint16_t buffer[7168 + 32];
+          std::fill(std::begin(buffer), std::end(buffer), std::uint16_t{0xffff});
+          std::uint16_t* out = buffer + offset;
+          core::sum_bf16_terms_streaming(terms, out, n);
+          core::streaming_fence();
+          for (int h = n + offset; h < static_cast<int>(std::size(buffer)); ++h)
+            ASSERT_EQ(buffer[h], 0xffff) << "written past the row: n " << n << " terms " << count;
+          for (int h = 0; h < n; ++h) {
+            // Each term's value: its row, or the BF16 rounding of its rows' ordered FP32 sum.
+            auto term = [&](int t) {
+              const auto& rows = in[static_cast<size_t>(t)];
+              float acc = float_from_bf16(rows[0][static_cast<size_t>(h)]);
+              if (rows.size() == 1) return acc;
+              for (std::size_t r = 1; r < rows.size(); ++r) acc = acc + float_from_bf16(rows[r][static_cast<size_t>(h)]);
+              return float_from_bf16(bf16_from_float(acc));
+            };
+            std::uint16_t expected = 0;
+            if (count == 1 && in[0].size() == 1) {
+              expected = in[0][0][static_cast<size_t>(h)];
+            } else if (count >= 1) {
+              float acc = term(0);
+              for (int t = 1; t < count; ++t) acc = acc + term(t);
+              expected = bf16_from_float(acc);
+            }
+            const bool both_nan =
+                std::isnan(float_from_bf16(expected)) && std::isnan(float_from_bf16(out[static_cast<size_t>(h)]));
+            ASSERT_TRUE(both_nan || out[static_cast<size_t>(h)] == expected)
+                << "n " << n << " terms " << count << " h " << h << " offset " << offset;
           }
-          const bool both_nan =
-              std::isnan(float_from_bf16(expected)) && std::isnan(float_from_bf16(out[static_cast<size_t>(h)]));
-          ASSERT_TRUE(both_nan || out[static_cast<size_t>(h)] == expected)
-              << "n " << n << " terms " << count << " h " << h << " offset " << offset;
         }
       }
     }
