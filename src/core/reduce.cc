@@ -223,18 +223,17 @@ void sum_bf16_terms_streaming(std::span<const Bf16Term> terms, std::uint16_t* ou
     std::memset(out, 0, static_cast<std::size_t>(hidden) * sizeof(std::uint16_t));
     return;
   }
-#ifdef MOE_EP_X86_DISPATCH
   // Terms of one row each (the compact layout's): a term's rounding leaves its BF16 row as it is,
   // so the result is the plain sum of the rows in order, whose kernel reads one pointer per row
   // instead of a term's span of them (0.84x the time on 6 rows: kernels_bench BM_CombineRowKernels).
   constexpr std::size_t kMaxRows = 64;
-  if (has_avx2() && terms.size() <= kMaxRows &&
+  if (terms.size() <= kMaxRows &&
       std::all_of(terms.begin(), terms.end(), [](const Bf16Term& t) { return t.rows.size() == 1; })) {
     const std::uint16_t* rows[kMaxRows];
     for (std::size_t t = 0; t < terms.size(); ++t) rows[t] = terms[t].rows[0];
-    if ((reinterpret_cast<std::uintptr_t>(out) & 31u) == 0) return sum_avx2<true>({rows, terms.size()}, out, hidden);
-    return sum_avx2<false>({rows, terms.size()}, out, hidden);
+    return sum_bf16_rows_streaming({rows, terms.size()}, out, hidden);
   }
+#ifdef MOE_EP_X86_DISPATCH
   if (has_avx2()) {
     if ((reinterpret_cast<std::uintptr_t>(out) & 31u) == 0) return terms_avx2<true>(terms, out, hidden);
     return terms_avx2<false>(terms, out, hidden);
