@@ -14,6 +14,9 @@ namespace {
 
 struct Avx2 {
   static constexpr int W = 8;
+  // The encoder gathers log2 from the full table (logfmt_simd.hh, Log2Gather): on AVX2 the
+  // mantissa table's extra arithmetic cost what the smaller table saved.
+  static constexpr bool kLog2ByMantissa = false;
   using F = __m256;
   using I = __m256i;
   using M = __m256i;  // all ones in a selected lane

@@ -21,6 +21,8 @@ namespace {
 
 struct Avx512 {
   static constexpr int W = 16;
+  // The encoder looks log2 up by mantissa (logfmt_simd.hh, Log2Tables): eight registers, no loads.
+  static constexpr bool kLog2ByMantissa = true;
   using F = __m512;
   using I = __m512i;
   using M = __mmask16;
@@ -53,7 +55,9 @@ struct Avx512 {
   MOE_EP_LOGFMT_INLINE static M lt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
   MOE_EP_LOGFMT_INLINE static M eq(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
   MOE_EP_LOGFMT_INLINE static M is_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+  MOE_EP_LOGFMT_INLINE static M lt_int(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
   MOE_EP_LOGFMT_INLINE static M mask_and(M a, M b) { return static_cast<M>(a & b); }
+  MOE_EP_LOGFMT_INLINE static M mask_or(M a, M b) { return static_cast<M>(a | b); }
   MOE_EP_LOGFMT_INLINE static unsigned mask_bits(M a) { return a; }
   MOE_EP_LOGFMT_INLINE static M all_lanes() { return 0xffff; }
   // select(m, a, b): a where m is set, else b.
@@ -71,6 +75,21 @@ struct Avx512 {
     return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   MOE_EP_LOGFMT_INLINE static F gather(const float* table, I index) { return _mm512_i32gather_ps(index, table, 4); }
+  // A table of 128 floats held in eight registers; lookup(i) = table[i] for lanes i in [0, 128):
+  // four two-register permutes (index bits 0 to 4) and blends by bits 5 and 6.
+  struct Mantissas {
+    F t[8];
+    MOE_EP_LOGFMT_INLINE explicit Mantissas(const float* table) {
+      for (int i = 0; i < 8; ++i) t[i] = _mm512_loadu_ps(table + 16 * i);
+    }
+    MOE_EP_LOGFMT_INLINE F lookup(I index) const {
+      const F a = _mm512_permutex2var_ps(t[0], index, t[1]), b = _mm512_permutex2var_ps(t[2], index, t[3]);
+      const F c = _mm512_permutex2var_ps(t[4], index, t[5]), d = _mm512_permutex2var_ps(t[6], index, t[7]);
+      const M bit5 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(32));
+      const M bit6 = _mm512_test_epi32_mask(index, _mm512_set1_epi32(64));
+      return _mm512_mask_blend_ps(bit6, _mm512_mask_blend_ps(bit5, a, b), _mm512_mask_blend_ps(bit5, c, d));
+    }
+  };
   // n = x rounded to an integer, ties to even, and f = x - n (both exact): vreduceps gives f.
   MOE_EP_LOGFMT_INLINE static void split(F x, F& n, F& f) {
     f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);

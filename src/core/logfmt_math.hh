@@ -109,7 +109,16 @@ inline float level(std::uint32_t code, const Block& c) {
 }
 
 // log2 of every BF16 magnitude (index: the 15 magnitude bits; NaN for NaN patterns), built once
-// from log2 above: the kernels look log2 of a BF16 value up instead of evaluating it.
+// from log2 above.
 const float* log2_of_bf16();
+
+// log2_of_mantissa of the m that log2 above reduces a BF16 value with mantissa bits M to, for each
+// of the 128 values of M (kMantissaEntries). m depends on M alone: for a normal BF16 value with
+// FP32 bits u (exponent E, mantissa M), k = (u - kMantissaLow) >> 23 = E - 127 - (M < 54) and
+// u - (k << 23) is the same pattern for every E, so log2 gives log2_of_mantissa_bits()[M] + float(k)
+// (the same two roundings). The vector kernels look log2 up this way: a 512-byte table instead of
+// log2_of_bf16's 128 KiB (zero, subnormal, infinite and NaN magnitudes still come from that one).
+inline constexpr int kMantissaEntries = 128;
+const float* log2_of_mantissa_bits();
 
 }  // namespace moe_ep::core::logfmt

@@ -100,6 +100,19 @@ const float* log2_of_bf16() {
   return table.data();
 }
 
+const float* log2_of_mantissa_bits() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(kMantissaEntries);
+    for (std::uint32_t m = 0; m < kMantissaEntries; ++m) {
+      const std::uint32_t u = 0x3F800000u | m << 16;  // 1.M: E = 127
+      const std::int32_t k = static_cast<std::int32_t>(u - kMantissaLow) >> 23;
+      t[m] = log2_of_mantissa(bits_float(u - (static_cast<std::uint32_t>(k) << 23)));
+    }
+    return t;
+  }();
+  return table.data();
+}
+
 const Kernels kScalarKernels = {meta_scalar,       params_scalar, encode_scalar, decode_scalar,
                                 round_trip_scalar, plain_scalar,  narrow_scalar};
 

@@ -5,12 +5,13 @@
 //   MOE_EP_LOGFMT_KERNEL  the target: the kernels (logfmt_kernels.hh)
 // Every lane performs the operations of logfmt_math.hh in the same order (no fused multiply-add:
 // these files compile with -ffp-contract=off), so the vector kernels give the scalar code's bits.
-// log2 of an element is looked up (log2_of_bf16, built from the scalar log2). Not a general header:
+// log2 of an element is looked up (Log2Tables: tables built from the scalar log2). Not a general header:
 // its contents have internal linkage, one copy per including file.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "core/logfmt_kernels.hh"
 #include "core/logfmt_math.hh"
@@ -132,10 +133,39 @@ struct Lanes {
       : ln(V::set(p.ln)), step(V::set(p.step)), step_inv(V::set(p.step_inv)), fused(V::set(p.fused)) {}
 };
 
-// t of W BF16 values (raw: the 16 bits zero-extended): log2(|x|) * step_inv + fused, -inf for 0.
+// log2 of the magnitudes of W BF16 values (raw: the 16 bits zero-extended), as log2_of_bf16 gives
+// them: a normal magnitude's from its mantissa's entry and its exponent (log2_of_mantissa_bits,
+// logfmt_math.hh); a vector with a zero, subnormal, infinite or NaN magnitude looks those up in
+// the full table.
 template <class V>
-MOE_EP_LOGFMT_INLINE typename V::F code_argument(typename V::I raw, const Lanes<V>& p, const float* log2_table) {
-  const typename V::F l = V::gather(log2_table, V::and_int(raw, V::set_int(0x7fff)));
+struct Log2Tables {
+  typename V::Mantissas mantissas;
+  const float* full;
+  MOE_EP_LOGFMT_INLINE Log2Tables() : mantissas(log2_of_mantissa_bits()), full(log2_of_bf16()) {}
+  MOE_EP_LOGFMT_INLINE typename V::F of(typename V::I raw) const {
+    using I = typename V::I;
+    const I mag = V::and_int(raw, V::set_int(0x7fff));
+    const I k = V::template sra<23>(V::sub_int(V::template shl<16>(mag), V::set_int(static_cast<std::int32_t>(kMantissaLow))));
+    const typename V::F l = V::add(mantissas.lookup(V::and_int(mag, V::set_int(kMantissaEntries - 1))), V::to_float(k));
+    const typename V::M other = V::mask_or(V::lt_int(mag, V::set_int(0x80)), V::lt_int(V::set_int(0x7f7f), mag));
+    return V::mask_bits(other) == 0 ? l : V::select(other, V::gather(full, mag), l);
+  }
+};
+
+// The same values gathered from the full table: fewer vector operations, more loads. The round
+// trip, whose arithmetic keeps the vector units busy, is faster with it; the encoder is faster with
+// Log2Tables where V::kLog2ByMantissa (kernels_bench BM_LogfmtEncodeRow: docs/performance.md).
+template <class V>
+struct Log2Gather {
+  const float* full;
+  MOE_EP_LOGFMT_INLINE Log2Gather() : full(log2_of_bf16()) {}
+  MOE_EP_LOGFMT_INLINE typename V::F of(typename V::I raw) const { return V::gather(full, V::and_int(raw, V::set_int(0x7fff))); }
+};
+
+// t of W BF16 values (raw: the 16 bits zero-extended): log2(|x|) * step_inv + fused, -inf for 0.
+template <class V, class Log2>
+MOE_EP_LOGFMT_INLINE typename V::F code_argument(typename V::I raw, const Lanes<V>& p, const Log2& log2) {
+  const typename V::F l = log2.of(raw);
   return V::add(V::mul(l, p.step_inv), p.fused);
 }
 
@@ -194,7 +224,7 @@ MOE_EP_LOGFMT_INLINE void pack_group(const std::uint64_t* p, std::uint32_t signs
 template <class V>
 MOE_EP_LOGFMT_KERNEL void encode_kernel(const std::uint16_t* x, const Params* params, int blocks, std::byte* out) {
   constexpr int kU = kStep / V::W;
-  const float* table = log2_of_bf16();
+  const std::conditional_t<V::kLog2ByMantissa, Log2Tables<V>, Log2Gather<V>> table;
   for (int b = 0; b < blocks; ++b) {
     const Lanes<V> p(params[b]);
     for (int i = b * kBlock; i < (b + 1) * kBlock; i += kStep, out += kStep / 16 * kGroupBytes) {
@@ -241,7 +271,7 @@ MOE_EP_LOGFMT_INLINE void decode_impl(const std::byte* in, const Params* params,
 template <class V, Mode kMode>
 MOE_EP_LOGFMT_INLINE void round_trip_impl(const std::uint16_t* x, const Params* params, int blocks, float w,
                                           float* out) {
-  const float* table = log2_of_bf16();
+  const Log2Gather<V> table;
   const typename V::F weight = V::set(w);
   for (int b = 0; b < blocks; ++b) {
     const Lanes<V> p(params[b]);

@@ -4,8 +4,8 @@
 // codes), the fused weighted sum of the combine identical to decoding every row and summing, over
 // rows with castable and uncastable chunks in every mix, zeros, negative zeros, subnormal, tiny and
 // huge magnitudes, NaN and infinite elements, random bit patterns, and hidden sizes with 512- and
-// 1024-element chunks and a short last one; the vector paths against the scalar one on many more
-// rows; the codec's log2 and exp2 against the reference's and within their stated error of the
+// 1024-element chunks and a short last one; every BF16 magnitude below 1 in castable blocks; the
+// vector paths against the scalar one on many more rows; the codec's log2 and exp2 against the reference's and within their stated error of the
 // exact functions; and the quantization error within the bounds the format promises.
 #include <gtest/gtest.h>
 
@@ -265,6 +265,39 @@ TEST(LogFmt, Log2OfEveryBf16MagnitudeMatchesTheDefinition) {
   for (std::uint32_t m = 0; m < 0x8000; ++m) {
     const float want = ref::logfmt_log2(ref::float_from_bf16(static_cast<std::uint16_t>(m)));
     ASSERT_TRUE(ref::bits_of(table[m]) == ref::bits_of(want) || (std::isnan(table[m]) && std::isnan(want))) << m;
+  }
+}
+
+// Every BF16 magnitude below 1, each in a castable block, with both signs: block b holds the
+// magnitudes 128 b .. 128 b + 127 (one exponent, every mantissa; block 0 zero and the subnormals),
+// so every code argument the vector kernels compute (the mantissa table with the exponent, or the
+// full table for zero and subnormal lanes) is checked against the definition: the encoding
+// byte for byte, and the round trip of the row read in place against the decoded encoding.
+TEST(LogFmt, EveryMagnitudeBelowOneEncodesAsDefined) {
+  constexpr int kHidden = 128 * 128;  // magnitudes 0x0000 .. 0x3f7f, then block 0 again
+  std::vector<std::uint16_t> row(kHidden);
+  for (int i = 0; i < kHidden; ++i) {
+    const int magnitude = i < 0x3f80 ? i : i - 0x3f80;
+    row[static_cast<size_t>(i)] = static_cast<std::uint16_t>(magnitude | ((i * 7) % 3 == 0 ? 0x8000 : 0));
+  }
+  for (int b = 0; b < kHidden / 128; ++b)  // each block castable: its largest magnitude below 1
+    ASSERT_LT(ref::float_from_bf16(static_cast<std::uint16_t>(row[static_cast<size_t>(128 * b + 127)] & 0x7fff)), 1.0f);
+  const std::vector<std::uint8_t> want = ref::logfmt_encode(row.data(), kHidden);
+  ASSERT_LT(want.size(), static_cast<size_t>(2 * kHidden)) << "every chunk castable";
+  const std::vector<float> decoded = ref::logfmt_decode(want, kHidden);
+  for (LogfmtIsa isa : isas()) {
+    IsaScope scope(isa);
+    std::vector<std::byte> got(static_cast<size_t>(core::logfmt_max_row_bytes(kHidden)));
+    ASSERT_EQ(core::logfmt_encode_row(row.data(), kHidden, got.data()), static_cast<std::int64_t>(want.size())) << isa_name(isa);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      ASSERT_EQ(static_cast<std::uint8_t>(got[i]), want[i]) << isa_name(isa) << " byte " << i;
+    const core::LogfmtRow in[1] = {{.bf16 = row.data()}};
+    const float w[1] = {1.0f};
+    std::vector<std::uint16_t> out(kHidden);
+    core::logfmt_weighted_sum(in, w, out.data(), kHidden);
+    for (int h = 0; h < kHidden; ++h)
+      ASSERT_EQ(out[static_cast<size_t>(h)], ref::bf16_from_float(decoded[static_cast<size_t>(h)]))
+          << isa_name(isa) << " element " << h << " magnitude bits " << (row[static_cast<size_t>(h)] & 0x7fff);
   }
 }
 
