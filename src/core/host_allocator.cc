@@ -27,6 +27,7 @@ namespace {
 constexpr std::size_t kLargeThreshold = std::size_t{1} << 20;
 constexpr std::size_t kLargeGranule = std::size_t{2} << 20;
 constexpr std::size_t kSmallAlignment = 64;
+constexpr int kMaxCandidates = 64;  // cached blocks a request compares (it takes the one freed last)
 
 // MOE_EP_ALLOCATOR_CACHE_BYTES (its range keeps it within the address space).
 std::size_t cache_limit() { return static_cast<std::size_t>(env::get(env::kAllocatorCacheBytes)); }
@@ -34,18 +35,27 @@ std::size_t cache_limit() { return static_cast<std::size_t>(env::get(env::kAlloc
 class LargeBlockCache {
  public:
   // A cached block is reused for a request of at least half its size, or of any size when it is
-  // one granule (what a request of that size would map anyway).
+  // one granule (what a request of that size would map anyway). Of the blocks that qualify, the
+  // one freed last: its lines are the likeliest to be in the caches, and a loop that allocates
+  // and frees the same sizes keeps reusing the same few blocks (taking the smallest that fits
+  // instead cycled a decode loop through blocks a larger shape had left, each call on cold memory).
   // need_shared: only a memfd block will do (allocate_host_shared).
   void* take(std::size_t bytes, std::size_t* block_bytes, bool need_shared = false) {
     {
       std::lock_guard lock(mutex_);
-      auto it = free_.lower_bound(bytes);
-      while (need_shared && it != free_.end() && !shared_.contains(reinterpret_cast<std::uintptr_t>(it->second))) ++it;
-      if (it != free_.end() && (it->first / 2 <= bytes || it->first <= kLargeGranule)) {
-        *block_bytes = it->first;
-        void* p = it->second;
-        stats_.cached_bytes -= it->first;
-        free_.erase(it);
+      auto best = free_.end();
+      int looked = 0;  // the first kMaxCandidates blocks that qualify, by size
+      for (auto it = free_.lower_bound(bytes); it != free_.end() && looked < kMaxCandidates; ++it) {
+        if (it->first / 2 > bytes && it->first > kLargeGranule) break;
+        if (need_shared && !shared_.contains(reinterpret_cast<std::uintptr_t>(it->second.block))) continue;
+        ++looked;
+        if (best == free_.end() || it->second.freed > best->second.freed) best = it;
+      }
+      if (best != free_.end()) {
+        *block_bytes = best->first;
+        void* p = best->second.block;
+        stats_.cached_bytes -= best->first;
+        free_.erase(best);
         return p;
       }
     }
@@ -94,7 +104,7 @@ class LargeBlockCache {
     {
       std::lock_guard lock(mutex_);
       if (stats_.cached_bytes + block_bytes <= limit) {
-        free_.emplace(block_bytes, p);
+        free_.emplace(block_bytes, Cached{p, ++frees_});
         stats_.cached_bytes += block_bytes;
         return;
       }
@@ -104,14 +114,14 @@ class LargeBlockCache {
   }
 
   void trim() {
-    std::multimap<std::size_t, void*> victims;
+    std::multimap<std::size_t, Cached> victims;
     {
       std::lock_guard lock(mutex_);
       victims.swap(free_);
       stats_.mapped_bytes -= stats_.cached_bytes;
       stats_.cached_bytes = 0;
     }
-    for (auto& [bytes, p] : victims) unmap(p, bytes);
+    for (auto& [bytes, cached] : victims) unmap(cached.block, bytes);
   }
 
   void share_new_blocks() { shareable_.store(true); }
@@ -154,8 +164,15 @@ class LargeBlockCache {
     if (fd >= 0) close(fd);
   }
 
+  // A cached block and when it was freed (the count of frees then).
+  struct Cached {
+    void* block;
+    std::uint64_t freed;
+  };
+
   std::mutex mutex_;
-  std::multimap<std::size_t, void*> free_;
+  std::multimap<std::size_t, Cached> free_;  // by size
+  std::uint64_t frees_ = 0;
   std::map<std::uintptr_t, Shared> shared_;  // memfd-backed blocks by base address (live or cached)
   std::atomic<bool> shareable_{false};
   HostAllocatorStats stats_;
@@ -248,3 +265,4 @@ namespace moe_ep {
 HostAllocatorStats host_allocator_stats() { return core::cache().stats(); }
 
 }  // namespace moe_ep
+

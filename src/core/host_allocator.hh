@@ -1,9 +1,10 @@
 // Caching host allocator for tensor storage.
 //
 // Large blocks (>= 1 MiB) come from anonymous mmap, rounded up to 2 MiB, and are kept in a
-// best-fit free list after release instead of being unmapped: the next allocation of a similar
-// size reuses pages that are already faulted in, so a steady-state dispatch/combine loop does not
-// pay page faults for its outputs. A block is reused for a request of at least half its size.
+// free list after release instead of being unmapped: the next allocation of a similar size
+// reuses pages that are already faulted in, so a steady-state dispatch/combine loop does not pay
+// page faults for its outputs. A block is reused for a request of at least half its size; of the
+// blocks that fit, the one freed last (the likeliest still in the caches).
 // The cache is bounded (MOE_EP_ALLOCATOR_CACHE_BYTES, default 64 GiB of address space; only the
 // pages a block's users touched are resident); beyond it, blocks are unmapped on release. Small blocks use aligned operator new. Thread-safe.
 //

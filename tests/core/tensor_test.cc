@@ -59,6 +59,43 @@ TEST(Tensor, LargeBlocksAreRecycledWithoutNewMappings) {
   EXPECT_EQ(host_allocator_stats().num_maps, before.num_maps);
 }
 
+// Of the cached blocks that fit a request (at most twice its size), the one freed last is taken:
+// a loop that allocates and frees the same sizes keeps using the same, recently touched blocks,
+// whatever older blocks of other shapes are cached beside them.
+TEST(HostAllocator, TheBlockFreedLastIsReusedFirst) {
+  core::host_allocator_trim();
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  auto older = core::allocate_host(8 * kMiB), newer = core::allocate_host(8 * kMiB);
+  auto bigger = core::allocate_host(14 * kMiB), too_big = core::allocate_host(20 * kMiB);
+  void* const older_at = older.get();
+  void* const newer_at = newer.get();
+  void* const bigger_at = bigger.get();
+  void* const too_big_at = too_big.get();
+  older.reset();
+  newer.reset();
+  auto again = core::allocate_host(8 * kMiB);  // equal sizes: the one freed last
+  EXPECT_EQ(again.get(), newer_at);
+  again.reset();
+  bigger.reset();
+  too_big.reset();
+  // 14 MiB fits 8 (at most twice as large) and was freed last; 20 MiB does not fit.
+  auto next = core::allocate_host(8 * kMiB);
+  EXPECT_EQ(next.get(), bigger_at);
+  auto then = core::allocate_host(8 * kMiB);  // of the rest the 8 MiB block freed last
+  EXPECT_EQ(then.get(), newer_at);
+  auto last = core::allocate_host(8 * kMiB);
+  EXPECT_EQ(last.get(), older_at);
+  EXPECT_NE(last.get(), too_big_at);
+  const std::size_t maps = host_allocator_stats().num_maps;
+  next.reset();
+  then.reset();
+  last.reset();
+  auto steady = core::allocate_host(8 * kMiB);
+  EXPECT_EQ(steady.get(), older_at) << "freed last";
+  EXPECT_EQ(host_allocator_stats().num_maps, maps) << "no new mapping while cached blocks fit";
+  core::host_allocator_trim();
+}
+
 TEST(DLPack, ExportImportRoundTripKeepsDataAlive) {
   DLManagedTensor* managed = nullptr;
   {
