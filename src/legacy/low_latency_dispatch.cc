@@ -104,6 +104,7 @@ class LowLatencyDispatch final : public engine::Operation {
   std::vector<int32_t> counts_;  // [R * E] tokens of each source selecting each expert
   std::vector<int32_t> tokens_;  // [R] tokens of each source
   std::vector<char> apart_;      // [R * R] (apart(s, d))
+  ExpertRows expert_rows_;       // what each local expert takes from each source of this node
   std::shared_ptr<LowLatencyState> state_;
   engine::CountedExchange remote_records_;  // rows of ranks of other nodes, into this rank's receive area
   std::atomic<bool> received_{false};
@@ -458,6 +459,12 @@ void LowLatencyDispatch::receive(bool parallel) {
   const std::string problem = core_.slot_problem(use.slot, use.generation, "receive hook");
   if (!problem.empty()) throw StateError(fmt::format("{}: {}", ctx_, problem));
   const std::vector<int64_t> waited = wait_for_sources();
+  const int me = core_.engine.facts.rank;
+  expert_rows_.build(static_cast<int>(shape_.local_experts), ranks(), shape_.topk, me * shape_.local_experts, [&](int s) {
+    if (apart(s, me) || !core_.engine.facts.same_node(s)) return std::pair<const int32_t*, int32_t>{nullptr, 0};
+    const std::byte* area = core_.slot_base(s, use.slot) + SlotLayout::kHeaderBytes;
+    return std::pair{reinterpret_cast<const int32_t*>(area + layout_->ids_offset), tokens_[static_cast<size_t>(s)]};
+  });
   if (parallel) {
     core_.engine.pool().parallel_for(shape_.local_experts, [&](int64_t i) { receive_expert(i); });
   } else {
@@ -490,7 +497,6 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
   const int R = ranks(), k = shape_.topk, me = e.facts.rank;
   const auto* range = result.handle->packed_recv_layout_range.data_as<const int64_t>();
   const bool with_weights = result.recv_topk_weights.defined();
-  const int target = me * shape_.local_experts + static_cast<int>(i);
   // FP8 scales are written once all of the expert's rows are known (place_fp8_scales): [slab row]
   // the row's staged scales. lay_out_slab packs an expert's rows from row 0, sources in rank order.
   const bool gather_scales = args_.use_fp8 && !args_.use_nvfp4;
@@ -518,15 +524,11 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
       continue;
     }
     const std::byte* area = core_.slot_base(s, use.slot) + SlotLayout::kHeaderBytes;
-    const auto* ids = reinterpret_cast<const int32_t*>(area + L.ids_offset);
     const auto* weights = reinterpret_cast<const float*>(area + L.weights_offset);
-    for (int t = 0; t < tokens_[static_cast<size_t>(s)]; ++t) {
-      int lane = -1;
-      for (int j = 0; j < k && lane < 0; ++j)
-        if (ids[t * k + j] == target) lane = j;
-      if (lane < 0) continue;
-      if (gather_scales) gather(row, area + t * L.row_bytes);
-      place_row(i, row++, area + t * L.row_bytes, with_weights ? weights[t * k + lane] : 0.0f, s);
+    for (const int32_t at : expert_rows_.of(i, s)) {  // token * k + its lane for expert i
+      const std::byte* staged = area + static_cast<int64_t>(at / k) * L.row_bytes;
+      if (gather_scales) gather(row, staged);
+      place_row(i, row++, staged, with_weights ? weights[at] : 0.0f, s);
     }
   }
   if (gather_scales) place_fp8_scales(i, scales);

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <exception>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,47 @@ inline std::int32_t selections(const std::vector<std::int32_t>& counts, int num_
     n += counts[static_cast<std::size_t>(source) * num_experts + expert_rank * local_experts + i];
   return n;
 }
+
+// The staged rows each local expert takes from each source read in place, found in one pass over
+// the sources' top-k ids instead of one pass per expert: for local expert i (global id first + i)
+// and source s, of(i, s) lists token * k + lane for every token of s that selects it, in token
+// order (a token names an expert at most once: the dispatch's checks refuse repeats).
+class ExpertRows {
+ public:
+  // ids_of(s): source s's ids ([tokens, k] int32) and token count, or {nullptr, 0} for a source
+  // not read in place.
+  template <class IdsOf>
+  void build(int local_experts, int ranks, int k, std::int64_t first, IdsOf&& ids_of) {
+    start_.assign(static_cast<std::size_t>(local_experts) * ranks + 1, 0);
+    for (int pass = 0; pass < 2; ++pass) {
+      if (pass == 1) {  // counts to starts, then fill from each start
+        for (std::size_t c = 1; c < start_.size(); ++c) start_[c] += start_[c - 1];
+        entry_.resize(static_cast<std::size_t>(start_.back()));
+        cursor_.assign(start_.begin(), start_.end() - 1);
+      }
+      for (int s = 0; s < ranks; ++s) {
+        const auto [ids, tokens] = ids_of(s);
+        for (std::int32_t t = 0; t < tokens; ++t)
+          for (int j = 0; j < k; ++j) {
+            const std::int64_t i = ids[t * k + j] - first;
+            if (i < 0 || i >= local_experts) continue;
+            const std::size_t at = static_cast<std::size_t>(i) * ranks + s;
+            if (pass == 0) ++start_[at + 1];
+            else entry_[static_cast<std::size_t>(cursor_[at]++)] = t * k + j;
+          }
+      }
+    }
+    ranks_ = ranks;
+  }
+  std::span<const std::int32_t> of(std::int64_t i, int s) const {
+    const std::size_t at = static_cast<std::size_t>(i) * ranks_ + s;
+    return {entry_.data() + start_[at], static_cast<std::size_t>(start_[at + 1] - start_[at])};
+  }
+
+ private:
+  std::vector<std::int32_t> start_, cursor_, entry_;
+  int ranks_ = 0;
+};
 
 // Expects one signal in `exchange` from each rank of another node that sends here (`sends(r)`), in
 // rank order.
