@@ -116,8 +116,9 @@ const float* log2_of_bf16();
 // of the 128 values of M (kMantissaEntries). m depends on M alone: for a normal BF16 value with
 // FP32 bits u (exponent E, mantissa M), k = (u - kMantissaLow) >> 23 = E - 127 - (M < 54) and
 // u - (k << 23) is the same pattern for every E, so log2 gives log2_of_mantissa_bits()[M] + float(k)
-// (the same two roundings). The vector kernels look log2 up this way: a 512-byte table instead of
-// log2_of_bf16's 128 KiB (zero, subnormal, infinite and NaN magnitudes still come from that one).
+// (the same two roundings). The AVX-512 encoder looks log2 up this way: 128 values in registers
+// instead of log2_of_bf16's 128 KiB (zero, subnormal, infinite and NaN magnitudes still come from
+// that one).
 inline constexpr int kMantissaEntries = 128;
 const float* log2_of_mantissa_bits();
 

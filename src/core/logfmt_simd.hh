@@ -5,8 +5,8 @@
 //   MOE_EP_LOGFMT_KERNEL  the target: the kernels (logfmt_kernels.hh)
 // Every lane performs the operations of logfmt_math.hh in the same order (no fused multiply-add:
 // these files compile with -ffp-contract=off), so the vector kernels give the scalar code's bits.
-// log2 of an element is looked up (Log2Tables: tables built from the scalar log2). Not a general header:
-// its contents have internal linkage, one copy per including file.
+// log2 of an element is looked up in tables built from the scalar log2 (Log2Gather, Log2Tables).
+// Not a general header: its contents have internal linkage, one copy per including file.
 #pragma once
 
 #include <cstdint>
@@ -145,8 +145,11 @@ struct Log2Tables {
   MOE_EP_LOGFMT_INLINE typename V::F of(typename V::I raw) const {
     using I = typename V::I;
     const I mag = V::and_int(raw, V::set_int(0x7fff));
-    const I k = V::template sra<23>(V::sub_int(V::template shl<16>(mag), V::set_int(static_cast<std::int32_t>(kMantissaLow))));
-    const typename V::F l = V::add(mantissas.lookup(V::and_int(mag, V::set_int(kMantissaEntries - 1))), V::to_float(k));
+    const I low = V::set_int(static_cast<std::int32_t>(kMantissaLow));
+    const I k = V::template sra<23>(V::sub_int(V::template shl<16>(mag), low));
+    const I mantissa = V::and_int(mag, V::set_int(kMantissaEntries - 1));
+    const typename V::F l = V::add(mantissas.lookup(mantissa), V::to_float(k));
+    // Exponent field 0 (zero, subnormal) or 255 (infinity, NaN): the full table.
     const typename V::M other = V::mask_or(V::lt_int(mag, V::set_int(0x80)), V::lt_int(V::set_int(0x7f7f), mag));
     return V::mask_bits(other) == 0 ? l : V::select(other, V::gather(full, mag), l);
   }
@@ -159,7 +162,9 @@ template <class V>
 struct Log2Gather {
   const float* full;
   MOE_EP_LOGFMT_INLINE Log2Gather() : full(log2_of_bf16()) {}
-  MOE_EP_LOGFMT_INLINE typename V::F of(typename V::I raw) const { return V::gather(full, V::and_int(raw, V::set_int(0x7fff))); }
+  MOE_EP_LOGFMT_INLINE typename V::F of(typename V::I raw) const {
+    return V::gather(full, V::and_int(raw, V::set_int(0x7fff)));
+  }
 };
 
 // t of W BF16 values (raw: the 16 bits zero-extended): log2(|x|) * step_inv + fused, -inf for 0.

@@ -459,8 +459,8 @@ void LowLatencyDispatch::receive(bool parallel) {
   const std::string problem = core_.slot_problem(use.slot, use.generation, "receive hook");
   if (!problem.empty()) throw StateError(fmt::format("{}: {}", ctx_, problem));
   const std::vector<int64_t> waited = wait_for_sources();
-  const int me = core_.engine.facts.rank;
-  expert_rows_.build(static_cast<int>(shape_.local_experts), ranks(), shape_.topk, me * shape_.local_experts, [&](int s) {
+  const int me = core_.engine.facts.rank, El = static_cast<int>(shape_.local_experts);
+  expert_rows_.build(El, ranks(), shape_.topk, std::int64_t{me} * El, [&](int s) {
     if (apart(s, me) || !core_.engine.facts.same_node(s)) return std::pair<const int32_t*, int32_t>{nullptr, 0};
     const std::byte* area = core_.slot_base(s, use.slot) + SlotLayout::kHeaderBytes;
     return std::pair{reinterpret_cast<const int32_t*>(area + layout_->ids_offset), tokens_[static_cast<size_t>(s)]};

@@ -5,8 +5,9 @@
 // rows with castable and uncastable chunks in every mix, zeros, negative zeros, subnormal, tiny and
 // huge magnitudes, NaN and infinite elements, random bit patterns, and hidden sizes with 512- and
 // 1024-element chunks and a short last one; every BF16 magnitude below 1 in castable blocks; the
-// vector paths against the scalar one on many more rows; the codec's log2 and exp2 against the reference's and within their stated error of the
-// exact functions; and the quantization error within the bounds the format promises.
+// vector paths against the scalar one on many more rows; the codec's log2 and exp2 against the
+// reference's and within their stated error of the exact functions; and the quantization error
+// within the bounds the format promises.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -288,7 +289,8 @@ TEST(LogFmt, EveryMagnitudeBelowOneEncodesAsDefined) {
   for (LogfmtIsa isa : isas()) {
     IsaScope scope(isa);
     std::vector<std::byte> got(static_cast<size_t>(core::logfmt_max_row_bytes(kHidden)));
-    ASSERT_EQ(core::logfmt_encode_row(row.data(), kHidden, got.data()), static_cast<std::int64_t>(want.size())) << isa_name(isa);
+    ASSERT_EQ(core::logfmt_encode_row(row.data(), kHidden, got.data()), static_cast<std::int64_t>(want.size()))
+        << isa_name(isa);
     for (std::size_t i = 0; i < want.size(); ++i)
       ASSERT_EQ(static_cast<std::uint8_t>(got[i]), want[i]) << isa_name(isa) << " byte " << i;
     const core::LogfmtRow in[1] = {{.bf16 = row.data()}};
