@@ -265,4 +265,3 @@ namespace moe_ep {
 HostAllocatorStats host_allocator_stats() { return core::cache().stats(); }
 
 }  // namespace moe_ep
-

@@ -24,6 +24,10 @@ inline constexpr std::uint32_t kExp2C[7] = {0x3F800000u, 0x3F317219u, 0x3E75FDF0
 inline constexpr float kExp2Low = -160.0f, kExp2High = 128.0f;  // the clamp of x
 inline constexpr float kRoundMagic = 12582912.0f;                // 1.5 * 2^23: x + it rounds x to an integer
 
+// The exponent k that log2 reduces a normal FP32 value with bits u by: u - (k << 23) are the bits
+// of m in [kMantissaLow, 2 * kMantissaLow).
+inline std::int32_t reduction_exponent(std::uint32_t u) { return static_cast<std::int32_t>(u - kMantissaLow) >> 23; }
+
 inline float log2_of_mantissa(float m) {
   const float s = (m - 1.0f) / (m + 1.0f);
   const float z = s * s;
@@ -46,7 +50,7 @@ inline float log2(float v) {
     e = -23;
   }
   const std::uint32_t u = float_bits(v);
-  const std::int32_t k = static_cast<std::int32_t>(u - kMantissaLow) >> 23;
+  const std::int32_t k = reduction_exponent(u);
   const float m = bits_float(u - (static_cast<std::uint32_t>(k) << 23));
   return log2_of_mantissa(m) + static_cast<float>(k + e);
 }

@@ -105,7 +105,7 @@ const float* log2_of_mantissa_bits() {
     std::vector<float> t(kMantissaEntries);
     for (std::uint32_t m = 0; m < kMantissaEntries; ++m) {
       const std::uint32_t u = 0x3F800000u | m << 16;  // 1.M: E = 127
-      const std::int32_t k = static_cast<std::int32_t>(u - kMantissaLow) >> 23;
+      const std::int32_t k = reduction_exponent(u);
       t[m] = log2_of_mantissa(bits_float(u - (static_cast<std::uint32_t>(k) << 23)));
     }
     return t;

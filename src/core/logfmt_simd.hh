@@ -47,6 +47,12 @@ MOE_EP_LOGFMT_INLINE typename V::F log2_of_mantissa(typename V::F m) {
   return V::mul(s, q);
 }
 
+// reduction_exponent (logfmt_math.hh) of lanes of FP32 bits u.
+template <class V>
+MOE_EP_LOGFMT_INLINE typename V::I reduction_exponent(typename V::I u) {
+  return V::template sra<23>(V::sub_int(u, V::set_int(static_cast<std::int32_t>(kMantissaLow))));
+}
+
 // log2 of non-negative lanes, with its special values (0 -> -inf, inf -> inf, NaN -> NaN).
 template <class V>
 MOE_EP_LOGFMT_INLINE typename V::F log2_full(typename V::F v) {
@@ -56,7 +62,7 @@ MOE_EP_LOGFMT_INLINE typename V::F log2_full(typename V::F v) {
   const F scaled = V::select(tiny, V::mul(v, V::set(0x1p23f)), v);
   const I e = V::select_int(tiny, V::set_int(-23), V::set_int(0));
   const I u = V::as_int(scaled);
-  const I k = V::template sra<23>(V::sub_int(u, V::set_int(static_cast<std::int32_t>(kMantissaLow))));
+  const I k = reduction_exponent<V>(u);
   const F m = V::as_float(V::sub_int(u, V::template shl<23>(k)));
   F l = V::add(log2_of_mantissa<V>(m), V::to_float(V::add_int(k, e)));
   const F inf = V::set(std::numeric_limits<float>::infinity());
@@ -145,8 +151,7 @@ struct Log2Tables {
   MOE_EP_LOGFMT_INLINE typename V::F of(typename V::I raw) const {
     using I = typename V::I;
     const I mag = V::and_int(raw, V::set_int(0x7fff));
-    const I low = V::set_int(static_cast<std::int32_t>(kMantissaLow));
-    const I k = V::template sra<23>(V::sub_int(V::template shl<16>(mag), low));
+    const I k = reduction_exponent<V>(V::template shl<16>(mag));
     const I mantissa = V::and_int(mag, V::set_int(kMantissaEntries - 1));
     const typename V::F l = V::add(mantissas.lookup(mantissa), V::to_float(k));
     // Exponent field 0 (zero, subnormal) or 255 (infinity, NaN): the full table.
