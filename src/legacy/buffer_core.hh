@@ -97,6 +97,9 @@ class BufferCore {
 
   // Start of `slot` in `rank`'s pool (a rank of this node), and its offset in any rank's pool.
   std::byte* slot_base(int rank, int slot);
+  // Where the slot's send area starts, after its header (ids_offset and weights_offset count from
+  // here; recv_offset from slot_base).
+  std::byte* slot_area(int rank, int slot) { return slot_base(rank, slot) + SlotLayout::kHeaderBytes; }
   std::int64_t slot_offset(int slot) const;
   // This rank's zero-copy combine buffer in `slot`: bfloat16 [El, slab_rows = R*N, H], rows
   // combine_row_elements apart (what get_next_low_latency_combine_buffer returns and a zero_copy

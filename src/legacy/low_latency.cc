@@ -151,7 +151,7 @@ TensorView BufferCore::combine_buffer(int slot, const SlotLayout& layout, std::i
                                       std::int64_t slab_rows, std::int64_t hidden) {
   const std::int64_t shape[] = {local_experts, slab_rows, hidden};
   const std::int64_t strides[] = {slab_rows * layout.combine_row_elements, layout.combine_row_elements, 1};
-  return TensorView(slot_base(engine.facts.rank, slot) + SlotLayout::kHeaderBytes, DType::kBF16, shape, strides);
+  return TensorView(slot_area(engine.facts.rank, slot), DType::kBF16, shape, strides);
 }
 
 BufferCore::SlotUse BufferCore::plan_slot(int max_tokens, int hidden, int num_experts, bool hook_pending) const {

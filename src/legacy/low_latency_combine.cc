@@ -290,7 +290,7 @@ void LowLatencyCombine::stage_and_publish() {
     auto& e = core_.engine;
     const SlotLayout& L = *layout_;
     const int R = ranks();
-    std::byte* area = core_.slot_base(e.facts.rank, use.slot) + SlotLayout::kHeaderBytes;
+    std::byte* area = core_.slot_area(e.facts.rank, use.slot);
     const auto* ranges = state_->layout_range.data();
     const int64_t rows = slab_rows();
     e.pool().parallel_for(shape_.local_experts, [&](int64_t i) {
@@ -336,7 +336,7 @@ void LowLatencyCombine::put_remote_rows() {
         if (args_.use_logfmt) {
           // Encoded into this row's place in the send area (rows of other nodes' tokens are never
           // read there), then sent.
-          std::byte* encoded = core_.slot_base(me, use.slot) + SlotLayout::kHeaderBytes +
+          std::byte* encoded = core_.slot_area(me, use.slot) +
                                ((i * rows + begin + c) * L.combine_row_elements) * 2;
           const int64_t bytes = core::logfmt_encode_row(row, shape_.hidden, encoded);
           remote_rows_.put(src, static_cast<size_t>(offset), encoded, static_cast<size_t>(bytes));
@@ -407,7 +407,7 @@ void LowLatencyCombine::combine_token(int64_t t) {
       rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(recv + (id * shape_.max_tokens + t) * L.combine_recv_row_bytes);
       encoded[static_cast<size_t>(n)] = logfmt;
     } else if (staged_) {
-      const std::byte* area = core_.slot_base(d, use.slot) + SlotLayout::kHeaderBytes;
+      const std::byte* area = core_.slot_area(d, use.slot);
       rows[static_cast<size_t>(n)] = reinterpret_cast<const std::uint16_t*>(area + ((local * slab_rows() + row) * L.combine_row_elements) * 2);
     } else {
       const Slab& p = peers_[static_cast<size_t>(d)];

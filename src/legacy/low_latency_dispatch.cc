@@ -382,7 +382,7 @@ void LowLatencyDispatch::stage_and_publish() {
   auto& e = core_.engine;
   const SlotLayout& L = *layout_;
   const int k = shape_.topk, H = shape_.hidden;
-  std::byte* area = core_.slot_base(e.facts.rank, use.slot) + SlotLayout::kHeaderBytes;
+  std::byte* area = core_.slot_area(e.facts.rank, use.slot);
   auto* ids = reinterpret_cast<int32_t*>(area + L.ids_offset);
   auto* weights = reinterpret_cast<float*>(area + L.weights_offset);
   const auto* topk = args_.topk_idx.data_as<const int64_t>();
@@ -428,7 +428,7 @@ void LowLatencyDispatch::put_remote_records() {
   auto& e = core_.engine;
   const SlotLayout& L = *layout_;
   const int R = ranks(), El = shape_.local_experts, k = shape_.topk, me = e.facts.rank;
-  const std::byte* area = core_.slot_base(me, use.slot) + SlotLayout::kHeaderBytes;
+  const std::byte* area = core_.slot_area(me, use.slot);
   const auto* weights = reinterpret_cast<const float*>(area + L.weights_offset);
   const auto* topk = args_.topk_idx.data_as<const int64_t>();
   const bool with_weights = args_.topk_weights.defined();
@@ -462,7 +462,7 @@ void LowLatencyDispatch::receive(bool parallel) {
   const int me = core_.engine.facts.rank, El = static_cast<int>(shape_.local_experts);
   expert_rows_.build(El, ranks(), shape_.topk, std::int64_t{me} * El, [&](int s) {
     if (apart(s, me) || !core_.engine.facts.same_node(s)) return std::pair<const int32_t*, int32_t>{nullptr, 0};
-    const std::byte* area = core_.slot_base(s, use.slot) + SlotLayout::kHeaderBytes;
+    const std::byte* area = core_.slot_area(s, use.slot);
     return std::pair{reinterpret_cast<const int32_t*>(area + layout_->ids_offset), tokens_[static_cast<size_t>(s)]};
   });
   if (parallel) {
@@ -523,7 +523,7 @@ void LowLatencyDispatch::receive_expert(int64_t i) {
       }
       continue;
     }
-    const std::byte* area = core_.slot_base(s, use.slot) + SlotLayout::kHeaderBytes;
+    const std::byte* area = core_.slot_area(s, use.slot);
     const auto* weights = reinterpret_cast<const float*>(area + L.weights_offset);
     for (const int32_t at : expert_rows_.of(i, s)) {  // token * k + its lane for expert i
       const std::byte* staged = area + static_cast<int64_t>(at / k) * L.row_bytes;
